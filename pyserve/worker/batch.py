@@ -1,0 +1,33 @@
+"""ForwardBatch: one Step, made into tensors; the contract between the worker loop and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Entries in Step order; a decode entry is a 1-token entry like any other.
+
+    Token ``t`` of entry ``i`` sits at position ``start_pos[i] + t`` of its request and its K/V
+    are written into block ``block_tables[i][pos // block_size]`` at slot ``pos % block_size``.
+    Entry ``i`` attends to its cached positions ``[0, start_pos[i])`` plus its own new tokens,
+    causally.
+    """
+
+    input_ids: torch.Tensor  # int64 [T]: all entries' new tokens, concatenated
+    positions: torch.Tensor  # int64 [T]
+    start_pos: list[int]  # per entry: tokens already in the KV cache
+    num_tokens: list[int]  # per entry: new tokens (1 for a decode)
+    block_tables: list[list[int]]  # per entry: block ids covering [0, start_pos + num_tokens)
+    sample_index: torch.Tensor  # int64 [S]: index into T of each sampling entry's last token
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.num_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
