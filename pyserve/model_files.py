@@ -11,6 +11,7 @@ in a cache directory keyed by the file's path, size and modification time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -86,7 +87,7 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(path=str(path.resolve()), kind="gguf", name=path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelFilesError(f"{path}: no config.json (expected a Hugging Face model directory)")
+            raise ModelFilesError(f"{path}: no config.json (not a Hugging Face model directory)")
         return ModelSource(path=str(path.resolve()), kind="hf", name=path.name)
     raise ModelFilesError(
         f"{model}: no such file or directory (expected a Hugging Face model directory or a "
@@ -112,10 +113,8 @@ def _hf_model_info(path: Path) -> ModelInfo:
     eos = cfg.get("eos_token_id")
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        except json.JSONDecodeError:
-            pass
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     return ModelInfo(
@@ -189,7 +188,8 @@ def _gguf_model_info(path: str) -> ModelInfo:
 
         tokens = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else 0
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = [meta[k] for k in eos_keys if k in meta]
     return ModelInfo(
         architecture=str(arch),
         vocab_size=int(vocab),  # type: ignore[arg-type]
