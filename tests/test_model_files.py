@@ -1,0 +1,89 @@
+"""Model resolution, model info and the torch-free tokenizer path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pyserve.model_files import (
+    ModelFilesError,
+    default_model_path,
+    load_tokenizer,
+    read_model_info,
+    resolve_model,
+)
+
+
+def test_default_model_is_the_bundled_smollm2_gguf():
+    source = resolve_model(None)
+    assert source.kind == "gguf"
+    assert source.path == default_model_path()
+    info = read_model_info(source)
+    assert (info.architecture, info.num_layers, info.hidden_size) == ("llama", 30, 576)
+    assert (info.num_heads, info.num_kv_heads, info.head_dim) == (9, 3, 64)
+    assert info.vocab_size == 49152
+    assert info.eos_token_ids == (2,)
+    assert info.context_length == 8192
+    assert info.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2
+
+
+def test_tokenizer_from_gguf_has_the_chat_template_and_main_stays_torch_free():
+    code = (
+        "import sys\n"
+        "from pyserve.model_files import load_tokenizer, resolve_model\n"
+        "tok = load_tokenizer(resolve_model(None))\n"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}],"
+        " add_generation_prompt=True, tokenize=True)\n"
+        "ids = ids['input_ids'] if hasattr(ids, 'keys') else ids\n"
+        "assert tok.decode(ids).endswith('<|im_start|>assistant\\n'), tok.decode(ids)\n"
+        "assert tok.eos_token_id == 2\n"
+        "assert 'torch' not in sys.modules, 'the tokenizer path imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_hf_directory_info(tmp_path):
+    cfg = {
+        "model_type": "qwen2",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 7,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    info = read_model_info(resolve_model(str(tmp_path)))
+    assert info.architecture == "qwen2"
+    assert info.head_dim == 16
+    assert info.eos_token_ids == (7, 8)
+    assert info.context_length == 4096
+
+
+def test_clear_errors_for_missing_and_wrong_files(tmp_path):
+    with pytest.raises(ModelFilesError, match="no such file or directory"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelFilesError, match=r"no config\.json"):
+        resolve_model(str(tmp_path))
+    txt = tmp_path / "weights.bin"
+    txt.write_bytes(b"x")
+    with pytest.raises(ModelFilesError, match=r"\.gguf"):
+        resolve_model(str(txt))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    with pytest.raises(ModelFilesError, match="not a readable GGUF"):
+        read_model_info(resolve_model(str(bad)))
+
+
+def test_tokenizer_cache_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYSERVE_CACHE_DIR", str(tmp_path))
+    source = resolve_model(None)
+    first = load_tokenizer(source)
+    assert list((tmp_path / "tokenizers").iterdir())
+    second = load_tokenizer(source)
+    assert first.encode("hello world") == second.encode("hello world")
