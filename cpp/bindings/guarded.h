@@ -1,0 +1,45 @@
+// Guarded<T>: how a core object is exposed to Python.
+//
+// The core is single-threaded; the bindings release the GIL in hot calls so that a scheduler
+// thread and the event loop can both call in. Every call therefore takes the object's mutex
+// after releasing the GIL (never the other way round, so no call can deadlock against the GIL).
+// Objects that share state share one mutex: `planner.cache` and `planner.allocator` lock the
+// planner's mutex, and a RadixCache built on a BlockAllocator locks the allocator's.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace pyserve_bindings {
+
+namespace py = pybind11;
+
+template <class T>
+struct Guarded {
+  std::shared_ptr<T> obj;  // may alias an owner (the planner) that it keeps alive
+  std::shared_ptr<std::mutex> mutex;
+
+  // Runs f(obj) under the mutex with the GIL released. f must not touch Python objects.
+  template <class F>
+  auto released(F&& f) {
+    py::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(*mutex);
+    return f(*obj);
+  }
+
+  // Runs f(obj) under the mutex, keeping the GIL: for calls too short to be worth a release.
+  template <class F>
+  auto held(F&& f) {
+    std::lock_guard<std::mutex> lock(*mutex);
+    return f(*obj);
+  }
+};
+
+void bind_block_allocator(py::module_& m);
+void bind_radix_cache(py::module_& m);
+void bind_planner(py::module_& m);
+
+}  // namespace pyserve_bindings

@@ -1,0 +1,208 @@
+// Python classes Planner and Step.
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "arrays.h"
+#include "errors.h"
+#include "guarded.h"
+#include "planner.h"
+
+namespace pyserve_bindings {
+
+using pyserve::BlockAllocator;
+using pyserve::Planner;
+using pyserve::PlannerConfig;
+using pyserve::RadixCache;
+using pyserve::Step;
+using PyPlanner = Guarded<Planner>;
+
+py::dict cache_stats_dict(const pyserve::CacheStats& s);  // radix_cache_py.cpp
+
+namespace {
+
+py::list step_entries(const Step& s) {
+  py::list out;
+  size_t input_at = 0;
+  size_t block_at = 0;
+  for (size_t i = 0; i < s.num_entries(); ++i) {
+    py::dict e;
+    e["rid"] = s.rids[i];
+    e["start_pos"] = s.start_pos[i];
+    e["num_tokens"] = s.num_tokens[i];
+    e["is_decode"] = static_cast<bool>(s.is_decode[i]);
+    e["sample"] = static_cast<bool>(s.sample[i]);
+    py::list inputs;
+    if (!s.is_decode[i]) {
+      for (int32_t k = 0; k < s.num_tokens[i]; ++k) inputs.append(s.input_ids[input_at++]);
+    }
+    e["input_ids"] = inputs;
+    e["block_offset"] = s.block_offsets[i];
+    py::list blocks;
+    for (int32_t k = 0; k < s.block_counts[i]; ++k) blocks.append(s.block_ids[block_at++]);
+    e["block_ids"] = blocks;
+    out.append(e);
+  }
+  return out;
+}
+
+void bind_step(py::module_& m) {
+  py::class_<Step, std::shared_ptr<Step>>(m, "Step", "One forward pass (cpp/README.md, Step).")
+      .def_readonly("step_id", &Step::step_id)
+      .def_property_readonly("num_requests", [](const Step& s) { return s.num_entries(); })
+      .def_property_readonly("rids", [](const Step& s) { return to_bytes(s.rids); })
+      .def_property_readonly("start_pos", [](const Step& s) { return to_bytes(s.start_pos); })
+      .def_property_readonly("num_tokens", [](const Step& s) { return to_bytes(s.num_tokens); })
+      .def_property_readonly("is_decode", [](const Step& s) { return to_bytes(s.is_decode); })
+      .def_property_readonly("sample", [](const Step& s) { return to_bytes(s.sample); })
+      .def_property_readonly("input_ids", [](const Step& s) { return to_bytes(s.input_ids); })
+      .def_property_readonly("block_offsets",
+                             [](const Step& s) { return to_bytes(s.block_offsets); })
+      .def_property_readonly("block_counts", [](const Step& s) { return to_bytes(s.block_counts); })
+      .def_property_readonly("block_ids", [](const Step& s) { return to_bytes(s.block_ids); })
+      .def_property_readonly("dropped", [](const Step& s) { return to_bytes(s.dropped); })
+      .def_property_readonly("retracted", [](const Step& s) { return to_bytes(s.retracted); })
+      .def_readonly("num_prefill_tokens", &Step::num_prefill_tokens)
+      .def_readonly("num_decode_tokens", &Step::num_decode_tokens)
+      .def("entries", &step_entries, "one dict an entry, for tests and debugging")
+      .def("__repr__", [](const Step& s) {
+        return "<Step " + std::to_string(s.step_id) + ": " + std::to_string(s.num_entries()) +
+               " entries, " + std::to_string(s.num_prefill_tokens) + " prefill + " +
+               std::to_string(s.num_decode_tokens) + " decode tokens, " +
+               std::to_string(s.dropped.size()) + " dropped, " +
+               std::to_string(s.retracted.size()) + " retracted>";
+      });
+}
+
+py::dict request_dict(const pyserve::RequestInfo& r) {
+  py::dict d;
+  d["state"] = r.state;
+  d["prompt_len"] = r.prompt_len;
+  d["output_len"] = r.output_len;
+  d["num_computed"] = r.num_computed;
+  d["num_scheduled"] = r.num_scheduled;
+  d["cached_tokens"] = r.cached_tokens;
+  d["max_new_tokens"] = r.max_new_tokens;
+  d["planned_samples"] = r.planned_samples;
+  d["num_blocks"] = r.num_blocks;
+  d["inflight_steps"] = r.inflight_steps;
+  d["output"] = to_list(r.output);
+  return d;
+}
+
+py::dict stats_dict(const pyserve::PlannerStats& s) {
+  py::dict d = cache_stats_dict(s.cache);
+  d["num_waiting"] = s.num_waiting;
+  d["num_running"] = s.num_running;
+  d["num_free_blocks"] = s.num_free_blocks;
+  d["num_inflight_steps"] = s.num_inflight_steps;
+  d["num_requests"] = s.num_requests;
+  d["retractions"] = s.retractions;
+  d["steps_planned"] = s.steps_planned;
+  d["reserve_ratio"] = s.reserve_ratio;
+  return d;
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  bind_step(m);
+  py::class_<PyPlanner>(m, "Planner", "The scheduler: queues, admission, Steps (cpp/README.md).")
+      .def(py::init([](int64_t num_blocks, int64_t block_size, int64_t max_running_requests,
+                       int64_t max_prefill_tokens, int64_t chunked_prefill_size,
+                       const std::string& policy, bool enable_radix_cache, int64_t vocab_size,
+                       double init_reserve_ratio, double min_reserve_ratio,
+                       double reserve_decay) {
+             PlannerConfig c;
+             c.num_blocks = num_blocks;
+             c.block_size = block_size;
+             c.max_running_requests = max_running_requests;
+             c.max_prefill_tokens = max_prefill_tokens;
+             c.chunked_prefill_size = chunked_prefill_size;
+             c.policy = policy;
+             c.enable_radix_cache = enable_radix_cache;
+             c.vocab_size = vocab_size;
+             c.init_reserve_ratio = init_reserve_ratio;
+             c.min_reserve_ratio = min_reserve_ratio;
+             c.reserve_decay = reserve_decay;
+             return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
+           }),
+           py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
+           py::arg("max_running_requests") = 256, py::arg("max_prefill_tokens") = 8192,
+           py::arg("chunked_prefill_size") = 2048, py::arg("policy") = "fcfs",
+           py::arg("enable_radix_cache") = true, py::arg("vocab_size") = 2147483647,
+           py::arg("init_reserve_ratio") = 0.7, py::arg("min_reserve_ratio") = 0.1,
+           py::arg("reserve_decay") = 0.001)
+      .def_property_readonly("cache",
+                             [](PyPlanner& p) {
+                               return Guarded<RadixCache>{
+                                   std::shared_ptr<RadixCache>(p.obj, &p.obj->cache()), p.mutex};
+                             })
+      .def_property_readonly("allocator",
+                             [](PyPlanner& p) {
+                               return Guarded<BlockAllocator>{
+                                   std::shared_ptr<BlockAllocator>(p.obj, &p.obj->allocator()),
+                                   p.mutex};
+                             })
+      .def_property_readonly("block_size",
+                             [](PyPlanner& p) { return p.obj->config().block_size; })
+      .def_property_readonly("num_blocks",
+                             [](PyPlanner& p) { return p.obj->config().num_blocks; })
+      .def(
+          "add_request",
+          [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens) {
+            auto tokens = to_int32s(prompt, "prompt");
+            p.released([&](Planner& x) { x.add_request(rid, std::move(tokens), max_new_tokens); });
+          },
+          py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"))
+      .def(
+          "plan",
+          [](PyPlanner& p) -> std::shared_ptr<Step> {
+            auto step = p.released([](Planner& x) { return x.plan(); });
+            if (!step) return nullptr;
+            return std::make_shared<Step>(std::move(*step));
+          },
+          "the next Step, or None when there is nothing to compute and nothing to drop")
+      .def(
+          "report",
+          [](PyPlanner& p, int64_t step_id, py::handle rids, py::handle tokens) {
+            auto r = to_int64s(rids, "rids");
+            auto t = to_int32s(tokens, "tokens");
+            p.released([&](Planner& x) { x.report(step_id, r.data(), r.size(), t.data(), t.size()); });
+          },
+          py::arg("step_id"), py::arg("rids"), py::arg("tokens"))
+      .def(
+          "finish", [](PyPlanner& p, int64_t rid) { p.held([rid](Planner& x) { x.finish(rid); }); },
+          py::arg("rid"))
+      .def(
+          "abort",
+          [](PyPlanner& p, int64_t rid) { return p.held([rid](Planner& x) { return x.abort(rid); }); },
+          py::arg("rid"))
+      .def("flush_cache",
+           [](PyPlanner& p) { return p.released([](Planner& x) { return x.flush_cache(); }); })
+      .def_property_readonly(
+          "num_waiting", [](PyPlanner& p) { return p.held([](auto& x) { return x.num_waiting(); }); })
+      .def_property_readonly(
+          "num_running", [](PyPlanner& p) { return p.held([](auto& x) { return x.num_running(); }); })
+      .def_property_readonly(
+          "num_free_blocks",
+          [](PyPlanner& p) { return p.held([](auto& x) { return x.num_free_blocks(); }); })
+      .def_property_readonly(
+          "num_inflight_steps",
+          [](PyPlanner& p) { return p.held([](auto& x) { return x.num_inflight_steps(); }); })
+      .def("stats", [](PyPlanner& p) { return stats_dict(p.held([](auto& x) { return x.stats(); })); })
+      .def(
+          "request",
+          [](PyPlanner& p, int64_t rid) {
+            return request_dict(p.held([rid](Planner& x) { return x.request(rid); }));
+          },
+          py::arg("rid"))
+      .def("block_states",
+           [](PyPlanner& p) { return to_bytes(p.held([](auto& x) { return x.block_states(); })); })
+      .def("refcounts",
+           [](PyPlanner& p) { return to_bytes(p.held([](auto& x) { return x.refcounts(); })); })
+      .def("check_invariants",
+           [](PyPlanner& p) { p.released([](Planner& x) { x.check_invariants(); }); });
+}
+
+}  // namespace pyserve_bindings

@@ -1,0 +1,520 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "errors.h"
+
+namespace pyserve {
+
+namespace {
+
+// How many waiting requests lpm sorts by prefix match; the rest follow in arrival order, so a
+// long queue costs a bounded number of tree walks per plan.
+constexpr size_t kLpmWindow = 256;
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw ValueError(message);
+}
+
+Policy parse_policy(const std::string& policy) {
+  if (policy == "fcfs") return Policy::kFcfs;
+  if (policy == "lpm") return Policy::kLpm;
+  throw ValueError("policy must be \"fcfs\" or \"lpm\", got \"" + policy + "\"");
+}
+
+const PlannerConfig& validated(const PlannerConfig& c) {
+  require(c.block_size >= 1, "block_size must be >= 1, got " + std::to_string(c.block_size));
+  require(c.max_running_requests >= 1,
+          "max_running_requests must be >= 1, got " + std::to_string(c.max_running_requests));
+  require(c.max_prefill_tokens >= 1,
+          "max_prefill_tokens must be >= 1, got " + std::to_string(c.max_prefill_tokens));
+  require(c.chunked_prefill_size >= 1,
+          "chunked_prefill_size must be >= 1, got " + std::to_string(c.chunked_prefill_size));
+  require(c.vocab_size >= 1 && c.vocab_size <= 2147483647,
+          "vocab_size must be in [1, 2**31-1], got " + std::to_string(c.vocab_size));
+  require(c.min_reserve_ratio >= 0.0 && c.min_reserve_ratio <= c.init_reserve_ratio &&
+              c.init_reserve_ratio <= 1.0,
+          "reserve ratios must satisfy 0 <= min_reserve_ratio <= init_reserve_ratio <= 1, got " +
+              std::to_string(c.min_reserve_ratio) + " and " + std::to_string(c.init_reserve_ratio));
+  require(c.reserve_decay >= 0.0,
+          "reserve_decay must be >= 0, got " + std::to_string(c.reserve_decay));
+  return c;
+}
+
+}  // namespace
+
+const char* state_name(RequestState state) {
+  switch (state) {
+    case RequestState::kWaiting: return "waiting";
+    case RequestState::kRunning: return "running";
+    case RequestState::kRetracted: return "retracted";
+    case RequestState::kDone: return "done";
+  }
+  return "?";
+}
+
+Planner::Planner(const PlannerConfig& config)
+    : config_(validated(config)),
+      policy_(parse_policy(config.policy)),
+      block_size_(config.block_size),
+      allocator_(config.num_blocks),
+      cache_(config.block_size, allocator_),
+      reserve_ratio_(config.init_reserve_ratio) {}
+
+Request* Planner::find(int64_t rid) const {
+  auto it = requests_.find(rid);
+  return it == requests_.end() ? nullptr : it->second.get();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests in and out
+
+void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens) {
+  if (find(rid)) throw ValueError("request " + std::to_string(rid) + " already exists");
+  require(!prompt.empty(), "request " + std::to_string(rid) + ": the prompt is empty");
+  require(max_new_tokens >= 1, "request " + std::to_string(rid) +
+                                   ": max_new_tokens must be >= 1, got " +
+                                   std::to_string(max_new_tokens));
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= config_.vocab_size) {
+      throw ValueError("request " + std::to_string(rid) + ": prompt[" + std::to_string(i) +
+                       "] = " + std::to_string(prompt[i]) + " is out of range [0, " +
+                       std::to_string(config_.vocab_size) + ")");
+    }
+  }
+  const int64_t capacity = static_cast<int64_t>(allocator_.num_blocks()) * block_size_;
+  const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
+  if (max_new_tokens > capacity || total > capacity || total > 2147483647) {
+    throw ValueError("request " + std::to_string(rid) + ": " + std::to_string(prompt.size()) +
+                     " prompt tokens + " + std::to_string(max_new_tokens) +
+                     " new tokens exceed the " + std::to_string(capacity) +
+                     " tokens the KV pool can hold");
+  }
+  auto owned = std::make_unique<Request>();
+  Request& r = *owned;
+  r.rid = rid;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = max_new_tokens;
+  r.state = RequestState::kWaiting;
+  waiting_.push_back(&r);
+  r.queue_pos = std::prev(waiting_.end());
+  requests_.emplace(rid, std::move(owned));
+}
+
+void Planner::finish(int64_t rid) {
+  Request* r = find(rid);
+  if (!r || r->state == RequestState::kDone) {
+    throw KeyError("finish: request " + std::to_string(rid) +
+                   (r ? " is already finished or aborted" : " is unknown"));
+  }
+  end_request(*r);
+}
+
+bool Planner::abort(int64_t rid) {
+  Request* r = find(rid);
+  if (!r || r->state == RequestState::kDone) return false;
+  end_request(*r);
+  return true;
+}
+
+void Planner::end_request(Request& r) {
+  if (r.state == RequestState::kRunning) {
+    release_blocks(r);
+    remove_running(r);
+  } else {
+    waiting_.erase(r.queue_pos);
+  }
+  r.state = RequestState::kDone;
+  dropped_.push_back(r.rid);
+  if (r.inflight_steps == 0) requests_.erase(r.rid);
+}
+
+int64_t Planner::flush_cache() { return cache_.reset(); }
+
+// ---------------------------------------------------------------------------------------------
+// Blocks
+
+int64_t Planner::available_blocks() const {
+  return allocator_.num_free() + (config_.enable_radix_cache ? cache_.evictable_blocks() : 0);
+}
+
+bool Planner::allocate_blocks(int64_t n, std::vector<BlockId>& table) {
+  if (n <= 0) return true;
+  if (allocator_.num_free() < n && config_.enable_radix_cache) {
+    cache_.evict(n - allocator_.num_free());
+  }
+  if (allocator_.num_free() < n) return false;
+  allocator_.allocate(n, table);
+  return true;
+}
+
+// Blocks r may still need: the rest of its prefill, plus reserve_ratio of its remaining samples.
+int64_t Planner::future_blocks(const Request& r) const {
+  const int64_t remaining_samples = std::max<int64_t>(0, r.max_new_tokens - r.planned_samples);
+  const int64_t reserved =
+      static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
+  const int64_t final_len = std::max(r.prefill_target, r.num_scheduled) + reserved;
+  return std::max<int64_t>(0, blocks_for(final_len) - static_cast<int64_t>(r.table.size()));
+}
+
+void Planner::release_blocks(Request& r) {
+  allocator_.decref(r.table.data(), r.table.size());
+  if (config_.enable_radix_cache) cache_.unlock(r.node);
+  r.table.clear();
+  r.node = kRootNode;
+  r.tree_len = 0;
+  r.num_scheduled = 0;
+  r.num_computed = 0;
+  r.prefill_target = 0;
+}
+
+void Planner::remove_running(Request& r) {
+  running_.erase(std::find(running_.begin(), running_.end(), &r));
+}
+
+// Offers r's newly computed whole blocks to the cache and moves r's lock to the new deepest
+// node. Blocks the tree already had stay in r's table as r's own (duplicates, freed at the end).
+void Planner::cache_computed_blocks(Request& r) {
+  const int64_t full = r.num_computed / block_size_ * block_size_;
+  if (full <= r.tree_len) return;
+  scratch_tokens_.resize(static_cast<size_t>(full - r.tree_len));
+  for (int64_t pos = r.tree_len; pos < full; ++pos) {
+    scratch_tokens_[static_cast<size_t>(pos - r.tree_len)] = r.token_at(pos);
+  }
+  const size_t first = static_cast<size_t>(r.tree_len / block_size_);
+  const InsertResult result = cache_.insert_from(r.node, scratch_tokens_.data(),
+                                                 scratch_tokens_.size(), r.table.data() + first,
+                                                 r.table.size() - first);
+  cache_.lock(result.node);
+  cache_.unlock(r.node);
+  r.node = result.node;
+  r.tree_len = full;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning
+
+std::optional<Step> Planner::plan() {
+  Step step;
+  step.step_id = next_step_id_;
+  InflightStep record{next_step_id_, {}};
+  record.entries.reserve(running_.size() + 8);
+  retracted_this_plan_ = false;
+
+  int64_t prefill_budget = config_.max_prefill_tokens;
+  plan_decodes(step, record);
+  plan_prefill_chunks(step, record, prefill_budget);
+  admit_waiting(step, record, prefill_budget);
+
+  step.dropped.swap(dropped_);
+  dropped_.clear();
+  if (step.num_entries() == 0 && step.dropped.empty() && step.retracted.empty()) return {};
+  ++next_step_id_;
+  inflight_.push_back(std::move(record));
+  if (!retracted_this_plan_) {
+    reserve_ratio_ = std::max(config_.min_reserve_ratio, reserve_ratio_ - config_.reserve_decay);
+  }
+  return step;
+}
+
+void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens,
+                        bool decode, size_t old_table_len) {
+  const int64_t start = r.num_scheduled;
+  const bool sample = decode || start + num_tokens == r.prefill_target;
+  step.rids.push_back(r.rid);
+  step.start_pos.push_back(static_cast<int32_t>(start));
+  step.num_tokens.push_back(static_cast<int32_t>(num_tokens));
+  step.is_decode.push_back(decode ? 1 : 0);
+  step.sample.push_back(sample ? 1 : 0);
+  step.block_offsets.push_back(static_cast<int32_t>(old_table_len));
+  step.block_counts.push_back(static_cast<int32_t>(r.table.size() - old_table_len));
+  step.block_ids.insert(step.block_ids.end(), r.table.begin() + static_cast<int64_t>(old_table_len),
+                        r.table.end());
+  if (decode) {
+    step.num_decode_tokens += 1;
+  } else {
+    for (int64_t pos = start; pos < start + num_tokens; ++pos) step.input_ids.push_back(r.token_at(pos));
+    step.num_prefill_tokens += num_tokens;
+  }
+  record.entries.push_back(InflightEntry{&r, start + num_tokens, sample});
+  r.num_scheduled += num_tokens;
+  if (sample) ++r.planned_samples;
+  ++r.inflight_steps;
+}
+
+// One decode token for every running request whose prefill is fully scheduled. Oldest first, so
+// that when blocks run out the victims (newest first) have no entry in this step yet.
+void Planner::plan_decodes(Step& step, InflightStep& record) {
+  for (size_t i = 0; i < running_.size();) {
+    Request& r = *running_[i];
+    if (r.num_scheduled < r.prefill_target || r.planned_samples >= r.max_new_tokens) {
+      ++i;
+      continue;
+    }
+    const size_t old_len = r.table.size();
+    if (r.num_scheduled / block_size_ >= static_cast<int64_t>(old_len)) {
+      while (!allocate_blocks(1, r.table)) {
+        Request* victim = newest_retractable();
+        retract(*victim, step);
+        if (victim == &r) break;
+      }
+      if (r.state != RequestState::kRunning) continue;  // retracted: index i is the next one
+    }
+    add_entry(step, record, r, 1, /*decode=*/true, old_len);
+    ++i;
+  }
+}
+
+// The next chunk of every request admitted earlier whose prefill is not fully scheduled.
+void Planner::plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget) {
+  for (Request* rp : running_) {
+    Request& r = *rp;
+    if (r.num_scheduled >= r.prefill_target) continue;
+    if (prefill_budget <= 0) break;
+    int64_t chunk = std::min({r.prefill_target - r.num_scheduled, config_.chunked_prefill_size,
+                              prefill_budget});
+    // Never wait for blocks that decodes may hold for long: compute what fits now.
+    const int64_t fits =
+        (static_cast<int64_t>(r.table.size()) + available_blocks()) * block_size_ - r.num_scheduled;
+    chunk = std::min(chunk, fits);
+    if (chunk <= 0) continue;
+    const size_t old_len = r.table.size();
+    allocate_blocks(blocks_for(r.num_scheduled + chunk) - static_cast<int64_t>(old_len), r.table);
+    add_entry(step, record, r, chunk, /*decode=*/false, old_len);
+    prefill_budget -= chunk;
+  }
+}
+
+const std::vector<int32_t>& Planner::sequence(const Request& r) {
+  if (r.output.empty()) return r.prompt;
+  scratch_tokens_.assign(r.prompt.begin(), r.prompt.end());
+  scratch_tokens_.insert(scratch_tokens_.end(), r.output.begin(), r.output.end());
+  return scratch_tokens_;
+}
+
+std::vector<Request*> Planner::admission_order() {
+  std::vector<Request*> order(waiting_.begin(), waiting_.end());
+  if (policy_ != Policy::kLpm || !config_.enable_radix_cache || order.size() < 2) return order;
+  const size_t window = std::min(order.size(), kLpmWindow);
+  std::vector<std::pair<int64_t, Request*>> keyed;
+  keyed.reserve(window);
+  for (size_t i = 0; i < window; ++i) {
+    const std::vector<int32_t>& seq = sequence(*order[i]);
+    keyed.emplace_back(cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks, order[i]);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = 0; i < window; ++i) order[i] = keyed[i].second;
+  return order;
+}
+
+// Admits waiting requests in policy order while every budget holds. Stops at the first request
+// that does not fit (head-of-line), which keeps fcfs free of starvation.
+void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget) {
+  if (waiting_.empty() || prefill_budget <= 0 ||
+      static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
+    return;
+  }
+  int64_t reserved = 0;
+  for (const Request* r : running_) reserved += future_blocks(*r);
+
+  for (Request* cp : admission_order()) {
+    if (prefill_budget <= 0 ||
+        static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
+      break;
+    }
+    Request& c = *cp;
+    if (c.inflight_steps > 0) continue;  // retracted, an earlier step still names it
+    if (static_cast<int64_t>(c.output.size()) >= c.max_new_tokens) continue;  // awaits finish
+    const std::vector<int32_t>& seq = sequence(c);
+    const int64_t target = static_cast<int64_t>(seq.size());
+    // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
+    // prompt recomputes its last block rather than writing into a cached one.
+    PrefixPeek peek;
+    if (config_.enable_radix_cache) peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
+    const int64_t matched = peek.num_blocks * block_size_;
+    const int64_t chunk =
+        std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
+    const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
+    const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
+    const int64_t reserve_tokens =
+        static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
+    const int64_t blocks_later =
+        std::max<int64_t>(0, blocks_for(target + reserve_tokens) - blocks_for(matched + chunk));
+    const int64_t available = available_blocks() - peek.unlocked_blocks;
+    if (available < reserved + blocks_now + blocks_later) break;
+
+    waiting_.erase(c.queue_pos);
+    if (config_.enable_radix_cache) {
+      PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
+      cache_.lock(match.node);
+      allocator_.incref(match.blocks.data(), match.blocks.size());
+      c.table = std::move(match.blocks);
+      c.node = match.node;
+      c.tree_len = match.num_tokens;
+    }
+    allocate_blocks(blocks_now, c.table);
+    c.state = RequestState::kRunning;
+    c.prefill_target = target;
+    c.num_scheduled = matched;
+    c.num_computed = matched;
+    c.planned_samples = static_cast<int64_t>(c.output.size());
+    if (!c.ever_admitted) c.cached_tokens = matched;
+    c.ever_admitted = true;
+    running_.push_back(&c);
+    add_entry(step, record, c, chunk, /*decode=*/false, 0);
+    prefill_budget -= chunk;
+    reserved += blocks_later;
+  }
+}
+
+Request* Planner::newest_retractable() const {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    if ((*it)->planned_samples < (*it)->max_new_tokens) return *it;
+  }
+  return nullptr;  // unreachable: the request asking for a block is retractable
+}
+
+void Planner::retract(Request& r, Step& step) {
+  release_blocks(r);
+  remove_running(r);
+  r.state = RequestState::kRetracted;
+  waiting_.push_front(&r);
+  r.queue_pos = waiting_.begin();
+  step.retracted.push_back(r.rid);
+  ++retractions_;
+  reserve_ratio_ = config_.init_reserve_ratio;
+  retracted_this_plan_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reports
+
+void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, const int32_t* tokens,
+                     size_t num_tokens) {
+  if (inflight_.empty()) {
+    throw ProtocolError("report for step " + std::to_string(step_id) +
+                        ", but no step is awaiting a report");
+  }
+  InflightStep& s = inflight_.front();
+  if (step_id != s.step_id) {
+    throw ProtocolError("report for step " + std::to_string(step_id) +
+                        ", but the oldest unreported step is " + std::to_string(s.step_id) +
+                        " (steps are reported in the order planned)");
+  }
+  if (num_rids != num_tokens) {
+    throw ValueError("report for step " + std::to_string(step_id) + ": " +
+                     std::to_string(num_rids) + " rids but " + std::to_string(num_tokens) +
+                     " tokens");
+  }
+  for (size_t i = 0; i < num_tokens; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
+      throw ValueError("report for step " + std::to_string(step_id) + ": tokens[" +
+                       std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                       " is out of range [0, " + std::to_string(config_.vocab_size) + ")");
+    }
+  }
+  // Match the rids to the step's sampling entries: a merge when they come in step order (the
+  // worker's order), a lookup otherwise.
+  scratch_targets_.assign(num_rids, nullptr);
+  size_t e = 0;
+  bool in_order = true;
+  for (size_t i = 0; i < num_rids && in_order; ++i) {
+    while (e < s.entries.size() && !(s.entries[e].sample && s.entries[e].request->rid == rids[i])) {
+      ++e;
+    }
+    if (e == s.entries.size()) {
+      in_order = false;
+    } else {
+      scratch_targets_[i] = s.entries[e++].request;
+    }
+  }
+  if (!in_order) {
+    std::unordered_map<int64_t, Request*> sampling;
+    for (const InflightEntry& entry : s.entries) {
+      if (entry.sample) sampling.emplace(entry.request->rid, entry.request);
+    }
+    for (size_t i = 0; i < num_rids; ++i) {
+      auto it = sampling.find(rids[i]);
+      if (it == sampling.end()) {
+        throw ProtocolError("report for step " + std::to_string(step_id) + " names request " +
+                            std::to_string(rids[i]) +
+                            ", which did not sample in that step (or is named twice)");
+      }
+      scratch_targets_[i] = it->second;
+      sampling.erase(it);
+    }
+  }
+
+  for (const InflightEntry& entry : s.entries) {
+    Request& r = *entry.request;
+    --r.inflight_steps;
+    if (r.state == RequestState::kRunning) r.num_computed = std::max(r.num_computed, entry.end);
+  }
+  for (size_t i = 0; i < num_rids; ++i) {
+    Request& r = *scratch_targets_[i];
+    if (r.state != RequestState::kDone) r.output.push_back(tokens[i]);
+  }
+  for (const InflightEntry& entry : s.entries) {
+    Request& r = *entry.request;
+    if (r.state == RequestState::kRunning && config_.enable_radix_cache) cache_computed_blocks(r);
+  }
+  for (const InflightEntry& entry : s.entries) {
+    Request& r = *entry.request;
+    if (r.state == RequestState::kDone && r.inflight_steps == 0) requests_.erase(r.rid);
+  }
+  inflight_.pop_front();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Introspection
+
+PlannerStats Planner::stats() const {
+  PlannerStats s;
+  s.num_waiting = num_waiting();
+  s.num_running = num_running();
+  s.num_free_blocks = num_free_blocks();
+  s.num_inflight_steps = num_inflight_steps();
+  s.num_requests = static_cast<int64_t>(requests_.size());
+  s.retractions = retractions_;
+  s.steps_planned = next_step_id_;
+  s.reserve_ratio = reserve_ratio_;
+  s.cache = cache_.stats();
+  return s;
+}
+
+RequestInfo Planner::request(int64_t rid) const {
+  const Request* r = find(rid);
+  if (!r) throw KeyError("request " + std::to_string(rid) + " is unknown");
+  RequestInfo info;
+  info.state = state_name(r->state);
+  info.prompt_len = static_cast<int64_t>(r->prompt.size());
+  info.output_len = static_cast<int64_t>(r->output.size());
+  info.num_computed = r->num_computed;
+  info.num_scheduled = r->num_scheduled;
+  info.cached_tokens = r->cached_tokens;
+  info.max_new_tokens = r->max_new_tokens;
+  info.planned_samples = r->planned_samples;
+  info.num_blocks = static_cast<int64_t>(r->table.size());
+  info.inflight_steps = r->inflight_steps;
+  info.output = r->output;
+  return info;
+}
+
+std::vector<uint8_t> Planner::block_states() const {
+  std::vector<uint8_t> states(static_cast<size_t>(allocator_.num_blocks()), 0);
+  for (size_t b = 0; b < states.size(); ++b) {
+    const BlockId id = static_cast<BlockId>(b);
+    if (cache_.in_tree(id)) {
+      states[b] = 2;
+    } else if (allocator_.refcounts()[b] > 0) {
+      states[b] = 1;
+    }
+  }
+  return states;
+}
+
+}  // namespace pyserve

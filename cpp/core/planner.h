@@ -1,0 +1,170 @@
+// Planner: the scheduler. It owns the block pool and the radix cache, keeps the waiting queue
+// and the running set, and turns them into numbered Steps.
+//
+// Life of a request: add_request -> waiting -> admitted (prefix matched and locked, prefill in
+// one or more chunks) -> running (one decode token a step) -> finish/abort. When a decode needs
+// a block and none can be freed, the most recently admitted running request is retracted: its
+// blocks are freed and it is requeued at the front, to be recomputed (prompt + the output it
+// already has) once every step that names it has been reported.
+//
+// Overlap: plan() may run ahead of report(). Positions planned but not reported are
+// "scheduled"; only reported ("computed") whole blocks enter the cache, so no unreported step
+// ever writes into a cached block. A request that ends while named by an unreported step frees
+// its blocks at once: the worker runs steps in order, so a block reused by a later step is
+// written only after the earlier step is done.
+//
+// Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
+// for every running request whose table holds it; the tree blocks in a running request's table
+// lie on the path to the node it locks; each running request holds exactly one lock.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "block_allocator.h"
+#include "radix_cache.h"
+#include "request.h"
+#include "step.h"
+
+namespace pyserve {
+
+enum class Policy { kFcfs, kLpm };
+
+struct PlannerConfig {
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t max_running_requests = 256;
+  int64_t max_prefill_tokens = 8192;
+  int64_t chunked_prefill_size = 2048;
+  std::string policy = "fcfs";  // or "lpm"
+  bool enable_radix_cache = true;
+  int64_t vocab_size = 2147483647;  // token ids must be in [0, vocab_size)
+  double init_reserve_ratio = 0.7;
+  double min_reserve_ratio = 0.1;
+  double reserve_decay = 0.001;
+};
+
+struct RequestInfo {
+  const char* state = "";
+  int64_t prompt_len = 0;
+  int64_t output_len = 0;
+  int64_t num_computed = 0;
+  int64_t num_scheduled = 0;
+  int64_t cached_tokens = 0;
+  int64_t max_new_tokens = 0;
+  int64_t planned_samples = 0;
+  int64_t num_blocks = 0;
+  int32_t inflight_steps = 0;
+  std::vector<int32_t> output;
+};
+
+struct PlannerStats {
+  int64_t num_waiting = 0;
+  int64_t num_running = 0;
+  int64_t num_free_blocks = 0;
+  int64_t num_inflight_steps = 0;
+  int64_t num_requests = 0;  // known: waiting, running, retracted, or done but still in flight
+  int64_t retractions = 0;
+  int64_t steps_planned = 0;
+  double reserve_ratio = 0.0;
+  CacheStats cache;
+};
+
+class Planner {
+ public:
+  explicit Planner(const PlannerConfig& config);
+  Planner(const Planner&) = delete;
+  Planner& operator=(const Planner&) = delete;
+
+  // ValueError: duplicate rid, empty prompt, token out of range, max_new_tokens < 1, or more
+  // tokens than the pool can ever hold.
+  void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens);
+
+  // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
+  std::optional<Step> plan();
+
+  // Step step_id is done (the oldest unreported one: steps are reported in the order planned).
+  // rids[i] sampled tokens[i]; rids must be entries of that step that sample. ProtocolError for
+  // a wrong step or rid, ValueError for mismatched lengths or a token out of range; nothing
+  // changes when it throws.
+  void report(int64_t step_id, const int64_t* rids, size_t num_rids, const int32_t* tokens,
+              size_t num_tokens);
+
+  void finish(int64_t rid);  // KeyError if unknown or already finished/aborted
+  bool abort(int64_t rid);   // false if unknown or already finished/aborted
+  int64_t flush_cache();     // drops every unlocked cache node; returns blocks released
+
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_free_blocks() const { return allocator_.num_free(); }
+  int64_t num_inflight_steps() const { return static_cast<int64_t>(inflight_.size()); }
+  PlannerStats stats() const;
+  RequestInfo request(int64_t rid) const;  // KeyError if unknown
+
+  std::vector<uint8_t> block_states() const;  // 0 free, 1 running requests only, 2 in the tree
+  const std::vector<int32_t>& refcounts() const { return allocator_.refcounts(); }
+  void check_invariants() const;  // InvariantError naming the first broken invariant
+
+  const PlannerConfig& config() const { return config_; }
+  BlockAllocator& allocator() { return allocator_; }
+  RadixCache& cache() { return cache_; }
+
+ private:
+  struct InflightEntry {
+    Request* request;  // stays valid: a request is erased only when no unreported step names it
+    int64_t end;       // the entry computes positions up to here
+    bool sample;
+  };
+  struct InflightStep {
+    int64_t step_id;
+    std::vector<InflightEntry> entries;
+  };
+
+  Request* find(int64_t rid) const;
+  const std::vector<int32_t>& sequence(const Request& r);
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_size_ - 1) / block_size_; }
+  int64_t available_blocks() const;
+  int64_t future_blocks(const Request& r) const;
+  bool allocate_blocks(int64_t n, std::vector<BlockId>& table);
+
+  void plan_decodes(Step& step, InflightStep& record);
+  void plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget);
+  void admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget);
+  std::vector<Request*> admission_order();
+  void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
+                 size_t old_table_len);
+
+  Request* newest_retractable() const;
+  void retract(Request& r, Step& step);
+  void release_blocks(Request& r);
+  void remove_running(Request& r);
+  void end_request(Request& r);
+  void cache_computed_blocks(Request& r);
+
+  PlannerConfig config_;
+  Policy policy_;
+  int64_t block_size_;
+  BlockAllocator allocator_;
+  RadixCache cache_;
+
+  std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
+  std::list<Request*> waiting_;     // front is admitted first (retracted requests go there)
+  std::vector<Request*> running_;   // in admission order; the back is the newest
+  std::deque<InflightStep> inflight_;
+  std::vector<int64_t> dropped_;    // ended since the last step
+
+  int64_t next_step_id_ = 0;
+  int64_t retractions_ = 0;
+  double reserve_ratio_;
+  bool retracted_this_plan_ = false;
+  std::vector<int32_t> scratch_tokens_;
+  std::vector<Request*> scratch_targets_;
+};
+
+}  // namespace pyserve

@@ -1,0 +1,132 @@
+// Planner::check_invariants: the exact ownership and bookkeeping rules, checked in tests after
+// every operation. O(blocks + nodes + total table length): never called on the hot path.
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "errors.h"
+#include "planner.h"
+
+namespace pyserve {
+
+void Planner::check_invariants() const {
+  auto fail = [](const std::string& msg) { throw InvariantError("planner: " + msg); };
+  allocator_.check_invariants();
+  cache_.check_invariants();
+
+  const size_t num_blocks = static_cast<size_t>(allocator_.num_blocks());
+  const bool radix = config_.enable_radix_cache;
+
+  // Request states and queues.
+  size_t waiting = 0;
+  size_t running = 0;
+  for (const auto& [rid, owned] : requests_) {
+    const Request& r = *owned;
+    const std::string name = "request " + std::to_string(rid);
+    if (r.rid != rid) fail(name + " is filed under the wrong id");
+    if (r.inflight_steps < 0) fail(name + " has a negative in-flight count");
+    switch (r.state) {
+      case RequestState::kWaiting:
+      case RequestState::kRetracted:
+        ++waiting;
+        if (*r.queue_pos != &r) fail(name + " has a stale queue position");
+        break;
+      case RequestState::kRunning: ++running; break;
+      case RequestState::kDone:
+        if (r.inflight_steps == 0) fail(name + " is done and in no step but still kept");
+        break;
+    }
+    if (r.state != RequestState::kRunning && !r.table.empty()) {
+      fail(name + " holds blocks while " + state_name(r.state));
+    }
+    if (r.planned_samples > r.max_new_tokens) fail(name + " planned more samples than allowed");
+    if (static_cast<int64_t>(r.output.size()) > r.max_new_tokens) {
+      fail(name + " has more output than max_new_tokens");
+    }
+  }
+  if (waiting != waiting_.size()) fail("the waiting queue and the request states disagree");
+  if (running != running_.size()) fail("the running set and the request states disagree");
+  if (static_cast<int64_t>(running_.size()) > config_.max_running_requests) {
+    fail("more running requests than max_running_requests");
+  }
+  for (const Request* r : running_) {
+    if (r->state != RequestState::kRunning) fail("a non-running request is in the running set");
+  }
+
+  // In-flight counts.
+  std::unordered_map<const Request*, int32_t> named;
+  for (const InflightStep& s : inflight_) {
+    for (const InflightEntry& e : s.entries) ++named[e.request];
+  }
+  for (const auto& [rid, owned] : requests_) {
+    auto it = named.find(owned.get());
+    if ((it == named.end() ? 0 : it->second) != owned->inflight_steps) {
+      fail("request " + std::to_string(rid) + " miscounts the unreported steps naming it");
+    }
+  }
+
+  // Refcounts: one for the tree plus one per running table that holds the block.
+  std::vector<int64_t> expected(num_blocks, 0);
+  for (size_t b = 0; b < num_blocks; ++b) expected[b] = cache_.in_tree(static_cast<BlockId>(b));
+  std::vector<int32_t> direct_locks(static_cast<size_t>(cache_.node_id_limit()), 0);
+  for (const Request* rp : running_) {
+    const Request& r = *rp;
+    const std::string name = "request " + std::to_string(r.rid);
+    if (r.num_computed > r.num_scheduled) fail(name + " computed more than it scheduled");
+    if (r.num_computed < r.tree_len) fail(name + " cached blocks it has not computed");
+    if (static_cast<int64_t>(r.table.size()) != blocks_for(r.num_scheduled)) {
+      fail(name + " has " + std::to_string(r.table.size()) + " blocks for " +
+           std::to_string(r.num_scheduled) + " scheduled tokens");
+    }
+    if (r.num_scheduled > static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens) {
+      fail(name + " scheduled past prompt + max_new_tokens");
+    }
+    for (BlockId b : r.table) {
+      if (b < 0 || static_cast<size_t>(b) >= num_blocks) fail(name + " holds a bad block id");
+      ++expected[b];
+    }
+    if (!radix) continue;
+    if (!cache_.is_live(r.node)) fail(name + " locks a node that was evicted");
+    ++direct_locks[r.node];
+    if (r.tree_len % block_size_ != 0 || cache_.depth(r.node) != r.tree_len) {
+      fail(name + ": its cache node does not end where its cached prefix ends");
+    }
+    const std::vector<BlockId> path = cache_.path_blocks(r.node);
+    for (size_t i = 0; i < r.table.size(); ++i) {
+      const BlockId b = r.table[i];
+      if (!cache_.in_tree(b)) continue;
+      if (i >= path.size() || path[i] != b) {
+        fail(name + " holds tree block " + std::to_string(b) + " off its locked path");
+      }
+    }
+  }
+  for (size_t b = 0; b < num_blocks; ++b) {
+    const int32_t actual = allocator_.refcounts()[b];
+    if (actual != expected[b]) {
+      fail("block " + std::to_string(b) + " has refcount " + std::to_string(actual) + ", but " +
+           std::to_string(expected[b]) + " holders");
+    }
+  }
+
+  // Locks: a node's count is the requests locking it directly plus its children's counts.
+  if (radix) {
+    std::vector<int64_t> expected_locks(direct_locks.begin(), direct_locks.end());
+    for (NodeId id = 0; id < cache_.node_id_limit(); ++id) {
+      if (!cache_.is_live(id) || direct_locks[id] == 0) continue;
+      for (NodeId x = cache_.parent(id); x >= 0; x = cache_.parent(x)) {
+        expected_locks[x] += direct_locks[id];
+      }
+    }
+    for (NodeId id = 0; id < cache_.node_id_limit(); ++id) {
+      if (cache_.is_live(id) && cache_.lock_count(id) != expected_locks[id]) {
+        fail("cache node " + std::to_string(id) + " has " +
+             std::to_string(cache_.lock_count(id)) + " locks, but running requests hold " +
+             std::to_string(expected_locks[id]));
+      }
+    }
+  } else if (cache_.cached_blocks() != 0) {
+    fail("the radix cache is disabled but holds blocks");
+  }
+}
+
+}  // namespace pyserve

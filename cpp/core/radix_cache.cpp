@@ -1,0 +1,404 @@
+#include "radix_cache.h"
+
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "errors.h"
+
+namespace pyserve {
+
+RadixCache::RadixCache(int64_t block_size, BlockAllocator& allocator) : allocator_(allocator) {
+  if (block_size < 1 || block_size > (1 << 20)) {
+    throw ValueError("block_size must be in [1, 2**20], got " + std::to_string(block_size));
+  }
+  block_size_ = static_cast<int32_t>(block_size);
+  const size_t num_blocks = static_cast<size_t>(allocator.num_blocks());
+  block_tokens_.assign(num_blocks * static_cast<size_t>(block_size_), 0);
+  block_hash_.assign(num_blocks, 0);
+  block_node_.assign(num_blocks, -1);
+  scratch_mark_.assign(num_blocks, 0);
+  nodes_.emplace_back();
+  nodes_[kRootNode].live = true;
+}
+
+uint64_t RadixCache::hash_tokens(const int32_t* tokens) const {
+  uint64_t h = 0x9E3779B97F4A7C15ULL;
+  for (int32_t i = 0; i < block_size_; ++i) {
+    h ^= static_cast<uint32_t>(tokens[i]);
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 29;
+  }
+  return h;
+}
+
+bool RadixCache::block_holds(BlockId id, const int32_t* tokens) const {
+  const int32_t* cached = block_tokens_.data() + static_cast<size_t>(id) * block_size_;
+  return std::memcmp(cached, tokens, sizeof(int32_t) * static_cast<size_t>(block_size_)) == 0;
+}
+
+NodeId RadixCache::find_child(const Node& node, const int32_t* tokens) const {
+  if (node.children.empty()) return -1;
+  auto range = node.children.equal_range(hash_tokens(tokens));
+  for (auto it = range.first; it != range.second; ++it) {
+    if (block_holds(nodes_[it->second].blocks.front(), tokens)) return it->second;
+  }
+  return -1;
+}
+
+RadixCache::Walk RadixCache::walk(NodeId start, const int32_t* tokens, int64_t num_full_blocks,
+                                  std::vector<BlockId>* collect) const {
+  Walk w;
+  w.node = start;
+  int64_t pos = 0;
+  while (pos < num_full_blocks) {
+    const NodeId child = find_child(nodes_[w.node], tokens + pos * block_size_);
+    if (child < 0) break;
+    const Node& c = nodes_[child];
+    const int64_t edge = static_cast<int64_t>(c.blocks.size());
+    int64_t j = 1;  // find_child compared the first block
+    while (j < edge && pos + j < num_full_blocks &&
+           block_holds(c.blocks[j], tokens + (pos + j) * block_size_)) {
+      ++j;
+    }
+    if (collect) collect->insert(collect->end(), c.blocks.begin(), c.blocks.begin() + j);
+    if (c.lock_count == 0) w.unlocked_blocks += j;
+    pos += j;
+    if (j < edge) {
+      w.partial = child;
+      w.partial_blocks = j;
+      break;
+    }
+    w.node = child;
+  }
+  w.blocks = pos;
+  return w;
+}
+
+NodeId RadixCache::new_node() {
+  NodeId id;
+  if (!free_nodes_.empty()) {
+    id = free_nodes_.back();
+    free_nodes_.pop_back();
+  } else {
+    if (nodes_.size() >= static_cast<size_t>(std::numeric_limits<NodeId>::max())) {
+      throw ProtocolError("radix cache: too many nodes");
+    }
+    id = static_cast<NodeId>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  nodes_[id].live = true;
+  return id;
+}
+
+// Cuts `child`'s edge after keep_blocks blocks: a new node takes the first part and becomes the
+// child's parent. The child keeps its id (handles to it stay valid), its depth and its LRU entry.
+NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
+  const NodeId mid = new_node();  // may grow nodes_: take references only after this
+  Node& c = nodes_[child];
+  Node& m = nodes_[mid];
+  Node& p = nodes_[c.parent];
+  const uint64_t old_key = block_hash_[c.blocks.front()];
+  m.parent = c.parent;
+  m.lock_count = c.lock_count;
+  m.last_access = c.last_access;
+  m.blocks.assign(c.blocks.begin(), c.blocks.begin() + keep_blocks);
+  m.depth = c.depth - static_cast<int64_t>(c.blocks.size() - static_cast<size_t>(keep_blocks)) *
+                          block_size_;
+  c.blocks.erase(c.blocks.begin(), c.blocks.begin() + keep_blocks);
+  c.parent = mid;
+  for (BlockId b : m.blocks) block_node_[b] = mid;
+  auto range = p.children.equal_range(old_key);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (it->second == child) {
+      it->second = mid;
+      break;
+    }
+  }
+  m.children.emplace(block_hash_[c.blocks.front()], child);
+  return mid;
+}
+
+void RadixCache::unlist(NodeId node) {
+  lru_leaves_.erase({nodes_[node].last_access, node});
+}
+
+void RadixCache::relist(NodeId node) {
+  const Node& n = nodes_[node];
+  if (node != kRootNode && n.live && n.children.empty() && n.lock_count == 0) {
+    lru_leaves_.emplace(n.last_access, node);
+  }
+}
+
+void RadixCache::touch(NodeId node) {
+  unlist(node);  // only `node` itself can be a listed leaf: its ancestors have children
+  for (NodeId x = node; x >= 0; x = nodes_[x].parent) nodes_[x].last_access = clock_;
+  relist(node);
+}
+
+PrefixMatch RadixCache::match_prefix(const int32_t* tokens, size_t n) {
+  PrefixMatch result;
+  const int64_t num_full = static_cast<int64_t>(n / static_cast<size_t>(block_size_));
+  const Walk w = walk(kRootNode, tokens, num_full, &result.blocks);
+  result.node = w.partial >= 0 ? split(w.partial, w.partial_blocks) : w.node;
+  result.num_tokens = w.blocks * block_size_;
+  ++clock_;
+  touch(result.node);
+  query_tokens_ += static_cast<int64_t>(n);
+  hit_tokens_ += result.num_tokens;
+  return result;
+}
+
+PrefixPeek RadixCache::peek_prefix(const int32_t* tokens, size_t n) const {
+  const int64_t num_full = static_cast<int64_t>(n / static_cast<size_t>(block_size_));
+  const Walk w = walk(kRootNode, tokens, num_full, nullptr);
+  return PrefixPeek{w.blocks, w.unlocked_blocks};
+}
+
+InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t n,
+                                     const BlockId* ids, size_t num_ids) {
+  check_node(start, "insert");
+  const size_t num_full = n / static_cast<size_t>(block_size_);
+  if (num_ids < num_full) {
+    throw ValueError("insert: " + std::to_string(n) + " tokens make " + std::to_string(num_full) +
+                     " whole blocks but only " + std::to_string(num_ids) + " block ids were given");
+  }
+  for (size_t i = 0; i < num_full; ++i) {
+    if (ids[i] < 0 || ids[i] >= allocator_.num_blocks()) {
+      throw ValueError("insert: block id " + std::to_string(ids[i]) + " is out of range [0, " +
+                       std::to_string(allocator_.num_blocks()) + ")");
+    }
+  }
+  const Walk w = walk(start, tokens, static_cast<int64_t>(num_full), nullptr);
+  const size_t cached = static_cast<size_t>(w.blocks);
+
+  // Validate the blocks to adopt before changing anything.
+  std::string error;
+  for (size_t i = cached; i < num_full && error.empty(); ++i) {
+    const BlockId b = ids[i];
+    if (allocator_.refcounts()[b] == 0) {
+      error = "insert: block " + std::to_string(b) + " is free; insert needs blocks holding KV";
+    } else if (block_node_[b] >= 0) {
+      error = "insert: block " + std::to_string(b) + " is already in the cache";
+    } else if (scratch_mark_[b]) {
+      error = "insert: block " + std::to_string(b) + " is given twice";
+    }
+    scratch_mark_[b] = 1;
+  }
+  for (size_t i = cached; i < num_full; ++i) scratch_mark_[ids[i]] = 0;
+  if (!error.empty()) throw ValueError(error);
+
+  ++clock_;
+  NodeId node = w.partial >= 0 ? split(w.partial, w.partial_blocks) : w.node;
+  if (cached < num_full) {
+    const NodeId leaf = new_node();
+    unlist(node);  // it gains a child, so it is no longer a leaf
+    Node& parent = nodes_[node];
+    Node& l = nodes_[leaf];
+    l.parent = node;
+    l.blocks.assign(ids + cached, ids + num_full);
+    l.depth = parent.depth + static_cast<int64_t>(num_full - cached) * block_size_;
+    for (size_t i = cached; i < num_full; ++i) {
+      const BlockId b = ids[i];
+      const int32_t* src = tokens + i * static_cast<size_t>(block_size_);
+      std::memcpy(block_tokens_.data() + static_cast<size_t>(b) * block_size_, src,
+                  sizeof(int32_t) * static_cast<size_t>(block_size_));
+      block_hash_[b] = hash_tokens(src);
+      block_node_[b] = leaf;
+    }
+    allocator_.incref(l.blocks.data(), l.blocks.size());
+    parent.children.emplace(block_hash_[l.blocks.front()], leaf);
+    const int64_t adopted = static_cast<int64_t>(l.blocks.size());
+    cached_blocks_ += adopted;
+    evictable_blocks_ += adopted;
+    inserted_blocks_ += adopted;
+    node = leaf;
+  }
+  touch(node);
+  return InsertResult{static_cast<int64_t>(cached) * block_size_, node};
+}
+
+void RadixCache::check_node(NodeId node, const char* what) const {
+  if (!is_live(node)) {
+    throw ValueError(std::string(what) + ": " + std::to_string(node) +
+                     " is not a live cache node handle");
+  }
+}
+
+bool RadixCache::is_live(NodeId node) const {
+  return node >= 0 && static_cast<size_t>(node) < nodes_.size() && nodes_[node].live;
+}
+
+int32_t RadixCache::lock_count(NodeId node) const {
+  check_node(node, "lock_count");
+  return nodes_[node].lock_count;
+}
+
+NodeId RadixCache::parent(NodeId node) const {
+  check_node(node, "parent");
+  return nodes_[node].parent;
+}
+
+int64_t RadixCache::depth(NodeId node) const {
+  check_node(node, "depth");
+  return nodes_[node].depth;
+}
+
+std::vector<BlockId> RadixCache::path_blocks(NodeId node) const {
+  check_node(node, "path_blocks");
+  std::vector<NodeId> path;
+  for (NodeId x = node; x > kRootNode; x = nodes_[x].parent) path.push_back(x);
+  std::vector<BlockId> blocks;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    blocks.insert(blocks.end(), nodes_[*it].blocks.begin(), nodes_[*it].blocks.end());
+  }
+  return blocks;
+}
+
+void RadixCache::lock(NodeId node) {
+  check_node(node, "lock");
+  for (NodeId x = node; x >= 0; x = nodes_[x].parent) {
+    Node& n = nodes_[x];
+    if (n.lock_count == 0 && x != kRootNode) {
+      unlist(x);
+      evictable_blocks_ -= static_cast<int64_t>(n.blocks.size());
+    }
+    ++n.lock_count;
+  }
+}
+
+void RadixCache::unlock(NodeId node) {
+  check_node(node, "unlock");
+  if (nodes_[node].lock_count <= 0) {
+    throw ValueError("unlock: node " + std::to_string(node) +
+                     " is not locked; lock counts never go below 0");
+  }
+  for (NodeId x = node; x >= 0; x = nodes_[x].parent) {
+    Node& n = nodes_[x];
+    if (--n.lock_count == 0 && x != kRootNode) {
+      evictable_blocks_ += static_cast<int64_t>(n.blocks.size());
+      relist(x);
+    }
+  }
+}
+
+void RadixCache::remove_leaf(NodeId node) {
+  Node& n = nodes_[node];
+  const NodeId parent_id = n.parent;
+  unlist(node);
+  for (BlockId b : n.blocks) block_node_[b] = -1;
+  allocator_.decref(n.blocks.data(), n.blocks.size());
+  const int64_t released = static_cast<int64_t>(n.blocks.size());
+  cached_blocks_ -= released;
+  evictable_blocks_ -= released;
+  evicted_blocks_ += released;
+  Node& p = nodes_[parent_id];
+  auto range = p.children.equal_range(block_hash_[n.blocks.front()]);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (it->second == node) {
+      p.children.erase(it);
+      break;
+    }
+  }
+  n = Node();
+  free_nodes_.push_back(node);
+  relist(parent_id);
+}
+
+int64_t RadixCache::evict(int64_t num_blocks) {
+  if (num_blocks < 0) {
+    throw ValueError("evict: num_blocks must be >= 0, got " + std::to_string(num_blocks));
+  }
+  int64_t released = 0;
+  while (released < num_blocks && !lru_leaves_.empty()) {
+    const NodeId victim = lru_leaves_.begin()->second;
+    released += static_cast<int64_t>(nodes_[victim].blocks.size());
+    remove_leaf(victim);
+  }
+  return released;
+}
+
+int64_t RadixCache::reset() { return evict(std::numeric_limits<int64_t>::max()); }
+
+CacheStats RadixCache::stats() const {
+  return CacheStats{cached_blocks_,  evictable_blocks_, hit_tokens_,
+                    query_tokens_,   evicted_blocks_,   inserted_blocks_};
+}
+
+void RadixCache::check_invariants() const {
+  auto fail = [](const std::string& msg) { throw InvariantError("radix cache: " + msg); };
+  const Node& root = nodes_[kRootNode];
+  if (!root.live || root.parent != -1 || !root.blocks.empty() || root.depth != 0) {
+    fail("the root must be live, parentless and empty");
+  }
+  int64_t cached = 0;
+  int64_t evictable = 0;
+  int64_t live = 0;
+  size_t listed = 0;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const NodeId id = static_cast<NodeId>(i);
+    const Node& n = nodes_[i];
+    if (!n.live) continue;
+    ++live;
+    const std::string name = "node " + std::to_string(id);
+    if (n.lock_count < 0) fail(name + " has a negative lock count");
+    int64_t child_locks = 0;
+    for (const auto& [key, child_id] : n.children) {
+      if (!is_live(child_id) || nodes_[child_id].parent != id) {
+        fail(name + " lists child " + std::to_string(child_id) + " that is not its child");
+      }
+      const Node& c = nodes_[child_id];
+      if (key != block_hash_[c.blocks.front()]) fail(name + " keys a child by the wrong hash");
+      if (c.last_access > n.last_access) fail(name + " is older than its child");
+      child_locks += c.lock_count;
+      auto range = n.children.equal_range(key);
+      for (auto it = range.first; it != range.second; ++it) {
+        if (it->second != child_id &&
+            block_holds(nodes_[it->second].blocks.front(),
+                        block_tokens_.data() + static_cast<size_t>(c.blocks.front()) * block_size_)) {
+          fail(name + " has two children starting with the same block");
+        }
+      }
+    }
+    if (child_locks > n.lock_count) fail(name + " has fewer locks than its children together");
+    const bool should_list = id != kRootNode && n.children.empty() && n.lock_count == 0;
+    const bool listed_now = lru_leaves_.count({n.last_access, id}) > 0;
+    if (should_list != listed_now) {
+      fail(name + (should_list ? " is an unlocked leaf missing from" : " must not be in") +
+           " the LRU set");
+    }
+    listed += listed_now ? 1 : 0;
+    if (id == kRootNode) continue;
+    if (!is_live(n.parent)) fail(name + " has a dead parent");
+    if (n.blocks.empty()) fail(name + " has an empty edge");
+    const int64_t edge_tokens = static_cast<int64_t>(n.blocks.size()) * block_size_;
+    if (n.depth != nodes_[n.parent].depth + edge_tokens) fail(name + " has a wrong depth");
+    for (BlockId b : n.blocks) {
+      if (block_node_[b] != id) fail("block " + std::to_string(b) + " is not mapped to " + name);
+      if (allocator_.refcounts()[b] < 1) {
+        fail("block " + std::to_string(b) + " is in the tree with refcount 0");
+      }
+    }
+    cached += static_cast<int64_t>(n.blocks.size());
+    if (n.lock_count == 0) evictable += static_cast<int64_t>(n.blocks.size());
+  }
+  if (listed != lru_leaves_.size()) fail("the LRU set holds stale entries");
+  if (live != num_nodes()) fail("the free node list is inconsistent");
+  int64_t mapped = 0;
+  for (NodeId owner : block_node_) mapped += owner >= 0 ? 1 : 0;
+  if (mapped != cached) fail("blocks mapped to nodes differ from blocks in nodes");
+  if (cached != cached_blocks_) fail("cached_blocks counter is off");
+  if (evictable != evictable_blocks_) fail("evictable_blocks counter is off");
+  // Every live node must hang off the root.
+  std::vector<NodeId> stack{kRootNode};
+  int64_t reachable = 0;
+  while (!stack.empty()) {
+    const NodeId x = stack.back();
+    stack.pop_back();
+    ++reachable;
+    for (const auto& entry : nodes_[x].children) stack.push_back(entry.second);
+  }
+  if (reachable != live) fail("some live nodes are not reachable from the root");
+}
+
+}  // namespace pyserve

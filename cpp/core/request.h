@@ -1,0 +1,52 @@
+// Request: one generation request as the planner tracks it.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <vector>
+
+#include "block_allocator.h"
+#include "radix_cache.h"
+
+namespace pyserve {
+
+enum class RequestState {
+  kWaiting,    // queued, never admitted
+  kRunning,    // admitted: prefilling (in one or more chunks) or decoding
+  kRetracted,  // preempted: blocks freed, queued again to be recomputed
+  kDone,       // finished or aborted, but still named by an unreported step
+};
+
+const char* state_name(RequestState state);
+
+struct Request {
+  int64_t rid = 0;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> output;  // sampled tokens reported so far
+  int64_t max_new_tokens = 0;
+  RequestState state = RequestState::kWaiting;
+
+  // While running. Positions [0, num_scheduled) are computed or planned in an unreported step;
+  // positions [0, num_computed) are computed (reported). The prefill covers [0, prefill_target):
+  // the prompt plus, after a retraction, the output it already had.
+  std::vector<BlockId> table;  // block i holds positions [i * block_size, (i + 1) * block_size)
+  NodeId node = kRootNode;     // locked cache node; its path covers positions [0, tree_len)
+  int64_t tree_len = 0;        // table blocks below this are in the tree (or duplicate it)
+  int64_t prefill_target = 0;
+  int64_t num_scheduled = 0;
+  int64_t num_computed = 0;
+  int64_t planned_samples = 0;  // samples planned so far, reported or not
+
+  int64_t cached_tokens = 0;  // prefix hit at the first admission
+  bool ever_admitted = false;
+  int32_t inflight_steps = 0;               // unreported steps with an entry for this request
+  std::list<Request*>::iterator queue_pos;  // valid while waiting or retracted
+
+  int64_t seq_len() const { return static_cast<int64_t>(prompt.size() + output.size()); }
+  int32_t token_at(int64_t pos) const {
+    const int64_t p = static_cast<int64_t>(prompt.size());
+    return pos < p ? prompt[static_cast<size_t>(pos)] : output[static_cast<size_t>(pos - p)];
+  }
+};
+
+}  // namespace pyserve

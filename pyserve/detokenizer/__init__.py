@@ -1,0 +1,1 @@
+"""The detokenizer subprocess: incremental, batched, UTF-8 safe decoding and stop strings."""

@@ -1,0 +1,48 @@
+"""The ZMQ ring's endpoints: ipc:// sockets in a private temporary directory.
+
+Every PULL end binds and every PUSH end connects, so each process owns the socket file it
+reads from. The directory is created with mode 0700 (``tempfile.mkdtemp``), so no other user
+can connect to the ring, and it is removed when the engine stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class RingAddresses:
+    directory: str
+    worker_in: str  # main PUSH → worker PULL (bound by the worker)
+    detok_in: str  # worker PUSH → detokenizer PULL (bound by the detokenizer)
+    main_in: str  # detokenizer PUSH → main PULL (bound by main)
+
+    @classmethod
+    def create(cls) -> RingAddresses:
+        directory = tempfile.mkdtemp(prefix="pyserve-")
+        os.chmod(directory, 0o700)  # mkdtemp does this already; say it where it matters
+        return cls(
+            directory=directory,
+            worker_in=f"ipc://{directory}/worker",
+            detok_in=f"ipc://{directory}/detok",
+            main_in=f"ipc://{directory}/main",
+        )
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def main_sockets(ctx: zmq.Context, addresses: RingAddresses) -> tuple[zmq.Socket, zmq.Socket]:
+    """Main's two ends: a PUSH to the worker and a PULL from the detokenizer."""
+    to_worker = ctx.socket(zmq.PUSH)
+    to_worker.setsockopt(zmq.LINGER, 0)
+    to_worker.connect(addresses.worker_in)
+    from_detok = ctx.socket(zmq.PULL)
+    from_detok.setsockopt(zmq.LINGER, 0)
+    from_detok.bind(addresses.main_in)
+    return to_worker, from_detok

@@ -1,0 +1,69 @@
+"""EngineConfig: everything `pyserve run` and embedders can set, and the KV pool sizing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pyserve.model_files import ModelInfo
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
+# 23,301 tokens in float32 (46,080 bytes a token) or 46,603 in bfloat16.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2 GGUF
+    served_model_name: str | None = None  # what /v1/models reports; default from the model
+    dtype: str = "auto"  # float32 | bfloat16 | float16; auto = float32 on CPU, bfloat16 else
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "fcfs"  # or "lpm"
+    enable_radix_cache: bool = True
+    max_model_len: int | None = None  # None = the model's context length
+    tokenizer_workers: int = 2
+    stream_interval: int = 1  # hand out a chunk every N tokens (the first one at once)
+    torch_threads: int | None = None  # the worker's torch threads; None = torch's default
+    seed: int | None = None  # the worker's sampling seed for requests that give none
+    log_level: str = "info"
+    ready_timeout: float = 900.0  # seconds for the worker to load the model
+    shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
+
+    def resolved_dtype(self) -> str:
+        if self.dtype == "auto":
+            return "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be auto, {', '.join(DTYPE_BYTES)}; got {self.dtype!r}")
+        return self.dtype
+
+    def num_kv_blocks(self, info: ModelInfo) -> int:
+        """Blocks in the KV pool for this model (at least one)."""
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_tokens is not None:
+            tokens = self.kv_cache_tokens
+        else:
+            per_token = info.kv_bytes_per_token(DTYPE_BYTES[self.resolved_dtype()])
+            tokens = self.kv_cache_bytes // per_token
+        return max(1, math.ceil(tokens / self.block_size))
+
+    def validate(self) -> None:
+        """Raises ValueError on settings that cannot work, before any process starts."""
+        self.resolved_dtype()
+        positive = ("block_size", "max_running_requests", "max_prefill_tokens")
+        positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")

@@ -1,0 +1,491 @@
+"""Engine: the Python API of pyserve, and the owner of its subprocesses.
+
+``engine = Engine(config); await engine.start()`` (or ``engine = await Engine.start(config)``)
+launches the worker and the detokenizer, joins them into the ZMQ ring and waits for Ready.
+``generate`` / ``chat`` are async generators of GenerationChunks; closing one (or cancelling the
+task that iterates it) aborts its request. The main process never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import itertools
+import logging
+import os
+import platform
+import sys
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pyserve import model_files
+from pyserve.detokenizer.process import DetokenizerConfig
+from pyserve.engine.channels import RingAddresses
+from pyserve.engine.config import EngineConfig
+from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
+from pyserve.engine.requests import RequestRegistry, RequestState
+from pyserve.engine.scheduler_loop import SchedulerLoop
+from pyserve.engine.subprocesses import Children
+from pyserve.engine.tokenizer_manager import TokenizerManager
+from pyserve.outputs import GenerationChunk
+from pyserve.wire.detok_to_main import Ready, RequestDelta
+from pyserve.wire.main_to_worker import DetokParams, NewRequest, SamplingParams
+from pyserve.worker.process import WorkerConfig  # light: no torch
+
+log = logging.getLogger("pyserve.engine")
+
+
+class _StartMethod:
+    """Lets ``start`` be called both ways: ``await Engine.start(config)`` builds and starts an
+    engine; ``await engine.start()`` starts an existing one. Both return the engine."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, engine: Engine | None, cls: type[Engine]) -> Any:
+        if engine is not None:
+            return functools.partial(self._method, engine)
+
+        async def build_and_start(config: EngineConfig | None = None) -> Engine:
+            return await self._method(cls(config))
+
+        return build_and_start
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._registry = RequestRegistry()
+        self._core_rids = itertools.count(1)
+        self._ready: Ready | None = None
+        self._ready_future: asyncio.Future | None = None
+        self._failure: BaseException | None = None
+        self._failed = asyncio.Event()
+        self._closing = False
+        self._closed = False
+        self._source: model_files.ModelSource | None = None
+        self._info: model_files.ModelInfo | None = None
+        self._tokenizers: TokenizerManager | None = None
+        self._addresses: RingAddresses | None = None
+        self._children = Children()
+        self._scheduler: SchedulerLoop | None = None
+        self._context_length = 0
+
+    # ------------------------------------------------------------------ life cycle
+
+    @_StartMethod
+    async def start(self) -> Engine:
+        if self._ready_future is not None:
+            raise EngineError("this engine has been started already")
+        config = self.config
+        config.validate()
+        loop = asyncio.get_running_loop()
+        self._ready_future = loop.create_future()
+        source, info, tokenizer = await asyncio.to_thread(_load_model_files, config.model)
+        self._source, self._info = source, info
+        self._context_length = config.max_model_len or info.context_length
+        self._tokenizers = TokenizerManager(
+            tokenizer,
+            workers=config.tokenizer_workers,
+            context_length=self._context_length,
+            vocab_size=info.vocab_size,
+        )
+        num_blocks = config.num_kv_blocks(info)
+        self._addresses = addresses = RingAddresses.create()
+        atexit.register(self._kill_at_exit)
+        try:
+            tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
+            await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
+            self._children.start(
+                "detokenizer",
+                "pyserve.detokenizer",
+                DetokenizerConfig(
+                    tokenizer_file=tokenizer_file,
+                    in_addr=addresses.detok_in,
+                    out_addr=addresses.main_in,
+                    parent_pid=os.getpid(),
+                    log_level=config.log_level,
+                ),
+            )
+            self._children.start(
+                "worker",
+                "pyserve.worker",
+                WorkerConfig(
+                    in_addr=addresses.worker_in,
+                    out_addr=addresses.detok_in,
+                    num_blocks=num_blocks,
+                    block_size=config.block_size,
+                    model=source.path,
+                    dtype=config.resolved_dtype(),
+                    device=config.device,
+                    max_model_len=config.max_model_len,
+                    parent_pid=os.getpid(),
+                    log_level=config.log_level,
+                    torch_threads=config.torch_threads,
+                    seed=config.seed,
+                ),
+            )
+            self._scheduler = SchedulerLoop(
+                addresses=addresses,
+                children=self._children,
+                make_planner=self._make_planner,
+                loop=loop,
+                sink=self,
+                ready_timeout=config.ready_timeout,
+                shutdown_timeout=config.shutdown_timeout,
+            )
+            self._scheduler.start()
+            self._ready = await self._ready_future
+        except BaseException:
+            await self._teardown()
+            raise
+        log.info(
+            "engine ready: %s, KV pool %d blocks × %d tokens (%s on %s), model loaded in %.1f s",
+            self.model_name,
+            self._ready.num_blocks,
+            self._ready.block_size,
+            self._ready.dtype,
+            self._ready.device,
+            self._ready.load_seconds,
+        )
+        return self
+
+    def _make_planner(self, ready: Ready) -> Any:  # runs on the scheduler thread
+        from pyserve import _core
+
+        config = self.config
+        assert self._info is not None
+        return _core.Planner(
+            ready.num_blocks,
+            ready.block_size,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            chunked_prefill_size=config.chunked_prefill_size,
+            policy=config.schedule_policy,
+            enable_radix_cache=config.enable_radix_cache,
+            vocab_size=self._info.vocab_size,
+        )
+
+    async def shutdown(self) -> None:
+        """Stops the ring cleanly (Shutdown → worker → detokenizer → Stopped), waits for the
+        children to exit (killing any that do not), and removes the IPC directory."""
+        if self._closed:
+            return
+        self._closing = True
+        self._registry.fail(None, EngineError("the engine is shutting down"))
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        timeout = self.config.shutdown_timeout
+        if self._scheduler is not None:
+            self._scheduler.stop()
+            await asyncio.to_thread(self._scheduler.join, timeout + 2)
+        # After a clean stop the children exit by themselves; otherwise there is no point waiting.
+        clean = self._scheduler is not None and self._scheduler.stopped_cleanly
+        if clean and not await asyncio.to_thread(self._children.wait, timeout):
+            log.warning("a child process did not exit after the ring stopped; killing it")
+        await asyncio.to_thread(self._children.kill)
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._tokenizers is not None:
+            self._tokenizers.close()
+        if self._addresses is not None:
+            self._addresses.remove()
+        atexit.unregister(self._kill_at_exit)
+        self._closed = True
+        if self._ready_future is not None and not self._ready_future.done():
+            self._ready_future.cancel()
+
+    def _kill_at_exit(self) -> None:
+        """The interpreter is exiting without shutdown(): leave no children and no files."""
+        self._children.kill(grace=1.0)
+        if self._addresses is not None:
+            self._addresses.remove()
+
+    async def __aenter__(self) -> Engine:
+        if self._ready_future is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ------------------------------------------------------------------ SchedulerLoop's sink
+
+    def on_ready(self, ready: Ready) -> None:
+        if self._ready_future is not None and not self._ready_future.done():
+            self._ready_future.set_result(ready)
+
+    def on_step(self, deltas: list[tuple[RequestDelta, int | None]]) -> None:
+        self._registry.on_step(deltas)
+
+    def on_request_error(self, rids: list[int] | None, error: Exception) -> None:
+        self._registry.fail(rids, error)
+
+    def on_fatal(self, error: Exception) -> None:
+        if self._ready_future is not None and not self._ready_future.done():
+            self._ready_future.set_exception(error)
+            return
+        if self._closing:
+            return
+        self._failure = error
+        self._failed.set()
+        self._registry.fail(None, error)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def ready(self) -> bool:
+        return self._ready is not None and not self._closed
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and self._failure is None and not self._closing
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died (a subprocess exited, the scheduler loop failed), or None."""
+        return self._failure
+
+    async def wait_failed(self) -> BaseException:
+        """Returns once the engine has died; for servers that exit when it does."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self._source.name if self._source is not None else ""
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    @property
+    def num_blocks(self) -> int:
+        return self._ready.num_blocks if self._ready is not None else 0
+
+    @property
+    def block_size(self) -> int:
+        return self._ready.block_size if self._ready is not None else self.config.block_size
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer (for token texts); None before start."""
+        return self._tokenizers.tokenizer if self._tokenizers is not None else None
+
+    @property
+    def model_info(self) -> model_files.ModelInfo | None:
+        return self._info
+
+    def stats(self) -> dict:
+        """The core's latest numbers (refreshed every 0.1 s) plus the engine's own."""
+        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
+        return {
+            **snapshot,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_requests": len(self._registry),
+            "ready": self.ready,
+            "healthy": self.healthy,
+        }
+
+    async def core_stats(self) -> dict:
+        """The core's numbers read now (on the scheduler thread), for exact accounting checks."""
+        return await self._on_scheduler(lambda planner: planner.stats())
+
+    def server_info(self) -> dict:
+        ready = self._ready
+        info = dataclasses.asdict(self._info) if self._info is not None else {}
+        return {
+            "model": self.model_name,
+            "model_path": self._source.path if self._source is not None else None,
+            "model_info": info,
+            "context_length": self.context_length,
+            "config": dataclasses.asdict(self.config),
+            "kv_cache": {
+                "num_blocks": self.num_blocks,
+                "block_size": self.block_size,
+                "tokens": self.num_blocks * self.block_size,
+                "bytes": ready.kv_cache_bytes if ready is not None else 0,
+                "dtype": ready.dtype if ready is not None else None,
+                "device": ready.device if ready is not None else None,
+            },
+            "load_seconds": ready.load_seconds if ready is not None else None,
+            "versions": _versions(),
+        }
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        detok: DetokParams | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Streams one request's output; the last chunk has ``finish_reason``.
+
+        Raises ValueError (ContextLengthExceeded among them) for a request that cannot run, and
+        EngineError when the engine is not serving or fails while the request runs.
+        """
+        self._check_serving()
+        if isinstance(prompt, str):
+            prompt_ids = await self._tokenizer_manager().encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        state = self._submit(prompt_ids, sampling, detok or DetokParams(), rid)
+        try:
+            while True:
+                chunk = await state.next_chunk()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            self._registry.remove(state)
+            if not state.finished or state.error is not None:
+                self._scheduler_loop().abort(state.core_rid)  # the consumer went away
+
+    async def chat(
+        self,
+        messages: list[dict],
+        sampling: SamplingParams,
+        detok: DetokParams | None = None,
+        rid: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """``generate`` over the model's chat template applied to ``messages``."""
+        self._check_serving()
+        prompt_ids = await self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        async with contextlib.aclosing(self.generate(prompt_ids, sampling, detok, rid)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    def abort(self, rid: str) -> bool:
+        """Ends request ``rid`` with finish_reason "abort"; False if no such request runs."""
+        state = self._registry.get(rid)
+        if state is None:
+            return False
+        self._registry.remove(state)
+        self._scheduler_loop().abort(state.core_rid)
+        state.end_aborted()
+        return True
+
+    def _submit(
+        self, prompt_ids: list[int], sampling: SamplingParams, detok: DetokParams, rid: str | None
+    ) -> RequestState:
+        self._check_serving()
+        self._tokenizer_manager().check_prompt(prompt_ids, sampling.max_new_tokens)
+        capacity = self.num_blocks * self.block_size
+        if len(prompt_ids) + sampling.max_new_tokens > capacity:
+            raise KVCacheTooSmall(
+                f"the request needs {len(prompt_ids) + sampling.max_new_tokens} tokens of KV "
+                f"cache but the whole pool holds {capacity}; reduce the prompt or max_tokens"
+            )
+        state = RequestState(
+            rid if rid is not None else uuid.uuid4().hex,
+            next(self._core_rids),
+            len(prompt_ids),
+            stream_interval=self.config.stream_interval,
+            want_logprobs=sampling.logprobs,
+        )
+        self._registry.add(state)
+        request = NewRequest(
+            rid=state.core_rid,
+            prompt_ids=_int32_bytes(prompt_ids),
+            sampling=sampling,
+            detok=detok,
+        )
+        self._scheduler_loop().submit(state.core_rid, request)
+        return state
+
+    def _check_serving(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(f"the engine has failed: {self._failure}")
+        if self._closing or self._closed:
+            raise EngineError("the engine is shutting down")
+        if self._ready is None:
+            raise EngineError("the engine is not ready yet")
+
+    def _tokenizer_manager(self) -> TokenizerManager:
+        if self._tokenizers is None:
+            raise EngineError("the engine is not started")
+        return self._tokenizers
+
+    def _scheduler_loop(self) -> SchedulerLoop:
+        if self._scheduler is None:
+            raise EngineError("the engine is not started")
+        return self._scheduler
+
+    async def _on_scheduler(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self._scheduler_loop().call(fn))
+
+    # ------------------------------------------------------------------ tokenizer services
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._tokenizer_manager().encode(text, add_special_tokens)
+
+    async def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return await self._tokenizer_manager().decode(ids, skip_special_tokens)
+
+    async def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        return await self._tokenizer_manager().apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    async def flush_cache(self) -> int:
+        """Drops every cached prefix not in use; returns the number of blocks released."""
+        self._check_serving()
+        return await self._on_scheduler(lambda planner: planner.flush_cache())
+
+
+def _load_model_files(
+    model: str | None,
+) -> tuple[model_files.ModelSource, model_files.ModelInfo, Any]:
+    source = model_files.resolve_model(model)
+    return source, model_files.read_model_info(source), model_files.load_tokenizer(source)
+
+
+def _int32_bytes(ids: list[int]) -> bytes:
+    import array
+
+    return array.array("i", ids).tobytes()  # native order: little-endian on every target
+
+
+def _versions() -> dict[str, str | None]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    import pyserve
+
+    return {
+        "pyserve": pyserve.__version__,
+        "python": platform.python_version(),
+        "platform": sys.platform,
+        **{d: version(d) for d in ("torch", "transformers", "tokenizers", "aiohttp", "pyzmq")},
+    }

@@ -1,0 +1,344 @@
+"""The scheduler loop: a dedicated thread that drives the C++ Planner and main's two sockets.
+
+Every Planner call and every socket operation happens on this thread, so neither needs a lock;
+the event loop talks to it through a command queue (plus a pipe that wakes its poll) and it
+answers with one ``loop.call_soon_threadsafe`` per completed step, never one per token.
+
+Overlap (DESIGN.md): the thread keeps up to two Steps in flight, so it plans Step N+1 while the
+worker computes Step N and the worker always has its next Step queued. The Planner's hot calls
+release the GIL, so HTTP work on the event loop does not starve planning and vice versa.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from pyserve.engine.channels import RingAddresses, main_sockets
+from pyserve.engine.errors import EngineDeadError, EngineError, EngineStartError
+from pyserve.engine.subprocesses import Children
+from pyserve.wire import detok_to_main as inp
+from pyserve.wire import main_to_worker as out
+
+log = logging.getLogger("pyserve.engine")
+
+MAX_INFLIGHT_STEPS = 2
+POLL_MS = 200  # longest wait without looking at the children and the stop flag
+STATS_EVERY_S = 0.1
+LOG_EVERY_S = 10.0
+
+
+class EngineSink(Protocol):
+    """What the thread calls on the event loop (through call_soon_threadsafe)."""
+
+    def on_ready(self, ready: inp.Ready) -> None: ...
+    def on_step(self, deltas: list[tuple[inp.RequestDelta, int | None]]) -> None: ...
+    def on_request_error(self, rids: list[int] | None, error: Exception) -> None: ...
+    def on_fatal(self, error: Exception) -> None: ...
+
+
+class SchedulerLoop:
+    def __init__(
+        self,
+        *,
+        addresses: RingAddresses,
+        children: Children,
+        make_planner: Callable[[inp.Ready], Any],
+        loop: asyncio.AbstractEventLoop,
+        sink: EngineSink,
+        ready_timeout: float,
+        shutdown_timeout: float,
+    ) -> None:
+        self._addresses = addresses
+        self._children = children
+        self._make_planner = make_planner
+        self._loop = loop
+        self._sink = sink
+        self._ready_timeout = ready_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self._commands: collections.deque[tuple] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pyserve-scheduler", daemon=True)
+        # Owned by the thread:
+        self._planner: Any = None
+        self._live: set[int] = set()  # rids added to the planner and not yet finished/aborted
+        self._awaiting_cached: set[int] = set()  # rids whose cached_tokens main has not had
+        self._num_blocks = 0
+        self._stopping = False
+        self._stopped_cleanly = False
+        self._generated_since_log = 0
+        self._last_log = time.monotonic()
+        self._last_stats = 0.0
+        self.snapshot: dict = {}  # the planner's stats, refreshed by the thread (read anywhere)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, rid: int, request: out.NewRequest) -> None:
+        self._command(("add", rid, request))
+
+    def abort(self, rid: int) -> None:
+        self._command(("abort", rid))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Runs ``fn(planner)`` on the thread; the future has its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._command(("call", fn, future))
+        return future
+
+    def stop(self) -> None:
+        """Asks the thread to shut the ring down (Shutdown → worker → detokenizer → Stopped)."""
+        self._command(("stop",))
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Releases the wake-up pipe once the thread has ended (called on the event loop)."""
+        if not self._closed and not self._thread.is_alive():
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    @property
+    def stopped_cleanly(self) -> bool:
+        return self._stopped_cleanly
+
+    def _command(self, command: tuple) -> None:
+        if self._closed:
+            if command[0] == "call":
+                command[2].set_exception(EngineDeadError("the engine has stopped"))
+            return
+        self._commands.append(command)
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake already
+            os.write(self._wake_w, b"x")
+
+    # ------------------------------------------------------------------ thread side
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens any more
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        self._to_worker, self._from_detok = main_sockets(ctx, self._addresses)
+        self._poller = zmq.Poller()
+        self._poller.register(self._from_detok, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            ready = self._wait_ready()
+            if ready is not None:
+                self._planner = self._make_planner(ready)
+                self._num_blocks = ready.num_blocks
+                self.snapshot = self._planner.stats()
+                self._post(self._sink.on_ready, ready)
+                self._serve()
+        except EngineError as e:
+            log.error("%s", e)
+            self._post(self._sink.on_fatal, e)
+        except BaseException as e:
+            log.exception("the scheduler loop failed")
+            self._post(self._sink.on_fatal, EngineDeadError(f"the scheduler loop failed: {e!r}"))
+        finally:
+            self._fail_pending_calls()
+            self._to_worker.close(linger=0)
+            self._from_detok.close(linger=0)
+            ctx.term()
+
+    def _wait_ready(self) -> inp.Ready | None:
+        deadline = time.monotonic() + self._ready_timeout
+        while True:
+            if any(command[0] == "stop" for command in self._commands):
+                self._stopping = True
+                return None  # other commands wait for the planner; stop fails their calls
+            dead = self._children.first_dead()
+            if dead is not None:
+                raise_start(f"{dead.describe_exit()} while starting (its log is above)")
+            if time.monotonic() > deadline:
+                raise_start(f"the model did not load within {self._ready_timeout:.0f} s")
+            if self._from_detok.poll(POLL_MS, zmq.POLLIN):
+                msg = inp.decoder.decode(self._from_detok.recv())
+                if isinstance(msg, inp.Ready):
+                    return msg
+                if isinstance(msg, inp.WorkerError):
+                    raise_start(f"the worker failed while starting: {msg.message}")
+
+    def _take_commands(self) -> list[tuple]:
+        taken = []
+        while self._commands:
+            taken.append(self._commands.popleft())
+        return taken
+
+    def _serve(self) -> None:
+        next_child_check = 0.0
+        while True:
+            for command in self._take_commands():
+                self._run_command(command)
+            if self._stopping:
+                self._shutdown_ring()
+                return
+            self._plan_ahead()
+            for sock, _ in self._poller.poll(POLL_MS):
+                if sock == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                else:
+                    self._drain_results()
+            now = time.monotonic()
+            if now >= next_child_check:
+                next_child_check = now + POLL_MS / 1000
+                dead = self._children.first_dead()
+                if dead is not None:
+                    raise EngineDeadError(f"{dead.describe_exit()}; the engine cannot go on")
+            if now - self._last_stats >= STATS_EVERY_S or not self._live:
+                self._refresh_stats(now)
+
+    def _run_command(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, request = command
+            try:
+                self._planner.add_request(rid, request.prompt_ids, request.sampling.max_new_tokens)
+            except (ValueError, KeyError) as e:
+                self._post(self._sink.on_request_error, [rid], ValueError(str(e)))
+                return
+            self._send(request)  # before the first Step that names it
+            self._live.add(rid)
+            self._awaiting_cached.add(rid)
+        elif kind == "abort":
+            rid = command[1]
+            if rid in self._live:
+                self._planner.abort(rid)
+                self._forget(rid)
+        elif kind == "call":
+            _, fn, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self._planner))
+                except BaseException as e:
+                    future.set_exception(e)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _plan_ahead(self) -> None:
+        planner = self._planner
+        while planner.num_inflight_steps < MAX_INFLIGHT_STEPS:
+            step = planner.plan()
+            if step is None:
+                return
+            self._send(out.step_from_plan(step))
+
+    def _send(self, msg: out.NewRequest | out.Step | out.Shutdown) -> None:
+        self._to_worker.send(out.encoder.encode(msg), copy=False)
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                frame = self._from_detok.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = inp.decoder.decode(frame.buffer)
+            if isinstance(msg, inp.StepDone):
+                self._on_step_done(msg)
+            elif isinstance(msg, inp.WorkerError):
+                self._on_worker_error(msg)
+            elif isinstance(msg, inp.Stopped):
+                log.warning("the ring stopped without being asked to")
+
+    def _on_step_done(self, msg: inp.StepDone) -> None:
+        planner = self._planner
+        planner.report(msg.step_id, msg.rids, msg.token_ids)
+        handed: list[tuple[inp.RequestDelta, int | None]] = []
+        for delta in msg.deltas:
+            rid = delta.rid
+            if rid not in self._live:
+                continue  # aborted while this step was in flight
+            cached = None
+            if rid in self._awaiting_cached:
+                self._awaiting_cached.discard(rid)
+                cached = planner.request(rid)["cached_tokens"]
+            if delta.finish_reason is not None:
+                planner.finish(rid)
+                self._forget(rid)
+            handed.append((delta, cached))
+        self._generated_since_log += len(msg.deltas)
+        if handed:
+            self._post(self._sink.on_step, handed)
+
+    def _on_worker_error(self, msg: inp.WorkerError) -> None:
+        rids = np.frombuffer(msg.rids, dtype="<i8").tolist() if msg.rids else sorted(self._live)
+        log.error("worker error for %d request(s): %s", len(rids), msg.message)
+        for rid in rids:
+            if rid in self._live:
+                self._planner.abort(rid)
+                self._forget(rid)
+        self._post(self._sink.on_request_error, rids, RuntimeError(msg.message))
+
+    def _forget(self, rid: int) -> None:
+        self._live.discard(rid)
+        self._awaiting_cached.discard(rid)
+
+    def _refresh_stats(self, now: float) -> None:
+        self.snapshot = self._planner.stats()
+        self._last_stats = now
+        if now - self._last_log >= LOG_EVERY_S:
+            if self._generated_since_log or self._live:
+                self._log_load(now)
+            self._last_log = now
+            self._generated_since_log = 0
+
+    def _log_load(self, now: float) -> None:
+        s = self.snapshot
+        used = 1.0 - s["num_free_blocks"] / max(1, self._num_blocks)
+        hit = s["hit_tokens"] / s["query_tokens"] if s.get("query_tokens") else 0.0
+        log.info(
+            "running %d, queued %d, KV usage %.1f%%, cache hit rate %.1f%%, "
+            "generation %.1f tokens/s",
+            s["num_running"],
+            s["num_waiting"],
+            100 * used,
+            100 * hit,
+            self._generated_since_log / max(1e-9, now - self._last_log),
+        )
+
+    def _shutdown_ring(self) -> None:
+        """Aborts what is left, sends Shutdown and waits for Stopped to come round the ring."""
+        for rid in list(self._live):
+            self._planner.abort(rid)
+            self._forget(rid)
+        self._send(out.Shutdown())
+        deadline = time.monotonic() + self._shutdown_timeout
+        while time.monotonic() < deadline:
+            if self._children.first_dead() is not None and not self._from_detok.poll(0):
+                break
+            if not self._from_detok.poll(POLL_MS, zmq.POLLIN):
+                continue
+            msg = inp.decoder.decode(self._from_detok.recv())
+            if isinstance(msg, inp.Stopped):
+                self._stopped_cleanly = True
+                return
+        log.warning("the ring did not confirm its shutdown within %.0f s", self._shutdown_timeout)
+
+    def _fail_pending_calls(self) -> None:
+        for command in self._take_commands():
+            if command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(EngineDeadError("the engine has stopped"))
+
+
+def raise_start(message: str) -> None:
+    raise EngineStartError(message)

@@ -1,0 +1,101 @@
+"""TokenizerManager: chat templates, encoding and decoding off the event loop, and prompt checks.
+
+Encoding a long prompt takes milliseconds; done on the event loop it would stall every stream.
+It runs in a small thread pool instead (HF ``tokenizers`` releases the GIL while it encodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pyserve.engine.errors import ContextLengthExceeded
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        *,
+        workers: int,
+        context_length: int,
+        vocab_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="pyserve-tokenizer")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        self.check_token_ids(ids)
+        return await self._run(self._decode, list(ids), skip_special_tokens)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    async def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """Renders the model's chat template and encodes it (the template adds BOS if it wants)."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return await self._run(
+            self._render_chat, messages, add_generation_prompt, chat_template_kwargs or {}
+        )
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list:
+        from jinja2 import TemplateError
+
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use a plain prompt instead")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except (TemplateError, TypeError) as e:  # e.g. roles that do not alternate
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_token_ids(self, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            return
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError("token ids must be a flat list of integers")
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raises ValueError (ContextLengthExceeded for a too long request) before any work."""
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self.check_token_ids(prompt_ids)
+        if len(prompt_ids) + max_new_tokens > self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), max_new_tokens, self.context_length)

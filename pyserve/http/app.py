@@ -1,0 +1,107 @@
+"""``create_app(engine)``: pyserve's HTTP API as an aiohttp Application.
+
+It serves on its own (``pyserve run``) or mounted inside another aiohttp application::
+
+    parent.add_subapp("/llm", create_app(engine))
+
+The app never starts or stops the engine: whoever created the engine owns it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.errors import APIError, from_http_exception, server_error
+from pyserve.http.native_routes import NativeRoutes
+from pyserve.http.openai_routes import OpenAIRoutes
+from pyserve.http.service_routes import ServiceRoutes
+from pyserve.http.state import ServerOptions, ServerState
+
+log = logging.getLogger("pyserve.http")
+
+STATE_KEY = web.AppKey("pyserve_state", ServerState)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queued_requests: int | None = None,
+    log_requests: bool = False,
+) -> web.Application:
+    """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting)."""
+    options = ServerOptions(
+        api_key=api_key or None,
+        max_body_bytes=max_body_bytes,
+        max_queued_requests=max_queued_requests,
+        log_requests=log_requests,
+    )
+    state = ServerState(engine, options)
+    service = ServiceRoutes(state)
+    # Routes that answer while the engine loads, is shutting down or has failed.
+    always_open = {service.health, service.server_info, service.metrics, service.openapi}
+    no_auth = {service.health}
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return from_http_exception(exc).response()
+        except ConnectionError:
+            raise  # the client went away; there is nobody to answer
+        except Exception as exc:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return server_error(f"internal error: {type(exc).__name__}").response()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if options.api_key is not None and request.match_info.handler not in no_auth:
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {options.api_key}"
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode()):
+                raise APIError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    @web.middleware
+    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.http_exception is None and (
+            request.match_info.handler not in always_open
+        ):
+            state.check_serving()
+        return await handler(request)
+
+    app = web.Application(middlewares=[errors, auth, gate], client_max_size=max_body_bytes)
+    app[STATE_KEY] = state
+    OpenAIRoutes(state).add_to(app)
+    NativeRoutes(state).add_to(app)
+    service.add_to(app)
+
+    async def close_watcher(_: web.Application) -> None:
+        await state.watcher.close()
+
+    app.on_cleanup.append(close_watcher)
+    return app
+
+
+def server_state(app: web.Application) -> ServerState:
+    """The shared state of an app made by create_app (servers set ``draining`` through it)."""
+    return app[STATE_KEY]

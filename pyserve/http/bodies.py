@@ -1,0 +1,60 @@
+"""Reading a request body under a size cap and decoding it into a request Struct."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from pyserve.http.errors import APIError, bad_request, from_validation_error
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # ~8M tokens of text: far beyond any context
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def too_large(cap: int) -> APIError:
+    return APIError(413, f"The request body is larger than {cap} bytes.", code="request_too_large")
+
+
+async def read_body(request: web.Request, cap: int) -> bytes:
+    """The whole body, or 413 as soon as it is known to exceed ``cap`` bytes.
+
+    The cap is ours, not aiohttp's ``client_max_size``: when pyserve is mounted as a sub-app,
+    the parent application's setting would apply instead.
+    """
+    if request.content_length is not None and request.content_length > cap:
+        raise too_large(cap)
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > cap:
+            raise too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(body: bytes, type_: type[T]) -> T:
+    """A validated request, or a 400 with the OpenAI error body naming what is wrong."""
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    if not body.strip():
+        raise bad_request("The request body is empty; a JSON object is expected.")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        message = f"The request body is not valid JSON: {exc}"
+        raise bad_request(message, code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.", code="invalid_json") from None
+
+
+async def read_request(request: web.Request, type_: type[T], cap: int) -> T:
+    return decode(await read_body(request, cap), type_)

@@ -1,0 +1,108 @@
+"""Turning validated request bodies into the engine's SamplingParams and DetokParams."""
+
+from __future__ import annotations
+
+from pyserve.http.errors import bad_request
+from pyserve.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateSamplingParams,
+    SamplingFields,
+)
+from pyserve.wire.main_to_worker import DetokParams, SamplingParams
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def openai_sampling(
+    req: SamplingFields,
+    *,
+    max_new_tokens: int,
+    choice: int,
+    top_logprobs: int | None,
+) -> SamplingParams:
+    """Sampling for choice ``choice`` of an OpenAI request; seeded choices use seed + choice.
+
+    ``top_logprobs`` is None when logprobs were not asked for, else the alternatives per token.
+    """
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=max(_or(req.top_k, 0), 0),
+        min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        seed=None if req.seed is None else req.seed + choice,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=top_logprobs is not None,
+        top_logprobs=top_logprobs or 0,
+    )
+
+
+def openai_detok(req: SamplingFields) -> DetokParams:
+    return DetokParams(
+        stop=_stop_list(req.stop),
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated)."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
+    if not req.logprobs:
+        if req.top_logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+        return None
+    return req.top_logprobs or 0
+
+
+def check_completion_request(req: CompletionRequest) -> None:
+    """The legacy fields pyserve does not implement are refused rather than ignored."""
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must equal n (or be omitted)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo together with logprobs needs prompt logprobs, which pyserve does not compute",
+            param="echo",
+        )
+
+
+def generate_sampling(params: GenerateSamplingParams, top_logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids or []),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_new_tokens,
+        logprobs=top_logprobs is not None,
+        top_logprobs=top_logprobs or 0,
+    )
+
+
+def generate_detok(params: GenerateSamplingParams) -> DetokParams:
+    return DetokParams(stop=_stop_list(params.stop), skip_special_tokens=params.skip_special_tokens)

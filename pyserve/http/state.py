@@ -1,0 +1,173 @@
+"""What the handlers of one app share: the engine, options, counters and request bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from pyserve.engine.errors import (
+    ContextLengthExceeded,
+    EngineDeadError,
+    EngineError,
+    KVCacheTooSmall,
+)
+from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.disconnect import DisconnectWatcher
+from pyserve.http.errors import APIError, bad_request, model_not_found, not_ready, server_error
+from pyserve.http.metrics import Metrics
+from pyserve.http.token_texts import TokenTexts
+
+log = logging.getLogger("pyserve.http")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None  # when set, every route but /health needs "Bearer <key>"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued_requests: int | None = None  # generation requests waiting for their first token
+    log_requests: bool = False  # log prompts and outputs (never logged otherwise)
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """The client-facing error for something the engine raised."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return bad_request(str(exc), code="context_length_exceeded")
+    if isinstance(exc, KVCacheTooSmall):
+        return bad_request(str(exc), code="kv_cache_too_small")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), code="invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, EngineError):
+        return not_ready(str(exc))
+    log.exception("request failed", exc_info=exc)
+    return server_error(f"internal error: {type(exc).__name__}: {exc}")
+
+
+class QueueTicket:
+    """A generation request counted as queued until its first output (or its end)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._held = True
+        state.queued += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._state.queued -= 1
+
+
+class ServerState:
+    def __init__(self, engine: Any, options: ServerOptions) -> None:
+        self.engine = engine
+        self.options = options
+        self.metrics = Metrics(engine)
+        self.token_texts = TokenTexts(engine)
+        self.watcher = DisconnectWatcher()
+        self.draining = False  # set by a server that is shutting down: new requests get 503
+        self.in_flight = 0  # generation requests being served
+        self.queued = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.active: dict[str, list[str]] = {}  # response id → the engine rids of its choices
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        """A request may omit the model; a name that is not the served model is a 404."""
+        if model is not None and model != self.engine.model_name:
+            raise model_not_found(model)
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise APIError(
+                503, "The server is shutting down.", type="service_unavailable", code="draining"
+            )
+        if not self.engine.ready:
+            raise not_ready()
+        if not self.engine.healthy:
+            raise APIError(
+                503,
+                f"The engine has failed: {self.engine.failure}",
+                type="server_error",
+                code="engine_dead",
+            )
+
+    def max_new_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """``requested``, or when absent all the room the context and the KV pool leave."""
+        if requested is not None:
+            return requested
+        room = self.engine.context_length
+        pool = self.engine.num_blocks * self.engine.block_size
+        if pool:
+            room = min(room, pool)
+        return max(1, room - prompt_len)
+
+    # ------------------------------------------------------------------ engine calls
+
+    async def call(self, awaitable: Awaitable[T]) -> T:
+        """Awaits an engine coroutine, turning what it raises into an APIError."""
+        try:
+            return await awaitable
+        except (asyncio.CancelledError, APIError):
+            raise
+        except Exception as exc:
+            raise engine_error(exc) from exc
+
+    def admit(self) -> QueueTicket:
+        limit = self.options.max_queued_requests
+        if limit is not None and self.queued >= limit:
+            raise APIError(
+                429,
+                f"Too many requests are waiting ({self.queued}); retry later.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        return QueueTicket(self)
+
+    def observed(self, stream: AsyncIterator, arrival: float) -> AsyncIterator:
+        return self.metrics.observe(stream, arrival)
+
+    # ------------------------------------------------------------------ request life
+
+    @contextlib.contextmanager
+    def serving(self, request: web.Request, response_id: str, rids: list[str]) -> Iterator[None]:
+        """Counts a generation request in flight, aborts it if its client goes away, and lets
+        /abort_request find its choices by the response id."""
+        self.in_flight += 1
+        self._idle.clear()
+        self.active[response_id] = rids
+        try:
+            with self.watcher.watch(request):
+                yield
+        finally:
+            self.active.pop(response_id, None)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no generation request is in flight, False after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def abort(self, rid: str) -> bool:
+        """Aborts an engine rid, or every choice of a response id."""
+        rids = self.active.get(rid, [rid])
+        aborted = [self.engine.abort(r) for r in rids]
+        return any(aborted)

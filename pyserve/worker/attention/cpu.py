@@ -1,0 +1,235 @@
+"""CPU attention: one mixed batch of prefill chunks and decodes, gather by block table + matmul.
+
+Two paths run inside the same forward:
+
+- Multi-token entries (prefill chunks) go one entry at a time through SDPA: each is large enough
+  that the per-entry call is cheap next to its matmuls. A chunk after a cached prefix attends to
+  the gathered cached blocks plus its own tokens, causally (a lower-right aligned mask).
+- Single-token entries (decodes) are batched, without padding every sequence to the longest:
+  each request's context is cut into chunks of ``chunk_blocks`` blocks; the chunks of all
+  requests are gathered into one tensor, scored with one batched matmul, and merged per request
+  with a split softmax (max and sum reduced across the request's chunks). Padding is at most one
+  chunk per request, masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pyserve.worker.attention.base import AttentionBackend
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import PagedKVCache
+
+# Tokens per decode chunk. Longer chunks mean fewer, larger matmuls but more masked padding per
+# request; 256 was the fastest on the benchmark machine for contexts of 100–1000 tokens.
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass
+class PrefillSpan:
+    token_start: int  # first of this entry's rows in the batch
+    num_tokens: int
+    start_pos: int  # cached tokens before the chunk
+    blocks: torch.Tensor | None  # int64 ids of the blocks it reads; None: no cached prefix
+    mask: torch.Tensor | None  # bool [num_tokens, start_pos + num_tokens], lower-right causal
+
+
+@dataclass
+class DecodeChunks:
+    token_index: torch.Tensor  # int64 [D]: batch rows of the single-token entries
+    chunk_blocks: torch.Tensor  # int64 [C, chunk_blocks]: block ids of each chunk
+    chunk_owner: torch.Tensor  # int64 [C]: which of the D rows a chunk belongs to
+    chunk_bias: torch.Tensor  # float32 [C, chunk_tokens]: 0 for a real position, -inf for padding
+    one_chunk_each: bool  # every request fits one chunk: a plain softmax suffices
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slots: torch.Tensor  # int64 [T]: cache slot of each new token
+    num_tokens: int
+    prefills: list[PrefillSpan]
+    decode: DecodeChunks | None
+    all_decode: bool  # every row is a single-token entry, in order
+
+
+class CpuAttentionBackend(AttentionBackend):
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
+        super().__init__(
+            kv_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
+        self.chunk_blocks = max(1, chunk_tokens // kv_cache.block_size)
+
+    # ------------------------------------------------------------------ metadata, once per forward
+
+    def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
+        bs = self.kv_cache.block_size
+        device = batch.input_ids.device
+        num_tokens, start_pos, tables = batch.num_tokens, batch.start_pos, batch.block_tables
+        if not (len(num_tokens) == len(start_pos) == len(tables)):
+            raise ValueError("ForwardBatch: num_tokens, start_pos, block_tables differ in length")
+        for i, (n, s, table) in enumerate(zip(num_tokens, start_pos, tables, strict=True)):
+            if n < 1 or s < 0 or len(table) * bs < s + n:
+                raise ValueError(
+                    f"ForwardBatch entry {i}: start_pos={s}, num_tokens={n} need "
+                    f"{-(-(s + n) // bs)} blocks, the table has {len(table)}"
+                )
+        width = max(len(t) for t in tables)
+        table_rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        table_rows = table_rows.to(device)
+        counts = torch.tensor(num_tokens, dtype=torch.int64, device=device)
+        entry_of_row = torch.repeat_interleave(torch.arange(len(tables), device=device), counts)
+        positions = batch.positions
+        slots = table_rows[entry_of_row, positions // bs] * bs + positions % bs
+
+        prefills: list[PrefillSpan] = []
+        decode_entries: list[int] = []
+        decode_rows: list[int] = []
+        row = 0
+        for i, (n, s) in enumerate(zip(num_tokens, start_pos, strict=True)):
+            if n == 1:
+                decode_entries.append(i)
+                decode_rows.append(row)
+            else:
+                prefills.append(self._prefill_span(row, n, s, tables[i], device))
+            row += n
+        decode = None
+        if decode_entries:
+            decode = self._decode_chunks(decode_entries, decode_rows, start_pos, table_rows)
+        return CpuAttentionMetadata(
+            slots=slots,
+            num_tokens=row,
+            prefills=prefills,
+            decode=decode,
+            all_decode=not prefills,
+        )
+
+    def _prefill_span(
+        self, row: int, n: int, start: int, table: list[int], device: torch.device
+    ) -> PrefillSpan:
+        if start == 0:
+            return PrefillSpan(row, n, 0, None, None)
+        total = start + n
+        used = -(-total // self.kv_cache.block_size)
+        blocks = torch.tensor(table[:used], dtype=torch.int64, device=device)
+        mask = torch.ones(n, total, dtype=torch.bool, device=device).tril(diagonal=start)
+        return PrefillSpan(row, n, start, blocks, mask)
+
+    def _decode_chunks(
+        self,
+        entries: list[int],
+        rows: list[int],
+        start_pos: list[int],
+        table_rows: torch.Tensor,
+    ) -> DecodeChunks:
+        device = table_rows.device
+        longest = max(start_pos[e] for e in entries) + 1
+        # short contexts all fit one chunk no longer than the longest of them
+        per_chunk = min(self.chunk_blocks, -(-longest // self.kv_cache.block_size))
+        chunk_tokens = per_chunk * self.kv_cache.block_size
+        context = torch.tensor([start_pos[e] + 1 for e in entries], device=device)
+        chunks_each = (context + chunk_tokens - 1) // chunk_tokens
+        owner = torch.repeat_interleave(torch.arange(len(entries), device=device), chunks_each)
+        first = torch.cumsum(chunks_each, 0) - chunks_each
+        chunk_no = torch.arange(owner.numel(), device=device) - first[owner]
+        columns = chunk_no[:, None] * per_chunk + torch.arange(per_chunk, device=device)
+        columns = columns.clamp_(max=table_rows.shape[1] - 1)  # past a table's end: masked below
+        entry_idx = torch.tensor(entries, dtype=torch.int64, device=device)
+        chunk_blocks = table_rows[entry_idx[owner][:, None], columns]
+        pos = chunk_no[:, None] * chunk_tokens + torch.arange(chunk_tokens, device=device)
+        bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)
+        bias.masked_fill_(pos >= context[owner][:, None], float("-inf"))
+        return DecodeChunks(
+            token_index=torch.tensor(rows, dtype=torch.int64, device=device),
+            chunk_blocks=chunk_blocks,
+            chunk_owner=owner,
+            chunk_bias=bias,
+            one_chunk_each=owner.numel() == len(entries),
+        )
+
+    # ------------------------------------------------------------------ per layer
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        meta: CpuAttentionMetadata = metadata  # type: ignore[assignment]
+        self.kv_cache.write(layer, meta.slots, k, v)
+        if meta.all_decode:
+            return self._decode(layer, q, meta.decode)  # type: ignore[arg-type]
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            rows = slice(span.token_start, span.token_start + span.num_tokens)
+            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
+        if meta.decode is not None:
+            decoded = self._decode(layer, q.index_select(0, meta.decode.token_index), meta.decode)
+            out.index_copy_(0, meta.decode.token_index, decoded)
+        return out
+
+    def _prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        if span.blocks is None:  # nothing cached before this chunk: its own k, v suffice
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        else:
+            total = span.start_pos + span.num_tokens
+            keys, values = self.kv_cache.gather(layer, span.blocks)
+            keys = keys.flatten(1, 2)[:, :total]
+            values = values.flatten(1, 2)[:, :total]
+            mask, causal = span.mask, False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+    def _decode(self, layer: int, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
+        """q: [D, heads, head_dim] for D single-token entries → the same shape."""
+        num_rows = q.shape[0]
+        kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        keys, values = self.kv_cache.gather(layer, chunks.chunk_blocks)  # [KVH, C, nb, bs, dim]
+        keys = keys.flatten(2, 3)  # [KVH, C, chunk_tokens, dim]
+        values = values.flatten(2, 3)
+        # [D, H, dim] -> [KVH, D, group, dim]: query head h uses kv head h // group
+        q_by_kv = q.view(num_rows, kv_heads, group, dim).transpose(0, 1)
+        if not chunks.one_chunk_each:
+            q_by_kv = q_by_kv.index_select(1, chunks.chunk_owner)
+        scores = torch.matmul(q_by_kv, keys.transpose(-1, -2)).float()  # [KVH, C, group, tokens]
+        scores = scores * self.scale + chunks.chunk_bias[None, :, None, :]
+        if chunks.one_chunk_each:
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values)  # [KVH, D, group, dim]
+            return out.transpose(0, 1).reshape(num_rows, self.num_heads, dim)
+        # split softmax: each chunk's partial sums are rescaled to its request's running max
+        owner = chunks.chunk_owner
+        chunk_max = scores.amax(dim=-1)  # [KVH, C, group]
+        row_max = torch.full(
+            (kv_heads, num_rows, group), float("-inf"), dtype=torch.float32, device=q.device
+        )
+        row_max.index_reduce_(1, owner, chunk_max, "amax")
+        weights = torch.exp(scores - row_max.index_select(1, owner)[..., None])
+        denom = torch.zeros_like(row_max).index_add_(1, owner, weights.sum(dim=-1))
+        partial = torch.matmul(weights.to(values.dtype), values).float()  # [KVH, C, group, dim]
+        out = torch.zeros(kv_heads, num_rows, group, dim, dtype=torch.float32, device=q.device)
+        out.index_add_(1, owner, partial)
+        out = out / denom[..., None]
+        return out.to(q.dtype).transpose(0, 1).reshape(num_rows, self.num_heads, dim)

@@ -1,0 +1,56 @@
+"""StepExecutor: one Step in, one StepTokens out (request table → model → sampler → table).
+
+Shared by the worker subprocess (process.py) and the in-process OfflineEngine (offline.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from pyserve.wire.main_to_worker import NewRequest, Step
+from pyserve.wire.worker_to_detok import StepTokens
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.sampling import Sampler
+from pyserve.worker.state import RequestState, RequestTable
+
+
+class Runner(Protocol):
+    """The part of ModelRunner the executor uses."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class StepExecutor:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        block_size: int,
+        eos_token_ids: list[int],
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+    ) -> None:
+        self.runner = runner
+        self.requests = RequestTable(
+            block_size=block_size, eos_token_ids=eos_token_ids, device=device
+        )
+        self.sampler = Sampler(eos_token_ids, device=device, seed=seed)
+
+    def add_request(self, request: NewRequest) -> RequestState:
+        return self.requests.add(request)
+
+    def execute(self, step: Step) -> StepTokens:
+        """Runs the forward pass and sampling of ``step``; raises on a malformed step."""
+        started = time.perf_counter()
+        prepared = self.requests.prepare(step)
+        out = None
+        if prepared.batch.num_entries:
+            with torch.inference_mode():
+                logits = self.runner.forward(prepared.batch)
+                if prepared.sampling:
+                    out = self.sampler(logits, prepared.sampling)
+        forward_ms = (time.perf_counter() - started) * 1e3
+        return self.requests.record(prepared, out, forward_ms)

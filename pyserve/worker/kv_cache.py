@@ -1,0 +1,53 @@
+"""The paged KV cache: per-layer K and V tensors whose blocks are the core's block ids.
+
+Layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``. Heads come first so that
+gathering a request's blocks yields ``[heads, tokens, head_dim]`` directly — the shape attention
+multiplies — with no transpose copy; a block is ``block_size * head_dim`` contiguous values per
+head, so gathers move whole rows rather than single tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        # zeros, not empty: masked-out slots are still multiplied (by a zero weight), and
+        # uninitialised memory could hold NaN/inf, which 0 * inf would spread.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new tokens' K/V.
+
+        slots: int64 [T], block * block_size + offset; k, v: [T, kv_heads, head_dim].
+        """
+        heads = self.num_kv_heads
+        self.k[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` (int64, any shape S): each [kv_heads, *S, block_size, head_dim]."""
+        return self.k[layer][:, blocks], self.v[layer][:, blocks]

@@ -1,0 +1,85 @@
+"""ModelRunner: loads a model and its paged KV cache, and turns a ForwardBatch into logits."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pyserve.worker.attention import create_attention_backend
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import PagedKVCache
+from pyserve.worker.loading import ModelLoadError, open_checkpoint
+from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    """One model on one device, with a KV cache of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Block ids in ForwardBatch.block_tables index this cache directly (they come from the core's
+    BlockAllocator, sized with the same ``num_blocks``).
+    """
+
+    def __init__(
+        self,
+        model: str | None,
+        *,
+        dtype: str = "float32",
+        num_blocks: int,
+        block_size: int,
+        device: str = "cpu",
+        max_model_len: int | None = None,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+        started = time.perf_counter()
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        checkpoint = open_checkpoint(model)
+        self.config: ModelConfig = checkpoint.config
+        limit = self.config.max_model_len
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = LlamaForCausalLM(self.config, dtype=self.dtype, device=self.device)
+        self.model.load_weights(checkpoint.tensors(), checkpoint.path)
+        self.model.eval()
+        self.kv_cache = PagedKVCache(
+            num_layers=self.config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.attention = create_attention_backend(
+            self.device,
+            self.kv_cache,
+            num_heads=self.config.num_heads,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+        )
+        self.load_seconds = time.perf_counter() - started
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.nbytes
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
+        metadata = self.attention.prepare(batch)
+        return self.model(
+            batch.input_ids.to(self.device),
+            batch.positions.to(self.device),
+            batch.sample_index.to(self.device),
+            self.attention,
+            metadata,
+        )
+
+
+__all__ = ["DTYPES", "ModelLoadError", "ModelRunner"]

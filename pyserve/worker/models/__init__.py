@@ -1,0 +1,1 @@
+"""Model definitions: ``ModelConfig`` and the Llama-family decoder."""

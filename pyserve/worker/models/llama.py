@@ -1,0 +1,171 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Pre-norm blocks: RMSNorm → attention (fused qkv projection, RoPE, grouped-query attention through
+the attention backend) → residual → RMSNorm → SwiGLU MLP (fused gate/up projection) → residual.
+Weights are stored [out, in] as in the checkpoints, so ``F.linear`` hands them to the BLAS as they
+are; q/k/v and gate/up are concatenated at load so each block runs 4 matmuls instead of 7.
+The batch is flat: [T, ...] rows from every request, no padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyserve.worker.attention.base import AttentionBackend
+from pyserve.worker.loading.base import ModelLoadError
+from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.rope import RotaryEmbedding, apply_rope
+
+# Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _weight(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 whatever the model dtype, as the reference implementation does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, index: int, *, dtype: torch.dtype, device: torch.device | str
+    ):
+        super().__init__()
+        self.index = index
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.split = (config.q_size, config.kv_size, config.kv_size)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        kw = {"dtype": dtype, "device": device}
+        self.input_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
+        self.qkv_proj = _weight(sum(self.split), hidden, **kw)
+        self.qkv_bias = _weight(sum(self.split), **kw) if config.qkv_bias else None
+        self.o_proj = _weight(hidden, config.q_size, **kw)
+        self.o_bias = _weight(hidden, **kw) if config.o_bias else None
+        self.post_attention_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
+        self.gate_up_proj = _weight(2 * inter, hidden, **kw)
+        self.down_proj = _weight(hidden, inter, **kw)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        metadata: object,
+    ) -> torch.Tensor:
+        rows = hidden.shape[0]
+        x = self.input_norm(hidden)
+        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(self.split, dim=-1)
+        q = apply_rope(q.view(rows, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(rows, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(self.index, q, k, v, metadata)
+        hidden = hidden + F.linear(attn.reshape(rows, -1), self.o_proj, self.o_bias)
+        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        self.config = config
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, **kw) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _weight(config.vocab_size, config.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(config, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sample_index: torch.Tensor,
+        attention: AttentionBackend,
+        metadata: object,
+    ) -> torch.Tensor:
+        """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention, metadata)
+        # the last norm and the vocabulary projection only for rows that sample
+        last = self.norm(hidden.index_select(0, sample_index))
+        return F.linear(last, self.lm_head).float()
+
+    # ------------------------------------------------------------------ loading
+
+    def _weight_slots(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name → the (slice of a) parameter it fills."""
+        cfg = self.config
+        q, kv = cfg.q_size, cfg.kv_size
+        inter = cfg.intermediate_size
+        slots: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.norm.weight,
+        }
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            slots[p + "input_layernorm.weight"] = layer.input_norm.weight
+            slots[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.weight
+            qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            for proj, (lo, hi) in qkv_rows.items():
+                slots[p + f"self_attn.{proj}.weight"] = layer.qkv_proj[lo:hi]
+                if layer.qkv_bias is not None:
+                    slots[p + f"self_attn.{proj}.bias"] = layer.qkv_bias[lo:hi]
+            slots[p + "self_attn.o_proj.weight"] = layer.o_proj
+            if layer.o_bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = layer.o_bias
+            slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
+            slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
+            slots[p + "mlp.down_proj.weight"] = layer.down_proj
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copies checkpoint tensors (HF names, [out, in]) into place; every weight must appear."""
+        slots = self._weight_slots()
+        missing = set(slots)
+        for name, tensor in tensors:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store the shared matrix twice
+            target = slots.get(name)
+            if target is None:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r}")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelLoadError(
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            raise ModelLoadError(f"{source}: {len(missing)} weights missing, e.g. {shown}")

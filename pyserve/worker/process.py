@@ -1,0 +1,170 @@
+"""The worker subprocess: ``python -m pyserve.worker --config '<json WorkerConfig>'``.
+
+It PULLs from main (``in_addr``, bound here: every PULL end of the ring binds) and PUSHes to the
+detokenizer (``out_addr``, connected). NewRequest → stored, and its detokenizer settings
+forwarded as a DetokRequest; Step → forward pass + sampling → StepTokens; Shutdown → forwarded,
+then exit. A step that raises yields a WorkerError naming its requests and an empty StepTokens
+(so that main can still report the step to the core in order); the worker keeps serving.
+
+Importing this module stays light (no torch), so that the main process can build a WorkerConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+
+import msgspec
+import numpy as np
+import zmq
+
+from pyserve.lifecycle import die_with_parent
+from pyserve.wire import main_to_worker as inp
+from pyserve.wire import worker_to_detok as out
+
+log = logging.getLogger("pyserve.worker")
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    in_addr: str  # ZMQ PULL from main, bound here
+    out_addr: str  # ZMQ PUSH to the detokenizer, connected
+    num_blocks: int
+    block_size: int = 16
+    model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    parent_pid: int = 0  # 0: do not watch the parent
+    log_level: str = "info"
+    torch_threads: int | None = None  # None: torch's default
+    seed: int | None = None  # seeds the draws of requests that bring no seed of their own
+
+
+def run(config: WorkerConfig) -> int:
+    """Serves until Shutdown (returns 0) or a load failure (returns 1)."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
+    if config.parent_pid:
+        die_with_parent(config.parent_pid)
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(config.in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(config.out_addr)
+    try:
+        executor = _load(config, push)
+        if executor is None:
+            return 1
+        _serve(executor, pull, push)
+        return 0
+    finally:
+        pull.close(linger=0)
+        push.close(linger=2000)  # let the last message (Shutdown, an error) reach the detokenizer
+        ctx.term()
+
+
+def _load(config: WorkerConfig, push: zmq.Socket):
+    """The StepExecutor over a freshly loaded ModelRunner, or None after reporting the failure."""
+    started = time.perf_counter()
+    try:
+        import torch
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        from pyserve.worker.executor import StepExecutor
+        from pyserve.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            config.model,
+            dtype=config.dtype,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            max_model_len=config.max_model_len,
+        )
+        executor = StepExecutor(
+            runner,
+            block_size=config.block_size,
+            eos_token_ids=list(runner.config.eos_token_ids),
+            device=config.device,
+            seed=config.seed,
+        )
+    except Exception as e:
+        log.debug("load failed:\n%s", traceback.format_exc())
+        message = f"the worker could not load the model {config.model or '(default)'}: {e}"
+        log.error("%s", message)
+        push.send(out.encoder.encode(out.WorkerError(message=message)))
+        return None
+    load_seconds = time.perf_counter() - started
+    log.info("model loaded in %.1f s", load_seconds)
+    ready = out.WorkerReady(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        device=config.device,
+        load_seconds=load_seconds,
+        kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)),
+    )
+    push.send(out.encoder.encode(ready))
+    return executor
+
+
+def _serve(executor, pull: zmq.Socket, push: zmq.Socket) -> None:
+    decode = inp.decoder.decode
+    encode = out.encoder.encode
+    while True:
+        # take everything already queued before blocking again
+        frames = [pull.recv()]
+        while True:
+            try:
+                frames.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        for frame in frames:
+            try:
+                msg = decode(frame)
+            except msgspec.DecodeError as e:
+                log.error("dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, inp.Step):
+                replies = _run_step(executor, msg)
+            elif isinstance(msg, inp.NewRequest):
+                replies = _add_request(executor, msg)
+            else:  # Shutdown
+                push.send(encode(out.Shutdown()))
+                log.info("shutting down")
+                return
+            for reply in replies:
+                push.send(encode(reply))
+
+
+def _add_request(executor, msg: inp.NewRequest) -> list[msgspec.Struct]:
+    replies: list[msgspec.Struct] = []
+    try:
+        executor.add_request(msg)
+    except Exception as e:
+        log.warning("request %d rejected: %s", msg.rid, e)
+        executor.requests.add_rejected(msg)
+        rid = np.asarray([msg.rid], dtype="<i8").tobytes()
+        replies.append(out.WorkerError(message=f"invalid request {msg.rid}: {e}", rids=rid))
+    replies.append(out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok))
+    return replies
+
+
+def _run_step(executor, step: inp.Step) -> list[msgspec.Struct]:
+    try:
+        return [executor.execute(step)]
+    except Exception as e:
+        log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
+        executor.requests.fail(step.rids)
+        error = out.WorkerError(message=f"step {step.step_id} failed: {e!r}", rids=step.rids)
+        # an empty result keeps main's in-order step accounting going
+        empty = out.StepTokens(
+            step_id=step.step_id, rids=b"", token_ids=b"", finish=b"", dropped=step.dropped
+        )
+        return [error, empty]

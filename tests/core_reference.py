@@ -1,0 +1,793 @@
+"""A small pure-Python model of ``pyserve._core`` (cpp/README.md), for tests and benchmarks.
+
+Three classes with the same names and call signatures as the C++ core:
+
+- ``BlockAllocator``: a free list and reference counts.
+- ``RadixCache``: a tree over token ids whose edges hold whole blocks; LRU eviction of unlocked
+  leaves by (last access, node id). Its prefix matches and block ids are meant to agree exactly
+  with the C++ cache for the same sequence of calls.
+- ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill, reservation,
+  retraction, abort and overlapped steps. It follows the README's rules; where the README leaves
+  the arithmetic open (how much to reserve) it makes its own simple choice, so tests compare
+  the C++ planner with it through invariants, not step by step.
+
+Everything here favours plain, obviously-correct code over speed: it is the "straightforward
+Python implementation" that the core benchmark measures against.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+FREE, OWNED, CACHED = 0, 1, 2  # block_states() values
+
+
+def _ints(values: bytes | bytearray | memoryview | Iterable[int], typecode: str) -> list[int]:
+    """Accepts packed little-endian bytes (like the core) or a sequence of ints."""
+    if isinstance(values, bytes | bytearray | memoryview):
+        return array(typecode, bytes(values)).tolist()
+    return [int(v) for v in values]
+
+
+# --------------------------------------------------------------------------------------------
+# BlockAllocator
+
+
+class BlockAllocator:
+    """A fixed pool of ``num_blocks`` blocks; a block is free exactly when its refcount is 0."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._refcounts = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ... first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise RuntimeError(f"out of blocks: asked for {n}, {len(self._free)} free")
+        ids = [self._free.pop() for _ in range(n)]
+        for block in ids:
+            self._refcounts[block] = 1
+        return ids
+
+    def take(self, ids: Iterable[int]) -> None:
+        """Marks the given free blocks allocated (to mirror another allocator's choices)."""
+        for block in ids:
+            if self._refcounts[block] != 0:
+                raise RuntimeError(f"block {block} is not free")
+            self._free.remove(block)
+            self._refcounts[block] = 1
+
+    def incref(self, ids: Iterable[int]) -> None:
+        for block in ids:
+            self._check(block)
+            if self._refcounts[block] == 0:
+                raise ValueError(f"incref of free block {block}")
+            self._refcounts[block] += 1
+
+    def decref(self, ids: Iterable[int]) -> None:
+        for block in ids:
+            self._check(block)
+            if self._refcounts[block] == 0:
+                raise ValueError(f"decref of free block {block}")
+            self._refcounts[block] -= 1
+            if self._refcounts[block] == 0:
+                self._free.append(block)
+
+    def refcount(self, block: int) -> int:
+        self._check(block)
+        return self._refcounts[block]
+
+    def _check(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block} out of range [0, {self.num_blocks})")
+
+
+# --------------------------------------------------------------------------------------------
+# RadixCache
+
+
+class _Node:
+    __slots__ = ("blocks", "children", "id", "key", "last_access", "lock_ref", "parent")
+
+    def __init__(self, node_id: int, parent: _Node | None, key: tuple, blocks: list[int]):
+        self.id = node_id
+        self.parent = parent
+        self.key = key  # tokens on the edge into this node, a whole number of blocks
+        self.blocks = blocks  # one block id per block_size tokens of key
+        self.children: dict[tuple, _Node] = {}  # keyed by the first block of the child's key
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    """Block-granular radix tree. The tree holds one allocator reference on each of its blocks.
+
+    A match that ends inside an edge splits the edge there, so that a handle always names a
+    node whose path is exactly the matched prefix (what ``lock`` protects).
+    """
+
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.allocator = allocator
+        self._next_id = 1
+        self._clock = 0
+        self._root = _Node(0, None, (), [])
+        self._root.lock_ref = 1  # never evicted
+        self._nodes: dict[int, _Node] = {0: self._root}
+        self.cached_blocks = 0
+        self.evictable_blocks = 0  # blocks of nodes with lock_ref == 0
+        self._stats = dict(hit_tokens=0, query_tokens=0, evicted_blocks=0, inserted_blocks=0)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int] | bytes) -> tuple[int, list[int], int]:
+        key = tuple(_ints(tokens, "i"))
+        self._clock += 1
+        node, matched, blocks = self._walk(key)
+        self._stats["query_tokens"] += len(key)
+        self._stats["hit_tokens"] += matched
+        return matched, blocks, node.id
+
+    def _walk(self, key: tuple) -> tuple[_Node, int, list[int]]:
+        """Follows key down the tree (splitting a partly matched edge); touches the path."""
+        bs = self.block_size
+        usable = len(key) - len(key) % bs
+        node, pos, blocks = self._root, 0, []
+        while pos < usable:
+            child = node.children.get(key[pos : pos + bs])
+            if child is None:
+                break
+            n = 1  # the first block matched through the dict key
+            while n < len(child.blocks) and pos + (n + 1) * bs <= usable:
+                start = pos + n * bs
+                if child.key[n * bs : (n + 1) * bs] != key[start : start + bs]:
+                    break
+                n += 1
+            if n < len(child.blocks):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            blocks.extend(child.blocks)
+            pos += len(child.key)
+            node = child
+        return node, pos, blocks
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cuts child's edge after n blocks; returns the new upper node."""
+        bs = self.block_size
+        parent = child.parent
+        upper = _Node(self._next_id, parent, child.key[: n * bs], child.blocks[:n])
+        self._next_id += 1
+        self._nodes[upper.id] = upper
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[upper.key[:bs]] = upper
+        child.key = child.key[n * bs :]
+        child.blocks = child.blocks[n:]
+        child.parent = upper
+        upper.children[child.key[:bs]] = child
+        return upper
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int] | bytes, block_ids: Sequence[int] | bytes) -> int:
+        bs = self.block_size
+        key = _ints(tokens, "i")
+        key = tuple(key[: len(key) - len(key) % bs])
+        blocks = _ints(block_ids, "i")
+        if len(blocks) < len(key) // bs:
+            raise ValueError(f"{len(blocks)} block ids for {len(key) // bs} blocks of tokens")
+        blocks = blocks[: len(key) // bs]
+        self._clock += 1
+        node, matched, _ = self._walk(key)
+        if matched < len(key):
+            new_blocks = blocks[matched // bs :]
+            leaf = _Node(self._next_id, node, key[matched:], new_blocks)
+            self._next_id += 1
+            self._nodes[leaf.id] = leaf
+            leaf.last_access = self._clock
+            node.children[leaf.key[:bs]] = leaf
+            self.allocator.incref(new_blocks)
+            self.cached_blocks += len(new_blocks)
+            self.evictable_blocks += len(new_blocks)
+            self._stats["inserted_blocks"] += len(new_blocks)
+        return matched
+
+    def lock(self, handle: int) -> None:
+        node = self._node(handle)
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self.evictable_blocks -= len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: int) -> None:
+        node = self._node(handle)
+        path = []
+        while node is not self._root:
+            path.append(node)
+            node = node.parent
+        if any(n.lock_ref == 0 for n in path):
+            raise ValueError(f"unlock of node {handle} that is not locked")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.evictable_blocks += len(n.blocks)
+
+    def evict(self, num_blocks: int) -> int:
+        if num_blocks < 0:
+            raise ValueError(f"cannot evict {num_blocks} blocks")
+        released = 0
+        while released < num_blocks:
+            leaves = [n for n in self._nodes.values() if not n.children and n.lock_ref == 0]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: (n.last_access, n.id))
+            released += self._remove(victim)
+        return released
+
+    def reset(self) -> int:
+        """Drops every unlocked node; returns the blocks released to the allocator."""
+        before = self.allocator.num_free
+        for node in list(self._nodes.values()):
+            if node.id in self._nodes and node.lock_ref == 0:
+                self._drop_subtree(node)
+        return self.allocator.num_free - before
+
+    def _drop_subtree(self, node: _Node) -> None:
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+        self._remove(node)
+
+    def _remove(self, node: _Node) -> int:
+        """Detaches an unlocked leaf and drops the tree's references; returns blocks freed."""
+        before = self.allocator.num_free
+        del node.parent.children[node.key[: self.block_size]]
+        del self._nodes[node.id]
+        self.allocator.decref(node.blocks)
+        self.cached_blocks -= len(node.blocks)
+        self.evictable_blocks -= len(node.blocks)
+        self._stats["evicted_blocks"] += len(node.blocks)
+        return self.allocator.num_free - before
+
+    def _node(self, handle: int) -> _Node:
+        node = self._nodes.get(handle)
+        if node is None:
+            raise ValueError(f"unknown cache node {handle}")
+        return node
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return dict(
+            cached_blocks=self.cached_blocks, evictable_blocks=self.evictable_blocks, **self._stats
+        )
+
+    def cached_block_ids(self) -> set[int]:
+        return {b for n in self._nodes.values() for b in n.blocks}
+
+    def locked_block_ids(self) -> set[int]:
+        return {b for n in self._nodes.values() if n.lock_ref > 0 for b in n.blocks}
+
+
+# --------------------------------------------------------------------------------------------
+# Planner
+
+
+@dataclass
+class Step:
+    """One planned forward pass, with the same packed fields as ``pyserve._core.Step``."""
+
+    step_id: int
+    rids: bytes
+    start_pos: bytes
+    num_tokens: bytes
+    is_decode: bytes
+    sample: bytes
+    input_ids: bytes
+    block_offsets: bytes
+    block_counts: bytes
+    block_ids: bytes
+    dropped: bytes
+    retracted: bytes
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.rids) // 8
+
+    def entries(self) -> list[dict]:
+        rids = array("q", self.rids)
+        starts, counts = array("i", self.start_pos), array("i", self.num_tokens)
+        decode, sample = self.is_decode, self.sample
+        offsets, nblocks = array("i", self.block_offsets), array("i", self.block_counts)
+        tokens, blocks = array("i", self.input_ids).tolist(), array("i", self.block_ids).tolist()
+        out, t, b = [], 0, 0
+        for i, rid in enumerate(rids):
+            ids = [] if decode[i] else tokens[t : t + counts[i]]
+            t += len(ids)
+            out.append(
+                dict(
+                    rid=rid,
+                    start_pos=starts[i],
+                    num_tokens=counts[i],
+                    is_decode=bool(decode[i]),
+                    sample=bool(sample[i]),
+                    input_ids=ids,
+                    block_offset=offsets[i],
+                    block_ids=blocks[b : b + nblocks[i]],
+                )
+            )
+            b += nblocks[i]
+        return out
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: int
+    output: list[int] = field(default_factory=list)
+    state: str = "waiting"  # waiting | running | retracted | done
+    table: list[int] = field(default_factory=list)  # one allocator reference held per entry
+    handle: int = 0  # locked cache node (0 = none)
+    target: int = 0  # tokens to prefill in this admission (prompt + output known then)
+    num_computed: int = 0  # positions planned into the KV cache
+    num_reported: int = 0  # positions computed by steps already reported
+    num_inserted: int = 0  # leading tokens already offered to the cache
+    planned_samples: int = 0
+    cached_tokens: int = 0
+    admitted_once: bool = False
+    admit_seq: int = 0
+    inflight: int = 0  # unreported steps that contain this request
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.target
+
+
+_POLICIES = ("fcfs", "lpm")
+
+
+class Planner:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_running_requests: int = 256,
+        max_prefill_tokens: int = 8192,
+        chunked_prefill_size: int = 2048,
+        policy: str = "fcfs",
+        enable_radix_cache: bool = True,
+        vocab_size: int = 2**31 - 1,
+        init_reserve_ratio: float = 0.7,
+        min_reserve_ratio: float = 0.1,
+        reserve_decay: float = 0.001,
+    ) -> None:
+        for name, value in dict(
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            vocab_size=vocab_size,
+        ).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.cache = RadixCache(block_size, self.allocator)
+        self.block_size = block_size
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.policy = policy
+        self.enable_radix_cache = enable_radix_cache
+        self.vocab_size = vocab_size
+        self.init_reserve_ratio = init_reserve_ratio
+        self.min_reserve_ratio = min_reserve_ratio
+        self.reserve_decay = reserve_decay
+        self.reserve_ratio = init_reserve_ratio
+        self._requests: dict[int, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # in admission order
+        self._inflight: deque[tuple[int, list[tuple[_Request, int]]]] = deque()
+        self._dropped: list[int] = []
+        self._next_step = 0
+        self._arrivals = 0
+        self._admissions = 0
+        self.retractions = 0
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, rid: int, prompt: Sequence[int] | bytes, max_new_tokens: int) -> None:
+        tokens = _ints(prompt, "i")
+        if rid in self._requests:
+            raise ValueError(f"request {rid} already exists")
+        if not tokens:
+            raise ValueError(f"request {rid}: empty prompt")
+        self._check_tokens(tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        capacity = self.allocator.num_blocks * self.block_size
+        if len(tokens) + max_new_tokens > capacity:
+            raise ValueError(
+                f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
+                f"({capacity} tokens)"
+            )
+        req = _Request(rid, tokens, max_new_tokens, self._arrivals)
+        self._arrivals += 1
+        self._requests[rid] = req
+        self._waiting.append(req)
+
+    def finish(self, rid: int) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.state == "done":
+            raise KeyError(f"request {rid} is unknown or already finished")
+        self._close(req)
+
+    def abort(self, rid: int) -> bool:
+        req = self._requests.get(rid)
+        if req is None or req.state == "done":
+            return False
+        self._close(req)
+        return True
+
+    def _close(self, req: _Request) -> None:
+        if req.state in ("waiting", "retracted"):
+            self._waiting.remove(req)
+        elif req.state == "running":
+            self._running.remove(req)
+            self._cache_computed(req, min(req.num_computed, len(req.tokens)))
+            self._release(req)
+        req.state = "done"
+        self._dropped.append(req.rid)
+
+    # -- the plan -----------------------------------------------------------------------------
+
+    def plan(self) -> Step | None:
+        self.reserve_ratio = max(self.min_reserve_ratio, self.reserve_ratio - self.reserve_decay)
+        entries: list[tuple[_Request, int, int, bool, bool, int, list[int]]] = []
+        retracted: list[int] = []
+        self._plan_decodes(entries, retracted)
+        budget = self.max_prefill_tokens
+        for req in list(self._running):  # chunked prefills already under way
+            if req.state == "running" and not req.prefill_done and budget > 0:
+                if len(entries) >= self.max_running_requests:
+                    break
+                budget -= self._plan_chunk(req, entries, retracted, budget)
+        self._admit(entries, retracted, budget)
+        if not entries and not self._dropped and not retracted:
+            return None
+        return self._emit(entries, retracted)
+
+    def _plan_decodes(self, entries: list, retracted: list[int]) -> None:
+        bs = self.block_size
+        for req in list(self._running):
+            if req.state != "running" or not req.prefill_done:
+                continue
+            if req.planned_samples >= req.max_new_tokens:
+                continue
+            pos = req.num_computed
+            offset, new = len(req.table), []
+            if pos % bs == 0:
+                block = self._allocate_one(req, entries, retracted)
+                if block is None:
+                    continue  # req itself was retracted
+                req.table.append(block)
+                new = [block]
+            req.num_computed += 1
+            req.planned_samples += 1
+            entries.append((req, pos, 1, True, True, offset, new))
+
+    def _plan_chunk(self, req: _Request, entries: list, retracted: list[int], budget: int) -> int:
+        """Plans the next prefill chunk of a running request; returns the tokens used."""
+        bs = self.block_size
+        start, offset = req.num_computed, len(req.table)
+        n = min(req.target - start, self.chunked_prefill_size, budget)
+        while len(req.table) * bs < start + n:
+            block = self._allocate_one(req, entries, retracted)
+            if block is None:
+                return 0  # req itself was retracted (its table is gone)
+            req.table.append(block)
+        req.num_computed += n
+        sample = req.num_computed == req.target
+        if sample:
+            req.planned_samples = len(req.output) + 1
+        entries.append((req, start, n, False, sample, offset, req.table[offset:]))
+        return n
+
+    def _admit(self, entries: list, retracted: list[int], budget: int) -> None:
+        bs = self.block_size
+        for req in self._admission_order():
+            if budget <= 0 or len(self._running) >= self.max_running_requests:
+                return
+            if len(entries) >= self.max_running_requests:
+                return
+            tokens = req.tokens
+            matched, blocks, handle = 0, [], 0
+            if self.enable_radix_cache:
+                matched, blocks, handle = self.cache.match_prefix(tokens)
+                if matched == len(tokens):  # a prefill must compute at least one token
+                    matched, blocks = matched - bs, blocks[:-1]
+                self.cache.lock(handle)
+            # The whole rest of the prompt and a share of every running request's future
+            # tokens must fit, so that admitted requests can run to the end.
+            need = -(-len(tokens) // bs) - len(blocks) + self._reserved_blocks(req)
+            available = self.allocator.num_free + self.cache.evictable_blocks
+            if need > available:
+                if self.enable_radix_cache:
+                    self.cache.unlock(handle)
+                return  # head-of-line: keep arrival order fair
+            self.allocator.incref(blocks)
+            req.table, req.handle = list(blocks), handle
+            req.num_computed = req.num_reported = req.num_inserted = matched
+            req.target = len(tokens)
+            if not req.admitted_once:
+                req.cached_tokens, req.admitted_once = matched, True
+            req.state = "running"
+            req.admit_seq = self._admissions
+            self._admissions += 1
+            self._waiting.remove(req)
+            self._running.append(req)
+            n = min(req.target - matched, self.chunked_prefill_size, budget)
+            fresh = self._allocate(-(-(matched + n) // bs) - len(blocks))
+            req.table.extend(fresh)
+            req.num_computed = matched + n
+            sample = req.num_computed == req.target
+            if sample:
+                req.planned_samples = len(req.output) + 1
+            entries.append((req, matched, n, False, sample, 0, list(req.table)))
+            budget -= n
+
+    def _admission_order(self) -> list[_Request]:
+        # A retracted request waits for every step that held it; one that already has all its
+        # tokens only waits for its finish.
+        ready = [r for r in self._waiting if r.inflight == 0 and len(r.output) < r.max_new_tokens]
+        if self.policy == "lpm" and self.enable_radix_cache:
+            hits = {r.rid: self._peek_match(r.tokens) for r in ready}
+            ready.sort(key=lambda r: (r.state != "retracted", -hits[r.rid], r.arrival))
+        return ready
+
+    def _peek_match(self, tokens: list[int]) -> int:
+        """Length of the cached prefix, without touching LRU times or splitting edges."""
+        bs, node, pos, key = self.block_size, self.cache._root, 0, tuple(tokens)
+        while pos + bs <= len(key):
+            child = node.children.get(key[pos : pos + bs])
+            if child is None:
+                break
+            n = 0
+            while n < len(child.blocks) and pos + (n + 1) * bs <= len(key):
+                if child.key[n * bs : (n + 1) * bs] != key[pos + n * bs : pos + (n + 1) * bs]:
+                    break
+                n += 1
+            pos += n * bs
+            if n < len(child.blocks):
+                break
+            node = child
+        return pos
+
+    def _reserved_blocks(self, candidate: _Request) -> int:
+        """Blocks kept back for the future tokens of running requests and the candidate."""
+        bs, tokens = self.block_size, 0
+        for req in [*self._running, candidate]:
+            if req.state == "running" and not req.prefill_done:
+                tokens += req.target - req.num_computed
+            remaining = req.max_new_tokens - max(req.planned_samples, len(req.output))
+            tokens += math.ceil(max(remaining, 0) * self.reserve_ratio)
+        return -(-tokens // bs)
+
+    def _allocate(self, n: int) -> list[int]:
+        if n > self.allocator.num_free:
+            self.cache.evict(n - self.allocator.num_free)
+        return self.allocator.allocate(n)
+
+    def _allocate_one(self, requester: _Request, entries: list, retracted: list[int]):
+        """One block for requester, evicting and then retracting newest requests as needed.
+
+        A victim already planned into this step loses its entry: its blocks are free now.
+        Returns None when the requester itself had to go.
+        """
+        while True:
+            if self.allocator.num_free == 0:
+                self.cache.evict(1)
+            if self.allocator.num_free > 0:
+                return self.allocator.allocate(1)[0]
+            victim = max(self._running, key=lambda r: r.admit_seq)
+            self._retract(victim)
+            retracted.append(victim.rid)
+            entries[:] = [e for e in entries if e[0] is not victim]
+            if victim is requester:
+                return None
+
+    def _retract(self, req: _Request) -> None:
+        self._running.remove(req)
+        self._release(req)
+        req.state = "retracted"
+        req.num_computed = req.num_reported = req.num_inserted = req.target = 0
+        self._waiting.appendleft(req)
+        self.retractions += 1
+        self.reserve_ratio = self.init_reserve_ratio
+
+    def _release(self, req: _Request) -> None:
+        self.allocator.decref(req.table)
+        req.table = []
+        if req.handle:
+            self.cache.unlock(req.handle)
+            req.handle = 0
+
+    def _emit(self, entries: list, retracted: list[int]) -> Step:
+        step_id = self._next_step
+        self._next_step += 1
+        rids, starts, counts = array("q"), array("i"), array("i")
+        decode, sample = bytearray(), bytearray()
+        tokens, offsets, nblocks, blocks = array("i"), array("i"), array("i"), array("i")
+        prefill_tokens = decode_tokens = 0
+        members = []
+        for req, start, n, is_decode, samples, offset, new in entries:
+            rids.append(req.rid)
+            starts.append(start)
+            counts.append(n)
+            decode.append(is_decode)
+            sample.append(samples)
+            offsets.append(offset)
+            nblocks.append(len(new))
+            blocks.extend(new)
+            if is_decode:
+                decode_tokens += 1
+            else:
+                tokens.extend(req.tokens[start : start + n])
+                prefill_tokens += n
+            req.inflight += 1
+            members.append((req, start + n))
+        self._inflight.append((step_id, members))
+        dropped = array("q", self._dropped)
+        for rid in self._dropped:
+            del self._requests[rid]
+        self._dropped = []
+        return Step(
+            step_id=step_id,
+            rids=rids.tobytes(),
+            start_pos=starts.tobytes(),
+            num_tokens=counts.tobytes(),
+            is_decode=bytes(decode),
+            sample=bytes(sample),
+            input_ids=tokens.tobytes(),
+            block_offsets=offsets.tobytes(),
+            block_counts=nblocks.tobytes(),
+            block_ids=blocks.tobytes(),
+            dropped=dropped.tobytes(),
+            retracted=array("q", retracted).tobytes(),
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=decode_tokens,
+        )
+
+    # -- completions --------------------------------------------------------------------------
+
+    def report(self, step_id: int, rids: Sequence[int] | bytes, tokens: Sequence[int] | bytes):
+        if not self._inflight or self._inflight[0][0] != step_id:
+            expected = self._inflight[0][0] if self._inflight else None
+            raise RuntimeError(f"report for step {step_id}, expected step {expected}")
+        rid_list, token_list = _ints(rids, "q"), _ints(tokens, "i")
+        if len(rid_list) != len(token_list):
+            raise ValueError(f"{len(rid_list)} rids but {len(token_list)} tokens")
+        self._check_tokens(token_list)
+        _, members = self._inflight.popleft()
+        for rid, token in zip(rid_list, token_list, strict=True):
+            req = self._requests.get(rid)
+            if req is not None and req.state != "done":
+                req.output.append(token)
+        for req, end in members:
+            req.inflight -= 1
+            if req.state == "running":
+                req.num_reported = max(req.num_reported, end)
+                self._cache_computed(req, min(req.num_reported, len(req.tokens)))
+
+    def _cache_computed(self, req: _Request, computed: int) -> None:
+        """Offers the request's full computed blocks to the cache (they become shareable)."""
+        bs = self.block_size
+        full = computed - computed % bs
+        if not self.enable_radix_cache or full <= req.num_inserted:
+            return
+        tokens = req.tokens[:full]
+        self.cache.insert(tokens, req.table[: full // bs])
+        req.num_inserted = full
+        # Lock the path to the newly inserted blocks (and let go of the old lock) so that
+        # the blocks the request computed are not counted as evictable while it runs.
+        _, _, handle = self.cache.match_prefix(tokens)
+        self.cache.lock(handle)
+        if req.handle:
+            self.cache.unlock(req.handle)
+        req.handle = handle
+
+    def flush_cache(self) -> int:
+        return self.cache.reset()
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def stats(self) -> dict:
+        return dict(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_free_blocks=self.num_free_blocks,
+            num_inflight_steps=self.num_inflight_steps,
+            retractions=self.retractions,
+            reserve_ratio=self.reserve_ratio,
+            **self.cache.stats(),
+        )
+
+    def request(self, rid: int) -> dict:
+        req = self._requests.get(rid)
+        if req is None:
+            raise KeyError(f"unknown request {rid}")
+        return dict(
+            state=req.state,
+            prompt_len=len(req.prompt),
+            output_len=len(req.output),
+            num_computed=req.num_computed,
+            cached_tokens=req.cached_tokens,
+            max_new_tokens=req.max_new_tokens,
+            planned_samples=req.planned_samples,
+        )
+
+    def block_states(self) -> bytes:
+        cached = self.cache.cached_block_ids()
+        return bytes(
+            CACHED if b in cached else OWNED if self.allocator.refcount(b) else FREE
+            for b in range(self.allocator.num_blocks)
+        )
+
+    def refcounts(self) -> bytes:
+        counts = [self.allocator.refcount(b) for b in range(self.allocator.num_blocks)]
+        return array("i", counts).tobytes()
+
+    def check_invariants(self) -> None:
+        holders = [0] * self.allocator.num_blocks
+        for b in self.cache.cached_block_ids():
+            holders[b] += 1
+        for req in self._running:
+            for b in req.table:
+                holders[b] += 1
+        for b, n in enumerate(holders):
+            if self.allocator.refcount(b) != n:
+                raise RuntimeError(f"block {b}: refcount {self.allocator.refcount(b)}, {n} holders")
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t} out of range [0, {self.vocab_size})")

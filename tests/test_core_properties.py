@@ -1,0 +1,865 @@
+"""Property tests of the C++ scheduling core ``pyserve._core`` (issue 2, section 4).
+
+Two hypothesis state machines:
+
+- ``CacheMachine`` drives ``RadixCache`` + ``BlockAllocator`` and the pure-Python reference
+  (``core_reference``) with the same calls and demands identical answers: prefix matches and
+  their block ids, duplicate counts on insert, evictions, statistics, refcounts.
+- ``PlannerMachine`` drives a ``Planner`` through random interleavings of add / plan / report
+  (up to two steps in flight) / finish / abort / evict / flush, playing the worker itself: it
+  keeps every request's block table as the worker would and a shadow of the KV pool that
+  records which (request, position) wrote each slot. From that it checks what the worker
+  relies on: a step reads only slots that hold the KV of exactly the tokens it expects, writes
+  only blocks nobody else uses, and the cache maps every token prefix to blocks whose content
+  is that prefix. The shadow's cached blocks give the reference answer for ``match_prefix``.
+  After the random run it drives the planner to completion (every request must finish: no
+  starvation, no deadlock), flushes the cache and demands that every block is free.
+
+The same planner machine also runs against the reference planner, which checks the harness
+itself and keeps the benchmark's baseline honest.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from dataclasses import dataclass, field
+
+import core_reference as reference
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pyserve import _core as core
+
+FREE, OWNED, CACHED = reference.FREE, reference.OWNED, reference.CACHED
+VOCAB = 50  # token ids in tests; outputs come from a smaller range so sequences collide
+MAX_INFLIGHT = 2
+TAILS = st.lists(st.integers(0, 7), max_size=12)  # prompt tails and outputs share a small range
+
+
+class CoreViolation(AssertionError):
+    """An invariant of the core failed; the message names the operation and the invariant."""
+
+
+def _i32(data: bytes) -> list[int]:
+    return array("i", data).tolist()
+
+
+def _i64(data: bytes) -> list[int]:
+    return array("q", data).tolist()
+
+
+def _prefix_hashes(tokens: list[int]) -> list[tuple[int, int]]:
+    """hashes[k] identifies tokens[:k] (length and content)."""
+    out, h = [(0, 0)], 0
+    for k, t in enumerate(tokens, 1):
+        h = hash((h, t))
+        out.append((k, h))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# RadixCache + BlockAllocator against the reference, call for call
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Identical calls on the core and the reference must give identical answers."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(4, 40),
+        prefixes=st.lists(st.lists(st.integers(0, 5), max_size=24), min_size=1, max_size=3),
+    )
+    def setup(self, block_size: int, num_blocks: int, prefixes: list[list[int]]) -> None:
+        self.bs = block_size
+        self.prefixes = prefixes
+        self.core_alloc = core.BlockAllocator(num_blocks)
+        self.core_cache = core.RadixCache(block_size, self.core_alloc)
+        self.ref_alloc = reference.BlockAllocator(num_blocks)
+        self.ref_cache = reference.RadixCache(block_size, self.ref_alloc)
+        self.locks: list[tuple[int, int, list[int]]] = []  # (core handle, ref handle, blocks)
+        self.seen: list[list[int]] = [list(p) for p in prefixes]
+
+    def _sequence(self, data: st.DataObject) -> list[int]:
+        prefix = data.draw(st.sampled_from(self.prefixes))
+        cut = data.draw(st.integers(0, len(prefix)))
+        tail = data.draw(st.lists(st.integers(0, 5), max_size=3 * self.bs))
+        return prefix[:cut] + tail
+
+    def _fail(self, what: str) -> None:
+        raise CoreViolation(what)
+
+    @rule(data=st.data())
+    def insert(self, data: st.DataObject) -> None:
+        tokens = self._sequence(data)
+        n = len(tokens) // self.bs
+        if n > self.core_alloc.num_free:
+            return
+        ids = self.core_alloc.allocate(n)
+        self.ref_alloc.take(ids)  # the reference must agree that these blocks were free
+        as_bytes = data.draw(st.booleans())
+        core_hit = self.core_cache.insert(
+            array("i", tokens).tobytes() if as_bytes else tokens,
+            array("i", ids).tobytes() if as_bytes else ids,
+        )
+        ref_hit = self.ref_cache.insert(tokens, ids)
+        if core_hit != ref_hit:
+            self._fail(f"insert({tokens}): core says {core_hit} cached, reference {ref_hit}")
+        # The caller drops its own references: duplicates become free, adopted ones stay.
+        self.core_alloc.decref(ids)
+        self.ref_alloc.decref(ids)
+        self.seen.append(tokens)
+
+    @rule(data=st.data())
+    def match(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(self.seen)) if data.draw(st.booleans()) else None
+        tokens = tokens if tokens is not None else self._sequence(data)
+        self._compare_match(tokens)
+
+    @rule(data=st.data())
+    def lock(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(self.seen))
+        _, blocks, core_handle = self.core_cache.match_prefix(tokens)
+        _, _, ref_handle = self.ref_cache.match_prefix(tokens)
+        self.core_cache.lock(core_handle)
+        self.ref_cache.lock(ref_handle)
+        self.locks.append((core_handle, ref_handle, blocks))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.locks) - 1))
+        core_handle, ref_handle, _ = self.locks.pop(i)
+        self.core_cache.unlock(core_handle)
+        self.ref_cache.unlock(ref_handle)
+
+    @precondition(lambda self: not self.locks)
+    @rule(data=st.data())
+    def unlock_unlocked_raises(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(self.seen))
+        _, _, core_handle = self.core_cache.match_prefix(tokens)
+        _, _, ref_handle = self.ref_cache.match_prefix(tokens)
+        for cache, handle in ((self.core_cache, core_handle), (self.ref_cache, ref_handle)):
+            if handle != 0:  # the root is never evicted; unlocking it is harmless
+                with pytest.raises(ValueError):
+                    cache.unlock(handle)
+
+    @rule(n=st.integers(0, 12))
+    def evict(self, n: int) -> None:
+        core_released = self.core_cache.evict(n)
+        ref_released = self.ref_cache.evict(n)
+        if core_released != ref_released:
+            self._fail(f"evict({n}) released {core_released} blocks, reference {ref_released}")
+
+    @rule()
+    def reset(self) -> None:
+        core_released = self.core_cache.reset()
+        ref_released = self.ref_cache.reset()
+        if core_released != ref_released:
+            self._fail(f"reset() released {core_released} blocks, reference {ref_released}")
+
+    def _compare_match(self, tokens: list[int]) -> None:
+        core_n, core_blocks, _ = self.core_cache.match_prefix(tokens)
+        ref_n, ref_blocks, _ = self.ref_cache.match_prefix(tokens)
+        if (core_n, list(core_blocks)) != (ref_n, ref_blocks):
+            self._fail(
+                f"match_prefix({tokens}) = {core_n}, {list(core_blocks)}; "
+                f"reference {ref_n}, {ref_blocks}"
+            )
+        if core_n != len(core_blocks) * self.bs:
+            self._fail(f"match_prefix: {core_n} tokens but {len(core_blocks)} blocks")
+
+    @invariant()
+    def agrees_with_reference(self) -> None:
+        if not hasattr(self, "core_cache"):
+            return
+        core_stats, ref_stats = self.core_cache.stats(), self.ref_cache.stats()
+        for key, value in ref_stats.items():
+            if core_stats.get(key) != value:
+                self._fail(f"stats[{key!r}] = {core_stats.get(key)}, reference {value}")
+        if self.core_cache.cached_blocks != ref_stats["cached_blocks"]:
+            self._fail("cached_blocks property disagrees with stats()")
+        if self.core_cache.evictable_blocks != ref_stats["evictable_blocks"]:
+            self._fail("evictable_blocks property disagrees with stats()")
+        if self.core_alloc.num_free != self.ref_alloc.num_free:
+            self._fail(f"num_free {self.core_alloc.num_free}, reference {self.ref_alloc.num_free}")
+        for b in range(self.core_alloc.num_blocks):
+            if self.core_alloc.refcount(b) != self.ref_alloc.refcount(b):
+                self._fail(
+                    f"refcount({b}) = {self.core_alloc.refcount(b)}, "
+                    f"reference {self.ref_alloc.refcount(b)}"
+                )
+        cached = self.ref_cache.cached_block_ids()
+        for _, _, blocks in self.locks:  # nothing locked is ever evicted
+            if not set(blocks) <= cached:
+                self._fail(f"locked blocks {sorted(set(blocks) - cached)} left the cache")
+
+
+TestRadixCacheAgainstReference = CacheMachine.TestCase
+TestRadixCacheAgainstReference.settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The planner, checked through what a worker would see
+
+
+@dataclass
+class Tracked:
+    """The harness's view of one request: what the core must know, and the worker's table."""
+
+    rid: int
+    prompt: list[int]
+    max_new: int
+    arrival: int
+    known: list[int] = field(default_factory=list)  # prompt + outputs the core accepted
+    hashes: list[tuple[int, int]] = field(default_factory=list)
+    state: str = "waiting"  # waiting | running | retracted | done
+    admitted: bool = False
+    samples: int = 0  # sampling entries emitted for it (each yields one output token)
+    table: list[int] = field(default_factory=list)
+    kv_len: int = 0  # positions in its KV for the current admission
+    prefix_blocks: list[int] = field(default_factory=list)  # cache blocks it reads from
+    inflight: int = 0
+
+    def __post_init__(self) -> None:
+        self.known = list(self.prompt)
+        self.hashes = _prefix_hashes(self.known)
+
+    def append(self, token: int) -> None:
+        self.known.append(token)
+        self.hashes.append((len(self.known), hash((self.hashes[-1][1], token))))
+
+    @property
+    def output_len(self) -> int:
+        return len(self.known) - len(self.prompt)
+
+
+@dataclass
+class PlannedEntry:
+    rid: int
+    start: int
+    n: int
+    decode: bool
+    sample: bool
+    offset: int
+    blocks: list[int]
+    input_ids: list[int]
+
+
+def _entries(step) -> list[PlannedEntry]:
+    rids, starts, counts = _i64(step.rids), _i32(step.start_pos), _i32(step.num_tokens)
+    decode, sample = bytes(step.is_decode), bytes(step.sample)
+    offsets, nblocks = _i32(step.block_offsets), _i32(step.block_counts)
+    ids, tokens = _i32(step.block_ids), _i32(step.input_ids)
+    sizes = {len(rids), len(starts), len(counts), len(decode), len(sample), len(offsets)}
+    if sizes != {step.num_requests} or len(nblocks) != step.num_requests:
+        raise CoreViolation(f"step {step.step_id}: per-entry arrays of different lengths")
+    out, b, t = [], 0, 0
+    for i, rid in enumerate(rids):
+        n_in = 0 if decode[i] else counts[i]
+        out.append(
+            PlannedEntry(
+                rid=rid,
+                start=starts[i],
+                n=counts[i],
+                decode=bool(decode[i]),
+                sample=bool(sample[i]),
+                offset=offsets[i],
+                blocks=ids[b : b + nblocks[i]],
+                input_ids=tokens[t : t + n_in],
+            )
+        )
+        b += nblocks[i]
+        t += n_in
+    if b != len(ids) or t != len(tokens):
+        raise CoreViolation(f"step {step.step_id}: block_ids/input_ids lengths do not add up")
+    return out
+
+
+@st.composite
+def planner_configs(draw) -> dict:
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    pool_tokens = draw(st.integers(16, 128))  # tight: prompts reach ~60 tokens with outputs
+    return dict(
+        num_blocks=-(-pool_tokens // block_size),
+        block_size=block_size,
+        max_running_requests=draw(st.integers(1, 8)),
+        max_prefill_tokens=draw(st.integers(1, 48)),
+        chunked_prefill_size=draw(st.integers(1, 32)),
+        policy=draw(st.sampled_from(["fcfs", "lpm"])),
+        enable_radix_cache=draw(st.sampled_from([True, True, True, False])),
+        vocab_size=VOCAB,
+        init_reserve_ratio=draw(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.0])),
+        min_reserve_ratio=0.0,
+        reserve_decay=draw(st.sampled_from([0.0, 0.05, 0.3])),
+    )
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    impl = core  # the module providing Planner; the reference run overrides it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = False
+        self.busy = False  # set while an operation runs, so teardown knows a step raised
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    @initialize(
+        config=planner_configs(),
+        prefixes=st.lists(
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), min_size=1, max_size=3
+        ),
+        seed=st.integers(0, 2**16),
+        data=st.data(),
+    )
+    def setup(self, config: dict, prefixes: list[list[int]], seed: int, data) -> None:
+        self.cfg = config
+        self.bs = config["block_size"]
+        self.num_blocks = config["num_blocks"]
+        self.planner = self.impl.Planner(**config)
+        self.prefixes = prefixes
+        self.rng = random.Random(seed)
+        self.requests: dict[int, Tracked] = {}
+        self.next_rid = 1000
+        self.inflight: list[tuple[int, list[int]]] = []  # (step id, rids that sample)
+        self.next_step_id = 0
+        self.to_drop: set[int] = set()  # finished/aborted since the last Step
+        self.step_members: dict[int, set[int]] = {}  # step id -> rids with an entry
+        self.kv: list[list[tuple[int, int] | None]] = [
+            [None] * self.bs for _ in range(self.num_blocks)
+        ]
+        self.pending_reads: list[tuple[int, int, int, int]] = []  # (reader, writer, pos, step)
+        self.op = "setup"
+        self.ready = True
+        self._check_all()
+        for _ in range(data.draw(st.integers(1, 8), label="initial requests")):
+            self.add(data, data.draw(st.integers(1, 10)), data.draw(TAILS))
+
+    def _fail(self, what: str) -> None:
+        raise CoreViolation(f"after {self.op}: {what}")
+
+    def _begin(self, op: str) -> None:
+        self.op, self.busy = op, True
+
+    def _end(self) -> None:
+        self._check_all()
+        self.busy = False
+
+    # -- rules --------------------------------------------------------------------------------
+
+    @rule(data=st.data(), max_new=st.integers(1, 10), tail=TAILS)
+    def add(self, data: st.DataObject, max_new: int, tail: list[int]) -> None:
+        prefix = data.draw(st.sampled_from(self.prefixes))
+        cut = len(prefix) if data.draw(st.booleans()) else data.draw(st.integers(0, len(prefix)))
+        prompt = prefix[:cut] + tail
+        rid = self.next_rid
+        self.next_rid += 1
+        self._begin(f"add_request({rid}, len {len(prompt)}, max_new {max_new})")
+        fits = len(prompt) + max_new <= self.num_blocks * self.bs
+        if not prompt or not fits:
+            with pytest.raises(ValueError):
+                self.planner.add_request(rid, prompt, max_new)
+        else:
+            if data.draw(st.booleans()):
+                self.planner.add_request(rid, array("i", prompt).tobytes(), max_new)
+            else:
+                self.planner.add_request(rid, prompt, max_new)
+            self.requests[rid] = Tracked(rid, prompt, max_new, arrival=len(self.requests))
+        self._end()
+
+    @rule(data=st.data())
+    def bad_calls(self, data: st.DataObject) -> None:
+        """Each bad call is refused with the documented exception and changes nothing."""
+        kind = data.draw(
+            st.sampled_from(["duplicate", "token", "negative", "max_new", "report", "finish"])
+        )
+        live = [rid for rid, r in self.requests.items() if r.state != "done"]
+        if kind == "duplicate" and not live:
+            kind = "token"
+        self._begin(f"bad call: {kind}")
+        rid = live[0] if kind == "duplicate" else self.next_rid
+        prompt, max_new = [1, 2, 3], 2
+        if kind == "token":
+            prompt = [1, VOCAB, 2]
+        elif kind == "negative":
+            prompt = [1, -1]
+        elif kind == "max_new":
+            max_new = data.draw(st.sampled_from([0, -3]))
+        if kind == "report":  # a step that was never planned, or not the oldest in flight
+            with pytest.raises(RuntimeError):
+                self.planner.report(self.next_step_id + 5, [], [])
+        elif kind == "finish":  # a rid the planner never saw
+            with pytest.raises(KeyError):
+                self.planner.finish(self.next_rid + 11)
+        else:
+            with pytest.raises(ValueError):
+                self.planner.add_request(rid, prompt, max_new)
+        self._end()
+
+    @precondition(lambda self: self.ready and len(self.inflight) < MAX_INFLIGHT)
+    @rule()
+    def plan(self) -> None:
+        self._begin(f"plan() with {len(self.inflight)} steps in flight")
+        self._plan_once()
+        self._end()
+
+    @precondition(lambda self: self.ready and self.inflight)
+    @rule(data=st.data())
+    def report(self, data: st.DataObject) -> None:
+        step_id, rids = self.inflight[0]
+        tokens = data.draw(st.lists(st.integers(0, 7), min_size=len(rids), max_size=len(rids)))
+        self._begin(f"report(step {step_id}, rids {rids}, tokens {tokens})")
+        self._report(step_id, rids, tokens, as_bytes=data.draw(st.booleans()))
+        self._end()
+
+    @precondition(lambda self: self.ready)
+    @rule(cycles=st.integers(1, 8))
+    def advance(self, cycles: int) -> None:
+        """Runs the engine loop for a while: keep two steps in flight, report the oldest."""
+        for _ in range(cycles):
+            self._begin(f"advance: plan() with {len(self.inflight)} in flight")
+            step = self._plan_once() if len(self.inflight) < MAX_INFLIGHT else None
+            self._end()
+            if step is None and not self.inflight:
+                return
+            if step is None or len(self.inflight) == MAX_INFLIGHT:
+                step_id, rids = self.inflight[0]
+                tokens = [self.rng.randrange(8) for _ in rids]
+                self._begin(f"advance: report(step {step_id}, rids {rids}, tokens {tokens})")
+                self._report(step_id, rids, tokens)
+                self._end()
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        live = [r for r in self.requests.values() if r.state != "done" and r.output_len > 0]
+        if not live:
+            return
+        req = data.draw(st.sampled_from(live))
+        self._begin(f"finish({req.rid})")
+        self.planner.finish(req.rid)
+        self._close(req)
+        with pytest.raises(KeyError):
+            self.planner.finish(req.rid)
+        self._end()
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        choices = [*self.requests, self.next_rid + 7]
+        rid = data.draw(st.sampled_from(choices))
+        req = self.requests.get(rid)
+        self._begin(f"abort({rid})")
+        expected = req is not None and req.state != "done"
+        if self.planner.abort(rid) != expected:
+            self._fail(f"abort({rid}) returned {not expected}, expected {expected}")
+        if expected:
+            self._close(req)
+        self._end()
+
+    @rule(n=st.integers(0, 200))
+    def evict(self, n: int) -> None:
+        self._begin(f"cache.evict({n})")
+        self.planner.cache.evict(n)
+        if n >= self.num_blocks and self.planner.cache.evictable_blocks != 0:
+            self._fail("evict(everything) left evictable blocks in the cache")
+        self._end()
+
+    @rule()
+    def flush(self) -> None:
+        self._begin("flush_cache()")
+        self.planner.flush_cache()
+        if self.planner.cache.evictable_blocks != 0:
+            self._fail("flush_cache() left evictable blocks in the cache")
+        self._end()
+
+    # -- driving the planner like the engine does ---------------------------------------------
+
+    def _plan_once(self):
+        step = self.planner.plan()
+        if step is None:
+            if self.to_drop:
+                self._fail(f"plan() returned None with {sorted(self.to_drop)} to drop")
+            return None
+        self._on_step(step)
+        return step
+
+    def _report(self, step_id: int, rids: list[int], tokens: list[int], as_bytes=False) -> None:
+        if as_bytes:
+            self.planner.report(step_id, array("q", rids).tobytes(), array("i", tokens).tobytes())
+        else:
+            self.planner.report(step_id, rids, tokens)
+        self.inflight.pop(0)
+        for rid, token in zip(rids, tokens, strict=True):
+            req = self.requests[rid]
+            if req.state != "done":  # the core ignores tokens of finished requests
+                req.append(token)
+        for rid in self.step_members.pop(step_id):
+            self.requests[rid].inflight -= 1
+        self._resolve_reads()
+
+    def _close(self, req: Tracked) -> None:
+        req.state = "done"
+        req.table, req.prefix_blocks = [], []
+        self.to_drop.add(req.rid)
+
+    # -- what a Step must satisfy -------------------------------------------------------------
+
+    def _on_step(self, step) -> None:
+        sid = step.step_id
+        if sid != self.next_step_id:
+            self._fail(f"step id {sid}, expected {self.next_step_id}")
+        self.next_step_id += 1
+        entries = _entries(step)
+        dropped, retracted = _i64(step.dropped), _i64(step.retracted)
+        states = bytes(self.planner.block_states())
+        cfg = self.cfg
+
+        if sorted(dropped) != sorted(self.to_drop):
+            self._fail(f"step {sid} dropped {sorted(dropped)}, expected {sorted(self.to_drop)}")
+        self.to_drop.clear()
+
+        # Budgets.
+        prefill = [e for e in entries if not e.decode]
+        if len(entries) > cfg["max_running_requests"]:
+            self._fail(f"step {sid}: {len(entries)} entries > max_running_requests")
+        if sum(e.n for e in prefill) > cfg["max_prefill_tokens"]:
+            self._fail(f"step {sid}: {sum(e.n for e in prefill)} prefill tokens > budget")
+        for e in prefill:
+            if e.n > cfg["chunked_prefill_size"]:
+                self._fail(f"step {sid}: rid {e.rid} chunk of {e.n} > chunked_prefill_size")
+        if step.num_prefill_tokens != sum(e.n for e in prefill):
+            self._fail(f"step {sid}: num_prefill_tokens {step.num_prefill_tokens} is wrong")
+        if step.num_decode_tokens != len(entries) - len(prefill):
+            self._fail(f"step {sid}: num_decode_tokens {step.num_decode_tokens} is wrong")
+        if len({e.rid for e in entries}) != len(entries):
+            self._fail(f"step {sid}: a request appears twice")
+        if set(retracted) & {e.rid for e in entries}:
+            self._fail(f"step {sid}: a request retracted in this plan still has an entry")
+
+        for rid in retracted:
+            req = self.requests.get(rid)
+            if req is None or req.state != "running":
+                self._fail(f"step {sid}: retracted rid {rid} was not running")
+            req.state, req.table, req.kv_len, req.prefix_blocks = "retracted", [], 0, []
+
+        first_admissions = []
+        written: dict[int, int] = {}  # block -> rid writing it in this step
+        read: dict[int, int] = {}  # block -> rid reading it
+        for e in entries:
+            req = self.requests.get(e.rid)
+            if req is None or req.state == "done":
+                self._fail(f"step {sid}: entry for finished or unknown rid {e.rid}")
+            if e.n < 1:
+                self._fail(f"step {sid}: rid {e.rid} computes {e.n} tokens")
+            if not req.admitted:
+                first_admissions.append(req)
+            fresh = self._check_entry(sid, req, e, states)
+            self._collect_blocks(sid, req, e, written, read)
+            if fresh:
+                req.prefix_blocks = req.table[: e.start // self.bs]
+        for block, rid in read.items():
+            if written.get(block, rid) != rid:
+                self._fail(f"step {sid}: block {block} read by {rid}, written by {written[block]}")
+        for e in entries:  # the worker writes the new K/V after all the reads of the step
+            req = self.requests[e.rid]
+            for pos in range(e.start, e.start + e.n):
+                self._slot(req.table[pos // self.bs], pos)[pos % self.bs] = (e.rid, pos)
+            req.kv_len = e.start + e.n
+            req.inflight += 1
+        if self.cfg["policy"] == "fcfs":
+            self._check_fcfs(sid, first_admissions, {e.rid for e in entries})
+        sampling = [e.rid for e in entries if e.sample]
+        for what, seen in (
+            ("retraction", retracted),
+            ("drop", dropped),
+            ("prefix hit", [e for e in entries if not e.decode and e.start and e.offset == 0]),
+            ("chunk", [e for e in entries if not e.decode and not e.sample]),
+            ("two in flight", len(self.inflight) == 1),
+            ("decode new block", [e for e in entries if e.decode and e.blocks]),
+        ):
+            if seen:
+                event(what)  # shown by --hypothesis-show-statistics: what the runs covered
+        self.inflight.append((sid, sampling))
+        self.step_members[sid] = {e.rid for e in entries}
+
+    def _slot(self, block: int, pos: int) -> list:
+        while block >= len(self.kv):
+            self.kv.append([None] * self.bs)
+        return self.kv[block]
+
+    def _check_entry(self, sid: int, req: Tracked, e: PlannedEntry, states: bytes) -> bool:
+        """Checks one entry against the request's known tokens; updates the worker's table.
+
+        Returns whether it starts a new admission (a table of its own replaced wholesale).
+        """
+        bs, where = self.bs, f"step {sid} rid {e.rid}"
+        fresh = req.state in ("waiting", "retracted")
+        if fresh and (e.decode or e.offset != 0):
+            self._fail(f"{where}: a new admission must be a prefill with block_offset 0")
+        if e.offset > len(req.table):
+            self._fail(f"{where}: block_offset {e.offset} beyond a table of {len(req.table)}")
+        table = req.table[: e.offset] + e.blocks
+        if len(table) != math.ceil((e.start + e.n) / bs):
+            self._fail(
+                f"{where}: table of {len(table)} blocks for positions [0, {e.start + e.n}) "
+                f"with block_size {bs}"
+            )
+        if fresh:
+            if e.start % bs or e.start >= len(req.known):
+                self._fail(f"{where}: admission starts at {e.start} of {len(req.known)} tokens")
+            if req.inflight:
+                self._fail(f"{where}: re-admitted while {req.inflight} steps with it are in flight")
+            if not self.cfg["enable_radix_cache"] and e.start != 0:
+                self._fail(f"{where}: prefix hit with the radix cache disabled")
+            for b in table[: e.start // bs]:
+                if states[b] != CACHED:
+                    self._fail(f"{where}: prefix block {b} is not in the cache")
+            req.state, req.admitted = "running", True
+        elif e.start != req.kv_len:
+            self._fail(f"{where}: starts at {e.start}, but its KV holds {req.kv_len} positions")
+        if e.decode:
+            if e.n != 1 or not e.sample or e.input_ids:
+                self._fail(f"{where}: a decode computes 1 token and samples it")
+            if e.start != len(req.prompt) + req.samples - 1:
+                self._fail(
+                    f"{where}: decode at {e.start}, but its last sampled token sits at "
+                    f"{len(req.prompt) + req.samples - 1}"
+                )
+        else:
+            if e.input_ids != req.known[e.start : e.start + e.n]:
+                self._fail(f"{where}: input_ids {e.input_ids} are not its tokens at {e.start}")
+            ends = e.start + e.n == len(req.known)
+            if e.sample != ends:
+                self._fail(f"{where}: sample={e.sample} but the prefill ends={ends}")
+            if e.sample and req.samples != req.output_len:
+                self._fail(f"{where}: recompute samples before all its outputs are known")
+        if e.sample:
+            req.samples += 1
+            if req.samples > req.max_new:
+                self._fail(f"{where}: sample {req.samples} beyond max_new_tokens {req.max_new}")
+        for pos in range(e.start, e.start + e.n):
+            b = table[pos // bs]
+            if states[b] != OWNED:
+                self._fail(f"{where}: writes block {b} whose state is {states[b]}, not owned")
+        req.table = table
+        return fresh
+
+    def _collect_blocks(self, sid: int, req: Tracked, e: PlannedEntry, written, read) -> None:
+        """Records the blocks this entry reads and writes, and queues content checks."""
+        bs = self.bs
+        for pos in range(e.start, e.start + e.n):
+            b = req.table[pos // bs]
+            if written.setdefault(b, e.rid) != e.rid:
+                self._fail(f"step {sid}: block {b} written by {written[b]} and {e.rid}")
+        for pos in range(e.start):
+            b = req.table[pos // bs]
+            read.setdefault(b, e.rid)
+            slot = self._slot(b, pos)[pos % bs]
+            if slot is None or slot[1] != pos:
+                self._fail(
+                    f"step {sid} rid {e.rid}: reads position {pos} from block {b}, "
+                    f"which holds {slot} (rid, position)"
+                )
+            self.pending_reads.append((e.rid, slot[0], pos, sid))
+        self._resolve_reads()
+
+    def _resolve_reads(self, final: bool = False) -> None:
+        """A read is right when the writer's tokens up to that position equal the reader's."""
+        pending = []
+        for reader, writer, pos, sid in self.pending_reads:
+            r, w = self.requests[reader], self.requests[writer]
+            if len(r.known) <= pos or len(w.known) <= pos:
+                if final:
+                    self._fail(
+                        f"step {sid}: rid {reader} read position {pos} of rid {writer}, "
+                        f"whose token there never became known"
+                    )
+                pending.append((reader, writer, pos, sid))
+            elif r.hashes[pos + 1] != w.hashes[pos + 1]:
+                self._fail(
+                    f"step {sid}: rid {reader} reads the K/V of position {pos} written by rid "
+                    f"{writer} for different tokens: {r.known[: pos + 1]} vs {w.known[: pos + 1]}"
+                )
+        self.pending_reads = pending
+
+    def _check_fcfs(self, sid: int, first: list[Tracked], planned: set[int]) -> None:
+        """fcfs: nobody is admitted for the first time ahead of an earlier or retracted one."""
+        if not first:
+            return
+        newest = max(r.arrival for r in first)
+        for req in self.requests.values():
+            if req.rid in planned or req.state == "done":
+                continue
+            if req.state == "waiting" and req.arrival < newest:
+                self._fail(f"step {sid}: fcfs admitted a later request before rid {req.rid}")
+            if req.state == "retracted" and req.inflight == 0 and req.output_len < req.max_new:
+                self._fail(f"step {sid}: fcfs admitted a new request before retracted {req.rid}")
+
+    # -- invariants after every operation -----------------------------------------------------
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.ready and not self.busy:
+            self._check_all()
+
+    def _check_all(self) -> None:
+        p = self.planner
+        try:
+            p.check_invariants()
+        except RuntimeError as exc:
+            self._fail(f"check_invariants(): {exc}")
+        states, refs = bytes(p.block_states()), _i32(p.refcounts())
+        if len(states) != self.num_blocks or len(refs) != self.num_blocks:
+            self._fail("block_states()/refcounts() do not cover the pool")
+        running = [r for r in self.requests.values() if r.state == "running"]
+        holders = [0] * self.num_blocks
+        for req in running:
+            for b in req.table:
+                holders[b] += 1
+        for b in range(self.num_blocks):
+            s, rc = states[b], refs[b]
+            if s not in (FREE, OWNED, CACHED) or rc < 0:
+                self._fail(f"block {b}: state {s}, refcount {rc}")
+            if (s == FREE) != (rc == 0):
+                self._fail(f"block {b}: state {s} with refcount {rc}")
+            if rc != holders[b] + (s == CACHED):
+                self._fail(
+                    f"block {b}: refcount {rc}, but {holders[b]} running tables hold it "
+                    f"and cached={s == CACHED}"
+                )
+        if p.num_free_blocks != states.count(FREE):
+            self._fail(f"num_free_blocks {p.num_free_blocks}, {states.count(FREE)} free")
+        if p.num_running != len(running):
+            self._fail(f"num_running {p.num_running}, expected {len(running)}")
+        live = [r for r in self.requests.values() if r.state != "done"]
+        if p.num_waiting != len(live) - len(running):
+            self._fail(f"num_waiting {p.num_waiting}, expected {len(live) - len(running)}")
+        if p.num_inflight_steps != len(self.inflight):
+            self._fail(f"num_inflight_steps {p.num_inflight_steps}, expected {len(self.inflight)}")
+        for req in running:  # locked prefixes are never evicted
+            for b in req.prefix_blocks:
+                if states[b] != CACHED:
+                    self._fail(f"rid {req.rid}: its locked prefix block {b} left the cache")
+        for req in live:
+            info = p.request(req.rid)
+            if info["state"] != req.state or info["output_len"] != req.output_len:
+                self._fail(f"request({req.rid}) = {info}, expected {req.state}/{req.output_len}")
+            if info["prompt_len"] != len(req.prompt) or info["max_new_tokens"] != req.max_new:
+                self._fail(f"request({req.rid}) = {info}: wrong prompt_len or max_new_tokens")
+        self._check_cache_contents(states)
+
+    def _check_cache_contents(self, states: bytes) -> None:
+        """Every cached block holds the K/V of one token prefix; match_prefix finds them all."""
+        bs = self.bs
+        by_key: dict[tuple[int, int], int] = {}
+        parents: list[tuple[int, tuple[int, int]]] = []
+        for b in range(self.num_blocks):
+            if states[b] != CACHED:
+                continue
+            slots = self._slot(b, 0)
+            if any(s is None for s in slots) or slots[0][1] % bs:
+                self._fail(f"cached block {b} holds {slots}: not one whole written block")
+            base = slots[0][1]
+            last = self.requests[slots[-1][0]]
+            for j, (writer, pos) in enumerate(slots):
+                w = self.requests[writer]
+                if pos != base + j or len(w.known) <= pos or len(last.known) <= pos:
+                    self._fail(f"cached block {b} holds {slots}: a position is unknown")
+                if w.hashes[pos + 1] != last.hashes[pos + 1]:
+                    self._fail(f"cached block {b}: its slots were written for different prefixes")
+            key = last.hashes[base + bs]
+            if key in by_key:
+                self._fail(f"blocks {by_key[key]} and {b} are cached for the same prefix")
+            by_key[key] = b
+            if base:
+                parents.append((b, last.hashes[base]))
+        for b, parent in parents:
+            if parent not in by_key:
+                self._fail(f"cached block {b} has no cached parent block")
+        queries = [r.known for r in self.requests.values()] + self.prefixes
+        for tokens in queries:
+            expected: list[int] = []
+            hashes = _prefix_hashes(tokens)
+            while (len(expected) + 1) * bs <= len(tokens):
+                block = by_key.get(hashes[(len(expected) + 1) * bs])
+                if block is None:
+                    break
+                expected.append(block)
+            n, blocks, _ = self.planner.cache.match_prefix(tokens)
+            if n != len(expected) * bs or list(blocks) != expected:
+                self._fail(
+                    f"match_prefix({tokens}) = {n}, {list(blocks)}; "
+                    f"the cached blocks' contents give {len(expected) * bs}, {expected}"
+                )
+
+    # -- the end of every run: drain, flush, everything free ----------------------------------
+
+    def teardown(self) -> None:
+        if not self.ready or self.busy:
+            return  # an operation failed; its error is the one to report
+        self._begin("draining the planner to completion")
+        budget = 60 + 12 * sum(len(r.prompt) + r.max_new for r in self.requests.values())
+        for _ in range(budget):
+            for req in self.requests.values():
+                if req.state != "done" and req.output_len >= req.max_new:
+                    self.op = f"drain: finish({req.rid}) at max_new_tokens"
+                    self.planner.finish(req.rid)
+                    self._close(req)
+            self._check_all()
+            if len(self.inflight) < MAX_INFLIGHT:
+                self.op = "drain: plan()"
+                if self._plan_once() is not None:
+                    self._check_all()
+                    continue
+            if not self.inflight:
+                break
+            step_id, rids = self.inflight[0]
+            self.op = f"drain: report(step {step_id})"
+            self._report(step_id, rids, [self.rng.randrange(8) for _ in rids])
+            self._check_all()
+        self._resolve_reads(final=True)
+        stuck = {r.rid: r.state for r in self.requests.values() if r.state != "done"}
+        if stuck or self.inflight:
+            self._fail(f"requests never finished (starvation or deadlock): {stuck}")
+        if self.planner.plan() is not None:
+            self._fail("plan() returned a Step with nothing left to do")
+        self.op = "drain: flush_cache()"
+        self.planner.flush_cache()
+        states = bytes(self.planner.block_states())
+        if states != bytes(self.num_blocks) or self.planner.num_free_blocks != self.num_blocks:
+            self._fail(f"blocks not free after everything finished and a flush: {list(states)}")
+        if self.planner.num_running or self.planner.num_waiting:
+            self._fail("requests left in the planner after draining")
+        self.busy = False
+
+
+_PLANNER_SETTINGS = dict(
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+TestPlannerCore = PlannerMachine.TestCase
+TestPlannerCore.settings = settings(max_examples=150, **_PLANNER_SETTINGS)
+
+
+class ReferencePlannerMachine(PlannerMachine):
+    impl = reference
+
+
+TestPlannerReference = ReferencePlannerMachine.TestCase
+TestPlannerReference.settings = settings(max_examples=40, **_PLANNER_SETTINGS)

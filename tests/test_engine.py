@@ -1,0 +1,415 @@
+"""The Engine end to end: real worker and detokenizer subprocesses over the ZMQ ring.
+
+The model is a tiny random-weight Llama (hidden 64, 2 layers) with SmolLM2's vocabulary, so that
+the real SmolLM2 tokenizer works with it. A subprocess builds it and records Hugging Face
+transformers' greedy outputs, because torch must not be imported here: the main process of an
+engine stays torch-free, which one test checks in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from pyserve import Engine, EngineConfig
+from pyserve.engine import ContextLengthExceeded, EngineStartError, KVCacheTooSmall
+from pyserve.engine.requests import RequestState
+from pyserve.model_files import load_tokenizer, resolve_model
+from pyserve.wire.detok_to_main import RequestDelta
+from pyserve.wire.main_to_worker import DetokParams, SamplingParams
+
+MAX_NEW = 16
+KV_TOKENS = 800  # 50 blocks of 16: enough for the concurrent test, less than the 1024 context
+PROMPT_TEXTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+    "1, 2, 3, 4,",
+    "The weather today is",
+    "Les élèves étudient le 世界",
+    "In 1969, astronauts",
+]
+
+# Runs in a subprocess (it imports torch): builds the model next to SmolLM2's tokenizer files and
+# writes HF greedy outputs plus the top-2 logprob gap at every position (to tell near-ties).
+MAKE_MODEL = textwrap.dedent(
+    """
+    import json, shutil, sys
+    from pathlib import Path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
+
+    out, max_new, texts = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # random logits are near-uniform; make the top stand out
+    model.save_pretrained(out)
+    source = resolve_model(None)
+    for f in tokenizer_dir(source).iterdir():
+        shutil.copy(f, out / f.name)
+    tok = load_tokenizer(source)
+    refs = []
+    with torch.no_grad():
+        for text in texts:
+            prompt = tok.encode(text)
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                do_sample=False, eos_token_id=None, output_logits=True,
+                return_dict_in_generate=True,
+            )
+            logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1)
+            top2 = logprobs.topk(2).values
+            refs.append({
+                "prompt": prompt,
+                "output": gen.sequences[0, len(prompt):].tolist(),
+                "gaps": (top2[:, 0] - top2[:, 1]).tolist(),
+            })
+    (out / "references.json").write_text(json.dumps(refs))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-smollm")
+    subprocess.run(
+        [sys.executable, "-c", MAKE_MODEL, str(directory), str(MAX_NEW), json.dumps(PROMPT_TEXTS)],
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model) -> list[dict]:
+    return json.loads((tiny_model / "references.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = uvloop.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, loop):
+    config = EngineConfig(
+        model=str(tiny_model),
+        kv_cache_tokens=KV_TOKENS,
+        block_size=16,
+        torch_threads=1,
+        tokenizer_workers=1,
+        log_level="warning",
+    )
+    engine = loop.run_until_complete(Engine.start(config))
+    yield engine
+    loop.run_until_complete(engine.shutdown())
+
+
+def greedy(max_new_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
+async def wait_idle(engine: Engine, timeout: float = 15.0) -> dict:
+    """The core's stats once nothing is queued, running or in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await engine.core_stats()
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and stats["num_inflight_steps"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine did not go idle: {stats}"
+        await asyncio.sleep(0.02)
+
+
+def assert_kv_accounting_is_idle(engine: Engine, stats: dict) -> None:
+    assert stats["num_free_blocks"] + stats["cached_blocks"] == engine.num_blocks, stats
+    assert stats["evictable_blocks"] == stats["cached_blocks"], "a block is still locked"
+
+
+def check_against_reference(chunks: list, ref: dict, hf_tokenizer, label: str) -> None:
+    tokens = [t for c in chunks for t in c.token_ids]
+    for i, (ours, theirs) in enumerate(zip(tokens, ref["output"], strict=True)):
+        if ours != theirs:  # allowed only where HF's top two are a near-tie
+            assert ref["gaps"][i] < 1e-3, f"{label}: token {i} is {ours}, HF says {theirs}"
+            break
+    else:
+        text = "".join(c.text for c in chunks)
+        assert text == hf_tokenizer.decode(tokens, skip_special_tokens=True), label
+    assert [c.completion_tokens for c in chunks] == list(range(1, len(tokens) + 1))
+    assert all(c.prompt_tokens == len(ref["prompt"]) for c in chunks)
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+
+
+# ------------------------------------------------------------------------ generation
+
+
+def test_greedy_streams_match_transformers_alone_and_concurrently(
+    engine, loop, references, hf_tokenizer
+):
+    alone = loop.run_until_complete(collect(engine.generate(references[0]["prompt"], greedy())))
+    check_against_reference(alone, references[0], hf_tokenizer, "alone")
+
+    async def all_at_once():
+        streams = [engine.generate(ref["prompt"], greedy()) for ref in references]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    for i, chunks in enumerate(loop.run_until_complete(all_at_once())):
+        check_against_reference(chunks, references[i], hf_tokenizer, f"concurrent #{i}")
+    assert_kv_accounting_is_idle(engine, loop.run_until_complete(wait_idle(engine)))
+
+
+def test_text_prompt_and_chat_go_through_the_tokenizer(engine, loop, references, hf_tokenizer):
+    from_text = loop.run_until_complete(collect(engine.generate(PROMPT_TEXTS[1], greedy())))
+    check_against_reference(from_text, references[1], hf_tokenizer, "text prompt")
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    template = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    expected_prompt = hf_tokenizer.encode(template, add_special_tokens=False)
+    assert loop.run_until_complete(engine.apply_chat_template(messages)) == expected_prompt
+    chat = loop.run_until_complete(collect(engine.chat(messages, greedy())))
+    plain = loop.run_until_complete(collect(engine.generate(expected_prompt, greedy())))
+    assert [c.token_ids for c in chat] == [c.token_ids for c in plain]
+    assert chat[-1].prompt_tokens == len(expected_prompt)
+
+
+def test_stop_string_ends_the_request_without_leaking(engine, loop, references):
+    prompt = references[2]["prompt"]
+    full = loop.run_until_complete(collect(engine.generate(prompt, greedy())))
+    text = "".join(c.text for c in full)
+    middle = len(text) // 2
+    stop = text[middle : middle + 3]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    stopped = loop.run_until_complete(
+        collect(engine.generate(prompt, greedy(), DetokParams(stop=[stop])))
+    )
+    assert "".join(c.text for c in stopped) == text[: text.find(stop)]
+    assert (stopped[-1].finish_reason, stopped[-1].matched_stop) == ("stop", stop)
+    assert stopped[-1].completion_tokens < MAX_NEW
+    assert_kv_accounting_is_idle(engine, loop.run_until_complete(wait_idle(engine)))
+
+
+def test_stream_interval_coalesces_tokens_but_sends_the_first_at_once():
+    async def run() -> list:
+        state = RequestState("r", 1, prompt_tokens=3, stream_interval=4)
+        for i in range(10):
+            finish = "length" if i == 9 else None
+            state.add_delta(RequestDelta(1, f"t{i}", bytes([i, 0, 0, 0]), finish), None)
+        chunks = []
+        while not chunks or chunks[-1].finish_reason is None:
+            chunks.append(await state.next_chunk())
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert [c.token_ids for c in chunks] == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
+    assert [c.text for c in chunks] == ["t0", "t1t2t3t4", "t5t6t7t8", "t9"]
+    assert [c.completion_tokens for c in chunks] == [1, 5, 9, 10]
+
+
+# ------------------------------------------------------------------------ aborts
+
+
+def assert_stopped_early(stats: dict) -> None:
+    """An aborted request's computed full blocks go to the cache (from empty, before the test);
+    a request that ran its 400 tokens to the end would have left about 25 blocks there."""
+    assert stats["cached_blocks"] * 16 <= 120, f"the aborted requests ran on: {stats}"
+
+
+def test_a_closed_stream_aborts_its_request_and_returns_its_blocks(engine, loop, references):
+    async def read_three_then_close():
+        await engine.flush_cache()
+        stream = engine.generate(references[3]["prompt"], greedy(max_new_tokens=400))
+        chunks = [await anext(stream) for _ in range(3)]
+        await stream.aclose()
+        return chunks
+
+    chunks = loop.run_until_complete(read_three_then_close())
+    assert len(chunks) == 3 and chunks[-1].finish_reason is None
+    stats = loop.run_until_complete(wait_idle(engine))
+    assert_kv_accounting_is_idle(engine, stats)
+    assert_stopped_early(stats)
+    assert engine.stats()["num_requests"] == 0
+
+
+def test_a_cancelled_consumer_and_engine_abort_end_their_requests(engine, loop, references):
+    async def scenario():
+        await engine.flush_cache()
+        consumed: list = []
+
+        async def consume(rid: str) -> None:
+            async for chunk in engine.generate(references[4]["prompt"], greedy(400), rid=rid):
+                consumed.append(chunk)
+
+        task = asyncio.create_task(consume("cancelled"))
+        aborted = engine.generate(references[5]["prompt"], greedy(400), rid="aborted")
+        first = await anext(aborted)
+        while not consumed:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert engine.abort("aborted") is True
+        assert engine.abort("no-such-request") is False
+        rest = [chunk async for chunk in aborted]
+        return first, rest
+
+    first, rest = loop.run_until_complete(scenario())
+    assert first.finish_reason is None
+    assert rest[-1].finish_reason == "abort"
+    stats = loop.run_until_complete(wait_idle(engine))
+    assert_kv_accounting_is_idle(engine, stats)
+    assert_stopped_early(stats)
+    assert engine.stats()["num_requests"] == 0
+
+
+# ------------------------------------------------------------------------ cache and checks
+
+
+def test_prefix_cache_hits_are_reported_and_flush_releases_them(engine, loop, hf_tokenizer):
+    prompt = hf_tokenizer.encode("A long shared system prompt about caching. " * 8)
+    assert len(prompt) > 48
+    first = loop.run_until_complete(collect(engine.generate(prompt, greedy(4))))
+    second = loop.run_until_complete(collect(engine.generate(prompt, greedy(4))))
+    assert first[-1].cached_tokens == 0
+    whole_blocks = (len(prompt) - 1) // 16 * 16  # the last prompt token is always recomputed
+    assert second[-1].cached_tokens >= whole_blocks - 16
+    assert second[-1].cached_tokens > 0
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+
+    stats = loop.run_until_complete(wait_idle(engine))
+    assert stats["cached_blocks"] > 0
+    released = loop.run_until_complete(engine.flush_cache())
+    assert released == stats["cached_blocks"]
+    after = loop.run_until_complete(engine.core_stats())
+    assert after["cached_blocks"] == 0 and after["num_free_blocks"] == engine.num_blocks
+
+
+def test_requests_that_cannot_run_are_refused_before_any_work(engine, loop):
+    async def first_chunk(prompt, sampling, rid=None):
+        return await anext(engine.generate(prompt, sampling, rid=rid))
+
+    run = loop.run_until_complete
+    with pytest.raises(ContextLengthExceeded) as info:
+        run(first_chunk([5] * 1000, greedy(100)))
+    assert (info.value.prompt_tokens, info.value.max_new_tokens) == (1000, 100)
+    assert info.value.context_length == engine.context_length == 1024
+    assert "1024" in str(info.value) and "1100" in str(info.value)
+    with pytest.raises(KVCacheTooSmall):
+        run(first_chunk([5] * 900, greedy(10)))  # fits the context, not the 800-token pool
+    with pytest.raises(ValueError, match="empty"):
+        run(first_chunk([], greedy()))
+    with pytest.raises(ValueError, match="out of range"):
+        run(first_chunk([5, 49152], greedy()))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        run(first_chunk([5], greedy(0)))
+
+    async def duplicate_rid():
+        running = engine.generate([5, 6, 7], greedy(50), rid="same")
+        await anext(running)
+        try:
+            await first_chunk([5, 6, 7], greedy(), rid="same")
+        finally:
+            await running.aclose()
+
+    with pytest.raises(ValueError, match="already running"):
+        run(duplicate_rid())
+    assert_kv_accounting_is_idle(engine, run(wait_idle(engine)))
+
+
+def test_tokenizer_services_and_info(engine, loop, hf_tokenizer):
+    text = "Tokenize this: 世界 😀"
+    ids = loop.run_until_complete(engine.tokenize(text))
+    assert ids == hf_tokenizer.encode(text)
+    assert loop.run_until_complete(engine.detokenize(ids)) == hf_tokenizer.decode(ids)
+    assert engine.ready and engine.healthy
+    assert engine.model_name == Path(engine.config.model).name
+    assert engine.num_blocks == KV_TOKENS // 16
+    info = engine.server_info()
+    assert info["kv_cache"]["num_blocks"] == engine.num_blocks
+    assert info["context_length"] == 1024
+    assert info["versions"]["pyserve"]
+
+
+def test_start_fails_clearly_when_the_worker_cannot_load(tiny_model, tmp_path, loop):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    engine = Engine(EngineConfig(model=str(broken), kv_cache_tokens=256, log_level="critical"))
+    with pytest.raises(EngineStartError, match="could not load"):
+        loop.run_until_complete(engine.start())
+    assert all(child.returncode is not None for child in engine._children.items)
+    assert not os.path.exists(engine._addresses.directory)
+
+
+# ------------------------------------------------------------------------ process hygiene
+
+LIGHT_MAIN = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    from pyserve import Engine, EngineConfig, SamplingParams
+
+    async def main():
+        engine = await Engine.start(EngineConfig(model=sys.argv[1], kv_cache_tokens=256))
+        chunks = [c async for c in engine.generate("Hello", SamplingParams(max_new_tokens=4))]
+        assert chunks[-1].finish_reason is not None
+        pids = [child.pid for child in engine._children.items]
+        ipc = engine._addresses.directory
+        mode = os.stat(ipc).st_mode & 0o777
+        torch_loaded = "torch" in sys.modules
+        await engine.shutdown()
+        print(json.dumps({"pids": pids, "ipc": ipc, "mode": mode, "torch": torch_loaded}))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_main_process_stays_light_and_shutdown_leaves_nothing(tiny_model):
+    done = subprocess.run(
+        [sys.executable, "-c", LIGHT_MAIN, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["torch"] is False, "the main process imported torch"
+    assert report["mode"] == 0o700
+    assert not os.path.exists(report["ipc"]), "the IPC directory was left behind"
+    for pid in report["pids"]:
+        assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the engine"

@@ -1,0 +1,88 @@
+"""Helpers shared by the worker tests: a tiny random-weight Llama and HF greedy references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 512
+TINY_EOS = 2
+
+
+def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
+    """Saves a 2-layer Llama (safetensors) whose logits are far from uniform.
+
+    Random init gives near-uniform logits, where every argmax is a near-tie; a larger init range
+    and a scaled-up output projection make the top tokens stand apart.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=TINY_EOS,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    logprobs: torch.Tensor  # float32 [new tokens, vocab]: log_softmax of HF's logits
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    """HF ``generate`` (greedy, float32, EOS not a stop), one prompt at a time (no padding)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=0,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            logits = torch.stack(out.logits)[:, 0].float()
+            refs.append(Reference(out.sequences[0, len(prompt) :].tolist(), logits.log_softmax(-1)))
+    return refs
+
+
+def check_against_reference(got: list[int], ref: Reference, label: str) -> int:
+    """Asserts ``got`` equals HF's tokens, or diverges only at a near-tie; returns tokens equal."""
+    for i, (ours, theirs) in enumerate(zip(got, ref.token_ids, strict=False)):
+        if ours != theirs:
+            top2 = ref.logprobs[i].topk(2).values
+            gap = (top2[0] - top2[1]).item()
+            assert gap < 1e-3, (
+                f"{label}: token {i} is {ours}, HF says {theirs}, and that is no near-tie "
+                f"(top-2 logprob gap {gap:.4g})"
+            )
+            return i
+    assert len(got) == len(ref.token_ids), (
+        f"{label}: {len(got)} tokens, HF made {len(ref.token_ids)}"
+    )
+    return len(got)
