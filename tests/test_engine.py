@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,8 +24,9 @@ import uvloop
 
 from pyserve import Engine, EngineConfig
 from pyserve.engine import ContextLengthExceeded, EngineStartError, KVCacheTooSmall
+from pyserve.engine.channels import RingAddresses
 from pyserve.engine.requests import RequestState
-from pyserve.model_files import load_tokenizer, resolve_model
+from pyserve.model_files import load_tokenizer, read_model_info, resolve_model
 from pyserve.wire.detok_to_main import RequestDelta
 from pyserve.wire.main_to_worker import DetokParams, SamplingParams
 
@@ -89,8 +91,15 @@ MAKE_MODEL = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-smollm")
+def workdir():
+    # Not tmp_path_factory: pytest sessions started meanwhile may prune its older directories.
+    with tempfile.TemporaryDirectory(prefix="pyserve-test-engine-") as directory:
+        yield Path(directory)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(workdir) -> Path:
+    directory = workdir / "tiny-smollm"
     subprocess.run(
         [sys.executable, "-c", MAKE_MODEL, str(directory), str(MAX_NEW), json.dumps(PROMPT_TEXTS)],
         check=True,
@@ -219,6 +228,21 @@ def test_stop_string_ends_the_request_without_leaking(engine, loop, references):
     assert (stopped[-1].finish_reason, stopped[-1].matched_stop) == ("stop", stop)
     assert stopped[-1].completion_tokens < MAX_NEW
     assert_kv_accounting_is_idle(engine, loop.run_until_complete(wait_idle(engine)))
+
+
+def test_logprobs_come_with_every_token(engine, loop, references):
+    sampling = SamplingParams(
+        max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    chunks = loop.run_until_complete(collect(engine.generate(references[0]["prompt"], sampling)))
+    for chunk in chunks:
+        assert chunk.logprobs is not None and len(chunk.logprobs) == len(chunk.token_ids)
+        for token, entry in zip(chunk.token_ids, chunk.logprobs, strict=True):
+            assert entry.token_id == token and entry.logprob <= 0.0
+            assert len(entry.top) == 3 and entry.top[0][0] == token  # greedy takes the best
+            assert entry.top[0][1] == pytest.approx(entry.logprob, abs=1e-5)
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == references[0]["output"][:6]
 
 
 def test_stream_interval_coalesces_tokens_but_sends_the_first_at_once():
@@ -362,8 +386,8 @@ def test_tokenizer_services_and_info(engine, loop, hf_tokenizer):
     assert info["versions"]["pyserve"]
 
 
-def test_start_fails_clearly_when_the_worker_cannot_load(tiny_model, tmp_path, loop):
-    broken = tmp_path / "broken"
+def test_start_fails_clearly_when_the_worker_cannot_load(tiny_model, workdir, loop):
+    broken = workdir / "broken"
     broken.mkdir()
     for f in tiny_model.iterdir():
         if f.suffix != ".safetensors":
@@ -389,10 +413,12 @@ LIGHT_MAIN = textwrap.dedent(
         assert chunks[-1].finish_reason is not None
         pids = [child.pid for child in engine._children.items]
         ipc = engine._addresses.directory
-        mode = os.stat(ipc).st_mode & 0o777
+        ipc_while_serving = os.path.exists(ipc)
         torch_loaded = "torch" in sys.modules
         await engine.shutdown()
-        print(json.dumps({"pids": pids, "ipc": ipc, "mode": mode, "torch": torch_loaded}))
+        print(json.dumps({
+            "pids": pids, "ipc": ipc, "ipc_while_serving": ipc_while_serving, "torch": torch_loaded
+        }))
 
     asyncio.run(main())
     """
@@ -409,7 +435,32 @@ def test_main_process_stays_light_and_shutdown_leaves_nothing(tiny_model):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["torch"] is False, "the main process imported torch"
-    assert report["mode"] == 0o700
+    # once the ring is connected its files go, so even a SIGKILL of main leaves none behind
+    assert report["ipc_while_serving"] is False
     assert not os.path.exists(report["ipc"]), "the IPC directory was left behind"
     for pid in report["pids"]:
         assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the engine"
+
+
+def test_kv_pool_is_sized_from_the_model_and_the_budget():
+    info = read_model_info(resolve_model(None))  # SmolLM2: 30 layers × 3 KV heads × 64 dims
+    default = EngineConfig()
+    assert default.resolved_dtype() == "float32"
+    assert default.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * 64 * 4)) // 16)
+    assert EngineConfig(dtype="bfloat16").num_kv_blocks(info) == -(-((1 << 30) // 23040) // 16)
+    assert EngineConfig(kv_cache_tokens=1000, block_size=32).num_kv_blocks(info) == 32
+    with pytest.raises(ValueError, match="schedule_policy"):
+        EngineConfig(schedule_policy="random").validate()
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int8").validate()
+
+
+def test_ipc_directory_is_private():
+    addresses = RingAddresses.create()
+    try:
+        assert os.stat(addresses.directory).st_mode & 0o777 == 0o700
+        for address in (addresses.worker_in, addresses.detok_in, addresses.main_in):
+            assert address.startswith(f"ipc://{addresses.directory}/")
+    finally:
+        addresses.remove()
+    assert not os.path.exists(addresses.directory)

@@ -76,7 +76,8 @@ class Reference:
     logprobs: torch.Tensor  # [steps, vocab], HF log_softmax at each step
 
 
-def hf_greedy(model, prompt: list[int], steps: int = NEW_TOKENS) -> Reference:
+def hf_greedy(model, prompts: list[list[int]], steps: int = NEW_TOKENS) -> list[Reference]:
+    """HF ``generate`` (greedy, float32) for all prompts in one left-padded batch."""
     from transformers import GenerationConfig
 
     # no EOS: the reference runs the full length without suppressing any token
@@ -89,15 +90,13 @@ def hf_greedy(model, prompt: list[int], steps: int = NEW_TOKENS) -> Reference:
         output_logits=True,
         return_dict_in_generate=True,
     )
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        generation_config=greedy,
-    )
-    assert out.sequences.shape[1] == len(prompt) + steps
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = torch.cat(out.logits).float().log_softmax(-1)
-    return Reference(tokens, logprobs)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, generation_config=greedy)
+    assert out.sequences.shape[1] == width + steps
+    logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [prompts, steps, vocab]
+    return [Reference(out.sequences[i, width:].tolist(), logprobs[i]) for i in range(len(prompts))]
 
 
 def make_prompts(seed: int, count: int = NUM_PROMPTS) -> list[list[int]]:
@@ -210,7 +209,7 @@ def llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
     model = make_tiny_model(directory, "llama")
     prompts = make_prompts(seed=1)
-    refs = [hf_greedy(model, p) for p in prompts]
+    refs = hf_greedy(model, prompts)
     runner = ModelRunner(str(directory), num_blocks=1024, block_size=BLOCK_SIZE)
     return runner, prompts, refs
 
@@ -322,10 +321,95 @@ def test_variants_batched(tmp_path, kind, overrides):
     if overrides.get("tie_word_embeddings"):
         assert runner.model.lm_head is runner.model.embed_tokens
     prompts = make_prompts(seed=2)
-    refs = [hf_greedy(model, p) for p in prompts]
+    refs = hf_greedy(model, prompts)
     driver = Driver(runner)
     seqs = [driver.new_seq(p) for p in prompts]
     driver.step([(s, s.pending) for s in seqs[:4]])
     driver.step([(s, 1) for s in seqs[:4]] + [(s, s.pending) for s in seqs[4:]])
     driver.run_decodes(seqs)
+    assert_all_match(seqs, refs)
+
+
+# ---------------------------------------------------------------------------- attention alone
+
+
+def dense_attention(q, keys, values, start: int) -> torch.Tensor:
+    """Reference: q [n, H, D] at positions start.., keys/values [start + n, KVH, D]."""
+    n, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1).float()
+    scores = q.transpose(0, 1).float() @ k.transpose(1, 2) * dim**-0.5  # [H, n, L]
+    allowed = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "dtype, chunk_tokens, tol",
+    [(torch.float32, 256, 1e-5), (torch.float32, 8, 1e-5), (torch.bfloat16, 12, 3e-2)],
+    ids=["fp32-one-chunk", "fp32-split-chunks", "bf16-split-chunks"],
+)
+def test_attention_backend_matches_dense(dtype, chunk_tokens, tol):
+    """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes."""
+    from pyserve.worker.attention.cpu import CpuAttentionBackend
+    from pyserve.worker.kv_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block = 6, 2, 16, 4
+    cache = PagedKVCache(
+        num_layers=2, num_blocks=200, block_size=block, num_kv_heads=kv_heads, head_dim=dim,
+        dtype=dtype,
+    )  # fmt: skip
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    backend = CpuAttentionBackend(
+        cache, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, chunk_tokens=chunk_tokens
+    )
+    # (start_pos, num_tokens) per entry
+    shapes = [(37, 1), (0, 9), (12, 7), (5, 1), (0, 1), (61, 1), (23, 3), (2, 1)]
+    free = torch.randperm(200, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-(s + n) // block))] for s, n in shapes]
+    total = sum(n for _, n in shapes)
+    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=torch.cat([torch.arange(s, s + n) for s, n in shapes]),
+        start_pos=[s for s, _ in shapes],
+        num_tokens=[n for _, n in shapes],
+        block_tables=tables,
+        sample_index=torch.tensor([0]),
+    )
+    # what the cache holds before the forward, per entry (its cached prefix)
+    prefixes = []
+    for (s, _), table in zip(shapes, tables, strict=True):
+        keys, values = cache.gather(1, torch.tensor(table))
+        prefixes.append((keys.flatten(1, 2)[:, :s], values.flatten(1, 2)[:, :s]))
+    out = backend.forward(1, q, k, v, backend.prepare(batch))
+    assert out.shape == q.shape and out.dtype == dtype
+    row = 0
+    for (s, n), (pk, pv) in zip(shapes, prefixes, strict=True):
+        keys = torch.cat([pk.transpose(0, 1), k[row : row + n]])
+        values = torch.cat([pv.transpose(0, 1), v[row : row + n]])
+        expected = dense_attention(q[row : row + n], keys, values, s)
+        err = (out[row : row + n].float() - expected).abs().max().item()
+        assert err < tol, f"entry start={s} n={n}: error {err:.2e}"
+        row += n
+    assert (cache.k[0] != 0).all(), "layer 0 must be untouched"  # random init has no zeros
+
+
+def test_decode_split_across_chunks_matches_hf(llama):
+    """The split-softmax decode path (contexts spanning several chunks) against HF."""
+    runner, prompts, refs = llama
+    default = runner.attention.chunk_blocks
+    runner.attention.chunk_blocks = 3  # 12-token chunks: every context spans several
+    try:
+        driver = Driver(runner)
+        seqs = [driver.new_seq(p) for p in prompts]
+        driver.step([(s, s.pending) for s in seqs])
+        driver.run_decodes(seqs)
+    finally:
+        runner.attention.chunk_blocks = default
     assert_all_match(seqs, refs)

@@ -13,9 +13,10 @@ import torch
 from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker.sampling import (
     Sampler,
-    apply_filters,
+    apply_min_p,
     apply_penalties,
     make_generator,
+    top_k_top_p,
     validate_params,
 )
 
@@ -150,6 +151,14 @@ def test_logprobs_are_from_unmodified_logits_even_with_penalties_and_temperature
         assert out.top_logprobs[row][0] == raw[row].topk(3).indices.tolist()
 
 
+def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]):
+    """The sampler's filters, as dense float64 distributions."""
+    if any(m > 0 for m in min_p):
+        logits = apply_min_p(logits, min_p)
+    ids, probs = top_k_top_p(logits, top_k=top_k, top_p=top_p)
+    return torch.zeros(logits.shape, dtype=torch.float64).scatter_(1, ids, probs.double())
+
+
 @pytest.mark.parametrize("case", range(40))
 def test_filters_match_reference(case: int) -> None:
     rng = random.Random(case)
@@ -157,10 +166,9 @@ def test_filters_match_reference(case: int) -> None:
     rows = 8
     logits = random_logits(rows, gen, scale=rng.choice([0.5, 2.0, 5.0]))
     top_k = [rng.choice([0, 0, 1, 3, 10, 63, 64, 100]) for _ in range(rows)]
-    top_p = [rng.choice([1.0, 1.0, 0.05, 0.5, 0.9, 0.99]) for _ in range(rows)]
+    top_p = [rng.choice([1.0, 0.05, 0.5, 0.9, 0.99]) for _ in range(rows)]
     min_p = [rng.choice([0.0, 0.0, 0.01, 0.2, 0.9]) for _ in range(rows)]
-    filtered = apply_filters(logits.clone(), top_k=top_k, top_p=top_p, min_p=min_p)
-    got = torch.softmax(filtered.double(), -1)
+    got = filtered_probs(logits.clone(), top_k, top_p, min_p)
     for row in range(rows):
         want = ref_filtered_probs(logits[row].double().tolist(), top_k[row], top_p[row], min_p[row])
         kept = [t for t, p in enumerate(want) if p > 0]
@@ -170,6 +178,21 @@ def test_filters_match_reference(case: int) -> None:
             min_p[row],
         )
         assert got[row].tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_top_p_window_widens_for_flat_distributions() -> None:
+    # a flat row keeps thousands of tokens: more than any first window of candidates
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 3000, generator=gen) * torch.tensor([[0.05], [1.0], [4.0]])
+    top_p = [0.95, 0.9, 0.5]
+    got = filtered_probs(logits.clone(), [0, 0, 0], top_p, [0.0] * 3)
+    for row in range(3):
+        want = ref_filtered_probs(logits[row].double().tolist(), 0, top_p[row], 0.0)
+        assert (got[row] > 0).nonzero().flatten().tolist() == [
+            t for t, p in enumerate(want) if p > 0
+        ]
+        assert got[row].tolist() == pytest.approx(want, abs=1e-7)
+    assert (got[0] > 0).sum() > 2000
 
 
 @pytest.mark.parametrize("case", range(20))

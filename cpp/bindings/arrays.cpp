@@ -2,8 +2,8 @@
 
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 
 namespace pyserve_bindings {
 
@@ -55,8 +55,8 @@ void convert_typed(const void* data, size_t count, std::vector<T>& out, const ch
   for (size_t i = 0; i < count; ++i) {
     if constexpr (std::is_unsigned_v<Src> && sizeof(Src) >= 8) {
       if (src[i] > static_cast<Src>(std::numeric_limits<long long>::max())) {
-        throw py::value_error(std::string(what) + "[" + std::to_string(i) +
-                              "] does not fit in " + type_name<T>());
+        throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] does not fit in " +
+                              type_name<T>());
       }
     }
     out[i] = checked<T>(static_cast<long long>(src[i]), what, i);
@@ -102,17 +102,31 @@ std::vector<T> from_buffer(PyObject* obj, const char* what) {
   const bool is_signed = code == 'b' || code == 'h' || code == 'i' || code == 'l' || code == 'q';
   const bool is_unsigned = code == 'B' || code == 'H' || code == 'I' || code == 'L' || code == 'Q';
   if (!is_signed && !is_unsigned) {
-    throw py::value_error(std::string(what) + ": expected an integer array, got format '" +
-                          format + "'");
+    throw py::value_error(std::string(what) + ": expected an integer array, got format '" + format +
+                          "'");
   }
   switch (view.itemsize * (is_signed ? 1 : -1)) {
-    case 1: convert_typed<T, int8_t>(view.buf, count, out, what); break;
-    case 2: convert_typed<T, int16_t>(view.buf, count, out, what); break;
-    case 4: convert_typed<T, int32_t>(view.buf, count, out, what); break;
-    case 8: convert_typed<T, int64_t>(view.buf, count, out, what); break;
-    case -2: convert_typed<T, uint16_t>(view.buf, count, out, what); break;
-    case -4: convert_typed<T, uint32_t>(view.buf, count, out, what); break;
-    case -8: convert_typed<T, uint64_t>(view.buf, count, out, what); break;
+    case 1:
+      convert_typed<T, int8_t>(view.buf, count, out, what);
+      break;
+    case 2:
+      convert_typed<T, int16_t>(view.buf, count, out, what);
+      break;
+    case 4:
+      convert_typed<T, int32_t>(view.buf, count, out, what);
+      break;
+    case 8:
+      convert_typed<T, int64_t>(view.buf, count, out, what);
+      break;
+    case -2:
+      convert_typed<T, uint16_t>(view.buf, count, out, what);
+      break;
+    case -4:
+      convert_typed<T, uint32_t>(view.buf, count, out, what);
+      break;
+    case -8:
+      convert_typed<T, uint64_t>(view.buf, count, out, what);
+      break;
     default:
       throw py::value_error(std::string(what) + ": unsupported item size " +
                             std::to_string(view.itemsize));

@@ -19,10 +19,11 @@ void bind_block_allocator(py::module_& m) {
                                 std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"))
-      .def_property_readonly("num_blocks",
-                             [](PyAllocator& a) { return a.held([](auto& x) { return x.num_blocks(); }); })
-      .def_property_readonly("num_free",
-                             [](PyAllocator& a) { return a.held([](auto& x) { return x.num_free(); }); })
+      .def_property_readonly(
+          "num_blocks",
+          [](PyAllocator& a) { return a.held([](auto& x) { return x.num_blocks(); }); })
+      .def_property_readonly(
+          "num_free", [](PyAllocator& a) { return a.held([](auto& x) { return x.num_free(); }); })
       .def(
           "allocate",
           [](PyAllocator& a, int64_t n) {
@@ -52,9 +53,10 @@ void bind_block_allocator(py::module_& m) {
             return a.held([id](BlockAllocator& x) { return x.refcount(static_cast<int32_t>(id)); });
           },
           py::arg("id"))
-      .def("refcounts",
-           [](PyAllocator& a) { return to_bytes(a.held([](auto& x) { return x.refcounts(); })); },
-           "int32 bytes: the count of every block")
+      .def(
+          "refcounts",
+          [](PyAllocator& a) { return to_bytes(a.held([](auto& x) { return x.refcounts(); })); },
+          "int32 bytes: the count of every block")
       .def("check_invariants",
            [](PyAllocator& a) { a.held([](BlockAllocator& x) { x.check_invariants(); }); });
 }

@@ -111,8 +111,7 @@ void bind_planner(py::module_& m) {
       .def(py::init([](int64_t num_blocks, int64_t block_size, int64_t max_running_requests,
                        int64_t max_prefill_tokens, int64_t chunked_prefill_size,
                        const std::string& policy, bool enable_radix_cache, int64_t vocab_size,
-                       double init_reserve_ratio, double min_reserve_ratio,
-                       double reserve_decay) {
+                       double init_reserve_ratio, double min_reserve_ratio, double reserve_decay) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -144,10 +143,8 @@ void bind_planner(py::module_& m) {
                                    std::shared_ptr<BlockAllocator>(p.obj, &p.obj->allocator()),
                                    p.mutex};
                              })
-      .def_property_readonly("block_size",
-                             [](PyPlanner& p) { return p.obj->config().block_size; })
-      .def_property_readonly("num_blocks",
-                             [](PyPlanner& p) { return p.obj->config().num_blocks; })
+      .def_property_readonly("block_size", [](PyPlanner& p) { return p.obj->config().block_size; })
+      .def_property_readonly("num_blocks", [](PyPlanner& p) { return p.obj->config().num_blocks; })
       .def(
           "add_request",
           [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens) {
@@ -168,7 +165,8 @@ void bind_planner(py::module_& m) {
           [](PyPlanner& p, int64_t step_id, py::handle rids, py::handle tokens) {
             auto r = to_int64s(rids, "rids");
             auto t = to_int32s(tokens, "tokens");
-            p.released([&](Planner& x) { x.report(step_id, r.data(), r.size(), t.data(), t.size()); });
+            p.released(
+                [&](Planner& x) { x.report(step_id, r.data(), r.size(), t.data(), t.size()); });
           },
           py::arg("step_id"), py::arg("rids"), py::arg("tokens"))
       .def(
@@ -176,21 +174,26 @@ void bind_planner(py::module_& m) {
           py::arg("rid"))
       .def(
           "abort",
-          [](PyPlanner& p, int64_t rid) { return p.held([rid](Planner& x) { return x.abort(rid); }); },
+          [](PyPlanner& p, int64_t rid) {
+            return p.held([rid](Planner& x) { return x.abort(rid); });
+          },
           py::arg("rid"))
       .def("flush_cache",
            [](PyPlanner& p) { return p.released([](Planner& x) { return x.flush_cache(); }); })
       .def_property_readonly(
-          "num_waiting", [](PyPlanner& p) { return p.held([](auto& x) { return x.num_waiting(); }); })
+          "num_waiting",
+          [](PyPlanner& p) { return p.held([](auto& x) { return x.num_waiting(); }); })
       .def_property_readonly(
-          "num_running", [](PyPlanner& p) { return p.held([](auto& x) { return x.num_running(); }); })
+          "num_running",
+          [](PyPlanner& p) { return p.held([](auto& x) { return x.num_running(); }); })
       .def_property_readonly(
           "num_free_blocks",
           [](PyPlanner& p) { return p.held([](auto& x) { return x.num_free_blocks(); }); })
       .def_property_readonly(
           "num_inflight_steps",
           [](PyPlanner& p) { return p.held([](auto& x) { return x.num_inflight_steps(); }); })
-      .def("stats", [](PyPlanner& p) { return stats_dict(p.held([](auto& x) { return x.stats(); })); })
+      .def("stats",
+           [](PyPlanner& p) { return stats_dict(p.held([](auto& x) { return x.stats(); })); })
       .def(
           "request",
           [](PyPlanner& p, int64_t rid) {

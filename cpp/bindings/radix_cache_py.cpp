@@ -52,15 +52,16 @@ void bind_radix_cache(py::module_& m) {
              return PyCache{std::shared_ptr<RadixCache>(owner, &owner->cache), allocator.mutex};
            }),
            py::arg("block_size"), py::arg("allocator"))
-      .def_property_readonly("block_size",
-                             [](PyCache& c) { return c.held([](auto& x) { return x.block_size(); }); })
+      .def_property_readonly(
+          "block_size", [](PyCache& c) { return c.held([](auto& x) { return x.block_size(); }); })
       .def_property_readonly(
           "evictable_blocks",
           [](PyCache& c) { return c.held([](auto& x) { return x.evictable_blocks(); }); })
       .def_property_readonly(
-          "cached_blocks", [](PyCache& c) { return c.held([](auto& x) { return x.cached_blocks(); }); })
-      .def_property_readonly("num_nodes",
-                             [](PyCache& c) { return c.held([](auto& x) { return x.num_nodes(); }); })
+          "cached_blocks",
+          [](PyCache& c) { return c.held([](auto& x) { return x.cached_blocks(); }); })
+      .def_property_readonly(
+          "num_nodes", [](PyCache& c) { return c.held([](auto& x) { return x.num_nodes(); }); })
       .def(
           "match_prefix",
           [](PyCache& c, py::handle tokens) {
@@ -105,7 +106,8 @@ void bind_radix_cache(py::module_& m) {
           },
           py::arg("num_blocks"), "evicts unlocked LRU leaves; returns blocks released")
       .def("reset", [](PyCache& c) { return c.released([](RadixCache& x) { return x.reset(); }); })
-      .def("stats", [](PyCache& c) { return cache_stats_dict(c.held([](auto& x) { return x.stats(); })); })
+      .def("stats",
+           [](PyCache& c) { return cache_stats_dict(c.held([](auto& x) { return x.stats(); })); })
       .def("check_invariants",
            [](PyCache& c) { c.held([](RadixCache& x) { x.check_invariants(); }); });
 }

@@ -48,10 +48,14 @@ const PlannerConfig& validated(const PlannerConfig& c) {
 
 const char* state_name(RequestState state) {
   switch (state) {
-    case RequestState::kWaiting: return "waiting";
-    case RequestState::kRunning: return "running";
-    case RequestState::kRetracted: return "retracted";
-    case RequestState::kDone: return "done";
+    case RequestState::kWaiting:
+      return "waiting";
+    case RequestState::kRunning:
+      return "running";
+    case RequestState::kRetracted:
+      return "retracted";
+    case RequestState::kDone:
+      return "done";
   }
   return "?";
 }
@@ -162,7 +166,7 @@ int64_t Planner::future_blocks(const Request& r) const {
 
 void Planner::release_blocks(Request& r) {
   allocator_.decref(r.table.data(), r.table.size());
-  if (config_.enable_radix_cache) cache_.unlock(r.node);
+  if (config_.enable_radix_cache) cache_.release(r.node);
   r.table.clear();
   r.node = kRootNode;
   r.tree_len = 0;
@@ -185,11 +189,10 @@ void Planner::cache_computed_blocks(Request& r) {
     scratch_tokens_[static_cast<size_t>(pos - r.tree_len)] = r.token_at(pos);
   }
   const size_t first = static_cast<size_t>(r.tree_len / block_size_);
-  const InsertResult result = cache_.insert_from(r.node, scratch_tokens_.data(),
-                                                 scratch_tokens_.size(), r.table.data() + first,
-                                                 r.table.size() - first);
-  cache_.lock(result.node);
-  cache_.unlock(r.node);
+  const InsertResult result =
+      cache_.insert_from(r.node, scratch_tokens_.data(), scratch_tokens_.size(),
+                         r.table.data() + first, r.table.size() - first);
+  cache_.move_lock(r.node, result.node);
   r.node = result.node;
   r.tree_len = full;
 }
@@ -201,7 +204,14 @@ std::optional<Step> Planner::plan() {
   Step step;
   step.step_id = next_step_id_;
   InflightStep record{next_step_id_, {}};
-  record.entries.reserve(running_.size() + 8);
+  const size_t expected = running_.size() + 8;
+  for (auto* v : {&step.start_pos, &step.num_tokens, &step.block_offsets, &step.block_counts}) {
+    v->reserve(expected);
+  }
+  step.rids.reserve(expected);
+  step.is_decode.reserve(expected);
+  step.sample.reserve(expected);
+  record.entries.reserve(expected);
   retracted_this_plan_ = false;
 
   int64_t prefill_budget = config_.max_prefill_tokens;
@@ -236,7 +246,8 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
   if (decode) {
     step.num_decode_tokens += 1;
   } else {
-    for (int64_t pos = start; pos < start + num_tokens; ++pos) step.input_ids.push_back(r.token_at(pos));
+    for (int64_t pos = start; pos < start + num_tokens; ++pos)
+      step.input_ids.push_back(r.token_at(pos));
     step.num_prefill_tokens += num_tokens;
   }
   record.entries.push_back(InflightEntry{&r, start + num_tokens, sample});
@@ -274,8 +285,8 @@ void Planner::plan_prefill_chunks(Step& step, InflightStep& record, int64_t& pre
     Request& r = *rp;
     if (r.num_scheduled >= r.prefill_target) continue;
     if (prefill_budget <= 0) break;
-    int64_t chunk = std::min({r.prefill_target - r.num_scheduled, config_.chunked_prefill_size,
-                              prefill_budget});
+    int64_t chunk = std::min(
+        {r.prefill_target - r.num_scheduled, config_.chunked_prefill_size, prefill_budget});
     // Never wait for blocks that decodes may hold for long: compute what fits now.
     const int64_t fits =
         (static_cast<int64_t>(r.table.size()) + available_blocks()) * block_size_ - r.num_scheduled;

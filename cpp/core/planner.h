@@ -154,10 +154,10 @@ class Planner {
   RadixCache cache_;
 
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
-  std::list<Request*> waiting_;     // front is admitted first (retracted requests go there)
-  std::vector<Request*> running_;   // in admission order; the back is the newest
+  std::list<Request*> waiting_;    // front is admitted first (retracted requests go there)
+  std::vector<Request*> running_;  // in admission order; the back is the newest
   std::deque<InflightStep> inflight_;
-  std::vector<int64_t> dropped_;    // ended since the last step
+  std::vector<int64_t> dropped_;  // ended since the last step
 
   int64_t next_step_id_ = 0;
   int64_t retractions_ = 0;

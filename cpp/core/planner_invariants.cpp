@@ -31,7 +31,9 @@ void Planner::check_invariants() const {
         ++waiting;
         if (*r.queue_pos != &r) fail(name + " has a stale queue position");
         break;
-      case RequestState::kRunning: ++running; break;
+      case RequestState::kRunning:
+        ++running;
+        break;
       case RequestState::kDone:
         if (r.inflight_steps == 0) fail(name + " is done and in no step but still kept");
         break;
@@ -119,9 +121,8 @@ void Planner::check_invariants() const {
     }
     for (NodeId id = 0; id < cache_.node_id_limit(); ++id) {
       if (cache_.is_live(id) && cache_.lock_count(id) != expected_locks[id]) {
-        fail("cache node " + std::to_string(id) + " has " +
-             std::to_string(cache_.lock_count(id)) + " locks, but running requests hold " +
-             std::to_string(expected_locks[id]));
+        fail("cache node " + std::to_string(id) + " has " + std::to_string(cache_.lock_count(id)) +
+             " locks, but running requests hold " + std::to_string(expected_locks[id]));
       }
     }
   } else if (cache_.cached_blocks() != 0) {

@@ -103,8 +103,8 @@ NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
   m.lock_count = c.lock_count;
   m.last_access = c.last_access;
   m.blocks.assign(c.blocks.begin(), c.blocks.begin() + keep_blocks);
-  m.depth = c.depth - static_cast<int64_t>(c.blocks.size() - static_cast<size_t>(keep_blocks)) *
-                          block_size_;
+  m.depth = c.depth -
+            static_cast<int64_t>(c.blocks.size() - static_cast<size_t>(keep_blocks)) * block_size_;
   c.blocks.erase(c.blocks.begin(), c.blocks.begin() + keep_blocks);
   c.parent = mid;
   for (BlockId b : m.blocks) block_node_[b] = mid;
@@ -119,9 +119,7 @@ NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
   return mid;
 }
 
-void RadixCache::unlist(NodeId node) {
-  lru_leaves_.erase({nodes_[node].last_access, node});
-}
+void RadixCache::unlist(NodeId node) { lru_leaves_.erase({nodes_[node].last_access, node}); }
 
 void RadixCache::relist(NodeId node) {
   const Node& n = nodes_[node];
@@ -130,9 +128,13 @@ void RadixCache::relist(NodeId node) {
   }
 }
 
-void RadixCache::touch(NodeId node) {
+// Stamps node and its ancestors up to `stop` (inclusive; -1: up to the root) with the clock.
+void RadixCache::touch(NodeId node, NodeId stop) {
   unlist(node);  // only `node` itself can be a listed leaf: its ancestors have children
-  for (NodeId x = node; x >= 0; x = nodes_[x].parent) nodes_[x].last_access = clock_;
+  for (NodeId x = node; x >= 0; x = nodes_[x].parent) {
+    nodes_[x].last_access = clock_;
+    if (x == stop) break;
+  }
   relist(node);
 }
 
@@ -214,7 +216,7 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
     inserted_blocks_ += adopted;
     node = leaf;
   }
-  touch(node);
+  touch(node, start);
   return InsertResult{static_cast<int64_t>(cached) * block_size_, node};
 }
 
@@ -282,16 +284,47 @@ void RadixCache::unlock(NodeId node) {
   }
 }
 
-void RadixCache::remove_leaf(NodeId node) {
+void RadixCache::move_lock(NodeId from, NodeId to) {
+  check_node(from, "move_lock");
+  check_node(to, "move_lock");
+  if (nodes_[from].lock_count <= 0) {
+    throw ValueError("move_lock: node " + std::to_string(from) + " is not locked");
+  }
+  NodeId x = to;
+  while (x != from && x >= 0) x = nodes_[x].parent;
+  if (x != from) {
+    throw ValueError("move_lock: node " + std::to_string(to) + " is not below node " +
+                     std::to_string(from));
+  }
+  for (x = to; x != from; x = nodes_[x].parent) {
+    Node& n = nodes_[x];
+    if (n.lock_count++ == 0) {
+      unlist(x);
+      evictable_blocks_ -= static_cast<int64_t>(n.blocks.size());
+    }
+  }
+}
+
+void RadixCache::release(NodeId node) {
+  unlock(node);
+  ++clock_;
+  touch(node);
+}
+
+int64_t RadixCache::remove_leaf(NodeId node) {
   Node& n = nodes_[node];
   const NodeId parent_id = n.parent;
   unlist(node);
-  for (BlockId b : n.blocks) block_node_[b] = -1;
-  allocator_.decref(n.blocks.data(), n.blocks.size());
-  const int64_t released = static_cast<int64_t>(n.blocks.size());
-  cached_blocks_ -= released;
-  evictable_blocks_ -= released;
-  evicted_blocks_ += released;
+  int64_t freed = 0;
+  for (BlockId b : n.blocks) {
+    block_node_[b] = -1;
+    allocator_.decref(b);
+    freed += allocator_.refcounts()[b] == 0 ? 1 : 0;
+  }
+  const int64_t dropped = static_cast<int64_t>(n.blocks.size());
+  cached_blocks_ -= dropped;
+  evictable_blocks_ -= dropped;
+  evicted_blocks_ += dropped;
   Node& p = nodes_[parent_id];
   auto range = p.children.equal_range(block_hash_[n.blocks.front()]);
   for (auto it = range.first; it != range.second; ++it) {
@@ -303,6 +336,7 @@ void RadixCache::remove_leaf(NodeId node) {
   n = Node();
   free_nodes_.push_back(node);
   relist(parent_id);
+  return freed;
 }
 
 int64_t RadixCache::evict(int64_t num_blocks) {
@@ -311,9 +345,7 @@ int64_t RadixCache::evict(int64_t num_blocks) {
   }
   int64_t released = 0;
   while (released < num_blocks && !lru_leaves_.empty()) {
-    const NodeId victim = lru_leaves_.begin()->second;
-    released += static_cast<int64_t>(nodes_[victim].blocks.size());
-    remove_leaf(victim);
+    released += remove_leaf(lru_leaves_.begin()->second);
   }
   return released;
 }
@@ -321,8 +353,8 @@ int64_t RadixCache::evict(int64_t num_blocks) {
 int64_t RadixCache::reset() { return evict(std::numeric_limits<int64_t>::max()); }
 
 CacheStats RadixCache::stats() const {
-  return CacheStats{cached_blocks_,  evictable_blocks_, hit_tokens_,
-                    query_tokens_,   evicted_blocks_,   inserted_blocks_};
+  return CacheStats{cached_blocks_, evictable_blocks_, hit_tokens_,
+                    query_tokens_,  evicted_blocks_,   inserted_blocks_};
 }
 
 void RadixCache::check_invariants() const {
@@ -349,13 +381,16 @@ void RadixCache::check_invariants() const {
       }
       const Node& c = nodes_[child_id];
       if (key != block_hash_[c.blocks.front()]) fail(name + " keys a child by the wrong hash");
-      if (c.last_access > n.last_access) fail(name + " is older than its child");
+      if (n.lock_count == 0 && c.last_access > n.last_access) {
+        fail(name + " is unlocked and older than its child");
+      }
       child_locks += c.lock_count;
       auto range = n.children.equal_range(key);
       for (auto it = range.first; it != range.second; ++it) {
         if (it->second != child_id &&
-            block_holds(nodes_[it->second].blocks.front(),
-                        block_tokens_.data() + static_cast<size_t>(c.blocks.front()) * block_size_)) {
+            block_holds(
+                nodes_[it->second].blocks.front(),
+                block_tokens_.data() + static_cast<size_t>(c.blocks.front()) * block_size_)) {
           fail(name + " has two children starting with the same block");
         }
       }

@@ -9,16 +9,19 @@
 // - A node's children are keyed by a 64-bit hash of their first block's tokens; a lookup
 //   compares the tokens too, so a hash collision can never produce a wrong match.
 // - Unlocked leaves sit in an ordered set keyed by (last access, node id): LRU eviction pops the
-//   front. Access times come from a logical clock that ticks once per match or insert, and every
-//   access touches the whole root→node path, so a parent is never older than its children.
+//   front. Access times come from a logical clock that ticks once per match, insert or release,
+//   each stamping the whole root→node path, so an unlocked parent is never older than its
+//   children. (insert_from below a locked node stamps only from that node down, to stay
+//   independent of depth; the lock holder's release() stamps the rest.)
 // - A lock on a node counts on every node of its root→node path, so an unlocked node's subtree
 //   is entirely unlocked and `evictable_blocks` (blocks in unlocked nodes) can all be released
 //   by repeated leaf eviction.
 //
 // Invariant (check_invariants): each block in the tree is in exactly one node and the tree holds
 // one reference on it; sibling edges start with different blocks; a node's lock count is at least
-// the sum of its children's; the LRU set holds exactly the unlocked non-root leaves; the cached
-// and evictable block counters equal what the nodes hold.
+// the sum of its children's; an unlocked node is not older than its children; the LRU set holds
+// exactly the unlocked non-root leaves; the cached and evictable block counters equal what the
+// nodes hold.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +39,7 @@ using NodeId = int32_t;
 constexpr NodeId kRootNode = 0;
 
 struct PrefixMatch {
-  int64_t num_tokens = 0;      // == blocks.size() * block_size
+  int64_t num_tokens = 0;       // == blocks.size() * block_size
   std::vector<BlockId> blocks;  // the cached blocks of the prefix, in order
   NodeId node = kRootNode;      // the deepest matched node (a handle for lock/unlock)
 };
@@ -84,7 +87,9 @@ class RadixCache {
   InsertResult insert(const int32_t* tokens, size_t n, const BlockId* ids, size_t num_ids) {
     return insert_from(kRootNode, tokens, n, ids, num_ids);
   }
-  // Same, continuing below `start`: tokens[0] is the token at position depth(start).
+  // Same, continuing below `start`: tokens[0] is the token at position depth(start). Its cost
+  // is independent of depth(start): it stamps LRU times only from `start` down, so the caller
+  // must hold a lock on `start` and stamp the whole path later with release().
   InsertResult insert_from(NodeId start, const int32_t* tokens, size_t n, const BlockId* ids,
                            size_t num_ids);
 
@@ -92,11 +97,16 @@ class RadixCache {
   // unknown node or an unlock below 0.
   void lock(NodeId node);
   void unlock(NodeId node);
+  // lock(to) + unlock(from) for `to` at or below `from`, touching only the nodes in between.
+  void move_lock(NodeId from, NodeId to);
+  // unlock(node), and stamps the root→node path as just used (pairs with insert_from).
+  void release(NodeId node);
 
   // Evicts unlocked leaves in LRU order (ties by node id), whole leaves, until at least
-  // num_blocks blocks were released to the allocator or nothing is evictable. Returns released.
+  // num_blocks blocks became free in the allocator or nothing is evictable. Returns the blocks
+  // freed (a block someone else still holds leaves the tree but is not freed).
   int64_t evict(int64_t num_blocks);
-  // Drops every unlocked node. Returns blocks released.
+  // Drops every unlocked node. Returns blocks freed.
   int64_t reset();
 
   int64_t cached_blocks() const { return cached_blocks_; }
@@ -143,10 +153,10 @@ class RadixCache {
             std::vector<BlockId>* collect) const;
   NodeId split(NodeId child, int64_t keep_blocks);
   NodeId new_node();
-  void touch(NodeId node);
+  void touch(NodeId node, NodeId stop = -1);
   void unlist(NodeId node);
   void relist(NodeId node);
-  void remove_leaf(NodeId node);
+  int64_t remove_leaf(NodeId node);  // returns blocks freed
   void check_node(NodeId node, const char* what) const;
 
   int32_t block_size_;

@@ -10,10 +10,10 @@ struct Step {
   int64_t step_id = 0;
   // One value per entry, in entry order.
   std::vector<int64_t> rids;
-  std::vector<int32_t> start_pos;   // tokens already in the KV cache for that request
-  std::vector<int32_t> num_tokens;  // tokens computed by the entry (1 for a decode)
-  std::vector<uint8_t> is_decode;   // the input is the request's last sampled token
-  std::vector<uint8_t> sample;      // a token is sampled after the entry
+  std::vector<int32_t> start_pos;      // tokens already in the KV cache for that request
+  std::vector<int32_t> num_tokens;     // tokens computed by the entry (1 for a decode)
+  std::vector<uint8_t> is_decode;      // the input is the request's last sampled token
+  std::vector<uint8_t> sample;         // a token is sampled after the entry
   std::vector<int32_t> block_offsets;  // where the entry's new block ids go in its table
   std::vector<int32_t> block_counts;   // how many new block ids the entry carries
   // Concatenated in entry order.

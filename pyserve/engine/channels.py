@@ -2,7 +2,9 @@
 
 Every PULL end binds and every PUSH end connects, so each process owns the socket file it
 reads from. The directory is created with mode 0700 (``tempfile.mkdtemp``), so no other user
-can connect to the ring, and it is removed when the engine stops.
+can connect to the ring. Once all three connections stand, the engine removes the directory:
+connected Unix sockets do not need their files, and nothing is left behind even if the main
+process is killed without a chance to clean up.
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ class RingAddresses:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def main_sockets(ctx: zmq.Context, addresses: RingAddresses) -> tuple[zmq.Socket, zmq.Socket]:
-    """Main's two ends: a PUSH to the worker and a PULL from the detokenizer."""
+def main_sockets(
+    ctx: zmq.Context, addresses: RingAddresses
+) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    """Main's two ends: a PUSH to the worker and a PULL from the detokenizer, plus a monitor
+    that reports when the PUSH has connected (the one connection whose file main needs)."""
     to_worker = ctx.socket(zmq.PUSH)
     to_worker.setsockopt(zmq.LINGER, 0)
+    to_worker.setsockopt(zmq.SNDHWM, 0)  # a burst of new requests must never block the loop
+    monitor = to_worker.get_monitor_socket(zmq.EVENT_CONNECTED)
     to_worker.connect(addresses.worker_in)
     from_detok = ctx.socket(zmq.PULL)
     from_detok.setsockopt(zmq.LINGER, 0)
     from_detok.bind(addresses.main_in)
-    return to_worker, from_detok
+    return to_worker, from_detok, monitor

@@ -96,41 +96,13 @@ class Engine:
             context_length=self._context_length,
             vocab_size=info.vocab_size,
         )
-        num_blocks = config.num_kv_blocks(info)
         self._addresses = addresses = RingAddresses.create()
         atexit.register(self._kill_at_exit)
         try:
+            # The detokenizer decodes with exactly this tokenizer, saved where only we can read.
             tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
-            self._children.start(
-                "detokenizer",
-                "pyserve.detokenizer",
-                DetokenizerConfig(
-                    tokenizer_file=tokenizer_file,
-                    in_addr=addresses.detok_in,
-                    out_addr=addresses.main_in,
-                    parent_pid=os.getpid(),
-                    log_level=config.log_level,
-                ),
-            )
-            self._children.start(
-                "worker",
-                "pyserve.worker",
-                WorkerConfig(
-                    in_addr=addresses.worker_in,
-                    out_addr=addresses.detok_in,
-                    num_blocks=num_blocks,
-                    block_size=config.block_size,
-                    model=source.path,
-                    dtype=config.resolved_dtype(),
-                    device=config.device,
-                    max_model_len=config.max_model_len,
-                    parent_pid=os.getpid(),
-                    log_level=config.log_level,
-                    torch_threads=config.torch_threads,
-                    seed=config.seed,
-                ),
-            )
+            self._spawn_children(source.path, tokenizer_file, config.num_kv_blocks(info))
             self._scheduler = SchedulerLoop(
                 addresses=addresses,
                 children=self._children,
@@ -155,6 +127,39 @@ class Engine:
             self._ready.load_seconds,
         )
         return self
+
+    def _spawn_children(self, model_path: str, tokenizer_file: str, num_blocks: int) -> None:
+        config, addresses = self.config, self._addresses
+        assert addresses is not None
+        self._children.start(
+            "detokenizer",
+            "pyserve.detokenizer",
+            DetokenizerConfig(
+                tokenizer_file=tokenizer_file,
+                in_addr=addresses.detok_in,
+                out_addr=addresses.main_in,
+                parent_pid=os.getpid(),
+                log_level=config.log_level,
+            ),
+        )
+        self._children.start(
+            "worker",
+            "pyserve.worker",
+            WorkerConfig(
+                in_addr=addresses.worker_in,
+                out_addr=addresses.detok_in,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                model=model_path,
+                dtype=config.resolved_dtype(),
+                device=config.device,
+                max_model_len=config.max_model_len,
+                parent_pid=os.getpid(),
+                log_level=config.log_level,
+                torch_threads=config.torch_threads,
+                seed=config.seed,
+            ),
+        )
 
     def _make_planner(self, ready: Ready) -> Any:  # runs on the scheduler thread
         from pyserve import _core

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pyserve.engine.channels import RingAddresses, main_sockets
 from pyserve.engine.errors import EngineDeadError, EngineError, EngineStartError
@@ -71,6 +72,7 @@ class SchedulerLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        self._exited = False
         self._thread = threading.Thread(target=self._run, name="pyserve-scheduler", daemon=True)
         # Owned by the thread:
         self._planner: Any = None
@@ -121,11 +123,10 @@ class SchedulerLoop:
         return self._stopped_cleanly
 
     def _command(self, command: tuple) -> None:
-        if self._closed:
-            if command[0] == "call":
-                command[2].set_exception(EngineDeadError("the engine has stopped"))
-            return
         self._commands.append(command)
+        if self._exited:  # nobody will run it: fail it here (the thread set the flag first)
+            self._fail_pending_calls()
+            return
         with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake already
             os.write(self._wake_w, b"x")
 
@@ -137,13 +138,14 @@ class SchedulerLoop:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        self._to_worker, self._from_detok = main_sockets(ctx, self._addresses)
+        self._to_worker, self._from_detok, monitor = main_sockets(ctx, self._addresses)
         self._poller = zmq.Poller()
         self._poller.register(self._from_detok, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         try:
             ready = self._wait_ready()
             if ready is not None:
+                self._remove_ring_files(monitor)
                 self._planner = self._make_planner(ready)
                 self._num_blocks = ready.num_blocks
                 self.snapshot = self._planner.stats()
@@ -156,7 +158,9 @@ class SchedulerLoop:
             log.exception("the scheduler loop failed")
             self._post(self._sink.on_fatal, EngineDeadError(f"the scheduler loop failed: {e!r}"))
         finally:
+            self._exited = True
             self._fail_pending_calls()
+            monitor.close(linger=0)
             self._to_worker.close(linger=0)
             self._from_detok.close(linger=0)
             ctx.term()
@@ -178,6 +182,16 @@ class SchedulerLoop:
                     return msg
                 if isinstance(msg, inp.WorkerError):
                     raise_start(f"the worker failed while starting: {msg.message}")
+
+    def _remove_ring_files(self, monitor: zmq.Socket) -> None:
+        """Ready has come round the ring, so worker → detokenizer → main are connected; once
+        main → worker is too, the socket files (and the tokenizer file) have done their job."""
+        if monitor.poll(5000, zmq.POLLIN):
+            recv_monitor_message(monitor)
+            self._addresses.remove()
+        else:
+            log.warning("main's connection to the worker is slow; keeping the IPC files")
+        self._to_worker.disable_monitor()
 
     def _take_commands(self) -> list[tuple]:
         taken = []
@@ -287,7 +301,7 @@ class SchedulerLoop:
             if rid in self._live:
                 self._planner.abort(rid)
                 self._forget(rid)
-        self._post(self._sink.on_request_error, rids, RuntimeError(msg.message))
+        self._post(self._sink.on_request_error, rids, EngineError(msg.message))
 
     def _forget(self, rid: int) -> None:
         self._live.discard(rid)
@@ -335,6 +349,7 @@ class SchedulerLoop:
         log.warning("the ring did not confirm its shutdown within %.0f s", self._shutdown_timeout)
 
     def _fail_pending_calls(self) -> None:
+        """Fails the calls nobody will run; runs on either thread (deque pops are atomic)."""
         for command in self._take_commands():
             if command[0] == "call" and command[2].set_running_or_notify_cancel():
                 command[2].set_exception(EngineDeadError("the engine has stopped"))

@@ -60,7 +60,7 @@ def create_app(
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return from_http_exception(exc).response()
+            return from_http_exception(exc, request).response()
         except ConnectionError:
             raise  # the client went away; there is nobody to answer
         except Exception as exc:

@@ -12,6 +12,13 @@ import msgspec
 from aiohttp import web
 
 
+def json_response(body: object, status: int = 200) -> web.Response:
+    """A JSON response serialized by msgspec (anything it cannot encode is written as str)."""
+    return web.Response(
+        body=msgspec.json.encode(body, enc_hook=str), status=status, content_type="application/json"
+    )
+
+
 class ErrorInfo(msgspec.Struct):
     message: str
     type: str
@@ -94,13 +101,18 @@ _HTTP_CODES = {
 }
 
 
-def from_http_exception(exc: web.HTTPException) -> APIError:
+def from_http_exception(exc: web.HTTPException, request: web.Request) -> APIError:
     """aiohttp's own errors (no route, wrong method, body over the cap) in the OpenAI shape."""
     type_, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", None))
+    message = exc.reason
+    if exc.status == 404:
+        message = f"No route {request.path}."
+    elif exc.status == 405:
+        message = f"{request.method} is not allowed on {request.path}."
     if exc.status >= 500:
         type_ = "server_error"
     headers = {}
     allow = exc.headers.get("Allow")
     if allow is not None:
         headers["Allow"] = allow
-    return APIError(exc.status, exc.reason, type=type_, code=code, headers=headers)
+    return APIError(exc.status, message, type=type_, code=code, headers=headers)

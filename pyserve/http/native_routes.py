@@ -13,7 +13,7 @@ from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_body, read_request
-from pyserve.http.errors import bad_request
+from pyserve.http.errors import bad_request, json_response
 from pyserve.http.merge import merge_choices
 from pyserve.http.openai_format import ChoiceResult
 from pyserve.http.protocol import (
@@ -112,7 +112,7 @@ class NativeRoutes:
         ]
         if state.options.log_requests:
             log.info("%s output: %r", base, [r.text for r in results])
-        return _json(outputs if batched else outputs[0])
+        return json_response(outputs if batched else outputs[0])
 
     async def _stream(
         self, request, merged, first, result: ChoiceResult, rid: str, arrival: float
@@ -156,7 +156,7 @@ class NativeRoutes:
         req = await read_request(request, TokenizeRequest, self.state.options.max_body_bytes)
         self.state.check_model(req.model)
         tokens = await self.state.call(self.engine.tokenize(req.prompt))
-        return _json(
+        return json_response(
             {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.context_length}
         )
 
@@ -164,19 +164,13 @@ class NativeRoutes:
         req = await read_request(request, DetokenizeRequest, self.state.options.max_body_bytes)
         self.state.check_model(req.model)
         text = await self.state.call(self.engine.detokenize(req.tokens))
-        return _json({"prompt": text})
+        return json_response({"prompt": text})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         req = await read_request(request, AbortRequest, self.state.options.max_body_bytes)
-        return _json({"rid": req.rid, "aborted": self.state.abort(req.rid)})
+        return json_response({"rid": req.rid, "aborted": self.state.abort(req.rid)})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         await read_body(request, self.state.options.max_body_bytes)  # any body is ignored
         released = await self.state.call(self.engine.flush_cache())
-        return _json({"flushed": True, "released_blocks": released})
-
-
-def _json(body: object, status: int = 200) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(body), status=status, content_type="application/json"
-    )
+        return json_response({"flushed": True, "released_blocks": released})

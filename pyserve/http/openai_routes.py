@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_request
-from pyserve.http.errors import APIError, bad_request
+from pyserve.http.errors import APIError, bad_request, json_response
 from pyserve.http.merge import merge_choices
 from pyserve.http.openai_format import (
     ChatFormat,
@@ -76,11 +76,11 @@ class OpenAIRoutes:
         }
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         self.state.check_model(request.match_info["model"])
-        return web.json_response(self._model_card())
+        return json_response(self._model_card())
 
     # ------------------------------------------------------------------ chat
 

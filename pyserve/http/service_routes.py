@@ -6,6 +6,7 @@ import msgspec
 from aiohttp import web
 
 import pyserve
+from pyserve.http.errors import json_response
 from pyserve.http.metrics import CONTENT_TYPE
 from pyserve.http.openapi import openapi_document
 from pyserve.http.state import ServerState
@@ -34,7 +35,7 @@ class ServiceRoutes:
 
     async def health(self, request: web.Request) -> web.Response:
         status = self.status()
-        return web.json_response({"status": status}, status=200 if status == "ok" else 503)
+        return json_response({"status": status}, status=200 if status == "ok" else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = self.engine.server_info()
@@ -47,8 +48,7 @@ class ServiceRoutes:
         }
         info["status"] = self.status()
         info["requests_in_flight"] = self.state.in_flight
-        body = msgspec.json.encode(info, enc_hook=str)
-        return web.Response(body=body, content_type="application/json")
+        return json_response(info)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -10,10 +10,11 @@ Per row, in the order vLLM applies them:
 4. temperature 0 → argmax; otherwise logits / temperature, then min_p (relative to the top
    token's probability), top_k, top_p (over the distribution left by top_k), and a draw.
 
-Draws use the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples exactly from
-``p``. A request with a seed draws its ``q`` row from its own ``torch.Generator``, so its tokens
-depend only on its seed and its own logits, never on what else is in the batch. Everything is
-vectorised over the batch; Python loops run once per request, never per vocab entry.
+A draw is an inverse-CDF lookup of one uniform number a row. A request with a seed takes its
+number from its own ``torch.Generator``, so its tokens depend only on its seed and its own
+logits, never on what else is in the batch. Everything is vectorised over the batch; Python
+loops run once per request, never per vocab entry; top_k/top_p look at a window of the most
+likely tokens (``topk``) rather than sorting the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -152,111 +153,186 @@ class Sampler:
     def _sample_random_rows(
         self, logits: torch.Tensor, seqs: Sequence[SamplingSequence], greedy: list[bool]
     ) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        rows = torch.tensor(random_rows, device=logits.device)
-        params = [seqs[i].params for i in random_rows]
-        scaled = logits[rows] / torch.tensor(
-            [p.temperature for p in params], device=logits.device
-        ).unsqueeze(1)
-        filtered = apply_filters(
-            scaled,
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
+        device = logits.device
+        tokens = (
+            logits.argmax(dim=-1)
+            if any(greedy)
+            else torch.empty_like(logits[:, 0], dtype=torch.int64)
         )
-        probs = torch.softmax(filtered, dim=-1)
-        noise = self._exponential_noise(probs, [seqs[i].generator for i in random_rows])
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        params = [seqs[i].params for i in random_rows]
+        temperatures = torch.tensor([p.temperature for p in params], device=device)
+        scaled = logits[torch.tensor(random_rows, device=device)] / temperatures.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            scaled = apply_min_p(scaled, [p.min_p for p in params])
+        uniforms = self._uniforms([seqs[i].generator for i in random_rows], device)
+
+        vocab = logits.shape[1]
+        truncated = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        full = [j for j, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+        picked = torch.empty(len(random_rows), dtype=torch.int64, device=device)
+        if truncated:
+            index = torch.tensor(truncated, device=device)
+            ids, probs = top_k_top_p(
+                scaled[index],
+                top_k=[params[j].top_k for j in truncated],
+                top_p=[params[j].top_p for j in truncated],
+            )
+            picked[index] = ids.gather(1, draw(probs, uniforms[index])[:, None]).squeeze(1)
+        if full:
+            index = torch.tensor(full, device=device)
+            picked[index] = draw(torch.softmax(scaled[index], dim=-1), uniforms[index])
+        tokens[torch.tensor(random_rows, device=device)] = picked
         return tokens
 
-    def _exponential_noise(
-        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    def _uniforms(
+        self, generators: list[torch.Generator | None], device: torch.device
     ) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        if all(g is None for g in generators):
-            noise.exponential_(generator=self._shared)
-        else:
-            for row, generator in enumerate(generators):
-                noise[row].exponential_(generator=generator or self._shared)
-        # exponential_ can return exactly 0, which would make p / q infinite for any p
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        """float64 ``[n]`` in [0, 1): one draw per row, from the row's own generator if seeded."""
+        shared = torch.rand(
+            len(generators), dtype=torch.float64, device=device, generator=self._shared
+        )
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                shared[row] = torch.rand(
+                    1, dtype=torch.float64, device=device, generator=generator
+                )[0]
+        return shared
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Column index of one draw per row of ``probs`` (rows need not sum to 1), by inverse CDF.
+
+    One uniform a row instead of one random number per vocab entry: the draw is cheap, and a
+    seeded row consumes exactly one number of its generator per token. The CDF is summed in
+    float64 so that even tiny probabilities keep their share.
+    """
+    cdf = probs.double().cumsum_(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    picked = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[1] - 1)  # only when rounding lands on the total
 
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSequence]) -> torch.Tensor:
-    """Repetition (prompt + output), frequency and presence (output) penalties, as in vLLM."""
-    num_rows, vocab = logits.shape
-    device = logits.device
-    output_counts = _token_counts(
-        [torch.tensor(s.output_ids, dtype=torch.int64) for s in seqs], vocab, device
-    )
-    prompt_seen = _token_counts([s.prompt_ids for s in seqs], vocab, device) > 0
-    output_seen = output_counts > 0
+    """Repetition (prompt + output), frequency and presence (output) penalties, as in vLLM.
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
-
-    repetition = column([s.params.repetition_penalty for s in seqs]).expand(num_rows, vocab)
-    repetition = torch.where(prompt_seen | output_seen, repetition, 1.0)
-    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - column([s.params.frequency_penalty for s in seqs]) * output_counts
-    return logits - column([s.params.presence_penalty for s in seqs]) * output_seen
-
-
-def _token_counts(ids: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
-    """float32 ``[len(ids), vocab]``: how often each token occurs in each row's ids."""
-    counts = torch.zeros(len(ids), vocab + 1, device=device)
-    if any(t.numel() for t in ids):
-        # pad with the extra column ``vocab`` so padding lands outside the real vocabulary
-        padded = torch.nn.utils.rnn.pad_sequence(
-            [t.to(device=device, dtype=torch.int64) for t in ids],
-            batch_first=True,
-            padding_value=vocab,
-        )
-        padded = padded.clamp_(0, vocab)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
-
-
-def apply_filters(
-    logits: torch.Tensor, *, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
-    """Sets to -inf what min_p, then top_k, then top_p remove (rows of temperature-scaled logits).
-
-    min_p keeps tokens with ``p >= min_p * p_max``; top_k keeps tokens whose logit is at least the
-    k-th largest (ties at the boundary are kept); top_p keeps the smallest set of most likely
-    tokens, renormalised after top_k, whose mass reaches ``top_p``. The top token always stays.
+    Modifies ``logits`` in place and returns it. Only the entries of tokens a request has seen
+    are touched: they are found as sorted unique keys ``row * vocab + token``, so the cost
+    follows the number of tokens, not the size of the vocabulary.
     """
     vocab = logits.shape[1]
     device = logits.device
-    use_min_p = any(m > 0.0 for m in min_p)
-    use_top_k = any(0 < k < vocab for k in top_k)
-    use_top_p = any(p < 1.0 for p in top_p)
-    if use_min_p:
-        probs = torch.softmax(logits, dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
-        logits = logits.masked_fill(probs < threshold, _NEG_INF)
-    if not (use_top_k or use_top_p):
+    outputs = [torch.tensor(s.output_ids, dtype=torch.int64) for s in seqs]
+    prompts = [s.prompt_ids.to(torch.int64) for s in seqs]
+    out_keys = _row_keys(outputs, vocab).to(device)
+    seen = torch.unique(torch.cat([_row_keys(prompts, vocab).to(device), out_keys]))
+    if seen.numel() == 0:
         return logits
+    # how often each seen key occurs in the output (0 for prompt-only tokens)
+    counts = torch.zeros(seen.shape, dtype=logits.dtype, device=device)
+    if out_keys.numel():
+        out_unique, out_counts = torch.unique(out_keys, return_counts=True)
+        at = torch.searchsorted(out_unique, seen).clamp_(max=out_unique.numel() - 1)
+        counts = torch.where(out_unique[at] == seen, out_counts[at].to(logits.dtype), 0.0)
 
-    # k = vocab keeps everything: the k-th largest is the smallest logit
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
-    if not use_top_p:
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
-        return logits.masked_fill(logits < kth, _NEG_INF)
+    rows, cols = seen // vocab, seen % vocab
 
-    ordered, order = logits.sort(dim=-1, descending=True)
-    if use_top_k:
-        kth = ordered.gather(1, (ks - 1)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, _NEG_INF)
-    probs = torch.softmax(ordered, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # rows without top_p get a bound no rounding error can reach
-    bound = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=device)[:, None]
-    drop = mass_before >= bound
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[rows]
+
+    values = logits[rows, cols]
+    repetition = per_row([s.params.repetition_penalty for s in seqs])
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= per_row([s.params.frequency_penalty for s in seqs]) * counts
+    values -= per_row([s.params.presence_penalty for s in seqs]) * (counts > 0)
+    logits[rows, cols] = values
+    return logits
+
+
+def _row_keys(ids: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every row, concatenated."""
+    lengths = torch.tensor([t.numel() for t in ids])
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+    return rows * vocab + torch.cat(ids).clamp_(0, vocab - 1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Sets to -inf tokens less likely than ``min_p`` times the most likely one, row by row."""
+    probs = torch.softmax(logits, dim=-1)
+    factors = torch.tensor(min_p, dtype=probs.dtype, device=logits.device)[:, None]
+    return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * factors, _NEG_INF)
+
+
+# top_k/top_p look at this many most likely tokens first, and widen the window only for rows
+# whose kept set does not end inside it; a full sort of the vocabulary is the last resort.
+_FIRST_WINDOW = 128
+_WINDOW_GROWTH = 8
+
+
+def top_k_top_p(
+    logits: torch.Tensor, *, top_k: list[int], top_p: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution left by top_k, then top_p, as (token ids, probabilities), ``[n, W]`` each.
+
+    top_k keeps tokens whose logit is at least the k-th largest (k <= 0 or >= vocab: all);
+    top_p keeps the smallest set of most likely tokens, renormalised after top_k, whose mass
+    reaches p (the top token always stays). Removed tokens get probability 0; rows sum to 1.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    k_on = [0 < k < vocab for k in top_k]
+    ks = torch.tensor([k if on else 1 for k, on in zip(top_k, k_on, strict=True)], device=device)
+    # rows without top_p get a bound that no accumulated mass reaches
+    bounds = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=device)
+    largest_k = max((k for k, on in zip(top_k, k_on, strict=True) if on), default=0)
+    ids, probs = _window_top_k_top_p(
+        logits,
+        ks,
+        torch.tensor(k_on, device=device),
+        bounds,
+        torch.logsumexp(logits, dim=-1),
+        window=max(_FIRST_WINDOW, largest_k),
+    )
+    return ids, probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _window_top_k_top_p(
+    logits: torch.Tensor,
+    ks: torch.Tensor,
+    k_on: torch.Tensor,
+    bounds: torch.Tensor,
+    log_total: torch.Tensor,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = logits.shape[1]
+    if window * 4 >= vocab:
+        window = vocab
+        values, ids = logits.sort(dim=-1, descending=True)
+    else:
+        values, ids = logits.topk(window, dim=-1)  # sorted, most likely first
+    k_on = k_on[:, None]
+    kth = values.gather(1, (ks - 1)[:, None])
+    values = values.masked_fill(k_on & (values < kth), _NEG_INF)
+    # after top_k the kept set lies inside the window: renormalise over it; without top_k,
+    # probabilities are relative to the whole vocabulary
+    probs = torch.where(k_on, torch.softmax(values, dim=-1), torch.exp(values - log_total[:, None]))
+    drop = probs.cumsum(dim=-1) - probs >= bounds[:, None]
     drop[:, 0] = False
-    ordered = ordered.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, ordered)
+    probs = probs.masked_fill(drop, 0.0)
+    complete = k_on.squeeze(1) | drop[:, -1]
+    if window == vocab or bool(complete.all()):
+        return ids, probs
+    redo = (~complete).nonzero().squeeze(1)
+    wide_ids, wide_probs = _window_top_k_top_p(
+        logits[redo], ks[redo], k_on.squeeze(1)[redo], bounds[redo], log_total[redo],
+        window * _WINDOW_GROWTH,
+    )  # fmt: skip
+    pad = wide_ids.shape[1] - window
+    ids = torch.nn.functional.pad(ids, (0, pad))
+    probs = torch.nn.functional.pad(probs, (0, pad))
+    ids[redo] = wide_ids
+    probs[redo] = wide_probs
+    return ids, probs
 
 
 def _gather_logprobs(

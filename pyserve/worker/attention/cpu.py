@@ -225,7 +225,7 @@ class CpuAttentionBackend(AttentionBackend):
         row_max = torch.full(
             (kv_heads, num_rows, group), float("-inf"), dtype=torch.float32, device=q.device
         )
-        row_max.index_reduce_(1, owner, chunk_max, "amax")
+        row_max.scatter_reduce_(1, owner[None, :, None].expand_as(chunk_max), chunk_max, "amax")
         weights = torch.exp(scores - row_max.index_select(1, owner)[..., None])
         denom = torch.zeros_like(row_max).index_add_(1, owner, weights.sum(dim=-1))
         partial = torch.matmul(weights.to(values.dtype), values).float()  # [KVH, C, group, dim]

@@ -1,0 +1,243 @@
+// RadixCache, as a specification. Block size 2 unless said otherwise: tokens {1,2, 3,4, 5}
+// are two whole blocks and one token that is never cached.
+#include "radix_cache.h"
+
+#include <vector>
+
+#include "check.h"
+#include "errors.h"
+
+using pyserve::BlockAllocator;
+using pyserve::BlockId;
+using pyserve::NodeId;
+using pyserve::RadixCache;
+using pyserve::ValueError;
+using Ids = std::vector<BlockId>;
+using Tokens = std::vector<int32_t>;
+
+namespace {
+
+struct Fixture {
+  BlockAllocator allocator;
+  RadixCache cache;
+  explicit Fixture(int64_t num_blocks = 16, int64_t block_size = 2)
+      : allocator(num_blocks), cache(block_size, allocator) {}
+
+  // Inserts with fresh blocks, then drops the caller's references, as a finished request does.
+  int64_t insert_fresh(const Tokens& tokens) {
+    const Ids ids = allocator.allocate(static_cast<int64_t>(tokens.size()) / cache.block_size());
+    const int64_t cached =
+        cache.insert(tokens.data(), tokens.size(), ids.data(), ids.size()).cached_tokens;
+    allocator.decref(ids.data(), ids.size());
+    check();
+    return cached;
+  }
+  pyserve::PrefixMatch match(const Tokens& tokens) {
+    auto m = cache.match_prefix(tokens.data(), tokens.size());
+    check();
+    return m;
+  }
+  void check() {
+    allocator.check_invariants();
+    cache.check_invariants();
+  }
+};
+
+}  // namespace
+
+TEST(an_empty_cache_matches_nothing_at_the_root) {
+  Fixture f;
+  const auto m = f.match({1, 2, 3, 4});
+  CHECK_EQ(m.num_tokens, 0);
+  CHECK(m.blocks.empty());
+  CHECK_EQ(m.node, pyserve::kRootNode);
+  CHECK_EQ(f.cache.stats().query_tokens, 4);
+  CHECK_EQ(f.cache.stats().hit_tokens, 0);
+}
+
+TEST(insert_caches_whole_blocks_and_match_returns_them) {
+  Fixture f;
+  const Ids ids = f.allocator.allocate(2);
+  const Tokens tokens{1, 2, 3, 4, 5};
+  CHECK_EQ(f.cache.insert(tokens.data(), tokens.size(), ids.data(), ids.size()).cached_tokens, 0);
+  CHECK_EQ(f.cache.cached_blocks(), 2);
+  CHECK_EQ(f.allocator.refcount(ids[0]), 2);  // the caller's reference and the tree's
+  f.check();
+
+  auto m = f.match({1, 2, 3, 4, 5, 6});
+  CHECK_EQ(m.num_tokens, 4);
+  CHECK_EQ(m.blocks, ids);
+  m = f.match({1, 2, 3});  // only whole blocks match
+  CHECK_EQ(m.num_tokens, 2);
+  CHECK_EQ(m.blocks, Ids{ids[0]});
+  m = f.match({1, 9, 3, 4});  // a block matches only when all its tokens do
+  CHECK_EQ(m.num_tokens, 0);
+  CHECK_EQ(f.cache.stats().hit_tokens, 6);
+}
+
+TEST(insert_reports_the_already_cached_part_whose_blocks_the_caller_frees) {
+  Fixture f;
+  CHECK_EQ(f.insert_fresh({1, 2, 3, 4}), 0);
+  const Ids mine = f.allocator.allocate(3);
+  const Tokens longer{1, 2, 3, 4, 5, 6};
+  CHECK_EQ(f.cache.insert(longer.data(), longer.size(), mine.data(), mine.size()).cached_tokens, 4);
+  // The tree adopted only the third block; the first two are the caller's duplicates.
+  CHECK_EQ(f.allocator.refcount(mine[0]), 1);
+  CHECK_EQ(f.allocator.refcount(mine[2]), 2);
+  f.allocator.decref(mine.data(), mine.size());
+  CHECK_EQ(f.allocator.num_free(), 16 - 3);
+  CHECK_EQ(f.cache.stats().inserted_blocks, 3);
+  CHECK_EQ(f.match({1, 2, 3, 4, 5, 6}).num_tokens, 6);
+}
+
+TEST(a_diverging_insert_splits_the_edge) {
+  Fixture f;
+  f.insert_fresh({1, 2, 3, 4, 5, 6});
+  CHECK_EQ(f.cache.num_nodes(), 2);
+  CHECK_EQ(f.insert_fresh({1, 2, 3, 4, 7, 8}), 4);
+  CHECK_EQ(f.cache.num_nodes(), 4);  // root, shared {1,2,3,4}, two leaves
+  CHECK_EQ(f.cache.cached_blocks(), 4);
+  CHECK_EQ(f.match({1, 2, 3, 4, 7, 8}).num_tokens, 6);
+  CHECK_EQ(f.match({1, 2, 3, 4, 5, 6}).num_tokens, 6);
+}
+
+TEST(siblings_are_told_apart_by_their_whole_first_block) {
+  Fixture f(16, 4);
+  f.insert_fresh({1, 2, 3, 4});
+  CHECK_EQ(f.insert_fresh({1, 2, 3, 5}), 0);  // same first token, different block
+  CHECK_EQ(f.match({1, 2, 3, 5}).num_tokens, 4);
+  CHECK_EQ(f.match({1, 2, 3, 4}).num_tokens, 4);
+  CHECK_EQ(f.match({1, 2, 3, 6}).num_tokens, 0);
+}
+
+TEST(a_match_inside_an_edge_splits_it_so_the_handle_ends_at_the_prefix) {
+  Fixture f;
+  f.insert_fresh({1, 2, 3, 4, 5, 6});
+  const auto m = f.match({1, 2, 3, 4, 9, 9});
+  CHECK_EQ(m.num_tokens, 4);
+  CHECK_EQ(f.cache.depth(m.node), 4);
+  // Locking that handle protects the prefix only; the tail {5,6} is still evictable.
+  f.cache.lock(m.node);
+  CHECK_EQ(f.cache.evictable_blocks(), 1);
+  CHECK_EQ(f.cache.evict(10), 1);
+  CHECK_EQ(f.match({1, 2, 3, 4, 5, 6}).num_tokens, 4);
+  f.cache.unlock(m.node);
+  f.check();
+}
+
+TEST(invalid_inserts_raise_and_change_nothing) {
+  Fixture f;
+  const Ids held = f.allocator.allocate(2);
+  const Tokens four{1, 2, 3, 4};
+  CHECK_THROWS(f.cache.insert(four.data(), 4, held.data(), 1), ValueError);  // too few ids
+  const Ids out_of_range{held[0], 99};
+  CHECK_THROWS(f.cache.insert(four.data(), 4, out_of_range.data(), 2), ValueError);
+  const Ids free_block{held[0], 5};  // block 5 was never allocated
+  CHECK_THROWS(f.cache.insert(four.data(), 4, free_block.data(), 2), ValueError);
+  const Ids twice{held[0], held[0]};
+  CHECK_THROWS(f.cache.insert(four.data(), 4, twice.data(), 2), ValueError);
+  CHECK_EQ(f.cache.cached_blocks(), 0);
+  CHECK_EQ(f.allocator.refcount(held[0]), 1);
+  f.check();
+  // A block can live in only one place in the tree.
+  f.cache.insert(four.data(), 4, held.data(), 2);
+  const Tokens other{7, 8};
+  CHECK_THROWS(f.cache.insert(other.data(), 2, held.data(), 1), ValueError);
+  f.check();
+}
+
+TEST(locked_nodes_are_never_evicted_and_unlock_below_zero_raises) {
+  Fixture f;
+  f.insert_fresh({1, 2, 3, 4});
+  const NodeId handle = f.match({1, 2, 3, 4}).node;
+  f.cache.lock(handle);
+  f.cache.lock(handle);
+  CHECK_EQ(f.cache.evictable_blocks(), 0);
+  CHECK_EQ(f.cache.evict(100), 0);
+  CHECK_EQ(f.cache.reset(), 0);
+  f.cache.unlock(handle);
+  CHECK_EQ(f.cache.evict(100), 0);  // still locked once
+  f.cache.unlock(handle);
+  CHECK_THROWS(f.cache.unlock(handle), ValueError);
+  CHECK_EQ(f.cache.lock_count(handle), 0);
+  CHECK_EQ(f.cache.evict(100), 2);
+  CHECK_EQ(f.allocator.num_free(), 16);
+  CHECK_THROWS(f.cache.lock(handle), ValueError);  // the node is gone
+  CHECK_THROWS(f.cache.lock(12345), ValueError);
+  f.check();
+}
+
+TEST(eviction_pops_least_recently_used_leaves_first) {
+  Fixture f;
+  f.insert_fresh({1, 1});  // oldest
+  f.insert_fresh({2, 2});
+  f.insert_fresh({3, 3});
+  f.match({1, 1});  // now {2,2} is the oldest
+  CHECK_EQ(f.cache.evict(1), 1);
+  CHECK_EQ(f.match({2, 2}).num_tokens, 0);
+  CHECK_EQ(f.cache.evict(1), 1);
+  CHECK_EQ(f.match({3, 3}).num_tokens, 0);
+  CHECK_EQ(f.match({1, 1}).num_tokens, 2);
+  CHECK_EQ(f.cache.stats().evicted_blocks, 2);
+}
+
+TEST(eviction_takes_whole_leaves_and_then_their_parents) {
+  Fixture f;
+  f.insert_fresh({1, 2, 3, 4, 5, 6});
+  f.insert_fresh({1, 2, 3, 4, 7, 8});  // shared {1,2,3,4} with two one-block leaves
+  CHECK_EQ(f.cache.evict(1), 1);       // the older leaf {5,6}
+  CHECK_EQ(f.match({1, 2, 3, 4, 5, 6}).num_tokens, 4);
+  CHECK_EQ(f.cache.evict(2), 3);  // leaf {7,8}, then the two-block parent, whole
+  CHECK_EQ(f.cache.cached_blocks(), 0);
+  CHECK_EQ(f.allocator.num_free(), 16);
+  f.check();
+}
+
+TEST(a_block_still_held_by_its_caller_is_not_freed_by_eviction) {
+  Fixture f;
+  const Ids ids = f.allocator.allocate(1);
+  const Tokens t{1, 2};
+  f.cache.insert(t.data(), 2, ids.data(), 1);
+  CHECK_EQ(f.cache.evict(1), 0);  // nothing became free...
+  CHECK_EQ(f.cache.cached_blocks(), 0);
+  CHECK_EQ(f.allocator.refcount(ids[0]), 1);  // ...the tree let go; the caller still holds it
+  f.allocator.decref(ids[0]);
+  f.check();
+}
+
+TEST(reset_drops_everything_unlocked) {
+  Fixture f;
+  f.insert_fresh({1, 2, 3, 4});
+  f.insert_fresh({5, 6});
+  const NodeId handle = f.match({1, 2}).node;  // splits {1,2 | 3,4}
+  f.cache.lock(handle);
+  CHECK_EQ(f.cache.reset(), 2);  // {3,4} and {5,6}
+  CHECK_EQ(f.cache.cached_blocks(), 1);
+  f.cache.unlock(handle);
+  CHECK_EQ(f.cache.reset(), 1);
+  CHECK_EQ(f.cache.num_nodes(), 1);
+  CHECK_EQ(f.allocator.num_free(), 16);
+  f.check();
+}
+
+TEST(insert_from_continues_below_a_node) {
+  Fixture f;
+  const Ids first = f.allocator.allocate(1);
+  const Tokens a{1, 2};
+  const NodeId node = f.cache.insert(a.data(), 2, first.data(), 1).node;
+  const Ids second = f.allocator.allocate(1);
+  const Tokens b{3, 4};
+  const auto r = f.cache.insert_from(node, b.data(), 2, second.data(), 1);
+  CHECK_EQ(r.cached_tokens, 0);
+  CHECK_EQ(f.cache.depth(r.node), 4);
+  CHECK_EQ(f.cache.path_blocks(r.node), (Ids{first[0], second[0]}));
+  CHECK_EQ(f.match({1, 2, 3, 4}).blocks, (Ids{first[0], second[0]}));
+}
+
+TEST(bad_block_size_is_a_value_error) {
+  BlockAllocator a(4);
+  CHECK_THROWS(RadixCache(0, a), ValueError);
+  CHECK_THROWS(RadixCache(-2, a), ValueError);
+}
+
+int main() { return check::run_all_tests(); }

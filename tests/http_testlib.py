@@ -1,0 +1,247 @@
+"""Helpers for the HTTP tests: a tiny random-weight model and a real `pyserve run` server.
+
+The model is a 2-layer Llama (hidden 64) with SmolLM2's vocabulary and tokenizer, so that chat
+templates and text prompts work, built in a subprocess (torch stays out of the test process,
+as it stays out of the server's main process). Its long context (16k positions) serves the
+tokenization-lag test. The builder also records Hugging Face greedy outputs for a few prompts,
+with the top-2 logprob gap at every position, to tell real bugs from near-ties.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REFERENCE_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "Les élèves étudient le 世界",
+]
+REFERENCE_NEW_TOKENS = 12
+
+_MAKE_MODEL = textwrap.dedent(
+    """
+    import json, shutil, sys
+    from pathlib import Path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
+
+    out, max_new, texts = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.manual_seed(1234)
+    torch.set_num_threads(2)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # random logits are near-uniform; make the top stand out
+    model.save_pretrained(out)
+    source = resolve_model(None)
+    for f in tokenizer_dir(source).iterdir():
+        shutil.copy(f, out / f.name)
+    tok = load_tokenizer(source)
+    refs = []
+    with torch.no_grad():
+        for text in texts:
+            prompt = tok.encode(text)
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                do_sample=False, eos_token_id=None, output_logits=True,
+                return_dict_in_generate=True,
+            )
+            logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1)
+            top2 = logprobs.topk(2)
+            refs.append({
+                "text": text,
+                "prompt": prompt,
+                "output": gen.sequences[0, len(prompt):].tolist(),
+                "logprobs": top2.values[:, 0].tolist(),
+                "gaps": (top2.values[:, 0] - top2.values[:, 1]).tolist(),
+            })
+    (out / "references.json").write_text(json.dumps(refs))
+    """
+)
+
+
+def tiny_model(base: Path) -> Path:
+    """The tiny model under ``base`` (built once per test session, then reused)."""
+    directory = base / "http-tiny-model"
+    if (directory / "references.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _MAKE_MODEL,
+            str(directory),
+            str(REFERENCE_NEW_TOKENS),
+            json.dumps(REFERENCE_PROMPTS),
+        ],
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    return directory
+
+
+def references(model_dir: Path) -> list[dict]:
+    return json.loads((model_dir / "references.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_READY = re.compile(r"pyserve is ready at (http://\S+)")
+
+
+class Server:
+    """A `pyserve run` subprocess; its log is kept in ``lines`` (read by a thread)."""
+
+    def __init__(self, args: list[str], ready_timeout: float = 180.0) -> None:
+        self.args = args
+        self.lines: list[str] = []
+        self.url = ""
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pyserve.cli", "run", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + ready_timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start:\n" + self.log())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            match = _READY.search(line)
+            if match and not self.url:
+                self.url = match.group(1)
+                self._ready.set()
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signals the server and returns its exit code (killing it if it hangs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(args: list[str]) -> Iterator[Server]:
+    server = Server(args)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, f"the server exited with {code}:\n{server.log()}"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (Linux)."""
+    found = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        found += [int(p) for p in path.read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+
+
+def check_against_reference(ids: list[int], ref: dict, label: str) -> int:
+    """Asserts ``ids`` equal HF's greedy tokens, or diverge only where HF's top two are a
+    near-tie (logprob gap < 1e-3); returns how many leading tokens are equal."""
+    for i, (ours, theirs) in enumerate(zip(ids, ref["output"], strict=False)):
+        if ours != theirs:
+            assert ref["gaps"][i] < 1e-3, (
+                f"{label}: token {i} is {ours}, HF says {theirs} (top-2 gap {ref['gaps'][i]:.3g})"
+            )
+            return i
+    assert len(ids) == len(ref["output"]), (
+        f"{label}: {len(ids)} tokens, HF made {len(ref['output'])}"
+    )
+    return len(ids)
+
+
+def request(
+    url: str, body: object = None, *, method: str | None = None, headers: dict | None = None
+) -> tuple[int, dict, bytes]:
+    """One plain HTTP request: (status, headers, body). ``body`` is JSON-encoded unless bytes."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """The unlabelled samples of /metrics."""
+    _, _, text = request(base_url + "/metrics", headers=headers)
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(pyserve_[a-z0-9_]+) ([0-9.e+-]+)$", text.decode(), re.MULTILINE)
+    }
+
+
+def wait_for_metrics(
+    base_url: str, condition, timeout: float = 5.0, headers: dict | None = None
+) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(base_url, headers)
+        if condition(values):
+            return values
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s: {values}"
+        time.sleep(0.05)
+
+
+def kv_idle(m: dict[str, float]) -> bool:
+    """Nothing running or waiting, and every KV block free or held by the prefix cache."""
+    no_requests = m["pyserve_requests_running"] == 0 and m["pyserve_requests_waiting"] == 0
+    accounted = m["pyserve_kv_blocks_free"] + m["pyserve_kv_blocks_cached"]
+    return no_requests and accounted == m["pyserve_kv_blocks_total"]

