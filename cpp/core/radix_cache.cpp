@@ -193,31 +193,44 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
   ++clock_;
   NodeId node = w.partial >= 0 ? split(w.partial, w.partial_blocks) : w.node;
   if (cached < num_full) {
-    const NodeId leaf = new_node();
-    unlist(node);  // it gains a child, so it is no longer a leaf
-    Node& parent = nodes_[node];
-    Node& l = nodes_[leaf];
-    l.parent = node;
-    l.blocks.assign(ids + cached, ids + num_full);
-    l.depth = parent.depth + static_cast<int64_t>(num_full - cached) * block_size_;
-    for (size_t i = cached; i < num_full; ++i) {
-      const BlockId b = ids[i];
-      const int32_t* src = tokens + i * static_cast<size_t>(block_size_);
-      std::memcpy(block_tokens_.data() + static_cast<size_t>(b) * block_size_, src,
-                  sizeof(int32_t) * static_cast<size_t>(block_size_));
-      block_hash_[b] = hash_tokens(src);
-      block_node_[b] = leaf;
+    const size_t count = num_full - cached;
+    const int32_t* new_tokens = tokens + cached * static_cast<size_t>(block_size_);
+    Node& n = nodes_[node];
+    if (node == start && node != kRootNode && n.children.empty() && n.lock_count == 1) {
+      n.blocks.insert(n.blocks.end(), ids + cached, ids + num_full);
+      n.depth += static_cast<int64_t>(count) * block_size_;
+      adopt(node, new_tokens, ids + cached, count);  // locked: not evictable
+    } else {
+      const NodeId leaf = new_node();
+      unlist(node);  // it gains a child, so it is no longer a leaf
+      Node& parent = nodes_[node];
+      Node& l = nodes_[leaf];
+      l.parent = node;
+      l.blocks.assign(ids + cached, ids + num_full);
+      l.depth = parent.depth + static_cast<int64_t>(count) * block_size_;
+      adopt(leaf, new_tokens, ids + cached, count);
+      parent.children.emplace(block_hash_[l.blocks.front()], leaf);
+      evictable_blocks_ += static_cast<int64_t>(count);
+      node = leaf;
     }
-    allocator_.incref(l.blocks.data(), l.blocks.size());
-    parent.children.emplace(block_hash_[l.blocks.front()], leaf);
-    const int64_t adopted = static_cast<int64_t>(l.blocks.size());
-    cached_blocks_ += adopted;
-    evictable_blocks_ += adopted;
-    inserted_blocks_ += adopted;
-    node = leaf;
   }
   touch(node, start);
   return InsertResult{static_cast<int64_t>(cached) * block_size_, node};
+}
+
+// Records the tokens of blocks joining `node` and takes the tree's reference on them.
+void RadixCache::adopt(NodeId node, const int32_t* tokens, const BlockId* ids, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const BlockId b = ids[i];
+    const int32_t* src = tokens + i * static_cast<size_t>(block_size_);
+    std::memcpy(block_tokens_.data() + static_cast<size_t>(b) * block_size_, src,
+                sizeof(int32_t) * static_cast<size_t>(block_size_));
+    block_hash_[b] = hash_tokens(src);
+    block_node_[b] = node;
+  }
+  allocator_.incref(ids, count);
+  cached_blocks_ += static_cast<int64_t>(count);
+  inserted_blocks_ += static_cast<int64_t>(count);
 }
 
 void RadixCache::check_node(NodeId node, const char* what) const {

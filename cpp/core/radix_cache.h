@@ -89,7 +89,9 @@ class RadixCache {
   }
   // Same, continuing below `start`: tokens[0] is the token at position depth(start). Its cost
   // is independent of depth(start): it stamps LRU times only from `start` down, so the caller
-  // must hold a lock on `start` and stamp the whole path later with release().
+  // must hold a lock on `start` and stamp the whole path later with release(). When `start` is
+  // a leaf whose only lock is the caller's, the new blocks extend its edge in place (the result
+  // is `start` itself): a decoding request grows one node instead of a chain of them.
   InsertResult insert_from(NodeId start, const int32_t* tokens, size_t n, const BlockId* ids,
                            size_t num_ids);
 
@@ -152,6 +154,7 @@ class RadixCache {
   Walk walk(NodeId start, const int32_t* tokens, int64_t num_full_blocks,
             std::vector<BlockId>* collect) const;
   NodeId split(NodeId child, int64_t keep_blocks);
+  void adopt(NodeId node, const int32_t* tokens, const BlockId* ids, size_t count);
   NodeId new_node();
   void touch(NodeId node, NodeId stop = -1);
   void unlist(NodeId node);
