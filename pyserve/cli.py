@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -169,13 +170,17 @@ async def serve(args: argparse.Namespace) -> int:
         if starting.exception() is not None:
             log.error("the engine did not start: %s", starting.exception())
             return 1
+        # Everything alive now lives as long as the server: freezing it keeps full garbage
+        # collections short (one over the loaded libraries stalled the loop ~200 ms on 2 cores).
+        gc.collect()
+        gc.freeze()
         log.info(
-            "pyserve is ready at %s (%s, loaded in %.1f s)",
+            "pyserve is ready at %s (%s, loaded in %.1f s); try: %s",
             url,
             engine.model_name,
             time.monotonic() - started,
+            curl_example(url, engine.model_name, args.api_key),
         )
-        log.info("try: %s", curl_example(url, engine.model_name, args.api_key))
 
         failed = asyncio.create_task(engine.wait_failed())
         await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)

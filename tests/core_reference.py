@@ -341,34 +341,30 @@ class _Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
-    arrival: int
     output: list[int] = field(default_factory=list)
     state: str = "waiting"  # waiting | running | retracted | done
     table: list[int] = field(default_factory=list)  # one allocator reference held per entry
-    handle: int = 0  # locked cache node (0 = none)
-    target: int = 0  # tokens to prefill in this admission (prompt + output known then)
-    num_computed: int = 0  # positions planned into the KV cache
-    num_reported: int = 0  # positions computed by steps already reported
-    num_inserted: int = 0  # leading tokens already offered to the cache
+    handle: int = 0  # the locked cache node; its path covers positions [0, tree_len)
+    tree_len: int = 0
+    prefill_target: int = 0  # prompt + output known at admission
+    num_scheduled: int = 0  # positions computed or planned
+    num_computed: int = 0  # positions computed by reported steps
     planned_samples: int = 0
     cached_tokens: int = 0
     admitted_once: bool = False
-    admit_seq: int = 0
     inflight: int = 0  # unreported steps that contain this request
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_computed >= self.target
-
 
 _POLICIES = ("fcfs", "lpm")
 
 
 class Planner:
+    """The planning rules of cpp/README.md, written for clarity, not speed."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -394,6 +390,8 @@ class Planner:
                 raise ValueError(f"{name} must be positive, got {value}")
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+        if not 0 <= min_reserve_ratio <= init_reserve_ratio <= 1 or reserve_decay < 0:
+            raise ValueError("reserve ratios must satisfy 0 <= min <= init <= 1, decay >= 0")
         self.allocator = BlockAllocator(num_blocks)
         self.cache = RadixCache(block_size, self.allocator)
         self.block_size = block_size
@@ -408,16 +406,14 @@ class Planner:
         self.reserve_decay = reserve_decay
         self.reserve_ratio = init_reserve_ratio
         self._requests: dict[int, _Request] = {}
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[_Request] = deque()  # retracted requests go to the front
         self._running: list[_Request] = []  # in admission order
-        self._inflight: deque[tuple[int, list[tuple[_Request, int]]]] = deque()
+        self._inflight: deque[tuple[int, list[tuple[_Request, int, bool]]]] = deque()
         self._dropped: list[int] = []
         self._next_step = 0
-        self._arrivals = 0
-        self._admissions = 0
         self.retractions = 0
 
-    # -- requests -----------------------------------------------------------------------------
+    # -- requests in and out ------------------------------------------------------------------
 
     def add_request(self, rid: int, prompt: Sequence[int] | bytes, max_new_tokens: int) -> None:
         tokens = _ints(prompt, "i")
@@ -434,8 +430,7 @@ class Planner:
                 f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
                 f"({capacity} tokens)"
             )
-        req = _Request(rid, tokens, max_new_tokens, self._arrivals)
-        self._arrivals += 1
+        req = _Request(rid, tokens, max_new_tokens)
         self._requests[rid] = req
         self._waiting.append(req)
 
@@ -443,134 +438,170 @@ class Planner:
         req = self._requests.get(rid)
         if req is None or req.state == "done":
             raise KeyError(f"request {rid} is unknown or already finished")
-        self._close(req)
+        self._end(req)
 
     def abort(self, rid: int) -> bool:
         req = self._requests.get(rid)
         if req is None or req.state == "done":
             return False
-        self._close(req)
+        self._end(req)
         return True
 
-    def _close(self, req: _Request) -> None:
-        if req.state in ("waiting", "retracted"):
-            self._waiting.remove(req)
-        elif req.state == "running":
-            self._running.remove(req)
-            self._cache_computed(req, min(req.num_computed, len(req.tokens)))
+    def _end(self, req: _Request) -> None:
+        # Its computed whole blocks are in the cache already (report put them there).
+        if req.state == "running":
             self._release(req)
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
         req.state = "done"
         self._dropped.append(req.rid)
+        if req.inflight == 0:
+            del self._requests[req.rid]
+
+    def flush_cache(self) -> int:
+        return self.cache.reset()
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _available(self) -> int:
+        return self.allocator.num_free + (self.cache.evictable_blocks * self.enable_radix_cache)
+
+    def _allocate(self, n: int, table: list[int]) -> bool:
+        if n <= 0:
+            return True
+        if n > self.allocator.num_free and self.enable_radix_cache:
+            self.cache.evict(n - self.allocator.num_free)
+        if n > self.allocator.num_free:
+            return False
+        table.extend(self.allocator.allocate(n))
+        return True
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _future_blocks(self, req: _Request) -> int:
+        """Blocks req may still need: the rest of its prefill and a share of its samples."""
+        remaining = max(0, req.max_new_tokens - req.planned_samples)
+        final = max(req.prefill_target, req.num_scheduled)
+        final += math.ceil(remaining * self.reserve_ratio)
+        return max(0, self._blocks_for(final) - len(req.table))
+
+    def _release(self, req: _Request) -> None:
+        self.allocator.decref(req.table)
+        if self.enable_radix_cache:
+            self.cache.unlock(req.handle)
+        req.table, req.handle, req.tree_len = [], 0, 0
+        req.num_scheduled = req.num_computed = req.prefill_target = 0
 
     # -- the plan -----------------------------------------------------------------------------
 
     def plan(self) -> Step | None:
-        self.reserve_ratio = max(self.min_reserve_ratio, self.reserve_ratio - self.reserve_decay)
-        entries: list[tuple[_Request, int, int, bool, bool, int, list[int]]] = []
+        entries: list[tuple[_Request, int, int, bool, int]] = []
         retracted: list[int] = []
         self._plan_decodes(entries, retracted)
-        budget = self.max_prefill_tokens
-        for req in list(self._running):  # chunked prefills already under way
-            if req.state == "running" and not req.prefill_done and budget > 0:
-                if len(entries) >= self.max_running_requests:
-                    break
-                budget -= self._plan_chunk(req, entries, retracted, budget)
-        self._admit(entries, retracted, budget)
+        budget = self._plan_chunks(entries, self.max_prefill_tokens)
+        self._admit(entries, budget)
         if not entries and not self._dropped and not retracted:
             return None
+        if not retracted:
+            self.reserve_ratio = max(
+                self.min_reserve_ratio, self.reserve_ratio - self.reserve_decay
+            )
         return self._emit(entries, retracted)
 
     def _plan_decodes(self, entries: list, retracted: list[int]) -> None:
-        bs = self.block_size
+        """One token for each running request whose prefill is planned, oldest first, so that
+        the victims of a retraction (newest first) have no entry in this step yet."""
         for req in list(self._running):
-            if req.state != "running" or not req.prefill_done:
+            if req.state != "running" or req.num_scheduled < req.prefill_target:
                 continue
             if req.planned_samples >= req.max_new_tokens:
                 continue
-            pos = req.num_computed
-            offset, new = len(req.table), []
-            if pos % bs == 0:
-                block = self._allocate_one(req, entries, retracted)
-                if block is None:
-                    continue  # req itself was retracted
-                req.table.append(block)
-                new = [block]
-            req.num_computed += 1
-            req.planned_samples += 1
-            entries.append((req, pos, 1, True, True, offset, new))
+            old_len = len(req.table)
+            if req.num_scheduled // self.block_size >= old_len:
+                while not self._allocate(1, req.table):
+                    victim = next(
+                        r for r in reversed(self._running) if r.planned_samples < r.max_new_tokens
+                    )
+                    self._retract(victim)
+                    retracted.append(victim.rid)
+                    if victim is req:
+                        break
+                if req.state != "running":
+                    continue
+            entries.append(self._schedule(req, 1, True, old_len))
 
-    def _plan_chunk(self, req: _Request, entries: list, retracted: list[int], budget: int) -> int:
-        """Plans the next prefill chunk of a running request; returns the tokens used."""
+    def _plan_chunks(self, entries: list, budget: int) -> int:
+        """The next chunk of every admitted request whose prefill is not fully planned, cut to
+        the blocks available now (it never waits and never retracts)."""
         bs = self.block_size
-        start, offset = req.num_computed, len(req.table)
-        n = min(req.target - start, self.chunked_prefill_size, budget)
-        while len(req.table) * bs < start + n:
-            block = self._allocate_one(req, entries, retracted)
-            if block is None:
-                return 0  # req itself was retracted (its table is gone)
-            req.table.append(block)
-        req.num_computed += n
-        sample = req.num_computed == req.target
-        if sample:
-            req.planned_samples = len(req.output) + 1
-        entries.append((req, start, n, False, sample, offset, req.table[offset:]))
-        return n
+        for req in self._running:
+            if req.num_scheduled >= req.prefill_target:
+                continue
+            if budget <= 0:
+                break
+            n = min(req.prefill_target - req.num_scheduled, self.chunked_prefill_size, budget)
+            n = min(n, (len(req.table) + self._available()) * bs - req.num_scheduled)
+            if n <= 0:
+                continue
+            old_len = len(req.table)
+            self._allocate(self._blocks_for(req.num_scheduled + n) - old_len, req.table)
+            entries.append(self._schedule(req, n, False, old_len))
+            budget -= n
+        return budget
 
-    def _admit(self, entries: list, retracted: list[int], budget: int) -> None:
+    def _admit(self, entries: list, budget: int) -> None:
+        """Admits waiting requests in policy order; stops at the first that does not fit."""
         bs = self.block_size
+        reserved = sum(self._future_blocks(r) for r in self._running)
         for req in self._admission_order():
             if budget <= 0 or len(self._running) >= self.max_running_requests:
                 return
-            if len(entries) >= self.max_running_requests:
-                return
+            if req.inflight or len(req.output) >= req.max_new_tokens:
+                continue  # a retracted request still in flight, or one awaiting its finish
             tokens = req.tokens
-            matched, blocks, handle = 0, [], 0
+            target = len(tokens)
+            # Match at most target - 1 tokens: a prefill computes at least one token.
+            matched, unlocked = self._peek(tokens[:-1])
+            n = min(target - matched, self.chunked_prefill_size, budget)
+            blocks_now = self._blocks_for(matched + n) - matched // bs
+            later_tokens = target + math.ceil(
+                (req.max_new_tokens - len(req.output)) * self.reserve_ratio
+            )
+            blocks_later = max(0, self._blocks_for(later_tokens) - self._blocks_for(matched + n))
+            if self._available() - unlocked < reserved + blocks_now + blocks_later:
+                return
+            self._waiting.remove(req)
             if self.enable_radix_cache:
-                matched, blocks, handle = self.cache.match_prefix(tokens)
-                if matched == len(tokens):  # a prefill must compute at least one token
-                    matched, blocks = matched - bs, blocks[:-1]
+                matched, blocks, handle = self.cache.match_prefix(tokens[:-1])
                 self.cache.lock(handle)
-            # The whole rest of the prompt and a share of every running request's future
-            # tokens must fit, so that admitted requests can run to the end.
-            need = -(-len(tokens) // bs) - len(blocks) + self._reserved_blocks(req)
-            available = self.allocator.num_free + self.cache.evictable_blocks
-            if need > available:
-                if self.enable_radix_cache:
-                    self.cache.unlock(handle)
-                return  # head-of-line: keep arrival order fair
-            self.allocator.incref(blocks)
-            req.table, req.handle = list(blocks), handle
-            req.num_computed = req.num_reported = req.num_inserted = matched
-            req.target = len(tokens)
+                self.allocator.incref(blocks)
+                req.table, req.handle, req.tree_len = list(blocks), handle, matched
+            self._allocate(blocks_now, req.table)
+            req.state = "running"
+            req.prefill_target = target
+            req.num_scheduled = req.num_computed = matched
+            req.planned_samples = len(req.output)
             if not req.admitted_once:
                 req.cached_tokens, req.admitted_once = matched, True
-            req.state = "running"
-            req.admit_seq = self._admissions
-            self._admissions += 1
-            self._waiting.remove(req)
             self._running.append(req)
-            n = min(req.target - matched, self.chunked_prefill_size, budget)
-            fresh = self._allocate(-(-(matched + n) // bs) - len(blocks))
-            req.table.extend(fresh)
-            req.num_computed = matched + n
-            sample = req.num_computed == req.target
-            if sample:
-                req.planned_samples = len(req.output) + 1
-            entries.append((req, matched, n, False, sample, 0, list(req.table)))
+            entries.append(self._schedule(req, n, False, 0))
             budget -= n
+            reserved += blocks_later
 
     def _admission_order(self) -> list[_Request]:
-        # A retracted request waits for every step that held it; one that already has all its
-        # tokens only waits for its finish.
-        ready = [r for r in self._waiting if r.inflight == 0 and len(r.output) < r.max_new_tokens]
+        order = list(self._waiting)
         if self.policy == "lpm" and self.enable_radix_cache:
-            hits = {r.rid: self._peek_match(r.tokens) for r in ready}
-            ready.sort(key=lambda r: (r.state != "retracted", -hits[r.rid], r.arrival))
-        return ready
+            hits = {r.rid: self._peek(r.tokens[:-1])[0] for r in order}
+            order.sort(key=lambda r: -hits[r.rid])  # stable: ties keep queue order
+        return order
 
-    def _peek_match(self, tokens: list[int]) -> int:
-        """Length of the cached prefix, without touching LRU times or splitting edges."""
-        bs, node, pos, key = self.block_size, self.cache._root, 0, tuple(tokens)
+    def _peek(self, tokens: list[int]) -> tuple[int, int]:
+        """(cached prefix length, blocks of it in unlocked nodes), changing nothing."""
+        if not self.enable_radix_cache:
+            return 0, 0
+        bs, node, pos, unlocked, key = self.block_size, self.cache._root, 0, 0, tuple(tokens)
         while pos + bs <= len(key):
             child = node.children.get(key[pos : pos + bs])
             if child is None:
@@ -581,59 +612,27 @@ class Planner:
                     break
                 n += 1
             pos += n * bs
+            unlocked += n if child.lock_ref == 0 else 0
             if n < len(child.blocks):
                 break
             node = child
-        return pos
+        return pos, unlocked
 
-    def _reserved_blocks(self, candidate: _Request) -> int:
-        """Blocks kept back for the future tokens of running requests and the candidate."""
-        bs, tokens = self.block_size, 0
-        for req in [*self._running, candidate]:
-            if req.state == "running" and not req.prefill_done:
-                tokens += req.target - req.num_computed
-            remaining = req.max_new_tokens - max(req.planned_samples, len(req.output))
-            tokens += math.ceil(max(remaining, 0) * self.reserve_ratio)
-        return -(-tokens // bs)
-
-    def _allocate(self, n: int) -> list[int]:
-        if n > self.allocator.num_free:
-            self.cache.evict(n - self.allocator.num_free)
-        return self.allocator.allocate(n)
-
-    def _allocate_one(self, requester: _Request, entries: list, retracted: list[int]):
-        """One block for requester, evicting and then retracting newest requests as needed.
-
-        A victim already planned into this step loses its entry: its blocks are free now.
-        Returns None when the requester itself had to go.
-        """
-        while True:
-            if self.allocator.num_free == 0:
-                self.cache.evict(1)
-            if self.allocator.num_free > 0:
-                return self.allocator.allocate(1)[0]
-            victim = max(self._running, key=lambda r: r.admit_seq)
-            self._retract(victim)
-            retracted.append(victim.rid)
-            entries[:] = [e for e in entries if e[0] is not victim]
-            if victim is requester:
-                return None
+    def _schedule(self, req: _Request, n: int, decode: bool, old_len: int) -> tuple:
+        start = req.num_scheduled
+        sample = decode or start + n == req.prefill_target
+        req.num_scheduled += n
+        req.planned_samples += sample
+        req.inflight += 1
+        return (req, start, n, decode, old_len)
 
     def _retract(self, req: _Request) -> None:
-        self._running.remove(req)
         self._release(req)
+        self._running.remove(req)
         req.state = "retracted"
-        req.num_computed = req.num_reported = req.num_inserted = req.target = 0
         self._waiting.appendleft(req)
         self.retractions += 1
         self.reserve_ratio = self.init_reserve_ratio
-
-    def _release(self, req: _Request) -> None:
-        self.allocator.decref(req.table)
-        req.table = []
-        if req.handle:
-            self.cache.unlock(req.handle)
-            req.handle = 0
 
     def _emit(self, entries: list, retracted: list[int]) -> Step:
         step_id = self._next_step
@@ -643,27 +642,24 @@ class Planner:
         tokens, offsets, nblocks, blocks = array("i"), array("i"), array("i"), array("i")
         prefill_tokens = decode_tokens = 0
         members = []
-        for req, start, n, is_decode, samples, offset, new in entries:
+        for req, start, n, is_decode, old_len in entries:
+            samples = is_decode or start + n == req.prefill_target
             rids.append(req.rid)
             starts.append(start)
             counts.append(n)
             decode.append(is_decode)
             sample.append(samples)
-            offsets.append(offset)
-            nblocks.append(len(new))
-            blocks.extend(new)
+            offsets.append(old_len)
+            nblocks.append(len(req.table) - old_len)
+            blocks.extend(req.table[old_len:])
             if is_decode:
                 decode_tokens += 1
             else:
                 tokens.extend(req.tokens[start : start + n])
                 prefill_tokens += n
-            req.inflight += 1
-            members.append((req, start + n))
+            members.append((req, start + n, samples))
         self._inflight.append((step_id, members))
-        dropped = array("q", self._dropped)
-        for rid in self._dropped:
-            del self._requests[rid]
-        self._dropped = []
+        dropped, self._dropped = self._dropped, []
         return Step(
             step_id=step_id,
             rids=rids.tobytes(),
@@ -675,7 +671,7 @@ class Planner:
             block_offsets=offsets.tobytes(),
             block_counts=nblocks.tobytes(),
             block_ids=blocks.tobytes(),
-            dropped=dropped.tobytes(),
+            dropped=array("q", dropped).tobytes(),
             retracted=array("q", retracted).tobytes(),
             num_prefill_tokens=prefill_tokens,
             num_decode_tokens=decode_tokens,
@@ -686,41 +682,44 @@ class Planner:
     def report(self, step_id: int, rids: Sequence[int] | bytes, tokens: Sequence[int] | bytes):
         if not self._inflight or self._inflight[0][0] != step_id:
             expected = self._inflight[0][0] if self._inflight else None
-            raise RuntimeError(f"report for step {step_id}, expected step {expected}")
+            raise RuntimeError(f"report for step {step_id}, but the oldest is {expected}")
         rid_list, token_list = _ints(rids, "q"), _ints(tokens, "i")
         if len(rid_list) != len(token_list):
             raise ValueError(f"{len(rid_list)} rids but {len(token_list)} tokens")
         self._check_tokens(token_list)
-        _, members = self._inflight.popleft()
-        for rid, token in zip(rid_list, token_list, strict=True):
-            req = self._requests.get(rid)
-            if req is not None and req.state != "done":
-                req.output.append(token)
-        for req, end in members:
+        _, members = self._inflight[0]
+        sampling = {req.rid: req for req, _, samples in members if samples}
+        targets = []
+        for rid in rid_list:
+            if rid not in sampling:
+                raise RuntimeError(f"step {step_id}: request {rid} did not sample (or twice)")
+            targets.append(sampling.pop(rid))
+        self._inflight.popleft()
+        for req, end, _ in members:
             req.inflight -= 1
             if req.state == "running":
-                req.num_reported = max(req.num_reported, end)
-                self._cache_computed(req, min(req.num_reported, len(req.tokens)))
+                req.num_computed = max(req.num_computed, end)
+        for req, token in zip(targets, token_list, strict=True):
+            if req.state != "done":
+                req.output.append(token)
+        for req, _, _ in members:
+            if req.state == "running" and self.enable_radix_cache:
+                self._cache_computed(req)
+            if req.state == "done" and req.inflight == 0:
+                self._requests.pop(req.rid, None)
 
-    def _cache_computed(self, req: _Request, computed: int) -> None:
-        """Offers the request's full computed blocks to the cache (they become shareable)."""
-        bs = self.block_size
-        full = computed - computed % bs
-        if not self.enable_radix_cache or full <= req.num_inserted:
+    def _cache_computed(self, req: _Request) -> None:
+        """Offers the request's whole computed blocks to the cache and moves its lock down to
+        them, so that they are not counted as evictable while it runs."""
+        full = req.num_computed - req.num_computed % self.block_size
+        if full <= req.tree_len:
             return
         tokens = req.tokens[:full]
-        self.cache.insert(tokens, req.table[: full // bs])
-        req.num_inserted = full
-        # Lock the path to the newly inserted blocks (and let go of the old lock) so that
-        # the blocks the request computed are not counted as evictable while it runs.
+        self.cache.insert(tokens, req.table[: full // self.block_size])
         _, _, handle = self.cache.match_prefix(tokens)
         self.cache.lock(handle)
-        if req.handle:
-            self.cache.unlock(req.handle)
-        req.handle = handle
-
-    def flush_cache(self) -> int:
-        return self.cache.reset()
+        self.cache.unlock(req.handle)
+        req.handle, req.tree_len = handle, full
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -746,7 +745,9 @@ class Planner:
             num_running=self.num_running,
             num_free_blocks=self.num_free_blocks,
             num_inflight_steps=self.num_inflight_steps,
+            num_requests=len(self._requests),
             retractions=self.retractions,
+            steps_planned=self._next_step,
             reserve_ratio=self.reserve_ratio,
             **self.cache.stats(),
         )
@@ -759,10 +760,14 @@ class Planner:
             state=req.state,
             prompt_len=len(req.prompt),
             output_len=len(req.output),
+            output=list(req.output),
             num_computed=req.num_computed,
+            num_scheduled=req.num_scheduled,
             cached_tokens=req.cached_tokens,
             max_new_tokens=req.max_new_tokens,
             planned_samples=req.planned_samples,
+            num_blocks=len(req.table),
+            inflight_steps=req.inflight,
         )
 
     def block_states(self) -> bytes:

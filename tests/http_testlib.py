@@ -112,15 +112,21 @@ def free_port() -> int:
 
 
 _READY = re.compile(r"pyserve is ready at (http://\S+)")
+_LISTENING = re.compile(r"health check (http://\S+)/health")
 
 
 class Server:
-    """A `pyserve run` subprocess; its log is kept in ``lines`` (read by a thread)."""
+    """A `pyserve run` subprocess; its log is kept in ``lines`` (read by a thread).
 
-    def __init__(self, args: list[str], ready_timeout: float = 180.0) -> None:
+    The constructor returns once the model is loaded, or with ``wait_ready=False`` as soon as
+    the HTTP server listens (``url`` is then known and ``wait_ready()`` waits for the rest).
+    """
+
+    def __init__(self, args: list[str], wait_ready: bool = True) -> None:
         self.args = args
         self.lines: list[str] = []
         self.url = ""
+        self._listening = threading.Event()
         self._ready = threading.Event()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pyserve.cli", "run", "--port", "0", *args],
@@ -131,8 +137,16 @@ class Server:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + ready_timeout
-        while not self._ready.wait(0.1):
+        self._wait(self._listening)
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        self._wait(self._ready)
+
+    def _wait(self, event: threading.Event, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not event.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("the server did not start:\n" + self.log())
@@ -141,9 +155,10 @@ class Server:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            match = _READY.search(line)
-            if match and not self.url:
+            if match := _LISTENING.search(line):
                 self.url = match.group(1)
+                self._listening.set()
+            if _READY.search(line):
                 self._ready.set()
 
     def log(self) -> str:

@@ -234,6 +234,10 @@ class Tracked:
     kv_len: int = 0  # positions in its KV for the current admission
     prefix_blocks: list[int] = field(default_factory=list)  # cache blocks it reads from
     inflight: int = 0
+    admit_seq: int = -1  # order of its latest admission
+    prefill_done: bool = False  # its latest admission's last prefill chunk was planned
+    computed: int = 0  # positions of its current admission computed by reported steps
+    cached_tokens: int = -1  # prefix hit at its first admission
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -339,7 +343,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.inflight: list[tuple[int, list[int]]] = []  # (step id, rids that sample)
         self.next_step_id = 0
         self.to_drop: set[int] = set()  # finished/aborted since the last Step
-        self.step_members: dict[int, set[int]] = {}  # step id -> rids with an entry
+        self.step_members: dict[int, dict[int, int]] = {}  # step id -> {rid: end of its entry}
+        self.admissions = 0
         self.kv: list[list[tuple[int, int] | None]] = [
             [None] * self.bs for _ in range(self.num_blocks)
         ]
@@ -386,10 +391,12 @@ class PlannerMachine(RuleBasedStateMachine):
     def bad_calls(self, data: st.DataObject) -> None:
         """Each bad call is refused with the documented exception and changes nothing."""
         kind = data.draw(
-            st.sampled_from(["duplicate", "token", "negative", "max_new", "report", "finish"])
+            st.sampled_from(
+                ["duplicate", "token", "negative", "max_new", "report", "report_rid", "finish"]
+            )
         )
         live = [rid for rid, r in self.requests.items() if r.state != "done"]
-        if kind == "duplicate" and not live:
+        if (kind == "duplicate" and not live) or (kind == "report_rid" and not self.inflight):
             kind = "token"
         self._begin(f"bad call: {kind}")
         rid = live[0] if kind == "duplicate" else self.next_rid
@@ -403,6 +410,11 @@ class PlannerMachine(RuleBasedStateMachine):
         if kind == "report":  # a step that was never planned, or not the oldest in flight
             with pytest.raises(RuntimeError):
                 self.planner.report(self.next_step_id + 5, [], [])
+        elif kind == "report_rid":  # a rid that did not sample in that step, or twice
+            step_id, rids = self.inflight[0]
+            bad = data.draw(st.sampled_from([[self.next_rid + 3], rids[:1] * 2 if rids else [7]]))
+            with pytest.raises(RuntimeError):
+                self.planner.report(step_id, bad, [1] * len(bad))
         elif kind == "finish":  # a rid the planner never saw
             with pytest.raises(KeyError):
                 self.planner.finish(self.next_rid + 11)
@@ -422,6 +434,10 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def report(self, data: st.DataObject) -> None:
         step_id, rids = self.inflight[0]
+        if data.draw(st.booleans()):  # the worker may leave out requests it already dropped
+            rids = [rid for rid in rids if self.requests[rid].state != "done"]
+        if data.draw(st.booleans()):  # any order
+            rids = data.draw(st.permutations(rids))
         tokens = data.draw(st.lists(st.integers(0, 7), min_size=len(rids), max_size=len(rids)))
         self._begin(f"report(step {step_id}, rids {rids}, tokens {tokens})")
         self._report(step_id, rids, tokens, as_bytes=data.draw(st.booleans()))
@@ -507,8 +523,11 @@ class PlannerMachine(RuleBasedStateMachine):
             req = self.requests[rid]
             if req.state != "done":  # the core ignores tokens of finished requests
                 req.append(token)
-        for rid in self.step_members.pop(step_id):
-            self.requests[rid].inflight -= 1
+        for rid, end in self.step_members.pop(step_id).items():
+            req = self.requests[rid]
+            req.inflight -= 1
+            if req.state == "running":
+                req.computed = max(req.computed, end)
         self._resolve_reads()
 
     def _close(self, req: Tracked) -> None:
@@ -556,6 +575,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"step {sid}: retracted rid {rid} was not running")
             req.state, req.table, req.kv_len, req.prefix_blocks = "retracted", [], 0, []
 
+        self._check_order(sid, entries, set(retracted))
         first_admissions = []
         written: dict[int, int] = {}  # block -> rid writing it in this step
         read: dict[int, int] = {}  # block -> rid reading it
@@ -571,6 +591,12 @@ class PlannerMachine(RuleBasedStateMachine):
             self._collect_blocks(sid, req, e, written, read)
             if fresh:
                 req.prefix_blocks = req.table[: e.start // self.bs]
+                req.admit_seq, self.admissions = self.admissions, self.admissions + 1
+                req.computed, req.prefill_done = e.start, False
+                if req.cached_tokens < 0:
+                    req.cached_tokens = e.start
+            if e.sample:
+                req.prefill_done = True
         for block, rid in read.items():
             if written.get(block, rid) != rid:
                 self._fail(f"step {sid}: block {block} read by {rid}, written by {written[block]}")
@@ -594,12 +620,32 @@ class PlannerMachine(RuleBasedStateMachine):
             if seen:
                 event(what)  # shown by --hypothesis-show-statistics: what the runs covered
         self.inflight.append((sid, sampling))
-        self.step_members[sid] = {e.rid for e in entries}
+        self.step_members[sid] = {e.rid: e.start + e.n for e in entries}
 
     def _slot(self, block: int, pos: int) -> list:
         while block >= len(self.kv):
             self.kv.append([None] * self.bs)
         return self.kv[block]
+
+    def _check_order(self, sid: int, entries: list[PlannedEntry], retracted: set[int]) -> None:
+        """Decodes (oldest admission first), then continued chunks, then new admissions; and
+        every running request with samples left gets its decode."""
+        kinds, seqs = [], []
+        for e in entries:
+            req = self.requests.get(e.rid)
+            fresh = req is None or req.state in ("waiting", "retracted")
+            kinds.append(0 if e.decode else 2 if fresh else 1)
+            seqs.append((kinds[-1], req.admit_seq if req and not fresh else 0))
+        if kinds != sorted(kinds):
+            self._fail(f"step {sid}: entries not in the order decodes, chunks, admissions")
+        if [q for q in seqs if q[0] < 2] != sorted(q for q in seqs if q[0] < 2):
+            self._fail(f"step {sid}: decodes or chunks not in admission order")
+        decoded = {e.rid for e in entries if e.decode}
+        for req in self.requests.values():
+            if req.state != "running" or not req.prefill_done or req.samples >= req.max_new:
+                continue
+            if req.rid not in decoded and req.rid not in retracted:
+                self._fail(f"step {sid}: running rid {req.rid} got no decode entry")
 
     def _check_entry(self, sid: int, req: Tracked, e: PlannedEntry, states: bytes) -> bool:
         """Checks one entry against the request's known tokens; updates the worker's table.
@@ -760,6 +806,23 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"request({req.rid}) = {info}, expected {req.state}/{req.output_len}")
             if info["prompt_len"] != len(req.prompt) or info["max_new_tokens"] != req.max_new:
                 self._fail(f"request({req.rid}) = {info}: wrong prompt_len or max_new_tokens")
+            if list(info["output"]) != req.known[len(req.prompt) :]:
+                self._fail(f"request({req.rid}) output {info['output']} is not what was reported")
+            if info["inflight_steps"] != req.inflight:
+                self._fail(f"request({req.rid}) = {info}: {req.inflight} steps in flight")
+            if req.admitted and info["cached_tokens"] != req.cached_tokens:
+                self._fail(f"request({req.rid}) = {info}: cached_tokens {req.cached_tokens}")
+            running = req.state == "running"
+            expected = dict(
+                num_scheduled=req.kv_len if running else 0,
+                num_computed=req.computed if running else 0,
+                num_blocks=len(req.table),
+            )
+            if running:
+                expected["planned_samples"] = req.samples
+            for key, value in expected.items():
+                if info[key] != value:
+                    self._fail(f"request({req.rid}) = {info}: {key} should be {value}")
         self._check_cache_contents(states)
 
     def _check_cache_contents(self, states: bytes) -> None:

@@ -119,9 +119,15 @@ def test_sigterm_refuses_new_work_finishes_in_flight_work_and_exits_0(model_dir)
     assert not any(alive(pid) for pid in children), "a subprocess outlived the server"
 
 
-def test_a_killed_worker_fails_streams_with_an_error_event_and_the_server_exits_1(model_dir):
-    server = Server(["--model", str(model_dir), *BASE_ARGS])
+def test_503_while_loading_and_a_killed_worker_fails_streams_and_exits_1(model_dir):
+    server = Server(["--model", str(model_dir), *BASE_ARGS], wait_ready=False)
     url = server.url
+    status, _, raw = request(url + "/health")  # the worker takes seconds to import torch
+    assert status == 503 and json.loads(raw) == {"status": "loading"}
+    status, _, raw = request(url + "/v1/completions", completion(2))
+    assert status == 503 and json.loads(raw)["error"]["code"] == "server_not_ready"
+    server.wait_ready()
+    assert request(url + "/health")[0] == 200
     worker = next(
         pid
         for pid in child_pids(server.proc.pid)

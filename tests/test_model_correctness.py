@@ -60,9 +60,7 @@ def make_tiny_model(directory, kind: str = "llama", seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif "embed_tokens" in name or "lm_head" in name:
+            elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:
                 param.normal_(0.0, 0.5)
             else:
                 param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)

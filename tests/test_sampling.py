@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -20,7 +21,15 @@ from pyserve.worker.sampling import (
     validate_params,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small shapes on a shared 2-core machine: a second thread only adds contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 VOCAB = 64
 EOS = 2
@@ -123,6 +132,22 @@ def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
         want = raw[row].topk(row)
         assert top[0] == want.indices.tolist()
         assert top[1] == pytest.approx(want.values.tolist(), abs=1e-5)
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = random_logits(6, gen)
+    seqs = [
+        seq(temperature=0.0),
+        seq(temperature=1.0),
+        seq(temperature=0.0, min_p=0.5, top_k=3),  # filters do not touch greedy rows
+        seq(temperature=1.5, top_k=1),  # one candidate: a draw that must be the argmax
+        seq(temperature=0.8, top_p=1e-6, seed=9),  # likewise through top_p
+        seq(temperature=0.0),
+    ]
+    out = Sampler([EOS])(logits.clone(), seqs)
+    argmax = logits.argmax(-1).tolist()
+    assert [out.token_ids[i] for i in (0, 2, 3, 4, 5)] == [argmax[i] for i in (0, 2, 3, 4, 5)]
 
 
 def test_no_logprobs_when_nobody_asks() -> None:
@@ -343,6 +368,8 @@ def test_mismatched_rows_raise() -> None:
     [
         dict(temperature=-1.0),
         dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(frequency_penalty=float("-inf")),
         dict(top_p=0.0),
         dict(top_p=1.5),
         dict(min_p=-0.1),

@@ -14,6 +14,7 @@ Three layers:
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +29,15 @@ from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import StepExecutor
 from pyserve.worker.offline import OfflineEngine
 
-torch.set_num_threads(2)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small shapes on a shared 2-core machine: a second thread only adds contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # ------------------------------------------------------------------ hand-built Steps
 
@@ -472,3 +481,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model: Path, referenc
         max_new_tokens=24, temperature=1.0, top_p=0.9, seed=43, ignore_eos=True
     )
     assert engine.generate([prompts[2]], other_seed)[0].token_ids != alone
+
+
+def test_a_bad_prompt_fails_its_call_and_leaves_nothing_behind() -> None:
+    engine = OfflineEngine(runner=PagedHashRunner(64, 4), num_blocks=64, block_size=4)
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0)
+    with pytest.raises(ValueError):
+        engine.generate([[5, 6], [7, HASH_VOCAB + 1]], greedy)  # a token out of the vocabulary
+    assert len(engine.executor.requests) == 0
+    (out,) = engine.generate([[5, 6]], greedy)
+    assert out.token_ids == hash_reference([5, 6], greedy)
+    assert engine.planner.num_running == engine.planner.num_waiting == 0

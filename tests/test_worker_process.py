@@ -186,6 +186,13 @@ def test_a_failing_step_yields_a_worker_error_and_the_worker_keeps_serving(ring:
     assert isinstance(empty, from_worker.StepTokens)
     assert (empty.step_id, empty.rids) == (0, b"")
 
+    garbled = msgspec.structs.replace(bad, step_id=1, rids=b"\x01\x02\x03", dropped=b"\x07")
+    ring.send(garbled)
+    error = ring.recv()
+    assert isinstance(error, from_worker.WorkerError) and error.rids == b""
+    empty = ring.recv()
+    assert isinstance(empty, from_worker.StepTokens) and empty.step_id == 1
+
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     outputs = run_requests(ring, [[5, 6, 7]], params, first_rid=200)
     assert len(outputs[200]) == 4
@@ -206,6 +213,12 @@ def test_shutdown_is_forwarded_and_the_worker_exits(ring: Ring) -> None:
     ring.send(to_worker.Shutdown())
     assert isinstance(ring.recv(), from_worker.Shutdown)
     assert ring.proc.wait(timeout=10) == 0
+
+
+def test_importing_the_worker_config_does_not_import_torch() -> None:
+    # the main process builds a WorkerConfig and must stay light
+    code = "import sys, pyserve.worker.process; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
 def test_a_load_failure_is_reported_and_exits_1(ipc_dir: str) -> None:

@@ -331,6 +331,9 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
   }
   int64_t reserved = 0;
   for (const Request* r : running_) reserved += future_blocks(*r);
+  // Every admission needs at least one new block: skip ordering the queue (lpm walks the tree
+  // for each waiting request) when not even that is left.
+  if (available_blocks() <= reserved) return;
 
   for (Request* cp : admission_order()) {
     if (prefill_budget <= 0 ||

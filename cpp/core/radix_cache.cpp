@@ -195,10 +195,10 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
   if (cached < num_full) {
     const size_t count = num_full - cached;
     const int32_t* new_tokens = tokens + cached * static_cast<size_t>(block_size_);
-    Node& n = nodes_[node];
-    if (node == start && node != kRootNode && n.children.empty() && n.lock_count == 1) {
-      n.blocks.insert(n.blocks.end(), ids + cached, ids + num_full);
-      n.depth += static_cast<int64_t>(count) * block_size_;
+    Node& own = nodes_[node];
+    if (node == start && node != kRootNode && own.children.empty() && own.lock_count == 1) {
+      own.blocks.insert(own.blocks.end(), ids + cached, ids + num_full);
+      own.depth += static_cast<int64_t>(count) * block_size_;
       adopt(node, new_tokens, ids + cached, count);  // locked: not evictable
     } else {
       const NodeId leaf = new_node();

@@ -56,7 +56,7 @@ TEST(a_decode_without_blocks_retracts_the_newest_request_which_later_resumes_its
   CHECK(near(p.stats().reserve_ratio, 0.2));  // decayed 0.1 a step from 0.5
 
   // Position 4 needs a third block for request 1: request 2, the newest, is retracted; its
-  // blocks are cached but unlocked, so eviction frees one.
+  // blocks are cached but unlocked, so eviction frees its leaf (both blocks: leaves go whole).
   Step s = plan(p);
   w.run(s, 2);
   CHECK_EQ(rids(s), (std::vector<int64_t>{1}));
@@ -67,14 +67,14 @@ TEST(a_decode_without_blocks_retracts_the_newest_request_which_later_resumes_its
   report_step(p, s, 3);
   p.finish(1);
 
-  // Request 2 is recomputed over prompt + its output; its first block is still cached.
+  // Request 2 is recomputed over prompt + its output.
   s = plan(p);
   w.run(s, 2);
   CHECK_EQ(s.dropped, (std::vector<int64_t>{1}));
   const Entry e = *entry_for(s, 2);
   CHECK_EQ(e.block_offset, 0);
-  CHECK_EQ(e.start, 2);
-  CHECK_EQ(e.input, (Tokens{20, 21, 22}));
+  CHECK_EQ(e.start, 0);
+  CHECK_EQ(e.input, (Tokens{3, 4, 20, 21, 22}));
   CHECK(e.sample);
   report_step(p, s, 3);
   CHECK_EQ(p.request(2).output, (Tokens{20, 21, 22, 23}));

@@ -234,6 +234,50 @@ TEST(insert_from_continues_below_a_node) {
   CHECK_EQ(f.match({1, 2, 3, 4}).blocks, (Ids{first[0], second[0]}));
 }
 
+TEST(insert_from_below_a_privately_locked_leaf_extends_it_in_place) {
+  Fixture f;
+  const Ids ids = f.allocator.allocate(3);
+  const Tokens t{1, 2, 3, 4, 5, 6};
+  const NodeId leaf = f.cache.insert(t.data(), 2, ids.data(), 1).node;
+  f.cache.lock(leaf);  // the caller's lock is the only one
+  const auto r = f.cache.insert_from(leaf, t.data() + 2, 4, ids.data() + 1, 2);
+  CHECK_EQ(r.node, leaf);
+  CHECK_EQ(f.cache.num_nodes(), 2);
+  CHECK_EQ(f.cache.depth(leaf), 6);
+  f.check();
+  // A second lock on the node means someone else relies on where it ends: a new child instead.
+  f.cache.lock(leaf);
+  const Ids more = f.allocator.allocate(1);
+  const Tokens next{7, 8};
+  const NodeId child = f.cache.insert_from(leaf, next.data(), 2, more.data(), 1).node;
+  CHECK(child != leaf);
+  CHECK_EQ(f.cache.num_nodes(), 3);
+  f.cache.unlock(leaf);
+  f.cache.move_lock(leaf, child);  // the lock follows the sequence down
+  CHECK_EQ(f.cache.lock_count(child), 1);
+  CHECK_EQ(f.cache.lock_count(leaf), 1);
+  CHECK_THROWS(f.cache.move_lock(child, leaf), ValueError);  // only downwards
+  f.cache.release(child);
+  CHECK_EQ(f.cache.evictable_blocks(), 4);
+  f.check();
+}
+
+TEST(release_stamps_the_whole_path_as_just_used) {
+  Fixture f;
+  f.insert_fresh({1, 1});
+  const NodeId held = f.match({2, 2}).node;  // root: nothing cached yet
+  CHECK_EQ(held, pyserve::kRootNode);
+  f.insert_fresh({2, 2});
+  const NodeId two = f.match({2, 2}).node;
+  f.cache.lock(two);
+  f.insert_fresh({3, 3});
+  f.cache.release(two);  // {2,2} is now the most recently used leaf
+  CHECK_EQ(f.cache.evict(2), 2);
+  CHECK_EQ(f.match({2, 2}).num_tokens, 2);
+  CHECK_EQ(f.match({1, 1}).num_tokens, 0);
+  CHECK_EQ(f.match({3, 3}).num_tokens, 0);
+}
+
 TEST(bad_block_size_is_a_value_error) {
   BlockAllocator a(4);
   CHECK_THROWS(RadixCache(0, a), ValueError);

@@ -95,10 +95,15 @@ def create_app(
     NativeRoutes(state).add_to(app)
     service.add_to(app)
 
-    async def close_watcher(_: web.Application) -> None:
+    async def start_probe(_: web.Application) -> None:
+        state.metrics.loop_lag.start()
+
+    async def stop_tasks(_: web.Application) -> None:
+        await state.metrics.loop_lag.stop()
         await state.watcher.close()
 
-    app.on_cleanup.append(close_watcher)
+    app.on_startup.append(start_probe)
+    app.on_cleanup.append(stop_tasks)
     return app
 
 

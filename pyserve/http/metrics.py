@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pyserve.http.loop_lag import LoopLagProbe
 from pyserve.outputs import GenerationChunk
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -93,6 +94,7 @@ class Metrics:
             ["finish_reason"],
             registry=self.registry,
         )
+        self.loop_lag = LoopLagProbe(self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

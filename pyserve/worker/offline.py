@@ -109,19 +109,23 @@ class OfflineEngine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         outputs: dict[int, Output] = {}
-        order: list[int] = []
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = next(self._rids)
-            prompt_bytes = np.asarray(prompt, dtype="<i4").tobytes()
-            self.planner.add_request(rid, prompt_bytes, p.max_new_tokens)
-            self.executor.add_request(NewRequest(rid=rid, prompt_ids=prompt_bytes, sampling=p))
-            outputs[rid] = Output(
-                logprobs=[] if p.logprobs or p.top_logprobs else None,
-                top_logprobs=[] if p.top_logprobs else None,
-            )
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = next(self._rids)
+                prompt_bytes = np.asarray(prompt, dtype="<i4").tobytes()
+                self.planner.add_request(rid, prompt_bytes, p.max_new_tokens)
+                outputs[rid] = Output(
+                    logprobs=[] if p.logprobs or p.top_logprobs else None,
+                    top_logprobs=[] if p.top_logprobs else None,
+                )
+                self.executor.add_request(NewRequest(rid=rid, prompt_ids=prompt_bytes, sampling=p))
+        except Exception:
+            for rid in outputs:  # a bad prompt: the ones already added must not linger
+                self.planner.abort(rid)
+            self.executor.requests.drop(list(outputs))
+            raise
         self._run(outputs)
-        return [outputs[rid] for rid in order]
+        return list(outputs.values())
 
     def _run(self, outputs: dict[int, Output]) -> None:
         unfinished = set(outputs)
@@ -159,9 +163,7 @@ class OfflineEngine:
         logprobs = np.frombuffer(result.logprobs, dtype="<f4").tolist() if result.logprobs else None
         tops = {t.index: t for t in result.top_logprobs}
         for i, rid in enumerate(rids):
-            out = outputs.get(rid)
-            if out is None:  # a request of an earlier generate call; cannot happen in order
-                continue
+            out = outputs[rid]  # only this call's requests are ever live
             out.token_ids.append(tokens[i])
             if out.logprobs is not None and logprobs is not None:
                 out.logprobs.append(logprobs[i])

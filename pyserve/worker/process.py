@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -23,6 +24,9 @@ import zmq
 from pyserve.lifecycle import die_with_parent
 from pyserve.wire import main_to_worker as inp
 from pyserve.wire import worker_to_detok as out
+
+if TYPE_CHECKING:
+    from pyserve.worker.executor import StepExecutor
 
 log = logging.getLogger("pyserve.worker")
 
@@ -68,7 +72,7 @@ def run(config: WorkerConfig) -> int:
         ctx.term()
 
 
-def _load(config: WorkerConfig, push: zmq.Socket):
+def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
     """The StepExecutor over a freshly loaded ModelRunner, or None after reporting the failure."""
     started = time.perf_counter()
     try:
@@ -114,7 +118,7 @@ def _load(config: WorkerConfig, push: zmq.Socket):
     return executor
 
 
-def _serve(executor, pull: zmq.Socket, push: zmq.Socket) -> None:
+def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
     while True:
@@ -143,7 +147,7 @@ def _serve(executor, pull: zmq.Socket, push: zmq.Socket) -> None:
                 push.send(encode(reply))
 
 
-def _add_request(executor, msg: inp.NewRequest) -> list[msgspec.Struct]:
+def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.Struct]:
     replies: list[msgspec.Struct] = []
     try:
         executor.add_request(msg)
@@ -156,15 +160,21 @@ def _add_request(executor, msg: inp.NewRequest) -> list[msgspec.Struct]:
     return replies
 
 
-def _run_step(executor, step: inp.Step) -> list[msgspec.Struct]:
+def _run_step(executor: StepExecutor, step: inp.Step) -> list[msgspec.Struct]:
     try:
         return [executor.execute(step)]
     except Exception as e:
         log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
-        executor.requests.fail(step.rids)
-        error = out.WorkerError(message=f"step {step.step_id} failed: {e!r}", rids=step.rids)
+        rids, dropped = _whole_int64s(step.rids), _whole_int64s(step.dropped)
+        executor.requests.fail(rids)
+        error = out.WorkerError(message=f"step {step.step_id} failed: {e!r}", rids=rids)
         # an empty result keeps main's in-order step accounting going
         empty = out.StepTokens(
-            step_id=step.step_id, rids=b"", token_ids=b"", finish=b"", dropped=step.dropped
+            step_id=step.step_id, rids=b"", token_ids=b"", finish=b"", dropped=dropped
         )
         return [error, empty]
+
+
+def _whole_int64s(packed: bytes) -> bytes:
+    """``packed`` cut to whole int64s: a garbled Step must not break the error path too."""
+    return packed[: len(packed) // 8 * 8]

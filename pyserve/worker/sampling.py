@@ -19,6 +19,7 @@ likely tokens (``topk``) rather than sorting the whole vocabulary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,6 +65,11 @@ def has_penalties(params: SamplingParams) -> bool:
 def validate_params(params: SamplingParams) -> None:
     """Raises ValueError for values that would make sampling meaningless (NaN, no candidates)."""
     problems = []
+    floats = ("temperature", "top_p", "min_p", "repetition_penalty")
+    floats += ("frequency_penalty", "presence_penalty")
+    problems += [
+        f"{name} must be finite" for name in floats if not math.isfinite(getattr(params, name))
+    ]
     if params.max_new_tokens < 1:
         problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if not params.temperature >= 0.0:

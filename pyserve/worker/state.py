@@ -130,74 +130,62 @@ class RequestTable:
             self.drop(step.dropped)
 
     def _prepare(self, step: Step) -> PreparedStep:
-        rids = np.frombuffer(step.rids, dtype="<i8")
-        start_pos = np.frombuffer(step.start_pos, dtype="<i4").astype(np.int64)
-        num_tokens = np.frombuffer(step.num_tokens, dtype="<i4").astype(np.int64)
-        is_decode = np.frombuffer(step.is_decode, dtype=np.uint8).astype(bool)
-        sample = np.frombuffer(step.sample, dtype=np.uint8).astype(bool)
-        block_offsets = np.frombuffer(step.block_offsets, dtype="<i4")
-        block_counts = np.frombuffer(step.block_counts, dtype="<i4")
-        block_ids = np.frombuffer(step.block_ids, dtype="<i4")
-        prefill_ids = np.frombuffer(step.input_ids, dtype="<i4")
-        num_entries = len(rids)
-        _check_step_shapes(
-            step.step_id, num_entries, start_pos, num_tokens, is_decode, sample,
-            block_offsets, block_counts, block_ids, prefill_ids,
-        )  # fmt: skip
-
-        total = int(num_tokens.sum())
-        input_ids = np.empty(total, dtype=np.int64)
+        arrays = StepArrays.of(step)
+        starts = arrays.start_pos.tolist()
+        counts = arrays.num_tokens.tolist()
+        decodes = arrays.is_decode.tolist()
+        offsets = arrays.block_offsets.tolist()
+        block_counts = arrays.block_counts.tolist()
+        input_ids = np.empty(sum(counts), dtype=np.int64)
         states: list[RequestState] = []
-        token_cursor = 0
-        prefill_cursor = 0
-        block_cursor = 0
-        for i, rid in enumerate(rids.tolist()):
+        token_cursor = prefill_cursor = block_cursor = 0
+        for i, rid in enumerate(arrays.rids.tolist()):
             state = self._requests.get(rid)
             if state is None:
                 raise KeyError(f"step {step.step_id} names request {rid}, unknown to the worker")
-            count = int(block_counts[i])
-            _update_block_table(
-                state, int(block_offsets[i]), block_ids[block_cursor : block_cursor + count]
-            )
-            block_cursor += count
-            n = int(num_tokens[i])
-            if len(state.block_table) * self.block_size < start_pos[i] + n:
+            new_blocks = arrays.block_ids[block_cursor : block_cursor + block_counts[i]]
+            _update_block_table(state, offsets[i], new_blocks)
+            block_cursor += block_counts[i]
+            n = counts[i]
+            if len(state.block_table) * self.block_size < starts[i] + n:
                 raise ValueError(
-                    f"step {step.step_id}: request {rid} needs {start_pos[i] + n} token slots, "
+                    f"step {step.step_id}: request {rid} needs {starts[i] + n} token slots, "
                     f"its block table holds {len(state.block_table)} blocks of {self.block_size}"
                 )
-            if is_decode[i]:
-                if state.last_token is None and state.finished:
-                    state.last_token = 0  # its output is discarded: any valid input will do
-                if state.last_token is None:
-                    raise ValueError(
-                        f"step {step.step_id}: decode entry for request {rid}, "
-                        "which has sampled no token yet"
-                    )
-                input_ids[token_cursor] = state.last_token
+            if decodes[i]:
+                input_ids[token_cursor] = self._decode_input(state, step.step_id)
             else:
-                input_ids[token_cursor : token_cursor + n] = prefill_ids[
-                    prefill_cursor : prefill_cursor + n
-                ]
+                chunk = arrays.prefill_ids[prefill_cursor : prefill_cursor + n]
+                input_ids[token_cursor : token_cursor + n] = chunk
                 prefill_cursor += n
             token_cursor += n
             states.append(state)
 
-        ends = np.cumsum(num_tokens)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(
-            start_pos - (ends - num_tokens), num_tokens
-        )
-        sample_index = ends[sample] - 1
+        ends = np.cumsum(arrays.num_tokens)
+        # position of token t of entry i: start_pos[i] + t
+        shifts = np.repeat(arrays.start_pos - (ends - arrays.num_tokens), arrays.num_tokens)
+        positions = np.arange(len(input_ids), dtype=np.int64) + shifts
         batch = ForwardBatch(
             input_ids=torch.from_numpy(input_ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
-            start_pos=start_pos.tolist(),
-            num_tokens=num_tokens.tolist(),
+            start_pos=starts,
+            num_tokens=counts,
             block_tables=[s.block_table for s in states],
-            sample_index=torch.from_numpy(sample_index).to(self.device),
+            sample_index=torch.from_numpy(ends[arrays.sample] - 1).to(self.device),
         )
-        sampling = [s for s, wants in zip(states, sample.tolist(), strict=True) if wants]
+        sampling = [s for s, wants in zip(states, arrays.sample.tolist(), strict=True) if wants]
         return PreparedStep(step.step_id, batch, sampling, step.dropped)
+
+    @staticmethod
+    def _decode_input(state: RequestState, step_id: int) -> int:
+        if state.last_token is None and state.finished:
+            return 0  # rejected or failed before sampling: its output is discarded anyway
+        if state.last_token is None:
+            raise ValueError(
+                f"step {step_id}: decode entry for request {state.rid}, "
+                "which has sampled no token yet"
+            )
+        return state.last_token
 
     def record(
         self, prepared: PreparedStep, out: SampleOutput | None, forward_ms: float
@@ -254,6 +242,7 @@ class RequestTable:
 
 
 def _update_block_table(state: RequestState, offset: int, new_ids: np.ndarray) -> None:
+    """Block ids for positions from ``offset * block_size`` on; offset 0 replaces the table."""
     if len(new_ids) == 0:
         return  # nothing new (every entry computes ≥ 1 token, so an empty table never fits)
     table = state.block_table
@@ -266,39 +255,56 @@ def _update_block_table(state: RequestState, offset: int, new_ids: np.ndarray) -
     table.extend(new_ids.tolist())
 
 
-def _check_step_shapes(
-    step_id: int,
-    num_entries: int,
-    start_pos: np.ndarray,
-    num_tokens: np.ndarray,
-    is_decode: np.ndarray,
-    sample: np.ndarray,
-    block_offsets: np.ndarray,
-    block_counts: np.ndarray,
-    block_ids: np.ndarray,
-    prefill_ids: np.ndarray,
-) -> None:
-    per_entry = {
-        "start_pos": start_pos,
-        "num_tokens": num_tokens,
-        "is_decode": is_decode,
-        "sample": sample,
-        "block_offsets": block_offsets,
-        "block_counts": block_counts,
-    }
-    for name, values in per_entry.items():
-        if len(values) != num_entries:
-            raise ValueError(f"step {step_id}: {len(values)} {name} for {num_entries} entries")
-    if (num_tokens < 1).any() or (start_pos < 0).any() or (block_counts < 0).any():
-        raise ValueError(f"step {step_id}: negative positions or counts, or an empty entry")
-    if (num_tokens[is_decode] != 1).any():
-        raise ValueError(f"step {step_id}: a decode entry with more than one token")
-    if int(block_counts.sum()) != len(block_ids):
-        raise ValueError(
-            f"step {step_id}: {len(block_ids)} block ids, counts say {block_counts.sum()}"
+@dataclass
+class StepArrays:
+    """A Step's packed arrays as numpy arrays, checked for consistent lengths."""
+
+    rids: np.ndarray  # int64 per entry
+    start_pos: np.ndarray  # int64 per entry
+    num_tokens: np.ndarray  # int64 per entry
+    is_decode: np.ndarray  # bool per entry
+    sample: np.ndarray  # bool per entry
+    block_offsets: np.ndarray  # int32 per entry
+    block_counts: np.ndarray  # int32 per entry
+    block_ids: np.ndarray  # int32, concatenated
+    prefill_ids: np.ndarray  # int32, concatenated
+
+    @classmethod
+    def of(cls, step: Step) -> StepArrays:
+        arrays = cls(
+            rids=np.frombuffer(step.rids, dtype="<i8"),
+            start_pos=np.frombuffer(step.start_pos, dtype="<i4").astype(np.int64),
+            num_tokens=np.frombuffer(step.num_tokens, dtype="<i4").astype(np.int64),
+            is_decode=np.frombuffer(step.is_decode, dtype=np.uint8).astype(bool),
+            sample=np.frombuffer(step.sample, dtype=np.uint8).astype(bool),
+            block_offsets=np.frombuffer(step.block_offsets, dtype="<i4"),
+            block_counts=np.frombuffer(step.block_counts, dtype="<i4"),
+            block_ids=np.frombuffer(step.block_ids, dtype="<i4"),
+            prefill_ids=np.frombuffer(step.input_ids, dtype="<i4"),
         )
-    if int(num_tokens[~is_decode].sum()) != len(prefill_ids):
-        raise ValueError(
-            f"step {step_id}: {len(prefill_ids)} prefill input ids, "
-            f"entries say {num_tokens[~is_decode].sum()}"
-        )
+        arrays.check(step.step_id)
+        return arrays
+
+    def check(self, step_id: int) -> None:
+        entries = len(self.rids)
+        per_entry = ("start_pos", "num_tokens", "is_decode", "sample")
+        per_entry += ("block_offsets", "block_counts")
+        for name in per_entry:
+            if len(getattr(self, name)) != entries:
+                got = len(getattr(self, name))
+                raise ValueError(f"step {step_id}: {got} {name} for {entries} entries")
+        if (self.num_tokens < 1).any() or (self.start_pos < 0).any():
+            raise ValueError(f"step {step_id}: an empty entry or a negative start position")
+        if (self.block_counts < 0).any() or (self.num_tokens[self.is_decode] != 1).any():
+            raise ValueError(f"step {step_id}: a negative block count or a multi-token decode")
+        if int(self.block_counts.sum()) != len(self.block_ids):
+            raise ValueError(
+                f"step {step_id}: {len(self.block_ids)} block ids, "
+                f"entries say {self.block_counts.sum()}"
+            )
+        prefill_tokens = int(self.num_tokens[~self.is_decode].sum())
+        if prefill_tokens != len(self.prefill_ids):
+            raise ValueError(
+                f"step {step_id}: {len(self.prefill_ids)} prefill input ids, "
+                f"entries say {prefill_tokens}"
+            )

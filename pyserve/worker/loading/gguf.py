@@ -41,12 +41,28 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
+def _plain_view_reader(path: str):
+    """A GGUFReader that parses from a plain ndarray view of its memory map.
+
+    Every slice of an ``np.memmap`` runs Python-level ``__array_finalize__``; the reader slices
+    once per metadata item (~150k for a BPE vocabulary), which made parsing take 2+ s. The same
+    mapping viewed as a plain ndarray parses about 3x faster and reads identical bytes.
+    """
     from gguf import GGUFReader
 
+    class PlainViewReader(GGUFReader):
+        def _get(self, *args, **kwargs):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(*args, **kwargs)
+
+    return PlainViewReader(path)
+
+
+def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
     path = source.path
     try:
-        reader = GGUFReader(path)
+        reader = _plain_view_reader(path)
     except Exception as e:  # a truncated or foreign file fails in many ways inside gguf/numpy
         problem = f"{type(e).__name__}: {e}"
         raise ModelLoadError(f"{path}: not a readable GGUF file ({problem})") from None
@@ -162,4 +178,5 @@ def _iter_tensors(reader, config: ModelConfig, path: str) -> Iterator[tuple[str,
                 values = unpermute_rope_rows(values, config.num_heads)
             elif ".k_proj." in name:
                 values = unpermute_rope_rows(values, config.num_kv_heads)
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy
+        # F32 tensors are read-only views of the file: copy those; dequantized ones are fresh
+        yield name, torch.from_numpy(np.require(values, np.float32, ["C", "W"]))

@@ -1,0 +1,259 @@
+"""Worker throughput, offline (no HTTP, no core): our ModelRunner vs transformers vs plain matmul.
+
+For each dtype, on the default model (SmolLM2-135M Q4_1 GGUF, dequantized) unless --model:
+
+- decode tokens/s at each batch size: B random prompts of --prompt-len tokens are prefilled
+  (not timed), then --decode-steps greedy decode steps are timed (ForwardBatch building, forward,
+  argmax: what the worker does per step, minus the wire).
+- prefill tokens/s for one --prefill-len prompt.
+- HF transformers ``generate`` on the same GGUF at the same batch and dtype; its decode rate is
+  (B * (N - 1)) / (time(N new tokens) - time(1 new token)), so its prefill is not counted.
+- the ceiling: the model's matmuls alone (every projection of every layer plus the vocabulary
+  projection, M = batch rows, same dtype), timed with F.linear on random weights.
+
+    .venv/bin/python benchmarks/bench_worker.py --quick          # a short run
+    .venv/bin/python benchmarks/bench_worker.py --dtype bfloat16 # full run, one dtype
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.model_runner import DTYPES, ModelRunner
+from pyserve.worker.models.config import ModelConfig
+
+BLOCK_SIZE = 16
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Best-of-3 mean seconds per call (the machine may be shared: take the quietest run)."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+# ---------------------------------------------------------------------------- the ceiling
+
+
+def matmul_ceiling(
+    config: ModelConfig, rows: int, dtype: torch.dtype, repeats: int, vocab_rows: int | None = None
+) -> float:
+    """Tokens/s if a forward were nothing but its matmuls (one layer timed, times num_layers).
+
+    ``vocab_rows``: rows that need logits (all of them when decoding, one for a prefill).
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    qkv = config.q_size + 2 * config.kv_size
+    x = torch.randn(rows, hidden, dtype=dtype)
+    attn_out = torch.randn(rows, config.q_size, dtype=dtype)
+    act = torch.randn(rows, inter, dtype=dtype)
+    w_qkv, w_o = (
+        torch.randn(qkv, hidden, dtype=dtype),
+        torch.randn(hidden, config.q_size, dtype=dtype),
+    )
+    w_gu, w_down = (
+        torch.randn(2 * inter, hidden, dtype=dtype),
+        torch.randn(hidden, inter, dtype=dtype),
+    )
+    w_vocab = torch.randn(config.vocab_size, hidden, dtype=dtype)
+
+    def layer() -> None:
+        F.linear(x, w_qkv)
+        F.linear(attn_out, w_o)
+        F.linear(x, w_gu)
+        F.linear(act, w_down)
+
+    per_layer = timed(layer, repeats)
+    last = x[: rows if vocab_rows is None else vocab_rows]
+    vocab = timed(lambda: F.linear(last, w_vocab), max(1, repeats // 4))
+    return rows / (config.num_layers * per_layer + vocab)
+
+
+# ---------------------------------------------------------------------------- ours
+
+
+class PagedBatch:
+    """B sequences with private block tables, stepped together."""
+
+    def __init__(self, runner: ModelRunner, prompts: torch.Tensor):
+        self.runner = runner
+        batch, length = prompts.shape
+        self.prompts = prompts
+        self.blocks_each = runner.num_blocks // batch
+        self.tables = [
+            list(range(i * self.blocks_each, (i + 1) * self.blocks_each)) for i in range(batch)
+        ]
+        self.length = length
+
+    def prefill(self) -> torch.Tensor:
+        batch, length = self.prompts.shape
+        fb = ForwardBatch(
+            input_ids=self.prompts.flatten(),
+            positions=torch.arange(length).repeat(batch),
+            start_pos=[0] * batch,
+            num_tokens=[length] * batch,
+            block_tables=self.tables,
+            sample_index=torch.arange(batch) * length + length - 1,
+        )
+        self.last = self.runner.forward(fb).argmax(-1)
+        self.length = length
+        return self.last
+
+    def decode(self) -> None:
+        batch = len(self.tables)
+        pos = self.length
+        fb = ForwardBatch(
+            input_ids=self.last,
+            positions=torch.full((batch,), pos),
+            start_pos=[pos] * batch,
+            num_tokens=[1] * batch,
+            block_tables=self.tables,
+            sample_index=torch.arange(batch),
+        )
+        self.last = self.runner.forward(fb).argmax(-1)
+        self.length += 1
+
+
+def ours_decode(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
+    seqs = PagedBatch(runner, prompts)
+    seqs.prefill()
+    seqs.decode()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        seqs.decode()
+    return prompts.shape[0] * steps / (time.perf_counter() - start)
+
+
+def ours_prefill(runner: ModelRunner, prompt: torch.Tensor, repeats: int) -> float:
+    seqs = PagedBatch(runner, prompt[None])
+    return prompt.numel() / timed(seqs.prefill, repeats)
+
+
+# ---------------------------------------------------------------------------- transformers
+
+
+def load_hf(model: str | None, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from pyserve.model_files import resolve_model
+
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        path = Path(source.path)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+    hf.generation_config.eos_token_id = None  # always generate the full length
+    return hf.eval()
+
+
+def hf_generate_seconds(hf, prompts: torch.Tensor, new_tokens: int) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == prompts.shape[1] + new_tokens
+    return time.perf_counter() - start
+
+
+def hf_decode(hf, prompts: torch.Tensor, steps: int) -> float:
+    hf_generate_seconds(hf, prompts, 2)  # warm-up
+    prefill_only = min(hf_generate_seconds(hf, prompts, 1) for _ in range(2))
+    full = hf_generate_seconds(hf, prompts, steps + 1)
+    return prompts.shape[0] * steps / max(full - prefill_only, 1e-9)
+
+
+def hf_prefill(hf, prompt: torch.Tensor, repeats: int) -> float:
+    def run() -> None:
+        with torch.inference_mode():
+            hf(prompt[None], logits_to_keep=1)  # like generate: last position's logits only
+
+    return prompt.numel() / timed(run, repeats)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    parser.add_argument("--dtype", default="both", choices=[*DTYPES, "both"])
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt-len", type=int, default=64, help="context before decoding")
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--quick", action="store_true", help="few steps: a smoke run")
+    parser.add_argument("--skip-hf", action="store_true", help="ours and the ceiling only")
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.decode_steps = min(args.decode_steps, 8)
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]
+    repeats = 2 if args.quick else 5
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        tokens_each = args.prompt_len + args.decode_steps + 2
+        need = max(batches) * -(-max(tokens_each, args.prefill_len) // BLOCK_SIZE)
+        runner = ModelRunner(args.model, dtype=dtype_name, num_blocks=need, block_size=BLOCK_SIZE)
+        config = runner.config
+        hf = None if args.skip_hf else load_hf(args.model, dtype)
+        print(f"\n== {dtype_name} ({config.name}, load {runner.load_seconds:.1f}s) ==")
+        print(f"{'':>14} {'ours tok/s':>11} {'HF tok/s':>9} {'×HF':>6} {'ceiling':>9} {'%ceil':>6}")
+        rows = [(f"decode b={b}", b) for b in batches] + [(f"prefill {args.prefill_len}", 0)]
+        for label, batch in rows:
+            if batch:
+                prompts = torch.randint(
+                    100, config.vocab_size, (batch, args.prompt_len), generator=gen
+                )
+                ours = ours_decode(runner, prompts, args.decode_steps)
+                theirs = hf_decode(hf, prompts, args.decode_steps) if hf else float("nan")
+                ceiling = matmul_ceiling(config, batch, dtype, repeats * 4)
+            else:
+                prompt = torch.randint(100, config.vocab_size, (args.prefill_len,), generator=gen)
+                ours = ours_prefill(runner, prompt, repeats)
+                theirs = hf_prefill(hf, prompt, repeats) if hf else float("nan")
+                ceiling = matmul_ceiling(config, args.prefill_len, dtype, repeats, vocab_rows=1)
+            print(
+                f"{label:>14} {ours:11.0f} {theirs:9.0f} {ours / theirs:6.2f} "
+                f"{ceiling:9.0f} {100 * ours / ceiling:5.0f}%"
+            )
+            results.append(
+                {"dtype": dtype_name, "case": label, "ours": ours, "hf": theirs, "ceiling": ceiling}
+            )
+        del runner, hf
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

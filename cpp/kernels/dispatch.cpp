@@ -1,0 +1,176 @@
+#include "dispatch.h"
+
+#include <algorithm>
+#include <atomic>
+#include <stdexcept>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace pyserve_kernels {
+
+namespace {
+
+// Weight bytes of one block of tiles that every row chunk walks before moving on: small enough
+// to stay in L2 while chunks of rows (for M > a kernel's max_rows) reuse it.
+constexpr size_t kBlockBytes = 256 * 1024;
+// From this many rows on, the threads quantize the activations too.
+constexpr int kParallelQuantizeRows = 32;
+
+bool cpu_has(const char* name) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const std::string isa(name);
+  if (isa == "avx512_vnni")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+  (void)name;
+#endif
+  return false;
+}
+
+const KernelTable* table_for(const std::string& name) {
+  if (name == "avx512_vnni") return &avx512_kernels();
+  if (name == "avx2") return &avx2_kernels();
+  if (name == "scalar") return &scalar_kernels();
+  return nullptr;
+}
+
+const KernelTable* best_table() {
+  if (cpu_has("avx512_vnni")) return &avx512_kernels();
+  if (cpu_has("avx2")) return &avx2_kernels();
+  return &scalar_kernels();
+}
+
+std::atomic<const KernelTable*> selected{nullptr};
+
+const KernelTable& kernels() {
+  const KernelTable* table = selected.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    table = best_table();
+    selected.store(table, std::memory_order_release);
+  }
+  return *table;
+}
+
+void check(bool ok, const char* message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+  std::vector<int32_t> sum;
+};
+
+struct QuantizeJob {
+  const KernelTable* table;
+  const float* x;
+  int64_t x_stride;
+  int rows, k, group;
+  Scratch* scratch;
+};
+
+void quantize_share(void* context, int index, int count) {
+  const auto& job = *static_cast<QuantizeJob*>(context);
+  const int begin = static_cast<int>(static_cast<int64_t>(job.rows) * index / count);
+  const int end = static_cast<int>(static_cast<int64_t>(job.rows) * (index + 1) / count);
+  if (begin == end) return;
+  const int groups = (job.k + job.group - 1) / job.group;
+  const int64_t q_at = static_cast<int64_t>(begin) * groups * job.group;
+  const int64_t g_at = static_cast<int64_t>(begin) * groups;
+  job.table->quantize_rows(job.x + begin * job.x_stride, job.x_stride, end - begin, job.k,
+                           job.group, job.scratch->q.data() + q_at,
+                           job.scratch->scale.data() + g_at, job.scratch->scaled_sum.data() + g_at,
+                           job.scratch->sum.data() + g_at);
+}
+
+struct MatmulJob {
+  const KernelTable* table;
+  const PackedWeights* w;
+  const QuantizedRows* a;
+  int rows;
+  const float* bias;
+  float* out;
+  int64_t out_stride;
+};
+
+void matmul_share(void* context, int index, int count) {
+  const auto& job = *static_cast<MatmulJob*>(context);
+  const int tiles = job.w->tiles();
+  const int begin = static_cast<int>(static_cast<int64_t>(tiles) * index / count);
+  const int end = static_cast<int>(static_cast<int64_t>(tiles) * (index + 1) / count);
+  const size_t tile_bytes = job.w->groups() * (job.w->group_bytes() + 4 * kTileRows);
+  const int block = std::max<int>(1, static_cast<int>(kBlockBytes / tile_bytes));
+  const int step = job.table->max_rows;
+  for (int t = begin; t < end; t += block) {
+    const int t_end = std::min(end, t + block);
+    for (int r = 0; r < job.rows; r += step)
+      job.table->tiles(*job.w, *job.a, r, std::min(step, job.rows - r), t, t_end, job.bias, job.out,
+                       job.out_stride);
+  }
+}
+
+void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
+                   int group, Scratch& scratch) {
+  const int groups = (k + group - 1) / group;
+  const size_t cells = static_cast<size_t>(rows) * groups;
+  scratch.q.resize(cells * group);
+  scratch.scale.resize(cells);
+  scratch.scaled_sum.resize(cells);
+  scratch.sum.resize(cells);
+  QuantizeJob job{&table, x, x_stride, rows, k, group, &scratch};
+  if (rows >= kParallelQuantizeRows)
+    ThreadPool::instance().run(quantize_share, &job);
+  else
+    quantize_share(&job, 0, 1);
+}
+
+}  // namespace
+
+std::string current_isa() { return kernels().name; }
+
+void set_isa(const std::string& name) {
+  const KernelTable* table = table_for(name);
+  if (table == nullptr)
+    throw std::invalid_argument("unknown ISA '" + name + "' (avx512_vnni, avx2 or scalar)");
+  if (name != "scalar" && !cpu_has(name.c_str()))
+    throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
+  selected.store(table, std::memory_order_release);
+}
+
+void quantized_matmul(const float* x, int64_t x_stride, int rows, const PackedWeights& w,
+                      const float* bias, float* out, int64_t out_stride) {
+  check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
+  check(w.bits == 8 || w.bits == 4, "bits must be 8 or 4");
+  check(w.group > 0 && w.group % 32 == 0, "group must be a positive multiple of 32");
+  check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
+  check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
+  if (rows == 0) return;
+  const KernelTable& table = kernels();
+  thread_local Scratch scratch;
+  quantize_into(table, x, x_stride, rows, w.k, w.group, scratch);
+  const QuantizedRows a{scratch.q.data(),   scratch.scale.data(), scratch.scaled_sum.data(),
+                        scratch.sum.data(), w.k_padded(),         w.groups()};
+  MatmulJob job{&table, &w, &a, rows, bias, out, out_stride};
+  ThreadPool::instance().run(matmul_share, &job);
+}
+
+void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,
+                          float* scale, int32_t* sum) {
+  check(x != nullptr && q != nullptr && scale != nullptr && sum != nullptr, "null pointer");
+  check(group > 0 && group % 32 == 0, "group must be a positive multiple of 32");
+  check(k > 0 && rows >= 0 && x_stride >= k, "bad sizes");
+  Scratch scratch;
+  quantize_into(kernels(), x, x_stride, rows, k, group, scratch);
+  std::copy(scratch.q.begin(), scratch.q.end(), q);
+  std::copy(scratch.scale.begin(), scratch.scale.end(), scale);
+  std::copy(scratch.sum.begin(), scratch.sum.end(), sum);
+}
+
+}  // namespace pyserve_kernels

@@ -1,0 +1,26 @@
+// The entry points behind `pyserve._kernels`: pick an ISA at run time, quantize the activations
+// and split the output tiles over the thread pool.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "qgemm.h"
+
+namespace pyserve_kernels {
+
+// "avx512_vnni", "avx2" or "scalar": the ISA in use (the best one here unless set_isa chose).
+std::string current_isa();
+// Switches to `name`; std::invalid_argument when it is unknown or this CPU lacks it.
+void set_isa(const std::string& name);
+
+// out[rows, w.n] = x[rows, w.k] · Wᵀ (+ bias). Checks its arguments (std::invalid_argument).
+void quantized_matmul(const float* x, int64_t x_stride, int rows, const PackedWeights& w,
+                      const float* bias, float* out, int64_t out_stride);
+
+// Quantizes rows like quantized_matmul does, for tests: q [rows][k_padded], scale and sum
+// [rows][groups].
+void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,
+                          float* scale, int32_t* sum);
+
+}  // namespace pyserve_kernels

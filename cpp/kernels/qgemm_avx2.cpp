@@ -1,0 +1,147 @@
+// The AVX2 path for x86-64 CPUs without AVX-512 VNNI (Zen 2/3, Haswell to Comet Lake). It reads
+// the same packed layout, half a tile (8 rows, 32 bytes a quad block) at a time, and builds the
+// u8×s8 dot product from vpmaddubsw + vpmaddwd. vpmaddubsw saturates at 16 bits: 4-bit weights
+// (≤ 15) cannot reach it, and 8-bit weights are recentred to q = u − 128 with the sign trick
+// (|q|·sign(q)·a), whose pair sums stay within ±32512.
+#include "qgemm.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#define PYSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace pyserve_kernels {
+namespace {
+
+constexpr int kHalfRows = kTileRows / 2;
+
+PYSERVE_AVX2 inline __m256i broadcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// Σ over each lane's 4 bytes of u·a (u unsigned ≤ 15, a signed), as int32.
+PYSERVE_AVX2 inline __m256i dot_u4(__m256i u, __m256i a) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+}
+
+// Σ over each lane's 4 bytes of (u − 128)·a (u unsigned 8-bit, a signed in [−127, 127]).
+PYSERVE_AVX2 inline __m256i dot_centred_u8(__m256i u, __m256i a) {
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i product = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q));
+  return _mm256_madd_epi16(product, _mm256_set1_epi16(1));
+}
+
+template <int R, int BITS>
+PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
+                             int tile1, const float* bias, float* out, int64_t out_stride) {
+  const int groups = w.groups();
+  const int group = w.group;
+  const size_t group_bytes = w.group_bytes();
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+  for (int t = tile0; t < tile1; ++t) {
+    const int valid = std::min(kTileRows, w.n - t * kTileRows);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes + 32 * h;
+      const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+        const int8_t* qa = a.q + static_cast<int64_t>(row0) * a.k_padded + g * group;
+        if constexpr (BITS == 8) {
+          for (int j = 0; j < group / 4; ++j) {
+            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j));
+            for (int r = 0; r < R; ++r) {
+              const __m256i av = broadcast_quad(qa + r * a.k_padded + 4 * j);
+              dot[r] = _mm256_add_epi32(dot[r], dot_centred_u8(u, av));
+            }
+          }
+          for (int r = 0; r < R; ++r) {  // back from Σ(u − 128)·q to Σu·q
+            const int32_t sum = a.sum[static_cast<int64_t>(row0 + r) * groups + g];
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_set1_epi32(128 * sum));
+          }
+        } else {
+          for (int p = 0; p < group / 8; ++p) {
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p));
+            const __m256i lo = _mm256_and_si256(packed, low_nibbles);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* q = qa + r * a.k_padded + 8 * p;
+              dot[r] = _mm256_add_epi32(dot[r], dot_u4(lo, broadcast_quad(q)));
+              dot[r] = _mm256_add_epi32(dot[r], dot_u4(hi, broadcast_quad(q + 4)));
+            }
+          }
+        }
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kHalfRows * h)));
+        const __m256 m = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTileRows + kHalfRows * h)));
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = static_cast<int64_t>(row0 + r) * groups + g;
+          const __m256 scaled =
+              _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(a.scale[at]));
+          acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.scaled_sum[at]), acc[r]);
+        }
+        block += group_bytes;
+        sc += 2 * kTileRows;
+      }
+      const int first = t * kTileRows + kHalfRows * h;
+      const int count = std::clamp(valid - kHalfRows * h, 0, kHalfRows);
+      for (int r = 0; r < R; ++r) {
+        alignas(32) float lane[kHalfRows];
+        _mm256_store_ps(lane, acc[r]);
+        float* o = out + static_cast<int64_t>(row0 + r) * out_stride + first;
+        for (int n = 0; n < count; ++n) o[n] = lane[n] + (bias ? bias[first + n] : 0.0f);
+      }
+    }
+  }
+}
+
+template <int BITS>
+void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
+                int tile1, const float* bias, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1:
+      return tiles_rows<1, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    case 2:
+      return tiles_rows<2, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    case 3:
+      return tiles_rows<3, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    case 4:
+      return tiles_rows<4, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    default:
+      return;
+  }
+}
+
+void tiles_avx2(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
+                int tile1, const float* bias, float* out, int64_t out_stride) {
+  if (w.bits == 8) return tiles_bits<8>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  return tiles_bits<4>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+}
+
+}  // namespace
+
+const KernelTable& avx2_kernels() {
+  // activations are quantized by the scalar code: a few microseconds, and bit-identical
+  static const KernelTable table{"avx2", 4, scalar_kernels().quantize_rows, tiles_avx2};
+  return table;
+}
+
+}  // namespace pyserve_kernels
+
+#else
+
+namespace pyserve_kernels {
+const KernelTable& avx2_kernels() { return scalar_kernels(); }
+}  // namespace pyserve_kernels
+
+#endif

@@ -1,0 +1,169 @@
+// The AVX-512 VNNI path (Ice Lake and later Intel, Zen 4 and later AMD). Compiled with
+// function-level target attributes, so this file builds with the default flags and runs only
+// where the dispatcher found the instructions.
+#include "qgemm.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+namespace pyserve_kernels {
+namespace {
+
+PYSERVE_AVX512 inline __m512i broadcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+PYSERVE_AVX512 void quantize_rows_avx512(const float* x, int64_t x_stride, int rows, int k,
+                                         int group, int8_t* q, float* scale, float* scaled_sum,
+                                         int32_t* sum) {
+  const int groups = (k + group - 1) / group;
+  const int k_padded = groups * group;
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    int8_t* qr = q + static_cast<int64_t>(r) * k_padded;
+    for (int g = 0; g < groups; ++g) {
+      const int begin = g * group, end = std::min(k, begin + group);
+      __m512 vmax = _mm512_setzero_ps();
+      for (int i = begin; i < end; i += 16) {
+        const __mmask16 live =
+            end - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (end - i)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, xr + i)));
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const float s = amax / 127.0f;
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m512i total = _mm512_setzero_si512();
+      for (int i = begin; i < begin + group; i += 16) {
+        const int left = std::max(0, end - i);
+        const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        // round to nearest even (the default MXCSR mode), as std::nearbyint does in the scalar path
+        __m512i qi =
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, xr + i), inverse));
+        qi =
+            _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        total = _mm512_add_epi32(total, qi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtsepi32_epi8(qi));
+      }
+      const int32_t t = _mm512_reduce_add_epi32(total);
+      const int64_t at = static_cast<int64_t>(r) * groups + g;
+      scale[at] = s;
+      sum[at] = t;
+      scaled_sum[at] = s * static_cast<float>(t);
+    }
+  }
+}
+
+// R rows × one tile at a time: R int32 and R float accumulators stay in registers while the
+// tile's groups stream through once.
+template <int R, int BITS>
+PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
+                               int tile1, const float* bias, float* out, int64_t out_stride) {
+  const int groups = w.groups();
+  const int group = w.group;
+  const size_t group_bytes = w.group_bytes();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const int8_t* qa[R];
+  const float* s[R];
+  const float* ss[R];
+  for (int r = 0; r < R; ++r) {
+    qa[r] = a.q + static_cast<int64_t>(row0 + r) * a.k_padded;
+    s[r] = a.scale + static_cast<int64_t>(row0 + r) * groups;
+    ss[r] = a.scaled_sum + static_cast<int64_t>(row0 + r) * groups;
+  }
+  for (int t = tile0; t < tile1; ++t) {
+    const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
+    const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      const int base = g * group;
+      if constexpr (BITS == 8) {
+        for (int j = 0; j < group / 4; ++j) {
+          const __m512i u = _mm512_loadu_si512(block + 64 * j);
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm512_dpbusd_epi32(dot[r], u, broadcast_quad(qa[r] + base + 4 * j));
+        }
+      } else {
+        for (int p = 0; p < group / 8; ++p) {
+          const __m512i packed = _mm512_loadu_si512(block + 64 * p);
+          const __m512i lo = _mm512_and_si512(packed, low_nibbles);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+          for (int r = 0; r < R; ++r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_quad(qa[r] + base + 8 * p));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_quad(qa[r] + base + 8 * p + 4));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(s[r][g]));
+        acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ss[r][g]), acc[r]);
+      }
+      block += group_bytes;
+      sc += 2 * kTileRows;
+    }
+    const int valid = std::min(kTileRows, w.n - t * kTileRows);
+    const __mmask16 live = valid == kTileRows ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
+      _mm512_mask_storeu_ps(o, live, _mm512_add_ps(acc[r], b));
+    }
+  }
+}
+
+template <int BITS>
+void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
+                int tile1, const float* bias, float* out, int64_t out_stride) {
+  switch (rows) {
+#define PYSERVE_ROWS_CASE(R) \
+  case R:                    \
+    return tiles_rows<R, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    PYSERVE_ROWS_CASE(1)
+    PYSERVE_ROWS_CASE(2)
+    PYSERVE_ROWS_CASE(3)
+    PYSERVE_ROWS_CASE(4)
+    PYSERVE_ROWS_CASE(5)
+    PYSERVE_ROWS_CASE(6)
+    PYSERVE_ROWS_CASE(7)
+    PYSERVE_ROWS_CASE(8)
+#undef PYSERVE_ROWS_CASE
+    default:
+      return;
+  }
+}
+
+void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
+                  int tile1, const float* bias, float* out, int64_t out_stride) {
+  if (w.bits == 8) return tiles_bits<8>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  return tiles_bits<4>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+}
+
+}  // namespace
+
+const KernelTable& avx512_kernels() {
+  static const KernelTable table{"avx512_vnni", 8, quantize_rows_avx512, tiles_avx512};
+  return table;
+}
+
+}  // namespace pyserve_kernels
+
+#else  // not x86-64 with GCC/Clang: never selected (isa_supported says no)
+
+namespace pyserve_kernels {
+const KernelTable& avx512_kernels() { return scalar_kernels(); }
+}  // namespace pyserve_kernels
+
+#endif

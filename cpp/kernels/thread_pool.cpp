@@ -1,0 +1,134 @@
+#include "thread_pool.h"
+
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PYSERVE_PAUSE() _mm_pause()
+#else
+#define PYSERVE_PAUSE() std::this_thread::yield()
+#endif
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define PYSERVE_HAS_ATFORK 1
+#endif
+
+namespace pyserve_kernels {
+namespace {
+
+std::atomic<ThreadPool*> the_pool{nullptr};
+std::mutex the_pool_mutex;
+
+#ifdef PYSERVE_HAS_ATFORK
+// The child has none of the parent's worker threads, and the pool's mutexes may be held by a
+// parent thread that does not exist there: leak the old pool, build a new one on first use.
+void forget_pool_in_child() { the_pool.store(nullptr); }
+#endif
+
+int default_threads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+}  // namespace
+
+ThreadPool& ThreadPool::instance() {
+  ThreadPool* pool = the_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  std::lock_guard<std::mutex> lock(the_pool_mutex);
+  pool = the_pool.load();
+  if (pool == nullptr) {
+#ifdef PYSERVE_HAS_ATFORK
+    static const int registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+    (void)registered;
+#endif
+    // never deleted: worker threads may still spin while the interpreter exits
+    pool = new ThreadPool(default_threads());
+    the_pool.store(pool, std::memory_order_release);
+  }
+  return *pool;
+}
+
+ThreadPool::ThreadPool(int threads) { start_workers(threads); }
+
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+int ThreadPool::size() {
+  std::lock_guard<std::mutex> lock(submit_mutex_);
+  return size_;
+}
+
+void ThreadPool::resize(int threads) {
+  std::lock_guard<std::mutex> lock(submit_mutex_);
+  if (threads < 1) threads = 1;
+  if (threads == size_) return;
+  stop_workers();
+  start_workers(threads);
+}
+
+void ThreadPool::start_workers(int threads) {
+  size_ = threads < 1 ? 1 : threads;
+  stopping_.store(false);
+  // a worker starts from the generation of now, so a run right after this cannot be missed
+  const uint64_t start = generation_.load();
+  for (int i = 1; i < size_; ++i)
+    workers_.emplace_back([this, i, start] { worker_loop(i, start); });
+}
+
+void ThreadPool::stop_workers() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    stopping_.store(true);
+  }
+  wake_.notify_all();
+  for (auto& worker : workers_) worker.join();
+  workers_.clear();
+  size_ = 1;
+}
+
+void ThreadPool::run(Task task, void* context) {
+  std::lock_guard<std::mutex> lock(submit_mutex_);
+  const int count = size_;
+  if (count == 1) {
+    task(context, 0, 1);
+    return;
+  }
+  task_ = task;
+  context_ = context;
+  pending_.store(count - 1);
+  generation_.fetch_add(1);  // publishes task_ and context_ (seq_cst)
+  if (sleepers_.load() > 0) {
+    {
+      std::lock_guard<std::mutex> sleep_lock(sleep_mutex_);
+    }
+    wake_.notify_all();
+  }
+  task(context, 0, count);
+  while (pending_.load(std::memory_order_acquire) != 0) PYSERVE_PAUSE();
+}
+
+void ThreadPool::worker_loop(int index, uint64_t seen) {
+  using Clock = std::chrono::steady_clock;
+  for (;;) {
+    // spin for a while: the next task usually comes within microseconds
+    const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
+    unsigned spins = 0;
+    while (generation_.load(std::memory_order_acquire) == seen && !stopping_.load()) {
+      PYSERVE_PAUSE();
+      if ((++spins & 63u) == 0 && Clock::now() > spin_until) break;
+    }
+    if (generation_.load() == seen && !stopping_.load()) {
+      std::unique_lock<std::mutex> lock(sleep_mutex_);
+      sleepers_.fetch_add(1);
+      wake_.wait(lock, [&] { return generation_.load() != seen || stopping_.load(); });
+      sleepers_.fetch_sub(1);
+    }
+    if (stopping_.load()) return;
+    seen = generation_.load();
+    task_(context_, index, size_);
+    pending_.fetch_sub(1, std::memory_order_release);
+  }
+}
+
+}  // namespace pyserve_kernels
