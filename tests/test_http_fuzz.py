@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from http_testlib import kv_idle, request, running_server, tiny_model, wait_for_metrics
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -94,6 +94,7 @@ def test_malformed_requests_never_get_a_server_error(url, case, content_type):
     status, _, raw = request(
         url + path, body, method="POST", headers={"Content-Type": content_type}
     )
+    event(f"{path} {status}")  # pytest --hypothesis-show-statistics shows the spread
     assert status < 500, (path, body[:300], raw[:300])
     if status >= 400:
         error = json.loads(raw)["error"]

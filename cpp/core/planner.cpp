@@ -293,7 +293,10 @@ void Planner::plan_prefill_chunks(Step& step, InflightStep& record, int64_t& pre
     chunk = std::min(chunk, fits);
     if (chunk <= 0) continue;
     const size_t old_len = r.table.size();
-    allocate_blocks(blocks_for(r.num_scheduled + chunk) - static_cast<int64_t>(old_len), r.table);
+    if (!allocate_blocks(blocks_for(r.num_scheduled + chunk) - static_cast<int64_t>(old_len),
+                         r.table)) {
+      throw InvariantError("a prefill chunk sized to the available blocks did not fit");
+    }
     add_entry(step, record, r, chunk, /*decode=*/false, old_len);
     prefill_budget -= chunk;
   }
@@ -306,19 +309,20 @@ const std::vector<int32_t>& Planner::sequence(const Request& r) {
   return scratch_tokens_;
 }
 
-std::vector<Request*> Planner::admission_order() {
-  std::vector<Request*> order(waiting_.begin(), waiting_.end());
-  if (policy_ != Policy::kLpm || !config_.enable_radix_cache || order.size() < 2) return order;
-  const size_t window = std::min(order.size(), kLpmWindow);
+// lpm: the first kLpmWindow waiting requests, longest cached prefix first (ties in queue order).
+std::vector<Request*> Planner::lpm_order() {
   std::vector<std::pair<int64_t, Request*>> keyed;
-  keyed.reserve(window);
-  for (size_t i = 0; i < window; ++i) {
-    const std::vector<int32_t>& seq = sequence(*order[i]);
-    keyed.emplace_back(cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks, order[i]);
+  keyed.reserve(std::min(waiting_.size(), kLpmWindow));
+  for (Request* r : waiting_) {
+    if (keyed.size() == kLpmWindow) break;
+    const std::vector<int32_t>& seq = sequence(*r);
+    keyed.emplace_back(cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks, r);
   }
   std::stable_sort(keyed.begin(), keyed.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (size_t i = 0; i < window; ++i) order[i] = keyed[i].second;
+  std::vector<Request*> order;
+  order.reserve(keyed.size());
+  for (const auto& entry : keyed) order.push_back(entry.second);
   return order;
 }
 
@@ -335,54 +339,69 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
   // for each waiting request) when not even that is left.
   if (available_blocks() <= reserved) return;
 
-  for (Request* cp : admission_order()) {
-    if (prefill_budget <= 0 ||
-        static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
-      break;
+  if (policy_ == Policy::kLpm && config_.enable_radix_cache && waiting_.size() > 1) {
+    for (Request* c : lpm_order()) {
+      if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
     }
-    Request& c = *cp;
-    if (c.inflight_steps > 0) continue;  // retracted, an earlier step still names it
-    if (static_cast<int64_t>(c.output.size()) >= c.max_new_tokens) continue;  // awaits finish
-    const std::vector<int32_t>& seq = sequence(c);
-    const int64_t target = static_cast<int64_t>(seq.size());
-    // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
-    // prompt recomputes its last block rather than writing into a cached one.
-    PrefixPeek peek;
-    if (config_.enable_radix_cache) peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
-    const int64_t matched = peek.num_blocks * block_size_;
-    const int64_t chunk =
-        std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
-    const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
-    const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
-    const int64_t reserve_tokens =
-        static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
-    const int64_t blocks_later =
-        std::max<int64_t>(0, blocks_for(target + reserve_tokens) - blocks_for(matched + chunk));
-    const int64_t available = available_blocks() - peek.unlocked_blocks;
-    if (available < reserved + blocks_now + blocks_later) break;
-
-    waiting_.erase(c.queue_pos);
-    if (config_.enable_radix_cache) {
-      PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
-      cache_.lock(match.node);
-      allocator_.incref(match.blocks.data(), match.blocks.size());
-      c.table = std::move(match.blocks);
-      c.node = match.node;
-      c.tree_len = match.num_tokens;
+  } else {
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      Request& c = **it++;  // advance first: admission erases c from the queue
+      if (!try_admit(c, step, record, prefill_budget, reserved)) break;
     }
-    allocate_blocks(blocks_now, c.table);
-    c.state = RequestState::kRunning;
-    c.prefill_target = target;
-    c.num_scheduled = matched;
-    c.num_computed = matched;
-    c.planned_samples = static_cast<int64_t>(c.output.size());
-    if (!c.ever_admitted) c.cached_tokens = matched;
-    c.ever_admitted = true;
-    running_.push_back(&c);
-    add_entry(step, record, c, chunk, /*decode=*/false, 0);
-    prefill_budget -= chunk;
-    reserved += blocks_later;
   }
+}
+
+// Admits c if the budgets allow. Returns false when admission must stop here.
+bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
+                        int64_t& reserved) {
+  if (prefill_budget <= 0 ||
+      static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
+    return false;
+  }
+  if (c.inflight_steps > 0) return true;  // retracted, an earlier step still names it
+  if (static_cast<int64_t>(c.output.size()) >= c.max_new_tokens) return true;  // awaits finish
+  const std::vector<int32_t>& seq = sequence(c);
+  const int64_t target = static_cast<int64_t>(seq.size());
+  // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
+  // prompt recomputes its last block rather than writing into a cached one.
+  PrefixPeek peek;
+  if (config_.enable_radix_cache) peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
+  const int64_t matched = peek.num_blocks * block_size_;
+  const int64_t chunk = std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
+  const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
+  const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
+  const int64_t reserve_tokens =
+      static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
+  const int64_t blocks_later =
+      std::max<int64_t>(0, blocks_for(target + reserve_tokens) - blocks_for(matched + chunk));
+  const int64_t available = available_blocks() - peek.unlocked_blocks;
+  if (available < reserved + blocks_now + blocks_later) return false;
+
+  waiting_.erase(c.queue_pos);
+  if (config_.enable_radix_cache) {
+    PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
+    cache_.lock(match.node);
+    allocator_.incref(match.blocks.data(), match.blocks.size());
+    c.table = std::move(match.blocks);
+    c.node = match.node;
+    c.tree_len = match.num_tokens;
+  }
+  if (!allocate_blocks(blocks_now, c.table)) {
+    throw InvariantError("admission counted " + std::to_string(available) +
+                         " available blocks but could not allocate " + std::to_string(blocks_now));
+  }
+  c.state = RequestState::kRunning;
+  c.prefill_target = target;
+  c.num_scheduled = matched;
+  c.num_computed = matched;
+  c.planned_samples = static_cast<int64_t>(c.output.size());
+  if (!c.ever_admitted) c.cached_tokens = matched;
+  c.ever_admitted = true;
+  running_.push_back(&c);
+  add_entry(step, record, c, chunk, /*decode=*/false, 0);
+  prefill_budget -= chunk;
+  reserved += blocks_later;
+  return true;
 }
 
 Request* Planner::newest_retractable() const {

@@ -136,7 +136,9 @@ class Planner {
   void plan_decodes(Step& step, InflightStep& record);
   void plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget);
   void admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget);
-  std::vector<Request*> admission_order();
+  std::vector<Request*> lpm_order();
+  bool try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
+                 int64_t& reserved);
   void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
                  size_t old_table_len);
 
