@@ -13,13 +13,18 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 
 from aiohttp import web
 
+from pyserve.engine import Engine, EngineConfig
+from pyserve.http.app import create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.state import ServerState
 
 log = logging.getLogger("pyserve")
 
@@ -28,42 +33,52 @@ HANDLER_GRACE_S = 3.0  # after the engine stops: time for handlers to write thei
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyserve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pyserve", description="An OpenAI-compatible LLM inference server."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="serve a model over HTTP")
+    run = commands.add_parser(
+        "run",
+        help="serve a model over HTTP",
+        description="Serve a model over HTTP: OpenAI and native (SGLang-style) APIs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add = run.add_argument
-    add("--model", help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M)")
-    add("--served-model-name", help="the model name in the API (default: from the model)")
-    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    add("--port", type=int, default=30000, help="0 picks a free port (default: %(default)s)")
+    add("--model", help="a Hugging Face model directory or a .gguf file; none: SmolLM2-135M")
+    add("--served-model-name", help="the model's name in the API; none: from the model")
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=int, default=30000, help="port to listen on; 0 picks a free one")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add("--device", default="cpu", help="torch device of the worker (default: %(default)s)")
+    add("--device", default="cpu", help="torch device of the model worker")
     kv = run.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-tokens", type=int, help="KV pool size in tokens")
-    kv.add_argument("--kv-cache-gib", type=float, help="KV pool size in GiB (default: 1)")
-    add("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    add("--context-length", type=int, help="cap the model's context length")
-    add("--max-running-requests", type=int, default=256)
-    add("--max-prefill-tokens", type=int, default=8192)
-    add("--chunked-prefill-size", type=int, default=2048)
-    add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    kv.add_argument("--kv-cache-tokens", type=int, help="KV cache size in tokens")
+    kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB; none: 1 GiB")
+    add("--block-size", type=int, default=16, help="tokens per KV cache block")
+    add("--context-length", type=int, help="a context length below the model's")
+    add("--max-running-requests", type=int, default=256, help="requests computed together")
+    add("--max-prefill-tokens", type=int, default=8192, help="prompt tokens in one step")
+    add("--chunked-prefill-size", type=int, default=2048, help="prompt tokens of one request")
+    add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="queue order")
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
-    add("--tokenizer-workers", type=int, default=2, help="tokenizer threads (default: 2)")
+    add("--tokenizer-workers", type=int, default=2, help="threads for chat templates and encoding")
     add("--stream-interval", type=int, default=1, help="stream a chunk every N tokens")
-    add("--torch-threads", type=int, help="torch threads of the worker (default: torch's)")
-    add("--seed", type=int, help="sampling seed for requests that give none")
-    add("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
-    add("--max-queued-requests", type=int, help="429 when this many requests wait to start")
+    add("--torch-threads", type=int, help="torch threads of the worker; none: torch's default")
+    add("--seed", type=int, help="sampling seed of requests that give none")
+    add(
+        "--api-key",
+        default=os.environ.get("PYSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(also read from $PYSERVE_API_KEY)",
+    )
+    add("--max-queued-requests", type=int, help="429 once this many requests wait to start")
     add("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="413 above this")
-    add("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    add("--log-requests", action="store_true", help="log prompts and outputs")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight work")
     return parser
 
 
-def engine_config(args: argparse.Namespace):  # -> EngineConfig
-    from pyserve.engine import EngineConfig
-
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -88,8 +103,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
     return config
 
 
-def curl_example(url: str, model: str, api_key: str | None) -> str:
-    auth = " -H 'Authorization: Bearer $PYSERVE_API_KEY'" if api_key else ""
+def curl_example(url: str, model: str, needs_key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $PYSERVE_API_KEY"' if needs_key else ""
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         '"max_tokens": 64}'
@@ -97,16 +112,101 @@ def curl_example(url: str, model: str, api_key: str | None) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-async def _report_progress(started: float) -> None:
-    while True:
-        await asyncio.sleep(PROGRESS_EVERY_S)
-        log.info("still loading the model (%.0f s)…", time.monotonic() - started)
+class ShutdownSignals:
+    """SIGTERM/SIGINT: the first one drains the server; a second one stops waiting for the
+    requests in flight."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+        self._state = state
+        self._loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def _on_signal(self, signum: int) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+            return
+        log.info("%s: shutting down (send it again to stop at once)", signal.Signals(signum).name)
+        self._state.draining = True  # new requests get 503 from now on
+        self.stop.set()
+
+    def remove(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(signum)
+
+
+async def first_of(*awaitables: Awaitable) -> None:
+    """Waits until one of ``awaitables`` is done; cancels the others."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def start_engine(engine: Engine, url: str, signals: ShutdownSignals, needs_key: bool) -> bool:
+    """Loads the model, logging progress; False if it failed or a signal came first."""
+    log.info(
+        "loading %s … (%s/health answers 503 until ready)",
+        engine.config.model or "the default model (SmolLM2-135M-Instruct)",
+        url,
+    )
+    started = time.monotonic()
+
+    async def report_progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            log.info("still loading the model (%.0f s)…", time.monotonic() - started)
+
+    starting = asyncio.ensure_future(engine.start())
+    await first_of(asyncio.shield(starting), signals.stop.wait(), report_progress())
+    if not starting.done():  # a signal: give up loading
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        return False
+    if starting.exception() is not None:
+        log.error("the engine did not start: %s", starting.exception())
+        return False
+    # Everything alive now lives as long as the server: freezing it keeps full garbage
+    # collections short (one over the loaded libraries stalled the loop ~200 ms on 2 cores).
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "pyserve is ready at %s (%s, loaded in %.1f s); try: %s",
+        url,
+        engine.model_name,
+        time.monotonic() - started,
+        curl_example(url, engine.model_name, needs_key),
+    )
+    return True
+
+
+async def serve_until_stopped(
+    engine: Engine, state: ServerState, signals: ShutdownSignals, shutdown_timeout: float
+) -> int:
+    """Serves until a signal (then drains: 0) or the engine's death (1)."""
+    failed = asyncio.ensure_future(engine.wait_failed())
+    await first_of(asyncio.shield(failed), signals.stop.wait())
+    if failed.done():
+        log.error("exiting: %s", failed.result())
+        state.draining = True
+        return 1
+    failed.cancel()
+    if state.in_flight:
+        log.info(
+            "waiting up to %.0f s for %d request(s) in flight", shutdown_timeout, state.in_flight
+        )
+        await first_of(state.wait_idle(shutdown_timeout), signals.hurry.wait())
+        if state.in_flight:
+            log.warning("ending %d request(s) still in flight", state.in_flight)
+    return 0
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from pyserve.engine import Engine
-    from pyserve.http.app import create_app, server_state
-
     config = engine_config(args)
     try:
         config.validate()
@@ -124,93 +224,23 @@ async def serve(args: argparse.Namespace) -> int:
     state = server_state(app)
     runner = web.AppRunner(app, shutdown_timeout=HANDLER_GRACE_S, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
     try:
-        await site.start()
+        await web.TCPSite(runner, args.host, args.port).start()
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         await runner.cleanup()
         return 1
     host, port = runner.addresses[0][:2]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    drain_cut = asyncio.Event()  # a second signal: stop waiting for requests in flight
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            drain_cut.set()
-            return
-        log.info("%s: shutting down (send it again to stop at once)", signal.Signals(signum).name)
-        state.draining = True
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-
-    log.info(
-        "loading %s … (health check %s/health answers 503 until ready)",
-        args.model or "the default model (SmolLM2-135M-Instruct)",
-        url,
-    )
-    started = time.monotonic()
-    progress = asyncio.create_task(_report_progress(started))
-    starting = asyncio.create_task(engine.start())
-    stopping = asyncio.create_task(stop.wait())
-    code = 0
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    signals = ShutdownSignals(state)
     try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        progress.cancel()
-        if not starting.done():
-            starting.cancel()
-            with contextlib.suppress(BaseException):
-                await starting
-            return 0
-        if starting.exception() is not None:
-            log.error("the engine did not start: %s", starting.exception())
-            return 1
-        # Everything alive now lives as long as the server: freezing it keeps full garbage
-        # collections short (one over the loaded libraries stalled the loop ~200 ms on 2 cores).
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "pyserve is ready at %s (%s, loaded in %.1f s); try: %s",
-            url,
-            engine.model_name,
-            time.monotonic() - started,
-            curl_example(url, engine.model_name, args.api_key),
-        )
-
-        failed = asyncio.create_task(engine.wait_failed())
-        await asyncio.wait({failed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if failed.done():
-            log.error("exiting: %s", failed.result())
-            state.draining = True
-            code = 1
-        else:
-            failed.cancel()
-            if state.in_flight:
-                log.info(
-                    "waiting up to %.0f s for %d request(s) in flight",
-                    args.shutdown_timeout,
-                    state.in_flight,
-                )
-                idle = asyncio.create_task(state.wait_idle(args.shutdown_timeout))
-                cut = asyncio.create_task(drain_cut.wait())
-                await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
-                idle.cancel()
-                cut.cancel()
-                if state.in_flight:
-                    log.warning("ending %d request(s) still in flight", state.in_flight)
-        return code
+        if not await start_engine(engine, url, signals, args.api_key is not None):
+            return 0 if signals.stop.is_set() else 1
+        return await serve_until_stopped(engine, state, signals, args.shutdown_timeout)
     finally:
-        progress.cancel()
-        stopping.cancel()
         await engine.shutdown()  # fails whatever still runs, with an error for its client
         await runner.cleanup()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+        signals.remove()
         log.info("stopped")
 
 

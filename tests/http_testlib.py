@@ -112,7 +112,7 @@ def free_port() -> int:
 
 
 _READY = re.compile(r"pyserve is ready at (http://\S+)")
-_LISTENING = re.compile(r"health check (http://\S+)/health")
+_LISTENING = re.compile(r"\((http://\S+)/health answers 503")
 
 
 class Server:

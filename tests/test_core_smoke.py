@@ -112,6 +112,23 @@ def test_planner_errors_map_to_value_key_and_runtime_errors():
     planner.check_invariants()
 
 
+def test_a_report_must_name_the_samples_of_live_requests():
+    """Regression (/tmp/core_bugs.md): leaving out a running request's sample used to let the
+    core compute past the tokens it knows and read beyond its output."""
+    planner = _planner(
+        num_blocks=16, block_size=2, vocab_size=50, init_reserve_ratio=0.0, min_reserve_ratio=0.0
+    )
+    planner.add_request(1, [1, 2, 3], 8)
+    s0, s1 = planner.plan(), planner.plan()
+    with pytest.raises(RuntimeError, match="leaves out the sample of request 1"):
+        planner.report(s0.step_id, [], [])
+    assert planner.num_inflight_steps == 2
+    planner.abort(1)  # an ended request's samples may be left out
+    planner.report(s0.step_id, [], [])
+    planner.report(s1.step_id, [], [])
+    planner.check_invariants()
+
+
 # -- array formats ----------------------------------------------------------------------------
 
 

@@ -55,7 +55,7 @@ def encode(value: object) -> bytes:
 
 @st.composite
 def bodies(draw) -> tuple[str, bytes]:
-    path = draw(st.sampled_from([*VALID, "/v1/models", "/health"]))
+    path = draw(st.sampled_from([*VALID, "/v1/models"]))  # a GET route: 405 for POST
     base = dict(VALID.get(path, {}))
     kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "junk", "bytes", "nested"]))
     if kind == "mutate":  # a valid body with some fields replaced by anything

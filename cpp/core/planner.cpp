@@ -182,7 +182,8 @@ void Planner::remove_running(Request& r) {
 // Offers r's newly computed whole blocks to the cache and moves r's lock to the new deepest
 // node. Blocks the tree already had stay in r's table as r's own (duplicates, freed at the end).
 void Planner::cache_computed_blocks(Request& r) {
-  const int64_t full = r.num_computed / block_size_ * block_size_;
+  // Only positions whose tokens are known can be keys (report() guarantees all computed are).
+  const int64_t full = std::min(r.num_computed, r.seq_len()) / block_size_ * block_size_;
   if (full <= r.tree_len) return;
   scratch_tokens_.resize(static_cast<size_t>(full - r.tree_len));
   for (int64_t pos = r.tree_len; pos < full; ++pos) {
@@ -479,6 +480,28 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
       }
       scratch_targets_[i] = it->second;
       sampling.erase(it);
+    }
+  }
+
+  // A request that has not ended must get its sample: the worker drops only ended requests, and
+  // a missing token would leave positions whose token the core does not know.
+  size_t required = 0;
+  for (const InflightEntry& entry : s.entries) {
+    required += entry.sample && entry.request->state != RequestState::kDone ? 1 : 0;
+  }
+  size_t named = 0;
+  for (const Request* r : scratch_targets_) named += r->state != RequestState::kDone ? 1 : 0;
+  if (named != required) {
+    for (const InflightEntry& entry : s.entries) {
+      const Request& r = *entry.request;
+      if (entry.sample && r.state != RequestState::kDone &&
+          std::find(scratch_targets_.begin(), scratch_targets_.end(), &r) ==
+              scratch_targets_.end()) {
+        throw ProtocolError("report for step " + std::to_string(step_id) +
+                            " leaves out the sample of request " + std::to_string(r.rid) +
+                            ", which is " + state_name(r.state) +
+                            " (only finished or aborted requests may be left out)");
+      }
     }
   }
 

@@ -75,6 +75,7 @@ void Planner::check_invariants() const {
     const Request& r = *rp;
     const std::string name = "request " + std::to_string(r.rid);
     if (r.num_computed > r.num_scheduled) fail(name + " computed more than it scheduled");
+    if (r.num_computed > r.seq_len()) fail(name + " computed positions whose tokens are unknown");
     if (r.num_computed < r.tree_len) fail(name + " cached blocks it has not computed");
     if (static_cast<int64_t>(r.table.size()) != blocks_for(r.num_scheduled)) {
       fail(name + " has " + std::to_string(r.table.size()) + " blocks for " +

@@ -11,11 +11,13 @@ namespace pyserve_kernels {
 
 namespace {
 
-// Weight bytes of one block of tiles that every row chunk walks before moving on: small enough
-// to stay in L2 while chunks of rows (for M > a kernel's max_rows) reuse it.
-constexpr size_t kBlockBytes = 256 * 1024;
-// From this many rows on, the threads quantize the activations too.
+// Weight bytes in one chunk of tiles that a thread claims: small enough that threads finish close
+// together and that the chunk stays in L2 while every group of rows (M > a kernel's max_rows)
+// walks it, large enough that claiming (one compare-and-swap) costs nothing.
+constexpr size_t kChunkBytes = 32 * 1024;
+// From this many rows on, the threads quantize the activations too, this many rows a chunk.
 constexpr int kParallelQuantizeRows = 32;
+constexpr int kQuantizeChunkRows = 8;
 
 bool cpu_has(const char* name) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -76,11 +78,10 @@ struct QuantizeJob {
   Scratch* scratch;
 };
 
-void quantize_share(void* context, int index, int count) {
+void quantize_chunk(void* context, int chunk) {
   const auto& job = *static_cast<QuantizeJob*>(context);
-  const int begin = static_cast<int>(static_cast<int64_t>(job.rows) * index / count);
-  const int end = static_cast<int>(static_cast<int64_t>(job.rows) * (index + 1) / count);
-  if (begin == end) return;
+  const int begin = chunk * kQuantizeChunkRows;
+  const int end = std::min(job.rows, begin + kQuantizeChunkRows);
   const int groups = (job.k + job.group - 1) / job.group;
   const int64_t q_at = static_cast<int64_t>(begin) * groups * job.group;
   const int64_t g_at = static_cast<int64_t>(begin) * groups;
@@ -98,22 +99,17 @@ struct MatmulJob {
   const float* bias;
   float* out;
   int64_t out_stride;
+  int tiles_per_chunk;
 };
 
-void matmul_share(void* context, int index, int count) {
+void matmul_chunk(void* context, int chunk) {
   const auto& job = *static_cast<MatmulJob*>(context);
-  const int tiles = job.w->tiles();
-  const int begin = static_cast<int>(static_cast<int64_t>(tiles) * index / count);
-  const int end = static_cast<int>(static_cast<int64_t>(tiles) * (index + 1) / count);
-  const size_t tile_bytes = job.w->groups() * (job.w->group_bytes() + 4 * kTileRows);
-  const int block = std::max<int>(1, static_cast<int>(kBlockBytes / tile_bytes));
+  const int begin = chunk * job.tiles_per_chunk;
+  const int end = std::min(job.w->tiles(), begin + job.tiles_per_chunk);
   const int step = job.table->max_rows;
-  for (int t = begin; t < end; t += block) {
-    const int t_end = std::min(end, t + block);
-    for (int r = 0; r < job.rows; r += step)
-      job.table->tiles(*job.w, *job.a, r, std::min(step, job.rows - r), t, t_end, job.bias, job.out,
-                       job.out_stride);
-  }
+  for (int r = 0; r < job.rows; r += step)
+    job.table->tiles(*job.w, *job.a, r, std::min(step, job.rows - r), begin, end, job.bias,
+                     job.out, job.out_stride);
 }
 
 void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
@@ -125,10 +121,12 @@ void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, i
   scratch.scaled_sum.resize(cells);
   scratch.sum.resize(cells);
   QuantizeJob job{&table, x, x_stride, rows, k, group, &scratch};
-  if (rows >= kParallelQuantizeRows)
-    ThreadPool::instance().run(quantize_share, &job);
-  else
-    quantize_share(&job, 0, 1);
+  const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
+  if (rows >= kParallelQuantizeRows) {
+    ThreadPool::instance().run(quantize_chunk, &job, chunks);
+  } else {
+    for (int chunk = 0; chunk < chunks; ++chunk) quantize_chunk(&job, chunk);
+  }
 }
 
 }  // namespace
@@ -157,8 +155,10 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, const PackedWe
   quantize_into(table, x, x_stride, rows, w.k, w.group, scratch);
   const QuantizedRows a{scratch.q.data(),   scratch.scale.data(), scratch.scaled_sum.data(),
                         scratch.sum.data(), w.k_padded(),         w.groups()};
-  MatmulJob job{&table, &w, &a, rows, bias, out, out_stride};
-  ThreadPool::instance().run(matmul_share, &job);
+  const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
+  const int tiles_per_chunk = std::max<int>(1, static_cast<int>(kChunkBytes / tile_bytes));
+  MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
+  ThreadPool::instance().run(matmul_chunk, &job, (w.tiles() + tiles_per_chunk - 1) / tiles_per_chunk);
 }
 
 void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,

@@ -1,6 +1,7 @@
 #include "thread_pool.h"
 
 #include <chrono>
+#include <cstdlib>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -30,6 +31,8 @@ int default_threads() {
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(hw);
 }
+
+uint32_t generation_of(uint64_t ticket) { return static_cast<uint32_t>(ticket >> 32); }
 
 }  // namespace
 
@@ -71,9 +74,8 @@ void ThreadPool::start_workers(int threads) {
   size_ = threads < 1 ? 1 : threads;
   stopping_.store(false);
   // a worker starts from the generation of now, so a run right after this cannot be missed
-  const uint64_t start = generation_.load();
-  for (int i = 1; i < size_; ++i)
-    workers_.emplace_back([this, i, start] { worker_loop(i, start); });
+  const uint32_t seen = generation_of(ticket_.load());
+  for (int i = 1; i < size_; ++i) workers_.emplace_back([this, seen] { worker_loop(seen); });
 }
 
 void ThreadPool::stop_workers() {
@@ -87,47 +89,61 @@ void ThreadPool::stop_workers() {
   size_ = 1;
 }
 
-void ThreadPool::run(Task task, void* context) {
+void ThreadPool::run(Task task, void* context, int chunks) {
+  if (chunks <= 0) return;
   std::lock_guard<std::mutex> lock(submit_mutex_);
-  const int count = size_;
-  if (count == 1) {
-    task(context, 0, 1);
+  if (size_ == 1 || chunks == 1) {
+    for (int i = 0; i < chunks; ++i) task(context, i);
     return;
   }
   task_ = task;
   context_ = context;
-  pending_.store(count - 1);
-  generation_.fetch_add(1);  // publishes task_ and context_ (seq_cst)
+  chunks_.store(chunks, std::memory_order_relaxed);
+  done_.store(0);
+  const uint32_t generation = generation_of(ticket_.load()) + 1;
+  ticket_.store(static_cast<uint64_t>(generation) << 32);  // publishes the run (seq_cst)
   if (sleepers_.load() > 0) {
-    {
-      std::lock_guard<std::mutex> sleep_lock(sleep_mutex_);
-    }
+    { std::lock_guard<std::mutex> sleep_lock(sleep_mutex_); }
     wake_.notify_all();
   }
-  task(context, 0, count);
-  while (pending_.load(std::memory_order_acquire) != 0) PYSERVE_PAUSE();
+  work(generation);
+  while (done_.load(std::memory_order_acquire) != chunks) PYSERVE_PAUSE();
 }
 
-void ThreadPool::worker_loop(int index, uint64_t seen) {
-  using Clock = std::chrono::steady_clock;
+void ThreadPool::work(uint32_t generation) {
+  uint64_t ticket = ticket_.load();
   for (;;) {
-    // spin for a while: the next task usually comes within microseconds
+    if (generation_of(ticket) != generation) return;
+    const auto chunk = static_cast<int>(ticket & 0xffffffffu);
+    if (chunk >= chunks_.load(std::memory_order_relaxed)) return;
+    // chunks_, task_ and context_ belong to this run for as long as a chunk of it is unfinished
+    if (!ticket_.compare_exchange_weak(ticket, ticket + 1)) continue;
+    task_(context_, chunk);
+    done_.fetch_add(1, std::memory_order_release);
+    ticket = ticket_.load();
+  }
+}
+
+void ThreadPool::worker_loop(uint32_t seen) {
+  using Clock = std::chrono::steady_clock;
+  const auto current = [this] { return generation_of(ticket_.load(std::memory_order_acquire)); };
+  for (;;) {
+    // spin for a while: the next run usually comes within microseconds
     const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
     unsigned spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && !stopping_.load()) {
-      PYSERVE_PAUSE();
+    while (current() == seen && !stopping_.load(std::memory_order_relaxed)) {
+      if (getenv("PK_YIELD")) std::this_thread::yield(); else PYSERVE_PAUSE();
       if ((++spins & 63u) == 0 && Clock::now() > spin_until) break;
     }
-    if (generation_.load() == seen && !stopping_.load()) {
+    if (current() == seen && !stopping_.load()) {
       std::unique_lock<std::mutex> lock(sleep_mutex_);
       sleepers_.fetch_add(1);
-      wake_.wait(lock, [&] { return generation_.load() != seen || stopping_.load(); });
+      wake_.wait(lock, [&] { return current() != seen || stopping_.load(); });
       sleepers_.fetch_sub(1);
     }
     if (stopping_.load()) return;
-    seen = generation_.load();
-    task_(context_, index, size_);
-    pending_.fetch_sub(1, std::memory_order_release);
+    seen = current();
+    work(seen);
   }
 }
 

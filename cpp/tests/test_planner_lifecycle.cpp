@@ -236,12 +236,33 @@ TEST(report_errors_raise_and_change_nothing) {
   CHECK_THROWS(bad(0, {1, 99}, {1, 1}), ProtocolError);  // not in the step
   CHECK_THROWS(bad(0, {1, 1}, {1, 1}), ProtocolError);   // named twice
   CHECK_THROWS(bad(0, {3}, {1}), ProtocolError);         // did not sample
+  CHECK_THROWS(bad(0, {1}, {1}), ProtocolError);         // leaves out running request 2
   CHECK_EQ(p.num_inflight_steps(), 1);
   CHECK(p.request(1).output.empty());
   p.check_invariants();
   bad(s.step_id, {2, 1}, {30, 40});  // any order
   CHECK_EQ(p.request(1).output, (Tokens{40}));
   CHECK_EQ(p.request(2).output, (Tokens{30}));
+  p.check_invariants();
+}
+
+TEST(only_the_samples_of_ended_requests_may_be_left_out_of_a_report) {
+  Planner p(config(16, 2));
+  add(p, 1, {1, 2, 3}, 8);
+  add(p, 2, {4, 5, 6}, 8);
+  const Step s0 = plan(p);
+  const Step s1 = plan(p);  // decodes, before step 0's tokens are known
+  const std::vector<int64_t> none;
+  const Tokens no_tokens;
+  CHECK_THROWS(p.report(s0.step_id, none.data(), 0, no_tokens.data(), 0), ProtocolError);
+  const std::vector<int64_t> one{1};
+  const Tokens token{9};
+  CHECK_THROWS(p.report(s0.step_id, one.data(), 1, token.data(), 1), ProtocolError);
+  CHECK_EQ(p.num_inflight_steps(), 2);
+  p.abort(2);  // the worker will drop it, so its sample may be missing now
+  p.report(s0.step_id, one.data(), 1, token.data(), 1);
+  p.report(s1.step_id, one.data(), 1, token.data(), 1);
+  CHECK_EQ(p.request(1).output, (Tokens{9, 9}));
   p.check_invariants();
 }
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
@@ -23,7 +24,8 @@ from pyserve.http.protocol import (
     TokenizeRequest,
 )
 from pyserve.http.sse import SSEStream
-from pyserve.http.state import ServerState, engine_error
+from pyserve.http.state import ServerState, engine_error, next_item
+from pyserve.outputs import GenerationChunk
 
 log = logging.getLogger("pyserve.http")
 
@@ -88,22 +90,16 @@ class NativeRoutes:
                     state.observed(self.engine.generate(p, sampling, detok, rid), arrival)
                     for p, rid in zip(prompts, rids, strict=True)
                 ]
-                results = [ChoiceResult() for _ in prompts]
                 async with contextlib.aclosing(merge_choices(streams)) as merged:
-                    try:
-                        first = await anext(merged, None)
-                    except Exception as exc:
-                        raise engine_error(exc) from exc
+                    first = await next_item(merged)  # an error here is a plain HTTP error
                     ticket.release()
                     if req.stream:
-                        return await self._stream(request, merged, first, results[0], base, arrival)
+                        return await self._stream(request, merged, first, base, arrival)
+                    results = [ChoiceResult() for _ in prompts]
                     item = first
-                    try:
-                        while item is not None:
-                            results[item[0]].add(item[1])
-                            item = await anext(merged, None)
-                    except Exception as exc:
-                        raise engine_error(exc) from exc
+                    while item is not None:
+                        results[item[0]].add(item[1])
+                        item = await next_item(merged)
         finally:
             ticket.release()
         outputs = [
@@ -115,9 +111,15 @@ class NativeRoutes:
         return json_response(outputs if batched else outputs[0])
 
     async def _stream(
-        self, request, merged, first, result: ChoiceResult, rid: str, arrival: float
+        self,
+        request: web.Request,
+        merged: AsyncIterator[tuple[int, GenerationChunk]],
+        first: tuple[int, GenerationChunk] | None,
+        rid: str,
+        arrival: float,
     ) -> web.StreamResponse:
         """SGLang streams the cumulative text and output ids in every event."""
+        result = ChoiceResult()
         sse = SSEStream(request)
         await sse.start()
         item = first
@@ -128,7 +130,7 @@ class NativeRoutes:
                 await sse.send(msgspec.json.encode(output))
                 item = await anext(merged, None)
         except ConnectionError:
-            raise
+            raise  # the client is gone: there is nobody to tell
         except Exception as exc:
             await sse.send_error(engine_error(exc))
             return sse.response

@@ -12,13 +12,14 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_request
-from pyserve.http.errors import APIError, bad_request, json_response
+from pyserve.http.errors import bad_request, json_response
 from pyserve.http.merge import merge_choices
 from pyserve.http.openai_format import (
     ChatFormat,
@@ -26,14 +27,21 @@ from pyserve.http.openai_format import (
     CompletionFormat,
     ResponseMeta,
 )
-from pyserve.http.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from pyserve.http.protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+)
 from pyserve.http.sse import SSEStream
-from pyserve.http.state import ServerState, engine_error
+from pyserve.http.state import QueueTicket, ServerState, engine_error, next_item
+from pyserve.outputs import GenerationChunk
 from pyserve.wire.main_to_worker import DetokParams, SamplingParams
 
 log = logging.getLogger("pyserve.http")
 
 Format = ChatFormat | CompletionFormat
+Merged = AsyncIterator[tuple[int, GenerationChunk]]
 
 
 @dataclass
@@ -184,7 +192,9 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ shared pipeline
 
-    def _meta(self, prefix: str, stream: bool, stream_options) -> ResponseMeta:
+    def _meta(
+        self, prefix: str, stream: bool, stream_options: StreamOptions | None
+    ) -> ResponseMeta:
         include_usage = bool(stream and stream_options and stream_options.include_usage)
         return ResponseMeta(
             id=f"{prefix}-{uuid.uuid4().hex}",
@@ -212,7 +222,9 @@ class OpenAIRoutes:
         finally:
             ticket.release()
 
-    async def _collect(self, merged, fmt: Format, count: int, ticket) -> web.Response:
+    async def _collect(
+        self, merged: Merged, fmt: Format, count: int, ticket: QueueTicket
+    ) -> web.Response:
         results = [ChoiceResult() for _ in range(count)]
         try:
             async for index, chunk in merged:
@@ -228,14 +240,11 @@ class OpenAIRoutes:
         return web.Response(body=fmt.response(results), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, merged, fmt: Format, count: int, ticket
+        self, request: web.Request, merged: Merged, fmt: Format, count: int, ticket: QueueTicket
     ) -> web.StreamResponse:
         results = [ChoiceResult() for _ in range(count)]
         opened = [False] * count
-        try:
-            first = await anext(merged, None)  # an error here is still a plain HTTP error
-        except Exception as exc:
-            raise engine_error(exc) from exc
+        first = await next_item(merged)  # an error here is still a plain HTTP error
         ticket.release()
         sse = SSEStream(request)
         await sse.start()
@@ -256,11 +265,8 @@ class OpenAIRoutes:
                 if chunk.finish_reason is not None:
                     await sse.send(fmt.closing(index, chunk.finish_reason))
                 item = await anext(merged, None)
-        except (ConnectionError, APIError) as exc:
-            if isinstance(exc, ConnectionError):
-                raise  # the client is gone: nothing more to write
-            await sse.send_error(exc)
-            return sse.response
+        except ConnectionError:
+            raise  # the client is gone: there is nobody to tell
         except Exception as exc:
             await sse.send_error(engine_error(exc))
             return sse.response

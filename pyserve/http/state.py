@@ -48,10 +48,18 @@ def engine_error(exc: BaseException) -> APIError:
         return bad_request(str(exc), code="invalid_value")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
-    if isinstance(exc, EngineError):
-        return not_ready(str(exc))
+    if isinstance(exc, EngineError):  # not started, or shutting down
+        return APIError(503, str(exc), type="service_unavailable", code="engine_unavailable")
     log.exception("request failed", exc_info=exc)
     return server_error(f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def next_item(stream: AsyncIterator[T]) -> T | None:
+    """The stream's next item (None at its end); what the engine raises becomes an APIError."""
+    try:
+        return await anext(stream, None)
+    except Exception as exc:
+        raise engine_error(exc) from exc
 
 
 class QueueTicket:

@@ -54,13 +54,20 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(config).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Each [T, 1, head_dim / 2], broadcastable over heads."""
+        """cos and sign-folded sin, each [T, 1, head_dim], broadcastable over heads."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        # the first half of a head rotates by -sin against the second half, the second by +sin
+        full_cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+        return full_cos, signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] → the same, rotated (rotate-half layout)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] → the same, rotated (rotate-half layout: i pairs with i + d/2).
+
+    Per pair: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), bit-identical to transformers.
+    """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
