@@ -7,9 +7,10 @@ Three classes with the same names and call signatures as the C++ core:
   leaves by (last access, node id). Its prefix matches and block ids are meant to agree exactly
   with the C++ cache for the same sequence of calls.
 - ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill, reservation,
-  retraction, abort and overlapped steps. It follows the README's rules; where the README leaves
-  the arithmetic open (how much to reserve) it makes its own simple choice, so tests compare
-  the C++ planner with it through invariants, not step by step.
+  retraction, abort and overlapped steps, following the planning rules of cpp/README.md
+  (including its reservation arithmetic). Node layout inside the cache may differ from the
+  core's (the core extends a decoding request's leaf in place), so tests compare the two
+  planners through the invariants a worker relies on, not step by step.
 
 Everything here favours plain, obviously-correct code over speed: it is the "straightforward
 Python implementation" that the core benchmark measures against.
@@ -288,9 +289,6 @@ class RadixCache:
 
     def cached_block_ids(self) -> set[int]:
         return {b for n in self._nodes.values() for b in n.blocks}
-
-    def locked_block_ids(self) -> set[int]:
-        return {b for n in self._nodes.values() if n.lock_ref > 0 for b in n.blocks}
 
 
 # --------------------------------------------------------------------------------------------
@@ -704,6 +702,9 @@ class Planner:
             if rid not in sampling:
                 raise RuntimeError(f"step {step_id}: request {rid} did not sample (or twice)")
             targets.append(sampling.pop(rid))
+        for req in sampling.values():  # only ended requests (the worker drops them) may be missing
+            if req.state != "done":
+                raise RuntimeError(f"step {step_id}: the sample of request {req.rid} is missing")
         self._inflight.popleft()
         for req, end, _ in members:
             req.inflight -= 1

@@ -416,11 +416,27 @@ class PlannerMachine(RuleBasedStateMachine):
         """Each bad call is refused with the documented exception and changes nothing."""
         kind = data.draw(
             st.sampled_from(
-                ["duplicate", "token", "negative", "max_new", "report", "report_rid", "finish"]
+                [
+                    "duplicate",
+                    "token",
+                    "negative",
+                    "max_new",
+                    "report",
+                    "report_rid",
+                    "report_missing",
+                    "finish",
+                ]
             )
         )
         live = [rid for rid, r in self.requests.items() if r.state != "done"]
-        if (kind == "duplicate" and not live) or (kind == "report_rid" and not self.inflight):
+        live_samples = [
+            rid for rid in (self.inflight[0][1] if self.inflight else []) if rid in live
+        ]
+        if (
+            (kind == "duplicate" and not live)
+            or (kind == "report_rid" and not self.inflight)
+            or (kind == "report_missing" and not live_samples)
+        ):
             kind = "token"
         self._begin(f"bad call: {kind}")
         rid = live[0] if kind == "duplicate" else self.next_rid
@@ -439,6 +455,12 @@ class PlannerMachine(RuleBasedStateMachine):
             bad = data.draw(st.sampled_from([[self.next_rid + 3], rids[:1] * 2 if rids else [7]]))
             with pytest.raises(RuntimeError):
                 self.planner.report(step_id, bad, [1] * len(bad))
+        elif kind == "report_missing":  # a live request's sample left out
+            step_id, rids = self.inflight[0]
+            missing = data.draw(st.sampled_from(live_samples))
+            rest = [rid for rid in rids if rid != missing]
+            with pytest.raises(RuntimeError):
+                self.planner.report(step_id, rest, [1] * len(rest))
         elif kind == "finish":  # a rid the planner never saw
             with pytest.raises(KeyError):
                 self.planner.finish(self.next_rid + 11)

@@ -328,9 +328,14 @@ def smol_prompts() -> list[list[int]]:
     ]
 
 
-def test_default_smollm2_matches_hf(smollm2_hf, smol_prompts):
+@pytest.fixture(scope="module")
+def smollm2_ours() -> ModelRunner:
+    return ModelRunner(None, num_blocks=64, block_size=16)
+
+
+def test_default_smollm2_matches_hf(smollm2_hf, smollm2_ours, smol_prompts):
     """The bundled Q4_1 GGUF (model=None): greedy tokens and logprobs equal transformers'."""
-    ours = ModelRunner(None, num_blocks=64, block_size=16)
+    ours = smollm2_ours
     assert ours.config.num_layers == 30 and ours.config.num_kv_heads == 3
     assert ours.config.eos_token_ids == (2,)
     for prompt in smol_prompts:
@@ -350,9 +355,9 @@ def test_default_smollm2_matches_hf(smollm2_hf, smol_prompts):
         assert (logits.log_softmax(-1) - hf.log_softmax(-1)).abs().max() < 1e-4
 
 
-def test_default_smollm2_bfloat16(smol_prompts):
+def test_default_smollm2_bfloat16(smollm2_ours, smol_prompts):
     """bf16 runs the default model and agrees with fp32 wherever fp32 is decisive."""
-    fp32 = ModelRunner(None, num_blocks=64, block_size=16)
+    fp32 = smollm2_ours
     bf16 = ModelRunner(None, dtype="bfloat16", num_blocks=64, block_size=16)
     prompt = smol_prompts[0] + smol_prompts[1]
     a, b = prefill_logits(fp32, prompt), prefill_logits(bf16, prompt)

@@ -1,5 +1,6 @@
 #include "arrays.h"
 
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -153,7 +154,46 @@ std::vector<T> read_ints(py::handle obj, const char* what) {
   return from_sequence<T>(owned.ptr(), what);
 }
 
+// The format of a buffer that holds exactly T values in native (little-endian) order.
+template <class T>
+bool is_packed(const Py_buffer& view) {
+  std::string format = view.format ? view.format : "B";
+  if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<')) {
+    format.erase(0, 1);
+  }
+  if (view.itemsize == 1) return format == "B" || format == "b" || format == "c";
+  if (view.itemsize != static_cast<Py_ssize_t>(sizeof(T)) || format.size() != 1) return false;
+  return sizeof(T) == 4 ? format[0] == 'i' : (format[0] == 'q' || format[0] == 'l');
+}
+
 }  // namespace
+
+template <class T>
+IntArg<T>::IntArg(py::handle obj, const char* what) {
+  PyObject* o = obj.ptr();
+  if (PyObject_CheckBuffer(o) && !PyList_Check(o)) {
+    if (PyObject_GetBuffer(o, &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+      has_view_ = true;
+      const bool aligned = reinterpret_cast<uintptr_t>(view_.buf) % alignof(T) == 0;
+      if (view_.ndim <= 1 && aligned && is_packed<T>(view_) &&
+          static_cast<size_t>(view_.len) % sizeof(T) == 0) {
+        data_ = static_cast<const T*>(view_.buf);
+        size_ = static_cast<size_t>(view_.len) / sizeof(T);
+        return;
+      }
+      PyBuffer_Release(&view_);
+      has_view_ = false;
+    } else {
+      PyErr_Clear();
+    }
+  }
+  owned_ = read_ints<T>(obj, what);  // validates and explains what is wrong
+  data_ = owned_.data();
+  size_ = owned_.size();
+}
+
+template class IntArg<int32_t>;
+template class IntArg<int64_t>;
 
 std::vector<int32_t> to_int32s(py::handle obj, const char* what) {
   return read_ints<int32_t>(obj, what);

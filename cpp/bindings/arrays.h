@@ -18,6 +18,35 @@ namespace py = pybind11;
 std::vector<int32_t> to_int32s(py::handle obj, const char* what);
 std::vector<int64_t> to_int64s(py::handle obj, const char* what);
 
+// An integer array argument without a copy where possible: a bytes-like object (or a typed
+// buffer of exactly T) that is suitably aligned is read in place, anything else is converted.
+// Create and destroy it with the GIL held; its data may be read with the GIL released (the
+// buffer export keeps the object from being resized or freed meanwhile).
+template <class T>
+class IntArg {
+ public:
+  IntArg(py::handle obj, const char* what);
+  ~IntArg() {
+    if (has_view_) PyBuffer_Release(&view_);
+  }
+  IntArg(const IntArg&) = delete;
+  IntArg& operator=(const IntArg&) = delete;
+
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::vector<T> vector() const { return std::vector<T>(data_, data_ + size_); }
+
+ private:
+  Py_buffer view_{};
+  bool has_view_ = false;
+  std::vector<T> owned_;
+  const T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+using Int32Arg = IntArg<int32_t>;
+using Int64Arg = IntArg<int64_t>;
+
 template <class T>
 py::bytes to_bytes(const std::vector<T>& values) {
   return py::bytes(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
@@ -25,8 +54,14 @@ py::bytes to_bytes(const std::vector<T>& values) {
 
 template <class T>
 py::list to_list(const std::vector<T>& values) {
-  py::list out(values.size());
-  for (size_t i = 0; i < values.size(); ++i) out[i] = py::int_(values[i]);
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (!list) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(static_cast<long long>(values[i]));
+    if (!item) throw py::error_already_set();
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
   return out;
 }
 

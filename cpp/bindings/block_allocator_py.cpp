@@ -33,14 +33,14 @@ void bind_block_allocator(py::module_& m) {
       .def(
           "incref",
           [](PyAllocator& a, py::handle ids) {
-            auto v = to_int32s(ids, "ids");
+            Int32Arg v(ids, "ids");
             a.held([&](BlockAllocator& x) { x.incref(v.data(), v.size()); });
           },
           py::arg("ids"))
       .def(
           "decref",
           [](PyAllocator& a, py::handle ids) {
-            auto v = to_int32s(ids, "ids");
+            Int32Arg v(ids, "ids");
             a.held([&](BlockAllocator& x) { x.decref(v.data(), v.size()); });
           },
           py::arg("ids"), "a block whose count reaches 0 is free again; below 0 is a ValueError")

@@ -163,8 +163,8 @@ void bind_planner(py::module_& m) {
       .def(
           "report",
           [](PyPlanner& p, int64_t step_id, py::handle rids, py::handle tokens) {
-            auto r = to_int64s(rids, "rids");
-            auto t = to_int32s(tokens, "tokens");
+            Int64Arg r(rids, "rids");
+            Int32Arg t(tokens, "tokens");
             p.released(
                 [&](Planner& x) { x.report(step_id, r.data(), r.size(), t.data(), t.size()); });
           },

@@ -65,7 +65,7 @@ void bind_radix_cache(py::module_& m) {
       .def(
           "match_prefix",
           [](PyCache& c, py::handle tokens) {
-            auto t = to_int32s(tokens, "tokens");
+            Int32Arg t(tokens, "tokens");
             auto r = c.released([&](RadixCache& x) { return x.match_prefix(t.data(), t.size()); });
             return py::make_tuple(r.num_tokens, to_list(r.blocks), r.node);
           },
@@ -73,8 +73,8 @@ void bind_radix_cache(py::module_& m) {
       .def(
           "insert",
           [](PyCache& c, py::handle tokens, py::handle block_ids) {
-            auto t = to_int32s(tokens, "tokens");
-            auto b = to_int32s(block_ids, "block_ids");
+            Int32Arg t(tokens, "tokens");
+            Int32Arg b(block_ids, "block_ids");
             return c.released([&](RadixCache& x) {
               return x.insert(t.data(), t.size(), b.data(), b.size()).cached_tokens;
             });

@@ -1,5 +1,6 @@
 #include "radix_cache.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -14,8 +15,6 @@ RadixCache::RadixCache(int64_t block_size, BlockAllocator& allocator) : allocato
   }
   block_size_ = static_cast<int32_t>(block_size);
   const size_t num_blocks = static_cast<size_t>(allocator.num_blocks());
-  block_tokens_.assign(num_blocks * static_cast<size_t>(block_size_), 0);
-  block_hash_.assign(num_blocks, 0);
   block_node_.assign(num_blocks, -1);
   scratch_mark_.assign(num_blocks, 0);
   nodes_.emplace_back();
@@ -32,18 +31,31 @@ uint64_t RadixCache::hash_tokens(const int32_t* tokens) const {
   return h;
 }
 
-bool RadixCache::block_holds(BlockId id, const int32_t* tokens) const {
-  const int32_t* cached = block_tokens_.data() + static_cast<size_t>(id) * block_size_;
-  return std::memcmp(cached, tokens, sizeof(int32_t) * static_cast<size_t>(block_size_)) == 0;
+bool RadixCache::same_block(const int32_t* a, const int32_t* b) const {
+  return std::memcmp(a, b, sizeof(int32_t) * static_cast<size_t>(block_size_)) == 0;
 }
 
 NodeId RadixCache::find_child(const Node& node, const int32_t* tokens) const {
   if (node.children.empty()) return -1;
   auto range = node.children.equal_range(hash_tokens(tokens));
   for (auto it = range.first; it != range.second; ++it) {
-    if (block_holds(nodes_[it->second].blocks.front(), tokens)) return it->second;
+    if (same_block(nodes_[it->second].tokens.data(), tokens)) return it->second;
   }
   return -1;
+}
+
+// How many leading blocks of child's edge equal tokens (at most max_blocks); the first block is
+// known to match. One memcmp when the whole span matches, block by block only to find a mismatch.
+int64_t RadixCache::matching_blocks(const Node& child, const int32_t* tokens,
+                                    int64_t max_blocks) const {
+  const int64_t span = std::min(static_cast<int64_t>(child.blocks.size()), max_blocks);
+  const size_t bytes = sizeof(int32_t) * static_cast<size_t>(span * block_size_);
+  if (std::memcmp(child.tokens.data(), tokens, bytes) == 0) return span;
+  int64_t j = 1;
+  while (j < span && same_block(child.tokens.data() + j * block_size_, tokens + j * block_size_)) {
+    ++j;
+  }
+  return j;
 }
 
 RadixCache::Walk RadixCache::walk(NodeId start, const int32_t* tokens, int64_t num_full_blocks,
@@ -56,11 +68,7 @@ RadixCache::Walk RadixCache::walk(NodeId start, const int32_t* tokens, int64_t n
     if (child < 0) break;
     const Node& c = nodes_[child];
     const int64_t edge = static_cast<int64_t>(c.blocks.size());
-    int64_t j = 1;  // find_child compared the first block
-    while (j < edge && pos + j < num_full_blocks &&
-           block_holds(c.blocks[j], tokens + (pos + j) * block_size_)) {
-      ++j;
-    }
+    const int64_t j = matching_blocks(c, tokens + pos * block_size_, num_full_blocks - pos);
     if (collect) collect->insert(collect->end(), c.blocks.begin(), c.blocks.begin() + j);
     if (c.lock_count == 0) w.unlocked_blocks += j;
     pos += j;
@@ -98,7 +106,8 @@ NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
   Node& c = nodes_[child];
   Node& m = nodes_[mid];
   Node& p = nodes_[c.parent];
-  const uint64_t old_key = block_hash_[c.blocks.front()];
+  const size_t keep_tokens = static_cast<size_t>(keep_blocks * block_size_);
+  m.key = c.key;
   m.parent = c.parent;
   m.lock_count = c.lock_count;
   m.last_access = c.last_access;
@@ -106,16 +115,19 @@ NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
   m.depth = c.depth -
             static_cast<int64_t>(c.blocks.size() - static_cast<size_t>(keep_blocks)) * block_size_;
   c.blocks.erase(c.blocks.begin(), c.blocks.begin() + keep_blocks);
+  m.tokens.assign(c.tokens.begin(), c.tokens.begin() + static_cast<int64_t>(keep_tokens));
+  c.tokens.erase(c.tokens.begin(), c.tokens.begin() + static_cast<int64_t>(keep_tokens));
+  c.key = hash_tokens(c.tokens.data());
   c.parent = mid;
   for (BlockId b : m.blocks) block_node_[b] = mid;
-  auto range = p.children.equal_range(old_key);
+  auto range = p.children.equal_range(m.key);
   for (auto it = range.first; it != range.second; ++it) {
     if (it->second == child) {
       it->second = mid;
       break;
     }
   }
-  m.children.emplace(block_hash_[c.blocks.front()], child);
+  m.children.emplace(c.key, child);
   return mid;
 }
 
@@ -198,8 +210,9 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
     Node& own = nodes_[node];
     if (node == start && node != kRootNode && own.children.empty() && own.lock_count == 1) {
       own.blocks.insert(own.blocks.end(), ids + cached, ids + num_full);
+      own.tokens.insert(own.tokens.end(), new_tokens, new_tokens + count * block_size_);
       own.depth += static_cast<int64_t>(count) * block_size_;
-      adopt(node, new_tokens, ids + cached, count);  // locked: not evictable
+      adopt(node, ids + cached, count);  // locked: not evictable
     } else {
       const NodeId leaf = new_node();
       unlist(node);  // it gains a child, so it is no longer a leaf
@@ -207,9 +220,11 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
       Node& l = nodes_[leaf];
       l.parent = node;
       l.blocks.assign(ids + cached, ids + num_full);
+      l.tokens.assign(new_tokens, new_tokens + count * block_size_);
+      l.key = hash_tokens(new_tokens);
       l.depth = parent.depth + static_cast<int64_t>(count) * block_size_;
-      adopt(leaf, new_tokens, ids + cached, count);
-      parent.children.emplace(block_hash_[l.blocks.front()], leaf);
+      adopt(leaf, ids + cached, count);
+      parent.children.emplace(l.key, leaf);
       evictable_blocks_ += static_cast<int64_t>(count);
       node = leaf;
     }
@@ -218,16 +233,9 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
   return InsertResult{static_cast<int64_t>(cached) * block_size_, node};
 }
 
-// Records the tokens of blocks joining `node` and takes the tree's reference on them.
-void RadixCache::adopt(NodeId node, const int32_t* tokens, const BlockId* ids, size_t count) {
-  for (size_t i = 0; i < count; ++i) {
-    const BlockId b = ids[i];
-    const int32_t* src = tokens + i * static_cast<size_t>(block_size_);
-    std::memcpy(block_tokens_.data() + static_cast<size_t>(b) * block_size_, src,
-                sizeof(int32_t) * static_cast<size_t>(block_size_));
-    block_hash_[b] = hash_tokens(src);
-    block_node_[b] = node;
-  }
+// Maps blocks joining `node` to it and takes the tree's reference on them.
+void RadixCache::adopt(NodeId node, const BlockId* ids, size_t count) {
+  for (size_t i = 0; i < count; ++i) block_node_[ids[i]] = node;
   allocator_.incref(ids, count);
   cached_blocks_ += static_cast<int64_t>(count);
   inserted_blocks_ += static_cast<int64_t>(count);
@@ -339,7 +347,7 @@ int64_t RadixCache::remove_leaf(NodeId node) {
   evictable_blocks_ -= dropped;
   evicted_blocks_ += dropped;
   Node& p = nodes_[parent_id];
-  auto range = p.children.equal_range(block_hash_[n.blocks.front()]);
+  auto range = p.children.equal_range(n.key);
   for (auto it = range.first; it != range.second; ++it) {
     if (it->second == node) {
       p.children.erase(it);
@@ -393,7 +401,9 @@ void RadixCache::check_invariants() const {
         fail(name + " lists child " + std::to_string(child_id) + " that is not its child");
       }
       const Node& c = nodes_[child_id];
-      if (key != block_hash_[c.blocks.front()]) fail(name + " keys a child by the wrong hash");
+      if (key != c.key || c.key != hash_tokens(c.tokens.data())) {
+        fail(name + " keys a child by the wrong hash");
+      }
       if (n.lock_count == 0 && c.last_access > n.last_access) {
         fail(name + " is unlocked and older than its child");
       }
@@ -401,9 +411,7 @@ void RadixCache::check_invariants() const {
       auto range = n.children.equal_range(key);
       for (auto it = range.first; it != range.second; ++it) {
         if (it->second != child_id &&
-            block_holds(
-                nodes_[it->second].blocks.front(),
-                block_tokens_.data() + static_cast<size_t>(c.blocks.front()) * block_size_)) {
+            same_block(nodes_[it->second].tokens.data(), c.tokens.data())) {
           fail(name + " has two children starting with the same block");
         }
       }
@@ -421,6 +429,10 @@ void RadixCache::check_invariants() const {
     if (n.blocks.empty()) fail(name + " has an empty edge");
     const int64_t edge_tokens = static_cast<int64_t>(n.blocks.size()) * block_size_;
     if (n.depth != nodes_[n.parent].depth + edge_tokens) fail(name + " has a wrong depth");
+    if (static_cast<int64_t>(n.tokens.size()) != edge_tokens) {
+      fail(name + " holds " + std::to_string(n.tokens.size()) + " tokens for " +
+           std::to_string(n.blocks.size()) + " blocks");
+    }
     for (BlockId b : n.blocks) {
       if (block_node_[b] != id) fail("block " + std::to_string(b) + " is not mapped to " + name);
       if (allocator_.refcounts()[b] < 1) {

@@ -4,8 +4,8 @@
 // - Nodes live in an arena (a vector) and are addressed by ids; freed ids are reused. Node 0 is
 //   the root, whose edge is empty. Every other node's edge is a run of whole blocks: a list of
 //   block ids, each standing for `block_size` tokens.
-// - The tokens of a cached block are stored once, indexed by block id, so an edge is only its
-//   block ids and splitting an edge moves ids between nodes.
+// - A node stores its edge's tokens contiguously next to its block ids, so a fully matching edge
+//   costs one memcmp however many blocks it holds.
 // - A node's children are keyed by a 64-bit hash of their first block's tokens; a lookup
 //   compares the tokens too, so a hash collision can never produce a wrong match.
 // - Unlocked leaves sit in an ordered set keyed by (last access, node id): LRU eviction pops the
@@ -136,8 +136,10 @@ class RadixCache {
     int32_t lock_count = 0;
     uint64_t last_access = 0;
     bool live = false;
+    uint64_t key = 0;  // hash of the first block: this node's key in its parent
     std::vector<BlockId> blocks;
-    std::unordered_multimap<uint64_t, NodeId> children;  // hash of the child's first block
+    std::vector<int32_t> tokens;                         // the edge's tokens, block_size per block
+    std::unordered_multimap<uint64_t, NodeId> children;  // by key
   };
 
   struct Walk {
@@ -149,12 +151,13 @@ class RadixCache {
   };
 
   uint64_t hash_tokens(const int32_t* tokens) const;
-  bool block_holds(BlockId id, const int32_t* tokens) const;
+  bool same_block(const int32_t* a, const int32_t* b) const;
+  int64_t matching_blocks(const Node& child, const int32_t* tokens, int64_t max_blocks) const;
   NodeId find_child(const Node& node, const int32_t* tokens) const;
   Walk walk(NodeId start, const int32_t* tokens, int64_t num_full_blocks,
             std::vector<BlockId>* collect) const;
   NodeId split(NodeId child, int64_t keep_blocks);
-  void adopt(NodeId node, const int32_t* tokens, const BlockId* ids, size_t count);
+  void adopt(NodeId node, const BlockId* ids, size_t count);
   NodeId new_node();
   void touch(NodeId node, NodeId stop = -1);
   void unlist(NodeId node);
@@ -167,8 +170,6 @@ class RadixCache {
   std::vector<Node> nodes_;
   std::vector<NodeId> free_nodes_;
   std::set<std::pair<uint64_t, NodeId>> lru_leaves_;  // unlocked non-root leaves
-  std::vector<int32_t> block_tokens_;                 // block_size tokens per block id
-  std::vector<uint64_t> block_hash_;                  // hash of those tokens
   std::vector<NodeId> block_node_;                    // node holding the block, or -1
   std::vector<uint8_t> scratch_mark_;                 // per block, for duplicate checks
   uint64_t clock_ = 0;

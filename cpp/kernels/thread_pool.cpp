@@ -1,7 +1,6 @@
 #include "thread_pool.h"
 
 #include <chrono>
-#include <cstdlib>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -132,7 +131,7 @@ void ThreadPool::worker_loop(uint32_t seen) {
     const auto spin_until = Clock::now() + std::chrono::microseconds(spin_us());
     unsigned spins = 0;
     while (current() == seen && !stopping_.load(std::memory_order_relaxed)) {
-      if (getenv("PK_YIELD")) std::this_thread::yield(); else PYSERVE_PAUSE();
+      std::this_thread::yield();
       if ((++spins & 63u) == 0 && Clock::now() > spin_until) break;
     }
     if (current() == seen && !stopping_.load()) {

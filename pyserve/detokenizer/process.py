@@ -111,14 +111,31 @@ class Detokenizer:
                 )
             deltas.append(delta)
 
-        for rid in np.frombuffer(msg.dropped, dtype="<i8").tolist():
-            self.requests.pop(rid, None)
+        self.drop(msg.dropped)
         return out.StepDone(
             step_id=msg.step_id,
             rids=msg.rids,
             token_ids=msg.token_ids,
             deltas=deltas,
             forward_ms=msg.forward_ms,
+            worker_requests=msg.worker_requests,
+            detokenizer_requests=len(self.requests),
+        )
+
+    def drop(self, dropped: bytes) -> None:
+        for rid in np.frombuffer(dropped, dtype="<i8").tolist():
+            self.requests.pop(rid, None)
+
+    def failed_step(self, msg: inp.StepTokens) -> out.StepDone:
+        """The StepDone of a step that could not be decoded: no deltas, but main's step and
+        request accounting still goes on."""
+        self.drop(msg.dropped)
+        return out.StepDone(
+            msg.step_id,
+            msg.rids,
+            msg.token_ids,
+            worker_requests=msg.worker_requests,
+            detokenizer_requests=len(self.requests),
         )
 
 
@@ -158,7 +175,7 @@ def _serve(detok: Detokenizer, pull: zmq.Socket, push: zmq.Socket) -> None:
             except Exception:
                 log.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
                 # Keep main's accounting going, and fail the requests of this step.
-                send(encode(out.StepDone(msg.step_id, msg.rids, msg.token_ids)))
+                send(encode(detok.failed_step(msg)))
                 send(encode(out.WorkerError("detokenizer failed on this step", msg.rids)))
         elif isinstance(msg, inp.DetokRequest):
             detok.add_request(msg)

@@ -25,6 +25,10 @@ class StepDone(msgspec.Struct, tag=True, omit_defaults=True):
     token_ids: bytes  # int32: exactly StepTokens.token_ids
     deltas: list[RequestDelta] = []
     forward_ms: float = 0.0
+    # Requests the worker and the detokenizer hold state for once this step is done; main's
+    # idle self-check expects both to be 0 when nothing runs.
+    worker_requests: int = 0
+    detokenizer_requests: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -39,6 +39,7 @@ class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     logprobs: bytes = b""  # float32, one per rid when any request asked for logprobs
     top_logprobs: list[TopLogprobs] = []
     forward_ms: float = 0.0  # time the worker spent on the forward pass and sampling
+    worker_requests: int = 0  # requests the worker holds state for after this step (accounting)
 
 
 class WorkerError(msgspec.Struct, tag=True):

@@ -162,7 +162,9 @@ def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.St
 
 def _run_step(executor: StepExecutor, step: inp.Step) -> list[msgspec.Struct]:
     try:
-        return [executor.execute(step)]
+        tokens = executor.execute(step)
+        tokens.worker_requests = len(executor.requests)  # for main's idle accounting check
+        return [tokens]
     except Exception as e:
         log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
         rids, dropped = _whole_int64s(step.rids), _whole_int64s(step.dropped)
@@ -170,7 +172,12 @@ def _run_step(executor: StepExecutor, step: inp.Step) -> list[msgspec.Struct]:
         error = out.WorkerError(message=f"step {step.step_id} failed: {e!r}", rids=rids)
         # an empty result keeps main's in-order step accounting going
         empty = out.StepTokens(
-            step_id=step.step_id, rids=b"", token_ids=b"", finish=b"", dropped=dropped
+            step_id=step.step_id,
+            rids=b"",
+            token_ids=b"",
+            finish=b"",
+            dropped=dropped,
+            worker_requests=len(executor.requests),
         )
         return [error, empty]
 

@@ -76,6 +76,8 @@ class CpuAttentionBackend(AttentionBackend):
         bs = self.kv_cache.block_size
         device = batch.input_ids.device
         num_tokens, start_pos, tables = batch.num_tokens, batch.start_pos, batch.block_tables
+        if not num_tokens:
+            raise ValueError("ForwardBatch has no entries")
         if not (len(num_tokens) == len(start_pos) == len(tables)):
             raise ValueError("ForwardBatch: num_tokens, start_pos, block_tables differ in length")
         for i, (n, s, table) in enumerate(zip(num_tokens, start_pos, tables, strict=True)):
