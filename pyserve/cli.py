@@ -30,6 +30,7 @@ log = logging.getLogger("pyserve")
 
 PROGRESS_EVERY_S = 5.0
 HANDLER_GRACE_S = 3.0  # after the engine stops: time for handlers to write their error events
+DEAD_LINGER_S = 1.0  # after the engine dies: /health answers 503 this long before the exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +194,9 @@ async def serve_until_stopped(
     await first_of(asyncio.shield(failed), signals.stop.wait())
     if failed.done():
         log.error("exiting: %s", failed.result())
-        state.draining = True
+        # Requests in flight have failed: let their handlers write the errors, and let probes
+        # see a 503 from /health (a status, not just a refused connection) before going.
+        await asyncio.gather(state.wait_idle(HANDLER_GRACE_S), asyncio.sleep(DEAD_LINGER_S))
         return 1
     failed.cancel()
     if state.in_flight:

@@ -195,6 +195,32 @@ IntArg<T>::IntArg(py::handle obj, const char* what) {
 template class IntArg<int32_t>;
 template class IntArg<int64_t>;
 
+py::list to_id_list(const std::vector<int32_t>& ids) {
+  constexpr int32_t kInterned = 1 << 20;
+  // Filled on demand under the GIL and never freed: at most 2**20 ints for the process.
+  static std::vector<PyObject*>* interned = new std::vector<PyObject*>();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(ids.size()));
+  if (!list) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
+    PyObject* item;
+    if (id >= 0 && id < kInterned) {
+      if (static_cast<size_t>(id) >= interned->size()) {
+        interned->resize(static_cast<size_t>(id) + 1, nullptr);
+      }
+      PyObject*& slot = (*interned)[static_cast<size_t>(id)];
+      if (!slot && !(slot = PyLong_FromLong(id))) throw py::error_already_set();
+      Py_INCREF(slot);
+      item = slot;
+    } else if (!(item = PyLong_FromLong(id))) {
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
 std::vector<int32_t> to_int32s(py::handle obj, const char* what) {
   return read_ints<int32_t>(obj, what);
 }

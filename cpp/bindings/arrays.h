@@ -47,6 +47,10 @@ class IntArg {
 using Int32Arg = IntArg<int32_t>;
 using Int64Arg = IntArg<int64_t>;
 
+// A list of block ids. Block ids recur constantly and are small, so their Python ints are
+// created once and shared (ids below 2**20), sparing an allocation per id per call.
+py::list to_id_list(const std::vector<int32_t>& ids);
+
 template <class T>
 py::bytes to_bytes(const std::vector<T>& values) {
   return py::bytes(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));

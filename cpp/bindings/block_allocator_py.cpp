@@ -27,7 +27,7 @@ void bind_block_allocator(py::module_& m) {
       .def(
           "allocate",
           [](PyAllocator& a, int64_t n) {
-            return to_list(a.held([n](BlockAllocator& x) { return x.allocate(n); }));
+            return to_id_list(a.held([n](BlockAllocator& x) { return x.allocate(n); }));
           },
           py::arg("n"), "n fresh blocks with refcount 1; RuntimeError if fewer are free")
       .def(

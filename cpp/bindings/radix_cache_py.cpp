@@ -67,7 +67,7 @@ void bind_radix_cache(py::module_& m) {
           [](PyCache& c, py::handle tokens) {
             Int32Arg t(tokens, "tokens");
             auto r = c.released([&](RadixCache& x) { return x.match_prefix(t.data(), t.size()); });
-            return py::make_tuple(r.num_tokens, to_list(r.blocks), r.node);
+            return py::make_tuple(r.num_tokens, to_id_list(r.blocks), r.node);
           },
           py::arg("tokens"), "(num_tokens, block_ids, handle) of the longest cached prefix")
       .def(

@@ -354,7 +354,16 @@ int64_t RadixCache::remove_leaf(NodeId node) {
       break;
     }
   }
-  n = Node();
+  // Reset for reuse, keeping the vectors' capacity: the next split or leaf skips a malloc.
+  n.parent = -1;
+  n.depth = 0;
+  n.lock_count = 0;
+  n.last_access = 0;
+  n.live = false;
+  n.key = 0;
+  n.blocks.clear();
+  n.tokens.clear();
+  n.children.clear();
   free_nodes_.push_back(node);
   relist(parent_id);
   return freed;

@@ -25,6 +25,7 @@ from typing import Any
 
 from pyserve import model_files
 from pyserve.detokenizer.process import DetokenizerConfig
+from pyserve.engine import idle_check
 from pyserve.engine.channels import RingAddresses
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
@@ -76,6 +77,8 @@ class Engine:
         self._children = Children()
         self._scheduler: SchedulerLoop | None = None
         self._context_length = 0
+        self._idle_checks = 0
+        self._idle_check_failures = 0
 
     # ------------------------------------------------------------------ life cycle
 
@@ -166,7 +169,7 @@ class Engine:
 
         config = self.config
         assert self._info is not None
-        return _core.Planner(
+        planner = _core.Planner(
             ready.num_blocks,
             ready.block_size,
             max_running_requests=config.max_running_requests,
@@ -176,6 +179,8 @@ class Engine:
             enable_radix_cache=config.enable_radix_cache,
             vocab_size=self._info.vocab_size,
         )
+        idle_check.apply_test_hook(planner)
+        return planner
 
     async def shutdown(self) -> None:
         """Stops the ring cleanly (Shutdown → worker → detokenizer → Stopped), waits for the
@@ -243,6 +248,19 @@ class Engine:
         self._failed.set()
         self._registry.fail(None, error)
 
+    def on_idle(self, problems: list[str], last_submitted_rid: int) -> None:
+        """The idle self-check's verdict (see idle_check.py), completed with the request states
+        that live here on the event loop."""
+        problems = problems + idle_check.unfinished_states(
+            self._registry.by_core_rid.values(), last_submitted_rid
+        )
+        self._idle_checks += 1
+        if problems:
+            self._idle_check_failures += 1
+            log.error("idle accounting check failed: %s", "; ".join(problems))
+        else:
+            log.debug("idle accounting check passed")
+
     # ------------------------------------------------------------------ state
 
     @property
@@ -296,9 +314,12 @@ class Engine:
         snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
         return {
             **snapshot,
+            "core_requests": snapshot.get("num_requests", 0),
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
-            "num_requests": len(self._registry),
+            "num_requests": len(self._registry),  # request states here, on the event loop
+            "idle_checks": self._idle_checks,
+            "idle_check_failures": self._idle_check_failures,
             "ready": self.ready,
             "healthy": self.healthy,
         }

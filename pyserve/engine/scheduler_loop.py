@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pyserve.engine.channels import RingAddresses, main_sockets
 from pyserve.engine.errors import EngineDeadError, EngineError, EngineStartError
+from pyserve.engine.idle_check import IdleWatch, core_problems
 from pyserve.engine.subprocesses import Children
 from pyserve.wire import detok_to_main as inp
 from pyserve.wire import main_to_worker as out
@@ -47,6 +48,7 @@ class EngineSink(Protocol):
     def on_step(self, deltas: list[tuple[inp.RequestDelta, int | None]]) -> None: ...
     def on_request_error(self, rids: list[int] | None, error: Exception) -> None: ...
     def on_fatal(self, error: Exception) -> None: ...
+    def on_idle(self, problems: list[str], last_submitted_rid: int) -> None: ...
 
 
 class SchedulerLoop:
@@ -84,6 +86,11 @@ class SchedulerLoop:
         self._generated_since_log = 0
         self._last_log = time.monotonic()
         self._last_stats = 0.0
+        # What the worker and the detokenizer said they hold, as of the last StepDone.
+        self._worker_requests = 0
+        self._detokenizer_requests = 0
+        self._last_submitted_rid = 0
+        self._idle_watch = IdleWatch()
         self.snapshot: dict = {}  # the planner's stats, refreshed by the thread (read anywhere)
 
     # ------------------------------------------------------------------ event-loop side
@@ -148,7 +155,7 @@ class SchedulerLoop:
                 self._remove_ring_files(monitor)
                 self._planner = self._make_planner(ready)
                 self._num_blocks = ready.num_blocks
-                self.snapshot = self._planner.stats()
+                self._take_snapshot()
                 self._post(self._sink.on_ready, ready)
                 self._serve()
         except EngineError as e:
@@ -202,18 +209,22 @@ class SchedulerLoop:
     def _serve(self) -> None:
         next_child_check = 0.0
         while True:
-            for command in self._take_commands():
+            commands = self._take_commands()
+            for command in commands:
                 self._run_command(command)
             if self._stopping:
                 self._shutdown_ring()
                 return
             self._plan_ahead()
-            for sock, _ in self._poller.poll(POLL_MS):
+            events = self._poller.poll(POLL_MS)
+            for sock, _ in events:
                 if sock == self._wake_r:
                     os.read(self._wake_r, 4096)
                 else:
                     self._drain_results()
             now = time.monotonic()
+            if commands or events:
+                self._idle_watch.activity(now)
             if now >= next_child_check:
                 next_child_check = now + POLL_MS / 1000
                 dead = self._children.first_dead()
@@ -221,6 +232,9 @@ class SchedulerLoop:
                     raise EngineDeadError(f"{dead.describe_exit()}; the engine cannot go on")
             if now - self._last_stats >= STATS_EVERY_S or not self._live:
                 self._refresh_stats(now)
+            idle = not self._live and self._planner.num_inflight_steps == 0
+            if self._idle_watch.check_now(now, idle):
+                self._check_idle()
 
     def _run_command(self, command: tuple) -> None:
         kind = command[0]
@@ -233,6 +247,7 @@ class SchedulerLoop:
                 return
             self._send(request)  # before the first Step that names it
             self._live.add(rid)
+            self._last_submitted_rid = max(self._last_submitted_rid, rid)
             self._awaiting_cached.add(rid)
         elif kind == "abort":
             rid = command[1]
@@ -277,6 +292,8 @@ class SchedulerLoop:
     def _on_step_done(self, msg: inp.StepDone) -> None:
         planner = self._planner
         planner.report(msg.step_id, msg.rids, msg.token_ids)
+        self._worker_requests = msg.worker_requests
+        self._detokenizer_requests = msg.detokenizer_requests
         handed: list[tuple[inp.RequestDelta, int | None]] = []
         for delta in msg.deltas:
             rid = delta.rid
@@ -306,9 +323,27 @@ class SchedulerLoop:
     def _forget(self, rid: int) -> None:
         self._live.discard(rid)
         self._awaiting_cached.discard(rid)
+        self._idle_watch.request_ended()
+
+    def _check_idle(self) -> None:
+        problems = core_problems(
+            self._planner,
+            live_requests=len(self._live),
+            worker_requests=self._worker_requests,
+            detokenizer_requests=self._detokenizer_requests,
+        )
+        self._post(self._sink.on_idle, problems, self._last_submitted_rid)
+
+    def _take_snapshot(self) -> None:
+        self.snapshot = {
+            **self._planner.stats(),
+            "live_requests": len(self._live),
+            "worker_requests": self._worker_requests,
+            "detokenizer_requests": self._detokenizer_requests,
+        }
 
     def _refresh_stats(self, now: float) -> None:
-        self.snapshot = self._planner.stats()
+        self._take_snapshot()
         self._last_stats = now
         if now - self._last_log >= LOG_EVERY_S:
             if self._generated_since_log or self._live:

@@ -48,6 +48,23 @@ class EngineCollector(Collector):
             "pyserve_requests_running": ("Requests being computed", stats.get("num_running", 0)),
             "pyserve_requests_waiting": ("Requests waiting to start", stats.get("num_waiting", 0)),
             "pyserve_ready": ("1 when the engine serves", int(bool(stats.get("healthy")))),
+            # Where request state lives; all 0 when idle (the idle self-check's accounts).
+            "pyserve_engine_requests": (
+                "Request states in the main process",
+                stats.get("num_requests", 0),
+            ),
+            "pyserve_core_requests": (
+                "Requests known to the scheduling core",
+                stats.get("core_requests", 0),
+            ),
+            "pyserve_worker_requests": (
+                "Requests the worker holds state for (as of its last step)",
+                stats.get("worker_requests", 0),
+            ),
+            "pyserve_detokenizer_requests": (
+                "Requests the detokenizer holds state for (as of its last step)",
+                stats.get("detokenizer_requests", 0),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -55,6 +72,11 @@ class EngineCollector(Collector):
             "pyserve_prefix_cache_queried_tokens": ("Prompt tokens looked up", "query_tokens"),
             "pyserve_prefix_cache_hit_tokens": ("Prompt tokens found cached", "hit_tokens"),
             "pyserve_retractions": ("Running requests preempted for KV space", "retractions"),
+            "pyserve_idle_checks": ("Idle accounting self-checks run", "idle_checks"),
+            "pyserve_idle_check_failures": (
+                "Idle accounting self-checks that found a leak",
+                "idle_check_failures",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))

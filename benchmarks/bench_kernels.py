@@ -1,0 +1,329 @@
+"""The default model's linear layers at small batch: our quantized kernel against torch's matmul.
+
+One "token step" runs every linear layer of SmolLM2-135M once, as a decode step does: per layer
+qkv 960×576, o 576×576, gate+up 3072×576, down 576×1536 (30 layers), then the tied lm_head
+49152×576, each on M rows. The weights are random (speed does not depend on their values). In
+the same run, round-robin so that a busy machine slows every contender alike, it times:
+
+- torch ``F.linear`` with float32, bfloat16 and float16 weights stored [out, in];
+- torch's own weight-only int8 CPU kernel (``torch._weight_int8pack_mm``, per-row scales);
+- ``pyserve._kernels`` int8 (all layers 8-bit) and int4 (4-bit layers, 8-bit lm_head): groups of
+  32 inputs with fp16 scales, activations quantized per row on the fly.
+
+It reports the best and the median time of a step over the rounds and the bandwidth the best
+implies (weight bytes / time), next to the machine's own copy bandwidth.
+
+With ``--accuracy`` it also measures how far quantized logits are from float32 on the real
+default model: Hugging Face transformers' Llama (loaded from the GGUF, float32) generates
+greedily from a few chat prompts, then the same token sequences run teacher-forced through the
+model before and after ``quantize_model_linears``: top-1 agreement, the log-probability change of
+float32's top token, and how often fp32's top-2 gap was small where they disagree.
+
+    .venv/bin/python benchmarks/bench_kernels.py                  # timing (about a minute)
+    .venv/bin/python benchmarks/bench_kernels.py --accuracy       # + logits on the default model
+    .venv/bin/python benchmarks/bench_kernels.py --accuracy --write-results   # update RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pyserve.worker import quant
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## Kernels"
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+HEAD_SHAPE = (VOCAB, HIDDEN)
+
+
+def model_shapes(layers: int) -> list[tuple[int, int]]:
+    return LAYER_SHAPES * layers + [HEAD_SHAPE]
+
+
+class Contender:
+    """One way to run every matmul of a token step; ``run(M)`` does a whole step."""
+
+    def __init__(self, name: str, weights: list, call, dtype: torch.dtype, nbytes: int):
+        self.name, self.weights, self.call, self.dtype, self.nbytes = (
+            name,
+            weights,
+            call,
+            dtype,
+            nbytes,
+        )
+        self.inputs: dict[int, dict[int, torch.Tensor]] = {}
+
+    def run(self, rows: int) -> None:
+        xs = self.inputs.setdefault(
+            rows, {k: torch.randn(rows, k).to(self.dtype) for k in (HIDDEN, INTERMEDIATE)}
+        )
+        for w in self.weights:
+            self.call(xs, w)
+
+
+def build_contenders(layers: int, which: list[str]) -> list[Contender]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = model_shapes(layers)
+    fp32 = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    out = []
+
+    def dense(name: str, dtype: torch.dtype) -> Contender:
+        ws = [w.to(dtype) for w in fp32]
+        return Contender(
+            name,
+            ws,
+            lambda xs, w: F.linear(xs[w.shape[1]], w),
+            dtype,
+            sum(w.nbytes for w in ws),
+        )
+
+    if "fp32" in which:
+        out.append(dense("torch fp32", torch.float32))
+    if "bf16" in which:
+        out.append(dense("torch bf16", torch.bfloat16))
+    if "fp16" in which:
+        out.append(dense("torch fp16", torch.float16))
+    if "torch-int8" in which:
+        packed = []
+        for w in fp32:
+            scale = w.abs().amax(1) / 127
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            packed.append((q, scale))
+        out.append(
+            Contender(
+                "torch int8 weight-only",
+                packed,
+                lambda xs, p: torch._weight_int8pack_mm(xs[p[0].shape[1]], p[0], p[1]),
+                torch.float32,
+                sum(q.nbytes + s.nbytes for q, s in packed),
+            )
+        )
+    for mode in ("int8", "int4"):
+        if mode not in which:
+            continue
+        bits = 8 if mode == "int8" else 4
+        ws = [quant.quantize_weight(w, bits) for w in fp32[:-1]]
+        ws.append(quant.quantize_weight(fp32[-1], 8))  # the lm_head stays 8-bit in both modes
+        out.append(
+            Contender(
+                f"kernel {mode}",
+                ws,
+                lambda xs, p: quant.quantized_matmul(xs[p.k], p),
+                torch.float32,
+                sum(p.nbytes for p in ws),
+            )
+        )
+    return out
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB tensor copy (bytes read + written), best of 5."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9
+
+
+def time_contenders(contenders: list[Contender], rows: list[int], rounds: int) -> dict:
+    times = {(c.name, m): [] for c in contenders for m in rows}
+    for c in contenders:  # warm-up: first-touch page faults, the kernel's thread pool
+        for m in rows:
+            c.run(m)
+    for _ in range(rounds):
+        for m in rows:
+            for c in contenders:
+                start = time.perf_counter()
+                c.run(m)
+                times[(c.name, m)].append(time.perf_counter() - start)
+    return times
+
+
+def timing_table(contenders: list[Contender], rows: list[int], times: dict) -> str:
+    lines = [
+        "| M | contender | weights MB | best ms/step | median ms/step | GB/s at best | vs fp32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in rows:
+        base = min(times[(contenders[0].name, m)])
+        for c in contenders:
+            best, median = min(times[(c.name, m)]), statistics.median(times[(c.name, m)])
+            lines.append(
+                f"| {m} | {c.name} | {c.nbytes / 1e6:.0f} | {best * 1e3:.2f} | "
+                f"{median * 1e3:.2f} | {c.nbytes / best / 1e9:.1f} | {base / best:.2f}× |"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- accuracy
+
+
+def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
+    """Teacher-forced logits of the default model, float32 against each quantization mode."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from pyserve.model_files import load_tokenizer, resolve_model
+
+    source = resolve_model(None)
+    tokenizer = load_tokenizer(source)
+    path = Path(source.path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    ).eval()
+    assert importlib.util.find_spec("pyserve._kernels") is not None
+    questions = [
+        "What is the capital of France?",
+        "Write a short poem about the sea.",
+        "Explain what a hash table is.",
+        "List three uses of copper.",
+        "How do vaccines work?",
+        "Give me a recipe for pancakes.",
+        "What causes the seasons on Earth?",
+        "Summarize the plot of Hamlet.",
+    ][:prompts]
+    sequences = []
+    with torch.inference_mode():
+        for q in questions:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True
+            )
+            prompt = torch.tensor([ids])
+            out = model.generate(
+                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+            sequences.append((len(ids), out))
+
+    def logits_of(m) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            # the positions that decode steps sample from: the prompt's last and every new token
+            return [m(seq).logits[0, start - 1 : -1].float() for start, seq in sequences]
+
+    reference = logits_of(model)
+    rows = []
+    for mode in modes:
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+        ).eval()
+        # every row through the kernel: its per-row result does not depend on the batch size
+        replaced = quant.quantize_model_linears(quantized, mode, max_kernel_rows=1 << 30)
+        got = logits_of(quantized)
+        ref, new = torch.cat(reference), torch.cat(got)
+        ref_lp, new_lp = ref.log_softmax(-1), new.log_softmax(-1)
+        top = ref.argmax(-1, keepdim=True)
+        agree = new.argmax(-1) == top[:, 0]
+        drop = (new_lp.gather(1, top) - ref_lp.gather(1, top)).abs()[:, 0]
+        top2 = ref_lp.topk(2, dim=-1).values
+        gap = top2[:, 0] - top2[:, 1]
+        kl = (ref_lp.exp() * (ref_lp - new_lp)).sum(-1)
+        disagree_gaps = gap[~agree]
+        rows.append(
+            f"| {mode} | {len(replaced)} | {len(ref)} | {agree.float().mean() * 100:.1f}% | "
+            f"{drop.mean():.4f} / {drop.max():.3f} | {kl.mean():.5f} / {kl.max():.4f} | "
+            + (
+                f"{disagree_gaps.max():.3f}"
+                if len(disagree_gaps)
+                else "—"
+            )
+            + " |"
+        )
+    header = (
+        "| mode | linears replaced | positions | top-1 agreement with fp32 | "
+        "abs Δ logprob of fp32's top token, mean / max | KL(fp32‖quantized), mean / max | "
+        "largest fp32 top-2 gap where top-1 differs |\n|---|---|---|---|---|---|---|"
+    )
+    return header + "\n" + "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def write_results(section: str, path: Path) -> None:
+    """Replaces the '## Kernels' section of RESULTS.md (creating the file if needed)."""
+    header = "# Benchmark results\n\nOne section per benchmark; each says how it was run.\n"
+    text = path.read_text() if path.exists() else header
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            skipping = line.strip() == SECTION
+        if not skipping:
+            out.append(line)
+    path.write_text("".join(out).rstrip("\n") + "\n\n" + section)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="batch sizes M")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2, help="torch's and the kernel's")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        default=["fp32", "bf16", "fp16", "torch-int8", "int8", "int4"],
+        choices=["fp32", "bf16", "fp16", "torch-int8", "int8", "int4"],
+    )
+    parser.add_argument("--accuracy", action="store_true", help="logits vs fp32, default model")
+    parser.add_argument("--accuracy-prompts", type=int, default=8)
+    parser.add_argument("--accuracy-tokens", type=int, default=48)
+    parser.add_argument("--write-results", action="store_true", help="update RESULTS.md")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    kernels = quant.kernels()
+    kernels.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    contenders = build_contenders(args.layers, args.contenders)
+    bandwidth = copy_bandwidth()
+    times = time_contenders(contenders, args.rows, args.rounds)
+    load_after = os.getloadavg()[0]
+    table = timing_table(contenders, args.rows, times)
+    context = (
+        f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, "
+        f"{args.threads} threads; kernel ISA `{kernels.isa()}` (supported here: "
+        f"{', '.join(kernels.supported_isas())}); torch {torch.__version__}.  \n"
+        f"Load average before/after: {load_before:.1f} / {load_after:.1f}; "
+        f"copy bandwidth (256 MiB tensor copy, read + write): {bandwidth:.1f} GB/s.  \n"
+        f"{args.rounds} rounds, contenders interleaved; a step = {len(model_shapes(args.layers))} "
+        "matmuls."
+    )
+    print(context + "\n\n" + table)
+    accuracy = ""
+    if args.accuracy:
+        accuracy = measure_accuracy(["int8", "int4"], args.accuracy_prompts, args.accuracy_tokens)
+        print("\n" + accuracy)
+    if args.write_results:
+        command = "`.venv/bin/python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]) + "`"
+        section = (
+            f"{SECTION}\n\nCommand: {command}  \nDate: "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  \n"
+            f"{context}\n\n### Time of one decode step's linear layers\n\n{table}\n"
+        )
+        if accuracy:
+            section += (
+                "\n### Logits against float32 on the default model\n\n"
+                f"Teacher-forced on fp32 greedy continuations of {args.accuracy_prompts} chat "
+                f"prompts × {args.accuracy_tokens} tokens.\n\n{accuracy}\n"
+            )
+        write_results(section, ROOT / "benchmarks" / "RESULTS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Processes of a real `pyserve run` dying under it: a SIGKILLed detokenizer fails every request
+in flight at once and the server exits 1 naming it; a SIGKILLed main process takes its worker
+and detokenizer with it and leaves no IPC files. (A SIGKILLed worker: test_http_lifecycle.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from http_testlib import Server, alive, child_pids, tiny_model
+
+BASE_ARGS = ["--dtype", "float32", "--kv-cache-tokens", "32768", "--torch-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.getbasetemp())
+
+
+def completion(max_tokens: int, stream: bool) -> dict:
+    body = {"prompt": "Tell me everything:", "max_tokens": max_tokens, "temperature": 0}
+    return {**body, "ignore_eos": True, "stream": stream}
+
+
+def child(server: Server, module: str) -> int:
+    """The pid of the server's subprocess running ``python -m <module>``."""
+    for pid in child_pids(server.proc.pid):
+        if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            return pid
+    raise AssertionError(f"no {module} process under {server.proc.pid}")
+
+
+def wait_dead(pids: list[int], timeout: float) -> float:
+    """Seconds until none of ``pids`` is alive; fails after ``timeout``."""
+    started = time.monotonic()
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() - started < timeout, f"still alive: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_a_killed_detokenizer_fails_every_request_and_the_server_exits_1(model_dir):
+    # One request runs; two more wait behind it, so that they have no first token yet.
+    server = Server(["--model", str(model_dir), *BASE_ARGS, "--max-running-requests", "1"])
+    url = server.url
+    worker, detokenizer = child(server, "pyserve.worker"), child(server, "pyserve.detokenizer")
+
+    async def watch_health(statuses: list[tuple[int, str]]) -> None:
+        """Polls /health until the server stops answering."""
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(url + "/health") as resp:
+                        statuses.append((resp.status, (await resp.json())["status"]))
+                except aiohttp.ClientError:
+                    return
+                await asyncio.sleep(0.02)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            running = await session.post(url + "/v1/completions", json=completion(15000, True))
+            await running.content.readuntil(b"\n\n")
+            queued = [
+                asyncio.create_task(session.post(url + "/v1/completions", json=completion(8, s)))
+                for s in (True, False)
+            ]
+            await asyncio.sleep(0.5)  # both reach the engine's queue
+            os.kill(detokenizer, signal.SIGKILL)
+            killed = time.monotonic()
+            statuses: list[tuple[int, str]] = []
+            health = asyncio.create_task(watch_health(statuses))
+            stream = await running.read()
+            answers = [(r.status, await r.json()) for r in await asyncio.gather(*queued)]
+            elapsed = time.monotonic() - killed
+            await health
+            return stream, answers, elapsed, statuses
+
+    try:
+        stream, answers, elapsed, statuses = asyncio.run(scenario())
+        code = server.proc.wait(15)
+    finally:
+        server.stop()
+    assert elapsed < 5, f"requests ended {elapsed:.1f} s after the kill"
+    # inside the stream: an error event, then the terminator
+    assert stream.endswith(b"data: [DONE]\n\n")
+    error = json.loads(stream.split(b"\n\n")[-3][len(b"data: ") :])["error"]
+    assert error["type"] == "server_error" and "detokenizer" in error["message"]
+    # before a stream started: a plain 5xx with the OpenAI error body, streaming or not
+    for status, body in answers:
+        assert status >= 500 and "detokenizer" in body["error"]["message"], (status, body)
+    assert (503, "unhealthy") in statuses, statuses
+    assert code == 1, server.log()
+    assert re.search(
+        rf"detokenizer process \(pid {detokenizer}\) was killed by signal 9", server.log()
+    )
+    wait_dead([worker], 5)
+
+
+def ipc_directory(pid: int) -> Path:
+    """The ring's IPC directory, read from a child's command line (its JSON config)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    match = re.search(r'"in_addr":"ipc://([^"]+)/[a-z]+"', cmdline)
+    assert match, cmdline
+    return Path(match.group(1))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # it ended while we looked
+    return found
+
+
+def test_a_killed_main_process_takes_its_children_and_ipc_files_with_it(model_dir):
+    server = Server(["--model", str(model_dir), *BASE_ARGS])
+    children = child_pids(server.proc.pid)
+    ipc = ipc_directory(child(server, "pyserve.worker"))
+    assert sorted(processes_mentioning(str(ipc))) == sorted(children)
+
+    async def kill_mid_stream():
+        async with aiohttp.ClientSession() as session:
+            running = await session.post(
+                server.url + "/v1/completions", json=completion(15000, True)
+            )
+            await running.content.readuntil(b"\n\n")  # the worker is busy computing
+            server.proc.kill()
+            with pytest.raises(aiohttp.ClientError):
+                await running.read()
+
+    try:
+        asyncio.run(kill_mid_stream())
+        assert server.proc.wait(5) == -signal.SIGKILL
+        assert wait_dead(children, 5) < 5
+    finally:
+        server.stop()
+    assert processes_mentioning(str(ipc)) == [], "an orphan outlived the main process"
+    assert not ipc.exists(), f"IPC files left behind: {list(ipc.iterdir())}"
