@@ -3,11 +3,12 @@
 For each dtype, on the default model (SmolLM2-135M Q4_1 GGUF, dequantized) unless --model:
 
 - decode tokens/s at each batch size: B random prompts of --prompt-len tokens are prefilled
-  (not timed), then --decode-steps greedy decode steps are timed (ForwardBatch building, forward,
-  argmax: what the worker does per step, minus the wire).
+  (not timed), then --decode-steps greedy decode steps are timed one by one (ForwardBatch
+  building, forward, argmax: what the worker does per step, minus the wire).
 - prefill tokens/s for one --prefill-len prompt.
-- HF transformers ``generate`` on the same GGUF at the same batch and dtype; its decode rate is
-  (B * (N - 1)) / (time(N new tokens) - time(1 new token)), so its prefill is not counted.
+- HF transformers ``generate`` on the same GGUF at the same batch and dtype, its decode rate from
+  the gaps between its tokens (a stopping criterion timestamps each), so its prefill is not
+  counted. Both decode rates use the median step: the machine may be shared.
 - the ceiling: the model's matmuls alone (every projection of every layer plus the vocabulary
   projection, M = batch rows, same dtype), timed with F.linear on random weights.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,13 +130,16 @@ class PagedBatch:
 
 
 def ours_decode(runner: ModelRunner, prompts: torch.Tensor, steps: int) -> float:
+    """Tokens/s from the median decode step (robust to a shared machine's hiccups)."""
     seqs = PagedBatch(runner, prompts)
     seqs.prefill()
     seqs.decode()  # warm-up
-    start = time.perf_counter()
+    durations = []
     for _ in range(steps):
+        start = time.perf_counter()
         seqs.decode()
-    return prompts.shape[0] * steps / (time.perf_counter() - start)
+        durations.append(time.perf_counter() - start)
+    return prompts.shape[0] / statistics.median(durations)
 
 
 def ours_prefill(runner: ModelRunner, prompt: torch.Tensor, repeats: int) -> float:
@@ -162,26 +167,35 @@ def load_hf(model: str | None, dtype: torch.dtype):
     return hf.eval()
 
 
-def hf_generate_seconds(hf, prompts: torch.Tensor, new_tokens: int) -> float:
-    start = time.perf_counter()
+class StepClock:
+    """A stopping criterion that never stops: it timestamps each generated token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def hf_decode(hf, prompts: torch.Tensor, steps: int) -> float:
+    """Tokens/s from the median gap between HF generate's tokens (its prefill excluded)."""
+    from transformers import StoppingCriteriaList
+
+    clock = StepClock()
     with torch.inference_mode():
         out = hf.generate(
             prompts,
             attention_mask=torch.ones_like(prompts),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            max_new_tokens=steps + 2,
+            min_new_tokens=steps + 2,
             do_sample=False,
             pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([clock]),
         )
-    assert out.shape[1] == prompts.shape[1] + new_tokens
-    return time.perf_counter() - start
-
-
-def hf_decode(hf, prompts: torch.Tensor, steps: int) -> float:
-    hf_generate_seconds(hf, prompts, 2)  # warm-up
-    prefill_only = min(hf_generate_seconds(hf, prompts, 1) for _ in range(2))
-    full = hf_generate_seconds(hf, prompts, steps + 1)
-    return prompts.shape[0] * steps / max(full - prefill_only, 1e-9)
+    assert out.shape[1] == prompts.shape[1] + steps + 2
+    gaps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:], strict=False)]
+    return prompts.shape[0] / statistics.median(gaps)
 
 
 def hf_prefill(hf, prompt: torch.Tensor, repeats: int) -> float:

@@ -51,8 +51,11 @@ def survivor_body(i: int, stream: bool) -> dict:
     return body
 
 
-async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+async def generate(
+    session: aiohttp.ClientSession, url: str, body: dict, start: float = 0.0
+) -> dict:
     """A /generate answer; for a stream, its last event (the output so far, cumulatively)."""
+    await asyncio.sleep(start)
     async with session.post(url + "/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()
         if not body["stream"]:
@@ -104,7 +107,7 @@ def test_disconnect_storm_leaves_survivors_exact_and_every_account_at_rest(serve
                 await generate(session, url, survivor_body(i, False)) for i in range(SURVIVORS)
             ]
             survivors = [
-                generate(session, url, survivor_body(i, stream=i % 2 == 0))
+                generate(session, url, survivor_body(i, stream=i % 2 == 0), start=i * 0.15)
                 for i in range(SURVIVORS)
             ]
             storm = [cut_off(session, url, i, rng) for i in range(CANCELLED)]
@@ -128,5 +131,6 @@ def test_disconnect_storm_leaves_survivors_exact_and_every_account_at_rest(serve
     assert after["pyserve_generation_tokens_total"] < CANCELLED * 2000 / 4
     after = wait_for_metrics(url, lambda m: m["pyserve_idle_checks_total"] > checks, timeout=10)
     assert after["pyserve_idle_check_failures_total"] == 0
-    assert "idle accounting check failed" not in server.log()
-    print(after, server.log()[-3000:])
+    log = server.log()
+    assert "idle accounting check failed" not in log
+    assert "Traceback" not in log and " ERROR " not in log, log  # disconnects are not errors

@@ -218,7 +218,9 @@ std::optional<Step> Planner::plan() {
   int64_t prefill_budget = config_.max_prefill_tokens;
   plan_decodes(step, record);
   plan_prefill_chunks(step, record, prefill_budget);
-  admit_waiting(step, record, prefill_budget);
+  // Memory ran short this step: admitting now (possibly the request just retracted) would only
+  // invite the next retraction.
+  if (!retracted_this_plan_) admit_waiting(step, record, prefill_budget);
 
   step.dropped.swap(dropped_);
   dropped_.clear();

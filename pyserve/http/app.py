@@ -62,7 +62,10 @@ def create_app(
                 raise
             return from_http_exception(exc, request).response()
         except ConnectionError:
-            raise  # the client went away; there is nobody to answer
+            # The client went away mid-answer. Re-raised, aiohttp would log it as a 500 with a
+            # traceback (one per disconnect); a stand-in response instead fails quietly on the
+            # closed transport, which aiohttp treats as the premature disconnection it is.
+            return web.Response(status=499)
         except Exception as exc:
             log.exception("unhandled error in %s %s", request.method, request.path)
             return server_error(f"internal error: {type(exc).__name__}").response()
