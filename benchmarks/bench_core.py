@@ -67,11 +67,11 @@ def run_prefix_cache(impl, trace: list, num_blocks: int, repeats: int) -> dict:
         start = time.process_time()
         for tokens in trace:
             matched, blocks, _ = cache.match_prefix(tokens)
-            need = token_count(tokens) // BLOCK_SIZE - len(blocks)
+            need = (token_count(tokens) - matched) // BLOCK_SIZE
             if need > allocator.num_free:
                 cache.evict(need - allocator.num_free)
             fresh = allocator.allocate(need)
-            cache.insert(tokens, list(blocks) + fresh)
+            cache.insert(tokens, blocks + fresh)  # int32 bytes from the core, lists from Python
             allocator.decref(fresh)  # the tree holds its own references now
             hit += matched
         best = min(best, time.process_time() - start)

@@ -46,6 +46,8 @@ SECTION = "## Kernels"
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 HEAD_SHAPE = (VOCAB, HIDDEN)
+TORCH_CONTENDERS = ["fp32", "bf16", "fp16", "torch-int8"]
+KERNEL_CONTENDERS = ["int8", "int4", "int8-a8", "int4-a8"]
 
 
 def model_shapes(layers: int) -> list[tuple[int, int]]:
@@ -110,17 +112,24 @@ def build_contenders(layers: int, which: list[str]) -> list[Contender]:
                 sum(q.nbytes + s.nbytes for q, s in packed),
             )
         )
-    for mode in ("int8", "int4"):
-        if mode not in which:
+    packed: dict[int, list] = {}
+    for name in KERNEL_CONTENDERS:
+        if name not in which:
             continue
-        bits = 8 if mode == "int8" else 4
-        ws = [quant.quantize_weight(w, bits) for w in fp32[:-1]]
-        ws.append(quant.quantize_weight(fp32[-1], 8))  # the lm_head stays 8-bit in both modes
+        bits = 8 if name.startswith("int8") else 4
+        activation_bits = 8 if name.endswith("-a8") else 16
+        if bits not in packed:
+            packed[bits] = [quant.quantize_weight(w, bits) for w in fp32[:-1]]
+            # the lm_head stays 8-bit in both modes
+            packed[bits].append(quant.quantize_weight(fp32[-1], 8))
+        ws = packed[bits]
         out.append(
             Contender(
-                f"kernel {mode}",
+                f"kernel {name[:4]} (int{activation_bits} activations)",
                 ws,
-                lambda xs, p: quant.quantized_matmul(xs[p.k], p),
+                lambda xs, p, a=activation_bits: quant.quantized_matmul(
+                    xs[p.k], p, activation_bits=a
+                ),
                 torch.float32,
                 sum(p.nbytes for p in ws),
             )
@@ -178,14 +187,16 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
     import importlib.util
 
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from pyserve.model_files import load_tokenizer, resolve_model
 
+    transformers_logging.disable_progress_bar()
     source = resolve_model(None)
     tokenizer = load_tokenizer(source)
     path = Path(source.path)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     assert importlib.util.find_spec("pyserve._kernels") is not None
     questions = [
@@ -201,9 +212,10 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
     sequences = []
     with torch.inference_mode():
         for q in questions:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
             )
+            ids = tokenizer.encode(text, add_special_tokens=False)
             prompt = torch.tensor([ids])
             out = model.generate(
                 prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
@@ -219,7 +231,7 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
     rows = []
     for mode in modes:
         quantized = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
         # every row through the kernel: its per-row result does not depend on the batch size
         replaced = quant.quantize_model_linears(quantized, mode, max_kernel_rows=1 << 30)
@@ -236,11 +248,7 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
         rows.append(
             f"| {mode} | {len(replaced)} | {len(ref)} | {agree.float().mean() * 100:.1f}% | "
             f"{drop.mean():.4f} / {drop.max():.3f} | {kl.mean():.5f} / {kl.max():.4f} | "
-            + (
-                f"{disagree_gaps.max():.3f}"
-                if len(disagree_gaps)
-                else "—"
-            )
+            + (f"{disagree_gaps.max():.3f}" if len(disagree_gaps) else "—")
             + " |"
         )
     header = (
@@ -270,14 +278,15 @@ def write_results(section: str, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="batch sizes M")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=15, help="0: accuracy only")
     parser.add_argument("--threads", type=int, default=2, help="torch's and the kernel's")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument(
         "--contenders",
         nargs="+",
-        default=["fp32", "bf16", "fp16", "torch-int8", "int8", "int4"],
-        choices=["fp32", "bf16", "fp16", "torch-int8", "int8", "int4"],
+        default=TORCH_CONTENDERS + KERNEL_CONTENDERS,
+        choices=TORCH_CONTENDERS + KERNEL_CONTENDERS,
+        help="int8/int4: the kernel with int16 activations (the default); -a8: int8 activations",
     )
     parser.add_argument("--accuracy", action="store_true", help="logits vs fp32, default model")
     parser.add_argument("--accuracy-prompts", type=int, default=8)
@@ -289,11 +298,13 @@ def main() -> int:
     kernels = quant.kernels()
     kernels.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    contenders = build_contenders(args.layers, args.contenders)
     bandwidth = copy_bandwidth()
-    times = time_contenders(contenders, args.rows, args.rounds)
+    table = "(timing skipped: --rounds 0)"
+    if args.rounds > 0:
+        contenders = build_contenders(args.layers, args.contenders)
+        times = time_contenders(contenders, args.rows, args.rounds)
+        table = timing_table(contenders, args.rows, times)
     load_after = os.getloadavg()[0]
-    table = timing_table(contenders, args.rows, times)
     context = (
         f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, "
         f"{args.threads} threads; kernel ISA `{kernels.isa()}` (supported here: "

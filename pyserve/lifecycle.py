@@ -8,30 +8,47 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, poll_seconds: float = 0.5) -> None:
+def die_with_parent(
+    parent_pid: int, poll_seconds: float = 0.5, cleanup: Callable[[], None] | None = None
+) -> None:
     """Exits this process when ``parent_pid`` goes away.
 
     On Linux the kernel sends SIGKILL at the parent's death (PR_SET_PDEATHSIG); a daemon thread
     that polls the parent's pid covers other platforms and the race where the parent died
     before the prctl call.
+
+    With ``cleanup`` (what a killed parent could not do, such as removing its files), the kernel
+    signal is not asked for, since SIGKILL would leave no chance to run it: the polling thread
+    runs ``cleanup`` and exits, within ``poll_seconds`` of the parent's death. Only a process
+    whose main thread does not hold the GIL for long (one that mostly waits on a socket) should
+    rely on that.
     """
-    if sys.platform.startswith("linux"):
+    if cleanup is None and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except OSError:
             pass
 
+    def orphaned() -> None:
+        if cleanup is not None:
+            try:
+                cleanup()
+            finally:
+                os._exit(1)
+        os._exit(1)
+
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
-                os._exit(1)
+                orphaned()
             time.sleep(poll_seconds)
 
     if os.getppid() != parent_pid:
-        os._exit(1)
+        orphaned()
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -123,9 +123,19 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_a_killed_main_process_takes_its_children_and_ipc_files_with_it(model_dir):
-    server = Server(["--model", str(model_dir), *BASE_ARGS])
-    children = child_pids(server.proc.pid)
+def engine_children(server: Server, timeout: float = 30.0) -> list[int]:
+    """The worker and the detokenizer, once the engine has started both."""
+    deadline = time.monotonic() + timeout
+    while len(children := child_pids(server.proc.pid)) < 2:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.02)
+    return children
+
+
+@pytest.mark.parametrize("when", ["loading", "serving"])
+def test_a_killed_main_process_takes_its_children_and_ipc_files_with_it(model_dir, when):
+    server = Server(["--model", str(model_dir), *BASE_ARGS], wait_ready=when == "serving")
+    children = engine_children(server)
     ipc = ipc_directory(child(server, "pyserve.worker"))
     assert sorted(processes_mentioning(str(ipc))) == sorted(children)
 
@@ -140,10 +150,16 @@ def test_a_killed_main_process_takes_its_children_and_ipc_files_with_it(model_di
                 await running.read()
 
     try:
-        asyncio.run(kill_mid_stream())
+        if when == "serving":
+            asyncio.run(kill_mid_stream())
+        else:  # the worker is still importing torch or loading the model
+            assert ipc.is_dir()
+            server.proc.kill()
         assert server.proc.wait(5) == -signal.SIGKILL
         assert wait_dead(children, 5) < 5
     finally:
         server.stop()
+    if when == "loading":
+        assert "pyserve is ready" not in server.log()
     assert processes_mentioning(str(ipc)) == [], "an orphan outlived the main process"
     assert not ipc.exists(), f"IPC files left behind: {list(ipc.iterdir())}"

@@ -66,5 +66,4 @@ def test_a_pool_too_small_for_the_batch_retracts_and_every_output_stays_exact(se
             assert t["text"] == a["text"]
     after = wait_for_metrics(url, kv_idle)
     assert after["pyserve_retractions_total"] > 0
-    print("RETRACTIONS", after["pyserve_retractions_total"])
     assert "idle accounting check failed" not in server.log()

@@ -317,7 +317,7 @@ def test_variants_batched(tmp_path, kind, overrides):
     if kind == "qwen2":
         assert runner.config.qkv_bias
     if overrides.get("tie_word_embeddings"):
-        assert runner.model.lm_head is runner.model.embed_tokens
+        assert runner.model.lm_head.weight is runner.model.embed_tokens
     prompts = make_prompts(seed=2)
     refs = hf_greedy(model, prompts)
     driver = Driver(runner)
@@ -344,11 +344,11 @@ def dense_attention(q, keys, values, start: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dtype, chunk_tokens, tol",
-    [(torch.float32, 256, 1e-5), (torch.float32, 8, 1e-5), (torch.bfloat16, 12, 3e-2)],
+    "dtype, max_chunk_tokens, tol",
+    [(torch.float32, None, 1e-5), (torch.float32, 8, 1e-5), (torch.bfloat16, 12, 3e-2)],
     ids=["fp32-one-chunk", "fp32-split-chunks", "bf16-split-chunks"],
 )
-def test_attention_backend_matches_dense(dtype, chunk_tokens, tol):
+def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol):
     """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes."""
     from pyserve.worker.attention.cpu import CpuAttentionBackend
     from pyserve.worker.kv_cache import PagedKVCache
@@ -362,7 +362,11 @@ def test_attention_backend_matches_dense(dtype, chunk_tokens, tol):
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=gen))
     backend = CpuAttentionBackend(
-        cache, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, chunk_tokens=chunk_tokens
+        cache,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        max_chunk_tokens=max_chunk_tokens,
     )
     # (start_pos, num_tokens) per entry
     shapes = [(37, 1), (0, 9), (12, 7), (5, 1), (0, 1), (61, 1), (23, 3), (2, 1)]
@@ -401,13 +405,13 @@ def test_attention_backend_matches_dense(dtype, chunk_tokens, tol):
 def test_decode_split_across_chunks_matches_hf(llama):
     """The split-softmax decode path (contexts spanning several chunks) against HF."""
     runner, prompts, refs = llama
-    default = runner.attention.chunk_blocks
-    runner.attention.chunk_blocks = 3  # 12-token chunks: every context spans several
+    default = runner.attention.max_chunk_blocks
+    runner.attention.max_chunk_blocks = 3  # 12-token chunks: every context spans several
     try:
         driver = Driver(runner)
         seqs = [driver.new_seq(p) for p in prompts]
         driver.step([(s, s.pending) for s in seqs])
         driver.run_decodes(seqs)
     finally:
-        runner.attention.chunk_blocks = default
+        runner.attention.max_chunk_blocks = default
     assert_all_match(seqs, refs)

@@ -90,15 +90,25 @@ def test_sharded_safetensors_match_single_file(saved_tiny, tmp_path):
     assert (sharded.log_softmax(-1) - hf_logits(model).log_softmax(-1)).abs().max() < 1e-4
 
 
-def test_bfloat16_close_to_float32(saved_tiny):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_float32(saved_tiny, dtype):
     _, directory = saved_tiny
     fp32 = runner(directory)
-    bf16 = runner(directory, dtype="bfloat16")
-    assert bf16.kv_cache_bytes * 2 == fp32.kv_cache_bytes
-    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
-    a, b = prefill_logits(fp32), prefill_logits(bf16)
+    half = runner(directory, dtype=dtype)
+    assert half.kv_cache_bytes * 2 == fp32.kv_cache_bytes
+    assert all(p.dtype == getattr(torch, dtype) for p in half.model.parameters())
+    a, b = prefill_logits(fp32), prefill_logits(half)
     assert b.dtype == torch.float32
     assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
+
+
+def test_dtype_auto_and_unknown(saved_tiny):
+    from pyserve.worker.dtypes import default_dtype
+
+    _, directory = saved_tiny
+    assert runner(directory, dtype="auto").dtype_name == default_dtype("cpu")
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        runner(directory, dtype="int8")
 
 
 def test_missing_path():

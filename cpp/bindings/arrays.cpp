@@ -157,13 +157,18 @@ std::vector<T> read_ints(py::handle obj, const char* what) {
 // The format of a buffer that holds exactly T values in native (little-endian) order.
 template <class T>
 bool is_packed(const Py_buffer& view) {
-  std::string format = view.format ? view.format : "B";
-  if (!format.empty() && (format[0] == '@' || format[0] == '=' || format[0] == '<')) {
-    format.erase(0, 1);
-  }
-  if (view.itemsize == 1) return format == "B" || format == "b" || format == "c";
-  if (view.itemsize != static_cast<Py_ssize_t>(sizeof(T)) || format.size() != 1) return false;
-  return sizeof(T) == 4 ? format[0] == 'i' : (format[0] == 'q' || format[0] == 'l');
+  const char* format = view.format ? view.format : "B";
+  if (*format == '@' || *format == '=' || *format == '<') ++format;
+  if (format[0] == '\0' || format[1] != '\0') return false;  // one item code
+  const char code = format[0];
+  if (view.itemsize == 1) return code == 'B' || code == 'b' || code == 'c';
+  if (view.itemsize != static_cast<Py_ssize_t>(sizeof(T))) return false;
+  return sizeof(T) == 4 ? code == 'i' : (code == 'q' || code == 'l');
+}
+
+template <class T>
+bool aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % alignof(T) == 0;
 }
 
 }  // namespace
@@ -171,11 +176,21 @@ bool is_packed(const Py_buffer& view) {
 template <class T>
 IntArg<T>::IntArg(py::handle obj, const char* what) {
   PyObject* o = obj.ptr();
-  if (PyObject_CheckBuffer(o) && !PyList_Check(o)) {
+  if (PyBytes_CheckExact(o)) {
+    // The common case (packed ids from the main process): read in place, no buffer export.
+    const char* data = PyBytes_AS_STRING(o);
+    const size_t len = static_cast<size_t>(PyBytes_GET_SIZE(o));
+    if (len % sizeof(T) == 0 && aligned<T>(data)) {
+      Py_INCREF(o);
+      bytes_ = o;
+      data_ = reinterpret_cast<const T*>(data);
+      size_ = len / sizeof(T);
+      return;
+    }
+  } else if (PyObject_CheckBuffer(o)) {
     if (PyObject_GetBuffer(o, &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
       has_view_ = true;
-      const bool aligned = reinterpret_cast<uintptr_t>(view_.buf) % alignof(T) == 0;
-      if (view_.ndim <= 1 && aligned && is_packed<T>(view_) &&
+      if (view_.ndim <= 1 && aligned<T>(view_.buf) && is_packed<T>(view_) &&
           static_cast<size_t>(view_.len) % sizeof(T) == 0) {
         data_ = static_cast<const T*>(view_.buf);
         size_ = static_cast<size_t>(view_.len) / sizeof(T);
@@ -194,32 +209,6 @@ IntArg<T>::IntArg(py::handle obj, const char* what) {
 
 template class IntArg<int32_t>;
 template class IntArg<int64_t>;
-
-py::list to_id_list(const std::vector<int32_t>& ids) {
-  constexpr int32_t kInterned = 1 << 20;
-  // Filled on demand under the GIL and never freed: at most 2**20 ints for the process.
-  static std::vector<PyObject*>* interned = new std::vector<PyObject*>();
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(ids.size()));
-  if (!list) throw py::error_already_set();
-  py::list out = py::reinterpret_steal<py::list>(list);
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const int32_t id = ids[i];
-    PyObject* item;
-    if (id >= 0 && id < kInterned) {
-      if (static_cast<size_t>(id) >= interned->size()) {
-        interned->resize(static_cast<size_t>(id) + 1, nullptr);
-      }
-      PyObject*& slot = (*interned)[static_cast<size_t>(id)];
-      if (!slot && !(slot = PyLong_FromLong(id))) throw py::error_already_set();
-      Py_INCREF(slot);
-      item = slot;
-    } else if (!(item = PyLong_FromLong(id))) {
-      throw py::error_already_set();
-    }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
-  }
-  return out;
-}
 
 std::vector<int32_t> to_int32s(py::handle obj, const char* what) {
   return read_ints<int32_t>(obj, what);

@@ -18,16 +18,19 @@ namespace py = pybind11;
 std::vector<int32_t> to_int32s(py::handle obj, const char* what);
 std::vector<int64_t> to_int64s(py::handle obj, const char* what);
 
-// An integer array argument without a copy where possible: a bytes-like object (or a typed
-// buffer of exactly T) that is suitably aligned is read in place, anything else is converted.
-// Create and destroy it with the GIL held; its data may be read with the GIL released (the
-// buffer export keeps the object from being resized or freed meanwhile).
+// An integer array argument without a copy where possible: a bytes object, a bytes-like buffer
+// or a typed buffer of exactly T that is suitably aligned is read in place (bytes directly, the
+// others through the buffer protocol); anything else is converted once, with validation.
+// Create and destroy it with the GIL held; its data may be read with the GIL released (it holds
+// a reference to a bytes object, and a buffer export keeps any other object from being resized
+// or freed meanwhile).
 template <class T>
 class IntArg {
  public:
   IntArg(py::handle obj, const char* what);
   ~IntArg() {
     if (has_view_) PyBuffer_Release(&view_);
+    Py_XDECREF(bytes_);
   }
   IntArg(const IntArg&) = delete;
   IntArg& operator=(const IntArg&) = delete;
@@ -37,6 +40,7 @@ class IntArg {
   std::vector<T> vector() const { return std::vector<T>(data_, data_ + size_); }
 
  private:
+  PyObject* bytes_ = nullptr;  // a bytes object read in place (a new reference)
   Py_buffer view_{};
   bool has_view_ = false;
   std::vector<T> owned_;
@@ -47,13 +51,14 @@ class IntArg {
 using Int32Arg = IntArg<int32_t>;
 using Int64Arg = IntArg<int64_t>;
 
-// A list of block ids. Block ids recur constantly and are small, so their Python ints are
-// created once and shared (ids below 2**20), sparing an allocation per id per call.
-py::list to_id_list(const std::vector<int32_t>& ids);
+template <class T>
+py::bytes to_bytes(const T* values, size_t count) {
+  return py::bytes(reinterpret_cast<const char*>(values), count * sizeof(T));
+}
 
 template <class T>
 py::bytes to_bytes(const std::vector<T>& values) {
-  return py::bytes(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+  return to_bytes(values.data(), values.size());
 }
 
 template <class T>

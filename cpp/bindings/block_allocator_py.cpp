@@ -27,9 +27,9 @@ void bind_block_allocator(py::module_& m) {
       .def(
           "allocate",
           [](PyAllocator& a, int64_t n) {
-            return to_id_list(a.held([n](BlockAllocator& x) { return x.allocate(n); }));
+            return to_bytes(a.held([n](BlockAllocator& x) { return x.allocate(n); }));
           },
-          py::arg("n"), "n fresh blocks with refcount 1; RuntimeError if fewer are free")
+          py::arg("n"), "n fresh blocks (int32 bytes) with refcount 1; RuntimeError if fewer are free")
       .def(
           "incref",
           [](PyAllocator& a, py::handle ids) {

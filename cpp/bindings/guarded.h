@@ -1,8 +1,10 @@
 // Guarded<T>: how a core object is exposed to Python.
 //
-// The core is single-threaded; the bindings release the GIL in hot calls so that a scheduler
-// thread and the event loop can both call in. Every call therefore takes the object's mutex
-// after releasing the GIL (never the other way round, so no call can deadlock against the GIL).
+// The core is single-threaded; the bindings release the GIL in calls that can run long so that a
+// scheduler thread and the event loop can both call in. Every call takes the object's mutex; a
+// call that keeps the GIL while it holds the mutex never waits for the GIL there, so no call can
+// deadlock against the GIL (the mutex is only ever waited for with the GIL released, or by a
+// short `held` call whose holder does not need the GIL to finish).
 // Objects that share state share one mutex: `planner.cache` and `planner.allocator` lock the
 // planner's mutex, and a RadixCache built on a BlockAllocator locks the allocator's.
 #pragma once
@@ -28,6 +30,18 @@ struct Guarded {
     py::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(*mutex);
     return f(*obj);
+  }
+
+  // Runs f(obj) under the mutex, releasing the GIL only when the call is long (`long_call`) or
+  // the mutex is taken: a release and re-acquire of the GIL costs more than a short call itself,
+  // and another thread may take the GIL meanwhile and make this one wait for a switch interval.
+  template <class F>
+  auto maybe_released(bool long_call, F&& f) {
+    if (!long_call) {
+      std::unique_lock<std::mutex> lock(*mutex, std::try_to_lock);
+      if (lock.owns_lock()) return f(*obj);
+    }
+    return released(std::forward<F>(f));
   }
 
   // Runs f(obj) under the mutex, keeping the GIL: for calls too short to be worth a release.

@@ -24,6 +24,10 @@ struct StandaloneCache {
       : allocator(std::move(a)), cache(block_size, *allocator) {}
 };
 
+// match_prefix and insert keep the GIL for inputs shorter than this (they take about a
+// microsecond there, less than handing the GIL over and back costs); longer ones release it.
+constexpr size_t kReleaseGilTokens = 16384;
+
 NodeId to_handle(int64_t handle) {
   if (handle < 0 || handle > INT32_MAX) {
     throw pyserve::ValueError(std::to_string(handle) + " is not a live cache node handle");
@@ -66,16 +70,19 @@ void bind_radix_cache(py::module_& m) {
           "match_prefix",
           [](PyCache& c, py::handle tokens) {
             Int32Arg t(tokens, "tokens");
-            auto r = c.released([&](RadixCache& x) { return x.match_prefix(t.data(), t.size()); });
-            return py::make_tuple(r.num_tokens, to_id_list(r.blocks), r.node);
+            auto r = c.maybe_released(t.size() >= kReleaseGilTokens, [&](RadixCache& x) {
+              return x.match_prefix(t.data(), t.size());
+            });
+            return py::make_tuple(r.num_tokens, to_bytes(r.blocks), r.node);
           },
-          py::arg("tokens"), "(num_tokens, block_ids, handle) of the longest cached prefix")
+          py::arg("tokens"),
+          "(num_tokens, block_ids, handle) of the longest cached prefix; block_ids: int32 bytes")
       .def(
           "insert",
           [](PyCache& c, py::handle tokens, py::handle block_ids) {
             Int32Arg t(tokens, "tokens");
             Int32Arg b(block_ids, "block_ids");
-            return c.released([&](RadixCache& x) {
+            return c.maybe_released(t.size() >= kReleaseGilTokens, [&](RadixCache& x) {
               return x.insert(t.data(), t.size(), b.data(), b.size()).cached_tokens;
             });
           },

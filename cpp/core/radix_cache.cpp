@@ -131,28 +131,45 @@ NodeId RadixCache::split(NodeId child, int64_t keep_blocks) {
   return mid;
 }
 
-void RadixCache::unlist(NodeId node) { lru_leaves_.erase({nodes_[node].last_access, node}); }
+void RadixCache::unlist(NodeId node) {
+  Node& n = nodes_[node];
+  if (n.listed) {
+    lru_leaves_.erase(n.lru_entry);
+    n.listed = false;
+  }
+}
 
 void RadixCache::relist(NodeId node) {
-  const Node& n = nodes_[node];
-  if (node != kRootNode && n.live && n.children.empty() && n.lock_count == 0) {
-    lru_leaves_.emplace(n.last_access, node);
+  Node& n = nodes_[node];
+  if (!n.listed && node != kRootNode && n.live && n.children.empty() && n.lock_count == 0) {
+    // Mostly the newest entry (a leaf just used): the hint makes that insertion O(1).
+    n.lru_entry = lru_leaves_.emplace_hint(lru_leaves_.end(), n.last_access, node);
+    n.listed = true;
   }
 }
 
 // Stamps node and its ancestors up to `stop` (inclusive; -1: up to the root) with the clock.
+// Only `node` itself can be a listed leaf (its ancestors have children); its LRU entry is re-keyed
+// in place, without an allocation, and goes to the end: no entry is newer than the clock.
 void RadixCache::touch(NodeId node, NodeId stop) {
-  unlist(node);  // only `node` itself can be a listed leaf: its ancestors have children
   for (NodeId x = node; x >= 0; x = nodes_[x].parent) {
     nodes_[x].last_access = clock_;
     if (x == stop) break;
   }
-  relist(node);
+  Node& n = nodes_[node];
+  if (n.listed) {
+    auto entry = lru_leaves_.extract(n.lru_entry);
+    entry.value().first = clock_;
+    n.lru_entry = lru_leaves_.insert(lru_leaves_.end(), std::move(entry));
+  } else {
+    relist(node);
+  }
 }
 
 PrefixMatch RadixCache::match_prefix(const int32_t* tokens, size_t n) {
   PrefixMatch result;
   const int64_t num_full = static_cast<int64_t>(n / static_cast<size_t>(block_size_));
+  result.blocks.reserve(static_cast<size_t>(num_full));
   const Walk w = walk(kRootNode, tokens, num_full, &result.blocks);
   result.node = w.partial >= 0 ? split(w.partial, w.partial_blocks) : w.node;
   result.num_tokens = w.blocks * block_size_;
@@ -177,11 +194,16 @@ InsertResult RadixCache::insert_from(NodeId start, const int32_t* tokens, size_t
     throw ValueError("insert: " + std::to_string(n) + " tokens make " + std::to_string(num_full) +
                      " whole blocks but only " + std::to_string(num_ids) + " block ids were given");
   }
-  for (size_t i = 0; i < num_full; ++i) {
-    if (ids[i] < 0 || ids[i] >= allocator_.num_blocks()) {
-      throw ValueError("insert: block id " + std::to_string(ids[i]) + " is out of range [0, " +
-                       std::to_string(allocator_.num_blocks()) + ")");
-    }
+  BlockId lowest = 0;
+  BlockId highest = 0;
+  for (size_t i = 0; i < num_full; ++i) {  // branch-free, so that it vectorizes
+    lowest = std::min(lowest, ids[i]);
+    highest = std::max(highest, ids[i]);
+  }
+  if (lowest < 0 || highest >= allocator_.num_blocks()) {
+    const BlockId bad = lowest < 0 ? lowest : highest;
+    throw ValueError("insert: block id " + std::to_string(bad) + " is out of range [0, " +
+                     std::to_string(allocator_.num_blocks()) + ")");
   }
   const Walk w = walk(start, tokens, static_cast<int64_t>(num_full), nullptr);
   const size_t cached = static_cast<size_t>(w.blocks);
@@ -431,6 +453,10 @@ void RadixCache::check_invariants() const {
     if (should_list != listed_now) {
       fail(name + (should_list ? " is an unlocked leaf missing from" : " must not be in") +
            " the LRU set");
+    }
+    if (n.listed != listed_now ||
+        (n.listed && *n.lru_entry != std::make_pair(n.last_access, id))) {
+      fail(name + " has a stale LRU entry");
     }
     listed += listed_now ? 1 : 0;
     if (id == kRootNode) continue;

@@ -9,7 +9,8 @@
 // - A node's children are keyed by a 64-bit hash of their first block's tokens; a lookup
 //   compares the tokens too, so a hash collision can never produce a wrong match.
 // - Unlocked leaves sit in an ordered set keyed by (last access, node id): LRU eviction pops the
-//   front. Access times come from a logical clock that ticks once per match, insert or release,
+//   front. A listed node keeps its entry's iterator, so a used leaf is re-keyed to the back of
+//   the set without a search or an allocation. Access times come from a logical clock that ticks once per match, insert or release,
 //   each stamping the whole root→node path, so an unlocked parent is never older than its
 //   children. (insert_from below a locked node stamps only from that node down, to stay
 //   independent of depth; the lock holder's release() stamps the rest.)
@@ -130,6 +131,8 @@ class RadixCache {
   void check_invariants() const;
 
  private:
+  using LruSet = std::set<std::pair<uint64_t, NodeId>>;  // (last access, node id)
+
   struct Node {
     NodeId parent = -1;
     int64_t depth = 0;
@@ -140,6 +143,8 @@ class RadixCache {
     std::vector<BlockId> blocks;
     std::vector<int32_t> tokens;                         // the edge's tokens, block_size per block
     std::unordered_multimap<uint64_t, NodeId> children;  // by key
+    bool listed = false;         // in lru_leaves_ (an unlocked non-root leaf)
+    LruSet::iterator lru_entry;  // its entry there, while listed
   };
 
   struct Walk {
@@ -169,7 +174,7 @@ class RadixCache {
   BlockAllocator& allocator_;
   std::vector<Node> nodes_;
   std::vector<NodeId> free_nodes_;
-  std::set<std::pair<uint64_t, NodeId>> lru_leaves_;  // unlocked non-root leaves
+  LruSet lru_leaves_;                                 // unlocked non-root leaves
   std::vector<NodeId> block_node_;                    // node holding the block, or -1
   std::vector<uint8_t> scratch_mark_;                 // per block, for duplicate checks
   uint64_t clock_ = 0;

@@ -19,10 +19,9 @@ constexpr size_t kChunkBytes = 32 * 1024;
 constexpr int kParallelQuantizeRows = 32;
 constexpr int kQuantizeChunkRows = 8;
 
-bool cpu_has(const char* name) {
+bool cpu_has(const std::string& isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  const std::string isa(name);
   if (isa == "avx512_vnni")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
@@ -31,7 +30,7 @@ bool cpu_has(const char* name) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
 #else
-  (void)name;
+  (void)isa;
 #endif
   return false;
 }
@@ -64,8 +63,13 @@ void check(bool ok, const char* message) {
   if (!ok) throw std::invalid_argument(message);
 }
 
+void check_group(int group) {
+  check(group > 0 && group % 32 == 0 && group <= kMaxGroup,
+        "group must be a multiple of 32, at most 256");
+}
+
 struct Scratch {
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;  // int8 or int16 values, whichever the activations use
   std::vector<float> scale, scaled_sum;
   std::vector<int32_t> sum;
 };
@@ -74,7 +78,7 @@ struct QuantizeJob {
   const KernelTable* table;
   const float* x;
   int64_t x_stride;
-  int rows, k, group;
+  int rows, k, group, bits;
   Scratch* scratch;
 };
 
@@ -83,12 +87,29 @@ void quantize_chunk(void* context, int chunk) {
   const int begin = chunk * kQuantizeChunkRows;
   const int end = std::min(job.rows, begin + kQuantizeChunkRows);
   const int groups = (job.k + job.group - 1) / job.group;
-  const int64_t q_at = static_cast<int64_t>(begin) * groups * job.group;
+  const int64_t q_bytes = static_cast<int64_t>(begin) * groups * job.group * job.bits / 8;
   const int64_t g_at = static_cast<int64_t>(begin) * groups;
-  job.table->quantize_rows(job.x + begin * job.x_stride, job.x_stride, end - begin, job.k,
-                           job.group, job.scratch->q.data() + q_at,
-                           job.scratch->scale.data() + g_at, job.scratch->scaled_sum.data() + g_at,
-                           job.scratch->sum.data() + g_at);
+  job.table->quantize_rows(
+      job.x + begin * job.x_stride, job.x_stride, end - begin, job.k, job.group, job.bits,
+      reinterpret_cast<int8_t*>(job.scratch->q.data()) + q_bytes, job.scratch->scale.data() + g_at,
+      job.scratch->scaled_sum.data() + g_at, job.scratch->sum.data() + g_at);
+}
+
+void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
+                   int group, int bits, Scratch& scratch) {
+  const int groups = (k + group - 1) / group;
+  const size_t cells = static_cast<size_t>(rows) * groups;
+  scratch.q.resize(cells * group);  // int16 elements: room for either width
+  scratch.scale.resize(cells);
+  scratch.scaled_sum.resize(cells);
+  scratch.sum.resize(cells);
+  QuantizeJob job{&table, x, x_stride, rows, k, group, bits, &scratch};
+  const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
+  if (rows >= kParallelQuantizeRows) {
+    ThreadPool::instance().run(quantize_chunk, &job, chunks);
+  } else {
+    for (int chunk = 0; chunk < chunks; ++chunk) quantize_chunk(&job, chunk);
+  }
 }
 
 struct MatmulJob {
@@ -108,25 +129,8 @@ void matmul_chunk(void* context, int chunk) {
   const int end = std::min(job.w->tiles(), begin + job.tiles_per_chunk);
   const int step = job.table->max_rows;
   for (int r = 0; r < job.rows; r += step)
-    job.table->tiles(*job.w, *job.a, r, std::min(step, job.rows - r), begin, end, job.bias,
-                     job.out, job.out_stride);
-}
-
-void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
-                   int group, Scratch& scratch) {
-  const int groups = (k + group - 1) / group;
-  const size_t cells = static_cast<size_t>(rows) * groups;
-  scratch.q.resize(cells * group);
-  scratch.scale.resize(cells);
-  scratch.scaled_sum.resize(cells);
-  scratch.sum.resize(cells);
-  QuantizeJob job{&table, x, x_stride, rows, k, group, &scratch};
-  const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
-  if (rows >= kParallelQuantizeRows) {
-    ThreadPool::instance().run(quantize_chunk, &job, chunks);
-  } else {
-    for (int chunk = 0; chunk < chunks; ++chunk) quantize_chunk(&job, chunk);
-  }
+    job.table->tiles(*job.w, *job.a, r, std::min(step, job.rows - r), begin, end, job.bias, job.out,
+                     job.out_stride);
 }
 
 }  // namespace
@@ -137,38 +141,48 @@ void set_isa(const std::string& name) {
   const KernelTable* table = table_for(name);
   if (table == nullptr)
     throw std::invalid_argument("unknown ISA '" + name + "' (avx512_vnni, avx2 or scalar)");
-  if (name != "scalar" && !cpu_has(name.c_str()))
+  if (name != "scalar" && !cpu_has(name))
     throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
   selected.store(table, std::memory_order_release);
 }
 
-void quantized_matmul(const float* x, int64_t x_stride, int rows, const PackedWeights& w,
-                      const float* bias, float* out, int64_t out_stride) {
+void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
+                      const PackedWeights& w, const float* bias, float* out, int64_t out_stride) {
   check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
-  check(w.bits == 8 || w.bits == 4, "bits must be 8 or 4");
-  check(w.group > 0 && w.group % 32 == 0, "group must be a positive multiple of 32");
+  check(w.bits == 8 || w.bits == 4, "weight bits must be 8 or 4");
+  check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
+  check_group(w.group);
   check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
   const KernelTable& table = kernels();
   thread_local Scratch scratch;
-  quantize_into(table, x, x_stride, rows, w.k, w.group, scratch);
-  const QuantizedRows a{scratch.q.data(),   scratch.scale.data(), scratch.scaled_sum.data(),
-                        scratch.sum.data(), w.k_padded(),         w.groups()};
+  quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits, scratch);
+  const QuantizedRows a{scratch.q.data(),
+                        activation_bits,
+                        scratch.scale.data(),
+                        scratch.scaled_sum.data(),
+                        scratch.sum.data(),
+                        w.k_padded(),
+                        w.groups()};
   const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
   const int tiles_per_chunk = std::max<int>(1, static_cast<int>(kChunkBytes / tile_bytes));
   MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
-  ThreadPool::instance().run(matmul_chunk, &job, (w.tiles() + tiles_per_chunk - 1) / tiles_per_chunk);
+  const int chunks = (w.tiles() + tiles_per_chunk - 1) / tiles_per_chunk;
+  ThreadPool::instance().run(matmul_chunk, &job, chunks);
 }
 
-void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,
-                          float* scale, int32_t* sum) {
+void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
+                          void* q, float* scale, int32_t* sum) {
   check(x != nullptr && q != nullptr && scale != nullptr && sum != nullptr, "null pointer");
-  check(group > 0 && group % 32 == 0, "group must be a positive multiple of 32");
+  check(bits == 8 || bits == 16, "activation bits must be 8 or 16");
+  check_group(group);
   check(k > 0 && rows >= 0 && x_stride >= k, "bad sizes");
   Scratch scratch;
-  quantize_into(kernels(), x, x_stride, rows, k, group, scratch);
-  std::copy(scratch.q.begin(), scratch.q.end(), q);
+  quantize_into(kernels(), x, x_stride, rows, k, group, bits, scratch);
+  const size_t q_bytes = static_cast<size_t>(rows) * ((k + group - 1) / group) * group * bits / 8;
+  const auto* bytes = reinterpret_cast<const int8_t*>(scratch.q.data());
+  std::copy(bytes, bytes + q_bytes, static_cast<int8_t*>(q));
   std::copy(scratch.scale.begin(), scratch.scale.end(), scale);
   std::copy(scratch.sum.begin(), scratch.sum.end(), sum);
 }

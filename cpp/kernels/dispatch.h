@@ -14,13 +14,14 @@ std::string current_isa();
 // Switches to `name`; std::invalid_argument when it is unknown or this CPU lacks it.
 void set_isa(const std::string& name);
 
-// out[rows, w.n] = x[rows, w.k] · Wᵀ (+ bias). Checks its arguments (std::invalid_argument).
-void quantized_matmul(const float* x, int64_t x_stride, int rows, const PackedWeights& w,
-                      const float* bias, float* out, int64_t out_stride);
+// out[rows, w.n] = x[rows, w.k] · Wᵀ (+ bias), x quantized to `activation_bits` (8 or 16).
+// Checks its arguments (std::invalid_argument).
+void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
+                      const PackedWeights& w, const float* bias, float* out, int64_t out_stride);
 
-// Quantizes rows like quantized_matmul does, for tests: q [rows][k_padded], scale and sum
-// [rows][groups].
-void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,
-                          float* scale, int32_t* sum);
+// Quantizes rows as quantized_matmul does, for tests: q (int8 or int16) [rows][k_padded],
+// scale and sum [rows][groups].
+void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
+                          void* q, float* scale, int32_t* sum);
 
 }  // namespace pyserve_kernels

@@ -12,10 +12,11 @@
 //   scales [tiles][groups][32] fp16: d of the tile's 16 rows, then m of the same rows.
 // Rows past N and inputs past K are padding (u = 0, d = m = 0).
 //
-// Activations are quantized per row and group like llama.cpp's Q8_1: a = s·q, q ∈ [−127, 127],
-// s = max|a|/127, rounded to nearest even, and with Σq kept beside s. Then a group contributes
-// s·(d·Σu·q + m·Σq) to the output: the integer dot product Σu·q is one VNNI `vpdpbusd` per four
-// inputs of 16 rows (unsigned weights × signed activations), the rest is float per group.
+// Activations are quantized per row and group: a = s·q with s = max|a|/Q and q rounded to
+// nearest even, Q = 127 (int8, llama.cpp's Q8_1) or Q = 32767 (int16, ~256× less rounding), and
+// Σq kept beside s. A group then adds s·(d·Σu·q + m·Σq) to the output. The integer dot product
+// Σu·q takes one VNNI instruction per 16 rows and 4 inputs (`vpdpbusd`, unsigned bytes × signed
+// bytes) or 2 inputs (`vpdpwssd`, words × words); the rest is float work once per group.
 #pragma once
 
 #include <cstddef>
@@ -24,7 +25,7 @@
 namespace pyserve_kernels {
 
 constexpr int kTileRows = 16;   // outputs per tile: one AVX-512 register of int32 or float
-constexpr int kQuadInputs = 4;  // inputs per int32 lane of vpdpbusd
+constexpr int kMaxGroup = 256;  // keeps Σu·q of a group inside int32 with int16 activations
 
 struct PackedWeights {
   const uint8_t* data;
@@ -41,7 +42,8 @@ struct PackedWeights {
 
 // Rows of activations quantized per group (row-major, `groups` entries per row).
 struct QuantizedRows {
-  const int8_t* q;          // [rows][k_padded]
+  const void* q;            // int8_t or int16_t [rows][k_padded]
+  int bits;                 // 8 or 16: the type of q
   const float* scale;       // [rows][groups] s
   const float* scaled_sum;  // [rows][groups] s·Σq
   const int32_t* sum;       // [rows][groups] Σq
@@ -49,13 +51,14 @@ struct QuantizedRows {
   int groups;
 };
 
-// One ISA's implementation. `tiles` computes rows [row0, row0 + rows) of outputs in tiles
-// [tile0, tile1); rows ≤ max_rows.
+// One ISA's implementation. `quantize_rows` writes `bits`-bit q (padded to whole groups with
+// zeros); `tiles` computes rows [row0, row0 + rows) of the outputs in tiles [tile0, tile1),
+// rows ≤ max_rows.
 struct KernelTable {
   const char* name;
   int max_rows;
-  void (*quantize_rows)(const float* x, int64_t x_stride, int rows, int k, int group, int8_t* q,
-                        float* scale, float* scaled_sum, int32_t* sum);
+  void (*quantize_rows)(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
+                        void* q, float* scale, float* scaled_sum, int32_t* sum);
   void (*tiles)(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride);
 };

@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kHalfRows = kTileRows / 2;
 
-PYSERVE_AVX2 inline __m256i broadcast_quad(const int8_t* p) {
+PYSERVE_AVX2 inline __m256i broadcast_quad(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm256_set1_epi32(v);
@@ -36,7 +36,27 @@ PYSERVE_AVX2 inline __m256i dot_centred_u8(__m256i u, __m256i a) {
   return _mm256_madd_epi16(product, _mm256_set1_epi16(1));
 }
 
-template <int R, int BITS>
+// vpshufb patterns that widen the bytes (k0, k1) or (k2, k3) of every 32-bit lane to words.
+constexpr int widen_pattern(int lane, int first) {
+  const unsigned low = static_cast<unsigned>(4 * lane + first);  // bytes: low, zero, low+1, zero
+  return static_cast<int>(low | 0x8000u | (low + 1) << 16 | 0x80000000u);
+}
+
+// Σ over each lane's 4 bytes of u·a, u unsigned 8-bit and a the 4 int16 activations at `a`.
+PYSERVE_AVX2 inline __m256i dot_u8_i16(__m256i u, const int16_t* a) {
+  const __m256i low = _mm256_shuffle_epi8(
+      u, _mm256_setr_epi32(widen_pattern(0, 0), widen_pattern(1, 0), widen_pattern(2, 0),
+                           widen_pattern(3, 0), widen_pattern(0, 0), widen_pattern(1, 0),
+                           widen_pattern(2, 0), widen_pattern(3, 0)));
+  const __m256i high = _mm256_shuffle_epi8(
+      u, _mm256_setr_epi32(widen_pattern(0, 2), widen_pattern(1, 2), widen_pattern(2, 2),
+                           widen_pattern(3, 2), widen_pattern(0, 2), widen_pattern(1, 2),
+                           widen_pattern(2, 2), widen_pattern(3, 2)));
+  return _mm256_add_epi32(_mm256_madd_epi16(low, broadcast_quad(a)),
+                          _mm256_madd_epi16(high, broadcast_quad(a + 2)));
+}
+
+template <int R, int BITS, class Q>
 PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                              int tile1, const float* bias, float* out, int64_t out_stride) {
   const int groups = w.groups();
@@ -53,8 +73,26 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
       for (int g = 0; g < groups; ++g) {
         __m256i dot[R];
         for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-        const int8_t* qa = a.q + static_cast<int64_t>(row0) * a.k_padded + g * group;
-        if constexpr (BITS == 8) {
+        const Q* qa =
+            static_cast<const Q*>(a.q) + static_cast<int64_t>(row0) * a.k_padded + g * group;
+        if constexpr (sizeof(Q) == 2) {  // words: no saturation to dodge
+          for (int j = 0; j < group / (BITS == 8 ? 4 : 8); ++j) {
+            const __m256i raw =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j));
+            if constexpr (BITS == 8) {
+              for (int r = 0; r < R; ++r)
+                dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(raw, qa + r * a.k_padded + 4 * j));
+            } else {
+              const __m256i lo = _mm256_and_si256(raw, low_nibbles);
+              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+              for (int r = 0; r < R; ++r) {
+                const Q* q = qa + r * a.k_padded + 8 * j;
+                dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(lo, q));
+                dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(hi, q + 4));
+              }
+            }
+          }
+        } else if constexpr (BITS == 8) {
           for (int j = 0; j < group / 4; ++j) {
             const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j));
             for (int r = 0; r < R; ++r) {
@@ -73,7 +111,7 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
             const __m256i lo = _mm256_and_si256(packed, low_nibbles);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
             for (int r = 0; r < R; ++r) {
-              const int8_t* q = qa + r * a.k_padded + 8 * p;
+              const Q* q = qa + r * a.k_padded + 8 * p;
               dot[r] = _mm256_add_epi32(dot[r], dot_u4(lo, broadcast_quad(q)));
               dot[r] = _mm256_add_epi32(dot[r], dot_u4(hi, broadcast_quad(q + 4)));
             }
@@ -105,18 +143,18 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
   }
 }
 
-template <int BITS>
+template <int BITS, class Q>
 void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   switch (rows) {
     case 1:
-      return tiles_rows<1, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      return tiles_rows<1, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
     case 2:
-      return tiles_rows<2, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      return tiles_rows<2, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
     case 3:
-      return tiles_rows<3, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      return tiles_rows<3, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
     case 4:
-      return tiles_rows<4, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      return tiles_rows<4, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
     default:
       return;
   }
@@ -124,8 +162,13 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 
 void tiles_avx2(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
-  if (w.bits == 8) return tiles_bits<8>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  return tiles_bits<4>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  const bool wide = a.bits == 16;
+  if (w.bits == 8 && wide)
+    return tiles_bits<8, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 8)
+    return tiles_bits<8, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (wide) return tiles_bits<4, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  return tiles_bits<4, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
 }
 
 }  // namespace

@@ -14,31 +14,32 @@
 namespace pyserve_kernels {
 namespace {
 
-PYSERVE_AVX512 inline __m512i broadcast_quad(const int8_t* p) {
+PYSERVE_AVX512 inline __m512i broadcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
 }
 
-PYSERVE_AVX512 void quantize_rows_avx512(const float* x, int64_t x_stride, int rows, int k,
-                                         int group, int8_t* q, float* scale, float* scaled_sum,
-                                         int32_t* sum) {
+template <class Q>
+PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int group,
+                                     Q* q, float* scale, float* scaled_sum, int32_t* sum) {
+  constexpr int top = sizeof(Q) == 1 ? 127 : 32767;
   const int groups = (k + group - 1) / group;
   const int k_padded = groups * group;
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
-    int8_t* qr = q + static_cast<int64_t>(r) * k_padded;
+    Q* qr = q + static_cast<int64_t>(r) * k_padded;
     for (int g = 0; g < groups; ++g) {
       const int begin = g * group, end = std::min(k, begin + group);
       __m512 vmax = _mm512_setzero_ps();
       for (int i = begin; i < end; i += 16) {
-        const __mmask16 live =
-            end - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (end - i)) - 1);
+        const int left = end - i;
+        const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, xr + i)));
       }
       const float amax = _mm512_reduce_max_ps(vmax);
-      const float s = amax / 127.0f;
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const float s = amax / static_cast<float>(top);
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? static_cast<float>(top) / amax : 0.0f);
       __m512i total = _mm512_setzero_si512();
       for (int i = begin; i < begin + group; i += 16) {
         const int left = std::max(0, end - i);
@@ -47,9 +48,12 @@ PYSERVE_AVX512 void quantize_rows_avx512(const float* x, int64_t x_stride, int r
         __m512i qi =
             _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, xr + i), inverse));
         qi =
-            _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(top)), _mm512_set1_epi32(-top));
         total = _mm512_add_epi32(total, qi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtsepi32_epi8(qi));
+        if constexpr (sizeof(Q) == 1)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtsepi32_epi8(qi));
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + i), _mm512_cvtsepi32_epi16(qi));
       }
       const int32_t t = _mm512_reduce_add_epi32(total);
       const int64_t at = static_cast<int64_t>(r) * groups + g;
@@ -60,20 +64,54 @@ PYSERVE_AVX512 void quantize_rows_avx512(const float* x, int64_t x_stride, int r
   }
 }
 
+void quantize_rows_avx512(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
+                          void* q, float* scale, float* scaled_sum, int32_t* sum) {
+  if (bits == 16)
+    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int16_t*>(q), scale, scaled_sum, sum);
+  else
+    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int8_t*>(q), scale, scaled_sum, sum);
+}
+
+// vpshufb patterns that widen the bytes (k0, k1) or (k2, k3) of every 32-bit lane to words.
+constexpr int widen_pattern(int lane, int first) {
+  const unsigned low = static_cast<unsigned>(4 * lane + first);  // bytes: low, zero, low+1, zero
+  return static_cast<int>(low | 0x8000u | (low + 1) << 16 | 0x80000000u);
+}
+
+// Adds one quad block (16 rows × 4 inputs, unsigned bytes u) times the activations at
+// qa[r] + at (4 of them) to the R int32 accumulators.
+template <int R, class Q>
+PYSERVE_AVX512 inline void add_quad(__m512i (&dot)[R], __m512i u, const Q* const (&qa)[R], int at) {
+  if constexpr (sizeof(Q) == 1) {
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], u, broadcast32(qa[r] + at));
+  } else {
+    const __m512i low_pairs =
+        _mm512_shuffle_epi8(u, _mm512_set4_epi32(widen_pattern(3, 0), widen_pattern(2, 0),
+                                                 widen_pattern(1, 0), widen_pattern(0, 0)));
+    const __m512i high_pairs =
+        _mm512_shuffle_epi8(u, _mm512_set4_epi32(widen_pattern(3, 2), widen_pattern(2, 2),
+                                                 widen_pattern(1, 2), widen_pattern(0, 2)));
+    for (int r = 0; r < R; ++r) {
+      dot[r] = _mm512_dpwssd_epi32(dot[r], low_pairs, broadcast32(qa[r] + at));
+      dot[r] = _mm512_dpwssd_epi32(dot[r], high_pairs, broadcast32(qa[r] + at + 2));
+    }
+  }
+}
+
 // R rows × one tile at a time: R int32 and R float accumulators stay in registers while the
 // tile's groups stream through once.
-template <int R, int BITS>
+template <int R, int BITS, class Q>
 PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                                int tile1, const float* bias, float* out, int64_t out_stride) {
   const int groups = w.groups();
   const int group = w.group;
   const size_t group_bytes = w.group_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const int8_t* qa[R];
+  const Q* qa[R];
   const float* s[R];
   const float* ss[R];
   for (int r = 0; r < R; ++r) {
-    qa[r] = a.q + static_cast<int64_t>(row0 + r) * a.k_padded;
+    qa[r] = static_cast<const Q*>(a.q) + static_cast<int64_t>(row0 + r) * a.k_padded;
     s[r] = a.scale + static_cast<int64_t>(row0 + r) * groups;
     ss[r] = a.scaled_sum + static_cast<int64_t>(row0 + r) * groups;
   }
@@ -87,20 +125,15 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
       const int base = g * group;
       if constexpr (BITS == 8) {
-        for (int j = 0; j < group / 4; ++j) {
-          const __m512i u = _mm512_loadu_si512(block + 64 * j);
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm512_dpbusd_epi32(dot[r], u, broadcast_quad(qa[r] + base + 4 * j));
-        }
+        for (int j = 0; j < group / 4; ++j)
+          add_quad<R, Q>(dot, _mm512_loadu_si512(block + 64 * j), qa, base + 4 * j);
       } else {
         for (int p = 0; p < group / 8; ++p) {
           const __m512i packed = _mm512_loadu_si512(block + 64 * p);
           const __m512i lo = _mm512_and_si512(packed, low_nibbles);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-          for (int r = 0; r < R; ++r) {
-            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_quad(qa[r] + base + 8 * p));
-            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_quad(qa[r] + base + 8 * p + 4));
-          }
+          add_quad<R, Q>(dot, lo, qa, base + 8 * p);
+          add_quad<R, Q>(dot, hi, qa, base + 8 * p + 4);
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
@@ -124,13 +157,13 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   }
 }
 
-template <int BITS>
+template <int BITS, class Q>
 void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   switch (rows) {
 #define PYSERVE_ROWS_CASE(R) \
   case R:                    \
-    return tiles_rows<R, BITS>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    return tiles_rows<R, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
     PYSERVE_ROWS_CASE(1)
     PYSERVE_ROWS_CASE(2)
     PYSERVE_ROWS_CASE(3)
@@ -147,8 +180,13 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 
 void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                   int tile1, const float* bias, float* out, int64_t out_stride) {
-  if (w.bits == 8) return tiles_bits<8>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  return tiles_bits<4>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  const bool wide = a.bits == 16;
+  if (w.bits == 8 && wide)
+    return tiles_bits<8, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 8)
+    return tiles_bits<8, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (wide) return tiles_bits<4, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  return tiles_bits<4, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
 }
 
 }  // namespace

@@ -102,7 +102,9 @@ void ThreadPool::run(Task task, void* context, int chunks) {
   const uint32_t generation = generation_of(ticket_.load()) + 1;
   ticket_.store(static_cast<uint64_t>(generation) << 32);  // publishes the run (seq_cst)
   if (sleepers_.load() > 0) {
-    { std::lock_guard<std::mutex> sleep_lock(sleep_mutex_); }
+    {
+      std::lock_guard<std::mutex> sleep_lock(sleep_mutex_);
+    }
     wake_.notify_all();
   }
   work(generation);

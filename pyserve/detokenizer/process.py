@@ -9,6 +9,7 @@ torch: only ``tokenizers``, ``msgspec``, ``zmq`` and numpy.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import traceback
 
@@ -38,6 +39,9 @@ class DetokenizerConfig(msgspec.Struct, forbid_unknown_fields=True):
     out_addr: str  # ZMQ PUSH, connected to main's PULL
     parent_pid: int = 0  # 0: do not watch the parent
     log_level: str = "info"
+    # main's private IPC directory: removed here if main dies before it could remove it itself
+    # (a SIGKILL while the model loads), so that no socket or tokenizer file is left behind
+    ring_dir: str | None = None
 
 
 class RequestText:
@@ -146,7 +150,9 @@ def run(config: DetokenizerConfig) -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     if config.parent_pid:
-        die_with_parent(config.parent_pid)
+        ring_dir = config.ring_dir
+        cleanup = (lambda: shutil.rmtree(ring_dir, ignore_errors=True)) if ring_dir else None
+        die_with_parent(config.parent_pid, cleanup=cleanup)
     detok = Detokenizer(Tokenizer.from_file(config.tokenizer_file))
 
     ctx = zmq.Context()

@@ -4,7 +4,8 @@ Every PULL end binds and every PUSH end connects, so each process owns the socke
 reads from. The directory is created with mode 0700 (``tempfile.mkdtemp``), so no other user
 can connect to the ring. Once all three connections stand, the engine removes the directory:
 connected Unix sockets do not need their files, and nothing is left behind even if the main
-process is killed without a chance to clean up.
+process is killed later without a chance to clean up. If it is killed before (while the model
+loads), the detokenizer, which outlives it by up to half a second, removes the directory.
 """
 
 from __future__ import annotations

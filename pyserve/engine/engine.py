@@ -143,6 +143,7 @@ class Engine:
                 out_addr=addresses.main_in,
                 parent_pid=os.getpid(),
                 log_level=config.log_level,
+                ring_dir=addresses.directory,
             ),
         )
         self._children.start(

@@ -61,7 +61,11 @@ def create_app(
             if exc.status < 400:
                 raise
             return from_http_exception(exc, request).response()
-        except ConnectionError:
+        except ConnectionError as exc:
+            transport = request.transport
+            if transport is not None and not transport.is_closing():
+                log.exception("unhandled error in %s %s", request.method, request.path)
+                return server_error(f"internal error: {type(exc).__name__}").response()
             # The client went away mid-answer. Re-raised, aiohttp would log it as a 500 with a
             # traceback (one per disconnect); a stand-in response instead fails quietly on the
             # closed transport, which aiohttp treats as the premature disconnection it is.

@@ -8,16 +8,19 @@ import torch
 
 from pyserve.worker.attention import create_attention_backend
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.dtypes import default_dtype
 from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
     """One model on one device, with a KV cache of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``dtype``: float32, bfloat16, float16, or auto (``pyserve.worker.dtypes.default_dtype``).
 
     Block ids in ForwardBatch.block_tables index this cache directly (they come from the core's
     BlockAllocator, sized with the same ``num_blocks``).
@@ -33,11 +36,14 @@ class ModelRunner:
         device: str = "cpu",
         max_model_len: int | None = None,
     ):
+        if dtype == "auto":
+            dtype = default_dtype(device)
         if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+            raise ValueError(f"dtype {dtype!r} is not supported (auto, {', '.join(DTYPES)})")
         started = time.perf_counter()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        self.dtype_name = dtype
         checkpoint = open_checkpoint(model)
         self.config: ModelConfig = checkpoint.config
         limit = self.config.max_model_len
@@ -47,6 +53,7 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.config, dtype=self.dtype, device=self.device)
         self.model.load_weights(checkpoint.tensors(), checkpoint.path)
         self.model.eval()
+        self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_layers,
             num_blocks=num_blocks,

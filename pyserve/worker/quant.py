@@ -1,21 +1,22 @@
-"""Weight quantization for small-batch CPU decode: int8 / 4-bit linear layers on `pyserve._kernels`.
+"""Weight quantization for small-batch CPU decode: 8- and 4-bit linear layers on `pyserve._kernels`.
 
 Batch-1 decode on a CPU is bound by how fast the weights stream from memory, so storing them in
 8 or 4 bits (plus an fp16 scale and offset per group of 32 inputs) cuts the time a token takes.
-The kernel quantizes each activation row per group to int8 on the fly (llama.cpp's Q8_1) and
-accumulates the integer dot products with AVX-512 VNNI (AVX2 and portable fallbacks exist, see
-cpp/kernels/README.md).
+The kernel quantizes each activation row per group on the fly, to int16 by default (rounding
+error ~1.5e-5 of the group's largest value) or to int8 (llama.cpp's Q8_1: faster from ~4 rows
+on, 256x the rounding), and accumulates integer dot products with AVX-512 VNNI; AVX2 and
+portable paths exist for other CPUs (cpp/kernels/README.md).
 
-Formats (w = d·u + m per group, d and m fp16):
+Weight formats (w = d·u + m per group, d and m fp16):
 - ``int8``: symmetric, u = q + 128 with q ∈ [−127, 127] and m = −128·d (llama.cpp's Q8_0);
 - ``int4``: asymmetric 4-bit, u ∈ [0, 15], d = (max − min)/15, m = min (llama.cpp's Q4_1).
-Both match llama.cpp's rounding, so re-quantizing weights that a Q8_0 or Q4_1 GGUF held gives
-those exact weights back.
+Both round as llama.cpp does, so weights that a Q8_0 or Q4_1 GGUF held (the default model's)
+quantize back to exactly themselves.
 
-Quantization changes the logits (see benchmarks/RESULTS.md, "Kernels"), so it is opt-in per run;
+Quantization changes the logits (benchmarks/RESULTS.md, "Kernels"), so it is opt-in per run;
 the float path stays the default. A ``QuantLinear`` keeps the dequantized weights too, in the
-model's dtype, for batches larger than ``max_kernel_rows`` (prefill, big decode batches), where
-a BLAS matmul is faster than streaming the packed weights again per chunk of rows.
+model's dtype, for batches of more than ``max_kernel_rows`` rows (long prefill chunks), where
+torch's matmul catches up with the kernel.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from torch import nn
 GROUP = 32  # inputs per quantization group (llama.cpp's block size)
 TILE_ROWS = 16  # output rows per packed tile (one AVX-512 register)
 MODES = ("int8", "int4")
-# Rows up to which the kernel beats a float32 BLAS matmul here (benchmarks/bench_kernels.py).
-DEFAULT_MAX_KERNEL_ROWS = 16
+# Rows up to which the kernel beats torch's matmul in the model's dtype, measured on the
+# benchmark machine (benchmarks/bench_kernels.py): ~2x float32 at every M to 512, about even
+# with bfloat16 at 64 (with int16 activations).
+MAX_KERNEL_ROWS = {torch.float32: 512, torch.bfloat16: 64, torch.float16: 64}
+DEFAULT_ACTIVATION_BITS = 16
 ISA_ENV = "PYSERVE_KERNELS_ISA"  # force a kernel path: avx512_vnni, avx2 or scalar
 
 
@@ -94,14 +98,22 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> Pack
     w = torch.cat([w, w[:, -1:].expand(n, k_pad - k)], dim=1)
     w = torch.cat([w, w.new_zeros(n_pad - n, k_pad)], dim=0)
     groups = w.view(n_pad, k_pad // group, group)
+    # d and m are rounded to fp16; where rounding would leave the group's extremes off the grid
+    # (they would be clamped, an error above d/2) they move one fp16 step outwards. Weights that
+    # are on the grid already (a Q8_0 / Q4_1 GGUF's) keep their exact d and m.
     if bits == 8:
-        d = (groups.abs().amax(-1) / 127).half()
+        amax = groups.abs().amax(-1)
+        d = (amax / 127).half()
+        d = torch.where(d.float() * 127 < amax, _next_half(d, up=True), d)
         m = d * -128  # exact in fp16 (a power of two)
         q = torch.round(groups / _nonzero(d.float()).unsqueeze(-1)).clamp_(-127, 127)
         u = (q + 128).to(torch.uint8)
     else:
         low, high = groups.amin(-1), groups.amax(-1)
-        d, m = ((high - low) / 15).half(), low.half()
+        m = low.half()
+        m = torch.where(m.float() > low, _next_half(m, up=False), m)
+        d = ((high - m.float()) / 15).half()
+        d = torch.where(d.float() * 15 + m.float() < high, _next_half(d, up=True), d)
         u = torch.round((groups - m.float().unsqueeze(-1)) / _nonzero(d.float()).unsqueeze(-1))
         u = u.clamp_(0, 15).to(torch.uint8)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
@@ -113,6 +125,19 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> Pack
 def _nonzero(d: torch.Tensor) -> torch.Tensor:
     """d with zeros replaced by one: a group of equal values quantizes to u = 0 (or 128)."""
     return torch.where(d == 0, torch.ones_like(d), d)
+
+
+def _next_half(h: torch.Tensor, *, up: bool) -> torch.Tensor:
+    """The neighbouring fp16 value of each element, above (up) or below; h is finite."""
+    bits = h.view(torch.int16).int()
+    magnitude_grows = (bits >= 0) == up  # positive numbers grow upwards, negative downwards
+    stepped = torch.where(magnitude_grows, bits + 1, bits - 1)
+    # ±0 has no smaller magnitude: step to the smallest subnormal of the other sign instead
+    zero = (bits & 0x7FFF) == 0
+    stepped = torch.where(
+        zero & ~magnitude_grows, torch.full_like(bits, 1 if up else -32767), stepped
+    )
+    return stepped.short().view(torch.float16)
 
 
 def _pack(u: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -135,8 +160,9 @@ def _pack_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dequantize_weight(packed: PackedWeight) -> torch.Tensor:
-    """The float32 [n, k] weight that the packed one stands for (w = d·u + m)."""
+def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed integers and scales back in row order: u uint8 [n_pad, k_pad] and fp16 d, m
+    [n_pad, groups], padding included."""
     tiles, groups, _ = packed.data.shape
     group, quads = packed.group, packed.group // 4
     blocks = packed.data.view(tiles, groups, -1, TILE_ROWS * 4)
@@ -144,10 +170,18 @@ def dequantize_weight(packed: PackedWeight) -> torch.Tensor:
         low, high = blocks & 0x0F, blocks >> 4
         blocks = torch.stack([low, high], dim=3).view(tiles, groups, quads, TILE_ROWS * 4)
     u = blocks.view(tiles, groups, quads, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
-    u = u.reshape(tiles * TILE_ROWS, groups, group).float()
-    scales = packed.scales.float().permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, groups, 2)
-    w = scales[..., :1] * u + scales[..., 1:]
-    return w.view(tiles * TILE_ROWS, groups * group)[: packed.n, : packed.k].contiguous()
+    u = u.reshape(tiles * TILE_ROWS, groups * group)
+    d, m = packed.scales.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
+    return u, d, m
+
+
+@torch.no_grad()
+def dequantize_weight(packed: PackedWeight) -> torch.Tensor:
+    """The float32 [n, k] weight that the packed one stands for (w = d·u + m)."""
+    u, d, m = unpack_weight(packed)
+    rows, groups = d.shape
+    w = d.float()[..., None] * u.view(rows, groups, -1).float() + m.float()[..., None]
+    return w.view(rows, -1)[: packed.n, : packed.k].contiguous()
 
 
 def quantized_matmul(
@@ -155,8 +189,11 @@ def quantized_matmul(
     packed: PackedWeight,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
+    activation_bits: int = DEFAULT_ACTIVATION_BITS,
 ) -> torch.Tensor:
-    """float32 [rows, n] = x [rows, k] @ Wᵀ (+ bias) through the kernel; x is float32 on the CPU.
+    """float32 [rows, n] = x [rows, k] @ Wᵀ (+ bias) through the kernel; x is float32 on the CPU,
+    quantized per row and group to ``activation_bits`` (8 or 16) integers on the way.
 
     Checks everything the kernel relies on: dtypes, devices, shapes, unit inner strides.
     """
@@ -186,7 +223,7 @@ def quantized_matmul(
     if rows == 0:
         return out
     kernels().matmul(
-        x.data_ptr(), max(x.stride(0), k), rows,
+        x.data_ptr(), max(x.stride(0), k), rows, activation_bits,
         packed.data.data_ptr(), packed.scales.data_ptr(),
         packed.n, packed.k, packed.bits, packed.group,
         bias_address, out.data_ptr(), max(out.stride(0), packed.n),
@@ -205,13 +242,18 @@ class QuantLinear(nn.Module):
         bits: int,
         *,
         group: int = GROUP,
-        max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS,
+        activation_bits: int = DEFAULT_ACTIVATION_BITS,
+        max_kernel_rows: int | None = None,
     ):
         super().__init__()
         if weight.device.type != "cpu":
             raise ValueError("QuantLinear runs on the CPU only")
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, not {activation_bits}")
         self.out_features, self.in_features = weight.shape
-        self.bits, self.group = bits, group
+        self.bits, self.group, self.activation_bits = bits, group, activation_bits
+        if max_kernel_rows is None:
+            max_kernel_rows = MAX_KERNEL_ROWS.get(weight.dtype, 64)
         self.max_kernel_rows = max_kernel_rows
         self.packed = quantize_weight(weight, bits, group)
         dequantized = dequantize_weight(self.packed).to(weight.dtype)
@@ -228,13 +270,16 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_kernel_rows:
             return F.linear(x, self.weight, self.bias)
-        out = quantized_matmul(flat.float(), self.packed, self._bias32)
+        out = quantized_matmul(
+            flat.float(), self.packed, self._bias32, activation_bits=self.activation_bits
+        )
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bits={self.bits}, group={self.group}, max_kernel_rows={self.max_kernel_rows}"
+            f"bits={self.bits}, group={self.group}, activation_bits={self.activation_bits}, "
+            f"max_kernel_rows={self.max_kernel_rows}"
         )
 
 
@@ -242,7 +287,8 @@ def quantize_model_linears(
     model: nn.Module,
     mode: str,
     *,
-    max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS,
+    activation_bits: int = DEFAULT_ACTIVATION_BITS,
+    max_kernel_rows: int | None = None,
     head_names: tuple[str, ...] = ("lm_head",),
 ) -> list[str]:
     """Replaces every ``nn.Linear`` in ``model`` with a QuantLinear; returns the replaced names.
@@ -261,7 +307,11 @@ def quantize_model_linears(
         is_head = name.rsplit(".", 1)[-1] in head_names
         bits = 8 if mode == "int8" or is_head else 4
         quantized = QuantLinear(
-            module.weight, module.bias, bits, max_kernel_rows=max_kernel_rows
+            module.weight,
+            module.bias,
+            bits,
+            activation_bits=activation_bits,
+            max_kernel_rows=max_kernel_rows,
         )
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)

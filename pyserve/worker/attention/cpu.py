@@ -6,10 +6,10 @@ Two paths run inside the same forward:
   that the per-entry call is cheap next to its matmuls. A chunk after a cached prefix attends to
   the gathered cached blocks plus its own tokens, causally (a lower-right aligned mask).
 - Single-token entries (decodes) are batched, without padding every sequence to the longest:
-  each request's context is cut into chunks of ``chunk_blocks`` blocks; the chunks of all
-  requests are gathered into one tensor, scored with one batched matmul, and merged per request
-  with a split softmax (max and sum reduced across the request's chunks). Padding is at most one
-  chunk per request, masked out.
+  each request's context is cut into chunks of one length (chosen per batch, see
+  ``CHUNK_COST_TOKENS``); the chunks of all requests are gathered into one tensor, scored with one
+  batched matmul, and merged per request with a split softmax (max and sum reduced across the
+  request's chunks). Padding is less than one chunk per request, masked out.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from pyserve.worker.attention.base import AttentionBackend
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
 
-# Tokens per decode chunk. Longer chunks mean fewer, larger matmuls but more masked padding per
-# request; 256 was the fastest on the benchmark machine for contexts of 100–1000 tokens.
-DEFAULT_CHUNK_TOKENS = 256
+# The decode chunk length is chosen per batch to minimise gathered tokens (padding included) plus
+# this fixed cost per chunk, in token-equivalents: each chunk is one more small matmul in the
+# batch and one more row in the split-softmax bookkeeping. Short contexts thus get one chunk each
+# (no split softmax at all), long ones chunks of 128-256 tokens with ~half a chunk of padding.
+CHUNK_COST_TOKENS = 32
 
 
 @dataclass
@@ -42,7 +44,7 @@ class DecodeChunks:
     token_index: torch.Tensor  # int64 [D]: batch rows of the single-token entries
     chunk_blocks: torch.Tensor  # int64 [C, chunk_blocks]: block ids of each chunk
     chunk_owner: torch.Tensor  # int64 [C]: which of the D rows a chunk belongs to
-    chunk_bias: torch.Tensor  # float32 [C, chunk_tokens]: 0 for a real position, -inf for padding
+    chunk_bias: torch.Tensor  # [C, chunk_tokens], cache dtype: 0 for a real position, -inf pad
     one_chunk_each: bool  # every request fits one chunk: a plain softmax suffices
 
 
@@ -63,12 +65,15 @@ class CpuAttentionBackend(AttentionBackend):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        max_chunk_tokens: int | None = None,
     ):
         super().__init__(
             kv_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
         )
-        self.chunk_blocks = max(1, chunk_tokens // kv_cache.block_size)
+        # a cap on the chosen chunk length (tests use it to force the split-softmax path)
+        self.max_chunk_blocks = (
+            max(1, max_chunk_tokens // kv_cache.block_size) if max_chunk_tokens else None
+        )
 
     # ------------------------------------------------------------------ metadata, once per forward
 
@@ -135,10 +140,9 @@ class CpuAttentionBackend(AttentionBackend):
         table_rows: torch.Tensor,
     ) -> DecodeChunks:
         device = table_rows.device
-        longest = max(start_pos[e] for e in entries) + 1
-        # short contexts all fit one chunk no longer than the longest of them
-        per_chunk = min(self.chunk_blocks, -(-longest // self.kv_cache.block_size))
-        chunk_tokens = per_chunk * self.kv_cache.block_size
+        bs = self.kv_cache.block_size
+        per_chunk = self._chunk_blocks([-(-(start_pos[e] + 1) // bs) for e in entries])
+        chunk_tokens = per_chunk * bs
         context = torch.tensor([start_pos[e] + 1 for e in entries], device=device)
         chunks_each = (context + chunk_tokens - 1) // chunk_tokens
         owner = torch.repeat_interleave(torch.arange(len(entries), device=device), chunks_each)
@@ -149,7 +153,7 @@ class CpuAttentionBackend(AttentionBackend):
         entry_idx = torch.tensor(entries, dtype=torch.int64, device=device)
         chunk_blocks = table_rows[entry_idx[owner][:, None], columns]
         pos = chunk_no[:, None] * chunk_tokens + torch.arange(chunk_tokens, device=device)
-        bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)
+        bias = torch.zeros(pos.shape, dtype=self.kv_cache.k[0].dtype, device=device)
         bias.masked_fill_(pos >= context[owner][:, None], float("-inf"))
         return DecodeChunks(
             token_index=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -158,6 +162,20 @@ class CpuAttentionBackend(AttentionBackend):
             chunk_bias=bias,
             one_chunk_each=owner.numel() == len(entries),
         )
+
+    def _chunk_blocks(self, blocks_needed: list[int]) -> int:
+        """Blocks per chunk: the cheapest of the powers of two and the longest context."""
+        longest = max(blocks_needed)
+        if self.max_chunk_blocks is not None:
+            longest = min(longest, self.max_chunk_blocks)
+        candidates = [longest] + [1 << i for i in range(longest.bit_length()) if 1 << i < longest]
+        block_tokens = self.kv_cache.block_size
+
+        def cost(per_chunk: int) -> int:
+            chunks = sum(-(-n // per_chunk) for n in blocks_needed)
+            return chunks * (per_chunk * block_tokens + CHUNK_COST_TOKENS)
+
+        return min(candidates, key=cost)
 
     # ------------------------------------------------------------------ per layer
 
@@ -212,15 +230,16 @@ class CpuAttentionBackend(AttentionBackend):
         keys = keys.flatten(2, 3)  # [KVH, C, chunk_tokens, dim]
         values = values.flatten(2, 3)
         # [D, H, dim] -> [KVH, D, group, dim]: query head h uses kv head h // group
-        q_by_kv = q.view(num_rows, kv_heads, group, dim).transpose(0, 1)
-        if not chunks.one_chunk_each:
-            q_by_kv = q_by_kv.index_select(1, chunks.chunk_owner)
-        scores = torch.matmul(q_by_kv, keys.transpose(-1, -2)).float()  # [KVH, C, group, tokens]
-        scores = scores * self.scale + chunks.chunk_bias[None, :, None, :]
+        q_by_kv = (q * self.scale).view(num_rows, kv_heads, group, dim).transpose(0, 1)
         if chunks.one_chunk_each:
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            scores = torch.matmul(q_by_kv, keys.transpose(-1, -2))  # [KVH, D, group, tokens]
+            scores += chunks.chunk_bias[None, :, None, :]
+            probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bf16 too
             out = torch.matmul(probs, values)  # [KVH, D, group, dim]
             return out.transpose(0, 1).reshape(num_rows, self.num_heads, dim)
+        q_by_kv = q_by_kv.index_select(1, chunks.chunk_owner)
+        scores = torch.matmul(q_by_kv, keys.transpose(-1, -2)).float()  # [KVH, C, group, tokens]
+        scores += chunks.chunk_bias[None, :, None, :]
         # split softmax: each chunk's partial sums are rescaled to its request's running max
         owner = chunks.chunk_owner
         chunk_max = scores.amax(dim=-1)  # [KVH, C, group]

@@ -2,8 +2,8 @@
 
 Pre-norm blocks: RMSNorm → attention (fused qkv projection, RoPE, grouped-query attention through
 the attention backend) → residual → RMSNorm → SwiGLU MLP (fused gate/up projection) → residual.
-Weights are stored [out, in] as in the checkpoints, so ``F.linear`` hands them to the BLAS as they
-are; q/k/v and gate/up are concatenated at load so each block runs 4 matmuls instead of 7.
+Weights are stored [out, in] as in the checkpoints (``Linear`` may prepack them for oneDNN after
+loading); q/k/v and gate/up are concatenated at load so each block runs 4 matmuls instead of 7.
 The batch is flat: [T, ...] rows from every request, no padding.
 """
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve.worker.attention.base import AttentionBackend
+from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.rope import RotaryEmbedding, apply_rope
@@ -51,13 +52,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         kw = {"dtype": dtype, "device": device}
         self.input_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
-        self.qkv_proj = _weight(sum(self.split), hidden, **kw)
-        self.qkv_bias = _weight(sum(self.split), **kw) if config.qkv_bias else None
-        self.o_proj = _weight(hidden, config.q_size, **kw)
-        self.o_bias = _weight(hidden, **kw) if config.o_bias else None
+        self.qkv_proj = Linear(hidden, sum(self.split), bias=config.qkv_bias, **kw)
+        self.o_proj = Linear(config.q_size, hidden, bias=config.o_bias, **kw)
         self.post_attention_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
-        self.gate_up_proj = _weight(2 * inter, hidden, **kw)
-        self.down_proj = _weight(hidden, inter, **kw)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw)
+        self.down_proj = Linear(inter, hidden, bias=False, **kw)
 
     def forward(
         self,
@@ -68,16 +67,16 @@ class LlamaDecoderLayer(nn.Module):
         metadata: object,
     ) -> torch.Tensor:
         rows = hidden.shape[0]
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj(self.input_norm(hidden))
         qk_size = self.split[0] + self.split[1]
         # q and k heads side by side: one rotation for both
         qk = apply_rope(qkv[:, :qk_size].view(rows, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(rows, self.num_kv_heads, self.head_dim)
         attn = attention.forward(self.index, q, k, v, metadata)
-        hidden = hidden + F.linear(attn.reshape(rows, -1), self.o_proj, self.o_bias)
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        hidden = hidden + self.o_proj(attn.reshape(rows, -1))
+        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -92,10 +91,8 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, **kw) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = _weight(config.vocab_size, config.hidden_size, **kw)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, weight=tied, **kw)
         self.rotary = RotaryEmbedding(config, device)
 
     def forward(
@@ -113,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, attention, metadata)
         # the last norm and the vocabulary projection only for rows that sample
         last = self.norm(hidden.index_select(0, sample_index))
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     # ------------------------------------------------------------------ loading
 
@@ -127,22 +124,22 @@ class LlamaForCausalLM(nn.Module):
             "model.norm.weight": self.norm.weight,
         }
         if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = self.lm_head
+            slots["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             slots[p + "input_layernorm.weight"] = layer.input_norm.weight
             slots[p + "post_attention_layernorm.weight"] = layer.post_attention_norm.weight
             qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
             for proj, (lo, hi) in qkv_rows.items():
-                slots[p + f"self_attn.{proj}.weight"] = layer.qkv_proj[lo:hi]
-                if layer.qkv_bias is not None:
-                    slots[p + f"self_attn.{proj}.bias"] = layer.qkv_bias[lo:hi]
-            slots[p + "self_attn.o_proj.weight"] = layer.o_proj
-            if layer.o_bias is not None:
-                slots[p + "self_attn.o_proj.bias"] = layer.o_bias
-            slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
-            slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
-            slots[p + "mlp.down_proj.weight"] = layer.down_proj
+                slots[p + f"self_attn.{proj}.weight"] = layer.qkv_proj.weight[lo:hi]
+                if layer.qkv_proj.bias is not None:
+                    slots[p + f"self_attn.{proj}.bias"] = layer.qkv_proj.bias[lo:hi]
+            slots[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            if layer.o_proj.bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = layer.o_proj.bias
+            slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.weight[:inter]
+            slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj.weight[inter:]
+            slots[p + "mlp.down_proj.weight"] = layer.down_proj.weight
         return slots
 
     @torch.no_grad()
@@ -168,3 +165,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(sorted(missing)[:5])
             raise ModelLoadError(f"{source}: {len(missing)} weights missing, e.g. {shown}")
+
+    def pack_weights(self) -> int:
+        """Prepacks every projection for the CPU GEMM (after loading); returns how many packed."""
+        tied = self.config.tie_word_embeddings
+        packed = sum(
+            m.pack() for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head
+        )
+        return packed + self.lm_head.pack(keep_weight=tied)

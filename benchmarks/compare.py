@@ -1,0 +1,873 @@
+"""Side by side: pyserve against llama.cpp's server and `transformers serve` on the same model.
+
+One server at a time on 127.0.0.1 (a free port each), started here, waited for until ready, driven
+with the same loads through ``benchmarks/serving.py`` and stopped again (its whole process group,
+also on Ctrl-C, SIGTERM or an error). Then one table with the ratios pyserve / peer for output
+tok/s, TTFT p50 and ITL p50 at each concurrency, a JSON file per server and a PNG plot.
+
+- pyserve at its default dtype, and once more per ``--pyserve-args`` (e.g. "--dtype bfloat16").
+- llama.cpp's server on the same GGUF file (``--llama-server PATH``; otherwise one built earlier in
+  the cache, otherwise built there from the llama-cpp-python sdist; skipped if that fails).
+- ``transformers serve --continuous-batching`` at pyserve's dtype, on a Hugging Face directory
+  made once (cached) from the same GGUF weights.
+- The machine's ceiling in the same run: bf16 and fp32 matmuls over the model's shapes, turned
+  into the output tok/s no server could beat on this workload (``bench_worker.matmul_ceiling``).
+- The prefix-cache load: pyserve with and without ``--disable-radix-cache`` on the shared-prefix
+  dataset; TTFT p50 ratio and the hit rate it reports (/metrics) against the theoretical one.
+- ``--profile-seconds N``: after pyserve's loads, a py-spy recording of its worker (and main
+  process) during one more concurrency-32 load, summarised as the hottest frames.
+
+    .venv/bin/python benchmarks/compare.py --quick                 # smoke run, a few minutes
+    .venv/bin/python benchmarks/compare.py --png benchmarks/serving.png --profile-seconds 20
+    .venv/bin/python benchmarks/compare.py --peers llamacpp --pyserve-args "--dtype bfloat16"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py, bench_worker.py
+
+import serving
+
+from pyserve.model_files import cache_dir, default_model_path
+
+BENCH_DIR = Path(__file__).resolve().parent
+VENV_BIN = Path(sys.executable).parent
+PEERS = ("llamacpp", "transformers")
+LLAMA_SERVER_FLAGS = ["-np", "32", "-c", "32768", "--cont-batching", "-t", "2"]
+LLAMA_CMAKE_FLAGS = [
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DGGML_NATIVE=ON",
+    "-DCMAKE_BUILD_TYPE=Release",
+]
+# transformers serve rejects ignore_eos (422); an impossible eos id has the same effect.
+TRANSFORMERS_NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
+
+
+class StartError(RuntimeError):
+    """A server that exited or never became ready; the message carries its log's tail."""
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+@dataclass
+class ServerSpec:
+    name: str  # label in tables, JSON file names and the plot
+    argv: list[str]  # with {port} where the port goes
+    model: str  # the model name sent in request bodies
+    ready_path: str = "/health"
+    ignore_eos: bool = True
+    extra_body: dict = field(default_factory=dict)
+    start_timeout: float = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+class RunningServer:
+    """A server process in its own process group; ``stop`` ends the whole group."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        argv = [a.replace("{port}", str(self.port)) for a in spec.argv]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        # A new session: a Ctrl-C in the terminal reaches only us, and we stop it in order.
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < self.spec.start_timeout:
+            if self.proc.poll() is not None:
+                raise StartError(
+                    f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            status, _ = _get(self.base_url + self.spec.ready_path, timeout=2.0)
+            if status == 200:
+                return time.monotonic() - started
+            time.sleep(0.5)
+        raise StartError(f"{self.spec.name} not ready after {self.spec.start_timeout:.0f} s")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the server (it drains and stops its children), then SIGKILL whatever of
+        its process tree is left (pyserve's children live in sessions of their own)."""
+        tree = [pid for pid, _ in self.descendants()]
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own group (the leader's pid): a hang
+        for pid in tree:
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._log.close()
+
+    def descendants(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every live process below the server, children first."""
+        parent_of = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = (entry / "stat").read_text()
+                    parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            parent = frontier.pop(0)
+            for pid, ppid in parent_of.items():
+                if ppid == parent:
+                    with contextlib.suppress(OSError):
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                        found.append((pid, cmd.replace(b"\0", b" ").decode(errors="replace")))
+                    frontier.append(pid)
+        return found
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie waiting to be reaped by someone else."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, out_dir: Path):
+    server = RunningServer(spec, out_dir / f"{spec.name}.log")
+    try:
+        took = server.wait_ready()
+        print(f"[{spec.name}] ready in {took:.1f} s at {server.base_url} (log {server.log_path})")
+        yield server
+    finally:
+        server.stop()
+
+
+def _raise_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so that every ``running`` block stops its server."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def pyserve_spec(name: str, extra_args: list[str]) -> ServerSpec:
+    argv = [sys.executable, "-m", "pyserve.cli", "run", "--host", "127.0.0.1", "--port", "{port}"]
+    return ServerSpec(name, argv + extra_args, model="SmolLM2-135M-Instruct")
+
+
+def llamacpp_spec(binary: str, gguf: str) -> ServerSpec:
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_SERVER_FLAGS]
+    return ServerSpec("llama.cpp", argv, model=Path(gguf).name)
+
+
+def transformers_spec(hf_dir: Path, dtype: str) -> ServerSpec:
+    argv = [
+        str(VENV_BIN / "transformers"),
+        "serve",
+        str(hf_dir),
+        "--continuous-batching",
+        "--dtype",
+        dtype,
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+    ]
+    return ServerSpec(
+        "transformers",
+        argv,
+        model=str(hf_dir),
+        ignore_eos=False,
+        extra_body=TRANSFORMERS_NO_EOS,
+    )
+
+
+# ----------------------------------------------------------------------------- peers' files
+
+
+def peers_dir() -> Path:
+    return cache_dir() / "peers"
+
+
+def find_llama_server(explicit: str | None) -> str | None:
+    """The llama-server binary: the given one, a cached build, or a fresh build from the sdist."""
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            print(f"[llama.cpp] --llama-server {explicit} is not an executable: skipping it")
+            return None
+        return explicit
+    built = peers_dir() / "llama.cpp-build" / "bin" / "llama-server"
+    if built.is_file():
+        return str(built)
+    print(
+        f"[llama.cpp] no llama-server in {built.parent}: "
+        "building it from the llama-cpp-python sdist"
+    )
+    try:
+        return str(build_llama_server(peers_dir()))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        print(f"[llama.cpp] could not build llama-server ({e}): skipping it")
+        return None
+
+
+def build_llama_server(root: Path) -> Path:
+    """pip download the llama-cpp-python sdist, unpack it, build its vendored llama-server."""
+    root.mkdir(parents=True, exist_ok=True)
+    sdist_dir = root / "sdist"
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    subprocess.run([*pip, "-d", str(sdist_dir), "llama-cpp-python"], check=True)
+    archives = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        raise RuntimeError(f"no llama_cpp_python-*.tar.gz in {sdist_dir}")
+    src_root = root / "src"
+    with tarfile.open(archives[-1]) as tar:
+        tar.extractall(src_root, filter="data")
+    source = next(src_root.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if source is None:
+        raise RuntimeError(f"no vendor/llama.cpp inside {archives[-1].name}")
+    cmake = shutil.which("cmake", path=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+    if cmake is None:
+        raise RuntimeError("cmake not found")
+    build = root / "llama.cpp-build"
+    subprocess.run([cmake, "-S", str(source), "-B", str(build), *LLAMA_CMAKE_FLAGS], check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        [cmake, "--build", str(build), "--target", "llama-server", "-j", jobs], check=True
+    )
+    binary = build / "bin" / "llama-server"
+    if not binary.is_file():
+        raise RuntimeError(f"the build made no {binary}")
+    return binary
+
+
+def hf_dir_for(gguf: str) -> Path:
+    """A Hugging Face directory (fp32 safetensors, config, tokenizer) made once from ``gguf``."""
+    st = os.stat(gguf)
+    out = peers_dir() / f"hf-{Path(gguf).stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".hf-", dir=out.parent))
+    try:
+        # In a subprocess: loading the model here would keep its memory for the whole run.
+        print(f"[transformers] writing a Hugging Face copy of {gguf} to {out} (once)")
+        proc = subprocess.run(
+            [sys.executable, __file__, "--make-hf-dir", gguf, str(tmp)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed")
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def make_hf_dir(gguf: str, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    # The config transformers reads from a GGUF names no architecture; serve needs one.
+    model.config.architectures = ["LlamaForCausalLM"]
+    # The weights are already dequantized to fp32; without this save_pretrained refuses
+    # ("quantized with gguf and is not serializable").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    print(f"wrote {out}")
+
+
+# ----------------------------------------------------------------------------- the ceiling
+
+
+def matmul_flops_per_token(config) -> tuple[float, float]:
+    """(FLOPs of every layer's projections, FLOPs of the vocabulary projection) for one token."""
+    h, inter = config.hidden_size, config.intermediate_size
+    per_layer = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * inter
+    return 2.0 * config.num_layers * per_layer, 2.0 * config.vocab_size * h
+
+
+def measure_ceiling(
+    gguf: str, input_len: int, output_len: int, concurrencies: list[int], quick: bool
+) -> dict:
+    """Matmul GFLOP/s over the model's shapes, and the output tok/s they allow on the load.
+
+    A request costs a prefill of ``input_len`` rows (logits for its last row only) and
+    ``output_len - 1`` decode rows (logits for each); prefill runs at the rate of 256-row
+    matmuls, decodes at the rate of ``concurrency``-row ones.
+    """
+    import torch
+    from bench_worker import matmul_ceiling
+
+    from pyserve.worker.loading import open_checkpoint
+
+    torch.set_num_threads(min(2, os.cpu_count() or 2))
+    config = open_checkpoint(gguf).config
+    layers, vocab = matmul_flops_per_token(config)
+    prefill_flops = input_len * layers + vocab
+    decode_flops = (output_len - 1) * (layers + vocab)
+    repeats = 2 if quick else 6
+    result: dict = {"flops_per_request": prefill_flops + decode_flops, "dtypes": {}}
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        rows_list = sorted({1, 256, *concurrencies})
+        gflops = {
+            rows: matmul_ceiling(config, rows, dtype, repeats if rows > 1 else 4 * repeats)
+            * (layers + vocab)
+            / 1e9
+            for rows in rows_list
+        }
+        ceilings = {
+            conc: output_len
+            / (prefill_flops / (gflops[256] * 1e9) + decode_flops / (gflops[conc] * 1e9))
+            for conc in concurrencies
+        }
+        result["dtypes"][name] = {
+            "gflops_by_rows": gflops,
+            "batch1_ms_per_token": 1000 * (layers + vocab) / (gflops[1] * 1e9),
+            "ceiling_output_tok_per_s": ceilings,
+        }
+        print(
+            f"[ceiling] {name}: matmul GFLOP/s "
+            + ", ".join(f"M={r}: {g:.0f}" for r, g in gflops.items())
+            + f"; batch-1 decode {result['dtypes'][name]['batch1_ms_per_token']:.1f} ms/token; "
+            + "ceiling output tok/s "
+            + ", ".join(f"c={c}: {v:.0f}" for c, v in ceilings.items())
+        )
+    return result
+
+
+# ----------------------------------------------------------------------------- loads
+
+
+def load_args(
+    args: argparse.Namespace, spec: ServerSpec, base_url: str, **over
+) -> argparse.Namespace:
+    """serving.py's arguments for one server and load."""
+    argv = [
+        "--base-url",
+        base_url,
+        "--model",
+        spec.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--concurrency",
+        *map(str, args.concurrency),
+        "--extra-body",
+        json.dumps(spec.extra_body),
+        "--label",
+        spec.name,
+        "--warmup",
+        str(args.warmup),
+        "--ignore-eos" if spec.ignore_eos else "--no-ignore-eos",
+    ]
+    ns = serving.parse_args(argv)
+    for key, value in over.items():
+        setattr(ns, key, value)
+    return ns
+
+
+def scrape_prefix_counters(base_url: str) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens from pyserve's /metrics, or None."""
+    status, body = _get(base_url + "/metrics")
+    if status != 200:
+        return None
+    values = {}
+    for line in body.decode().splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    queried = values.get("pyserve_prefix_cache_queried_tokens_total")
+    hit = values.get("pyserve_prefix_cache_hit_tokens_total")
+    if queried is None or hit is None:
+        return None
+    return queried, hit
+
+
+def theoretical_hit_rate(tok, prompts: list[serving.Prompt], block: int) -> float:
+    """Prompt tokens a perfect cache serves: each prompt's longest prefix shared with any prompt
+    sent before it (cut to whole blocks: caches hold blocks), over all prompt tokens."""
+    seqs = [tok.encode(p.text, add_special_tokens=False) for p in prompts]
+    hit = 0
+    for i, seq in enumerate(seqs):
+        best = 0
+        for prev in seqs[:i]:
+            n = 0
+            for a, b in zip(seq, prev, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        hit += min(best, len(seq) - 1) // block * block  # the last token is always computed
+    return hit / max(1, sum(len(s) for s in seqs))
+
+
+async def prefix_load(args: argparse.Namespace, server: RunningServer, prompts, warm) -> dict:
+    ns = load_args(
+        args, server.spec, server.base_url, concurrency=[args.prefix_concurrency], warmup=0
+    )
+    ns.output_len = args.prefix_output_len
+    await serving.run_load(ns, warm, len(warm), None)  # warm-up on unrelated prompts
+    before = scrape_prefix_counters(server.base_url)
+    results, wall = await serving.run_load(ns, prompts, args.prefix_concurrency, None)
+    after = scrape_prefix_counters(server.base_url)
+    summary = serving.summarize(results, wall, args.prefix_concurrency)
+    if before and after and after[0] > before[0]:
+        summary["metrics_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+    if summary["input_tokens"]:
+        summary["usage_hit_rate"] = summary["cached_tokens"] / summary["input_tokens"]
+    serving.print_table([summary], f"{server.spec.name}, shared prefix")
+    return summary
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+def profile_worker(args: argparse.Namespace, server: RunningServer, prompts, out_dir: Path) -> dict:
+    """py-spy records pyserve's worker and main process during one more load at the top
+    concurrency; returns the hottest frames of each."""
+    py_spy = shutil.which("py-spy", path=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+    if py_spy is None:
+        print("[profile] py-spy not found (pip install py-spy): skipping the profile")
+        return {}
+    targets = {"main": server.proc.pid}
+    for pid, cmd in server.descendants():
+        if "pyserve.worker" in cmd:
+            targets["worker"] = pid
+    recorders = {}
+    for role, pid in targets.items():
+        raw = out_dir / f"py-spy-{role}.txt"
+        argv = [py_spy, "record", "--native", "--pid", str(pid), "--rate", "50"]
+        argv += ["--duration", str(args.profile_seconds), "--format", "raw", "--output", str(raw)]
+        recorders[role] = (
+            subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+            raw,
+        )
+    ns = load_args(
+        args, server.spec, server.base_url, concurrency=[max(args.concurrency)], warmup=0
+    )
+    try:
+        results, wall = asyncio.run(serving.run_load(ns, prompts, max(args.concurrency), None))
+    finally:
+        for proc, _ in recorders.values():
+            try:
+                proc.wait(args.profile_seconds + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    report = {"load": serving.summarize(results, wall, max(args.concurrency))}
+    for role, (proc, raw) in recorders.items():
+        if not raw.is_file():
+            err = proc.stderr.read().decode(errors="replace")[-300:] if proc.stderr else ""
+            print(f"[profile] py-spy on {role} wrote nothing: {err}")
+            continue
+        report[role] = hottest_frames(raw)
+        print(
+            f"\n== py-spy, pyserve {role} (pid {targets[role]}), {raw}: "
+            f"{report[role]['samples']} samples, {100 * report[role]['idle_share']:.0f}% waiting; "
+            "shares of the busy ones:"
+        )
+        for frame, share in report[role]["self"][:12]:
+            print(f"  self {100 * share:5.1f}%  {frame}")
+        for frame, share in report[role]["total"][:12]:
+            print(f"  total {100 * share:4.1f}%  {frame}")
+    return report
+
+
+# A sample with one of these on its stack is a thread waiting (py-spy --native does not always
+# tell idle threads apart itself).
+IDLE_MARKERS = (
+    "epoll_wait",
+    "epoll_pwait",
+    "poll (",
+    "select (",
+    "acquire_lock",
+    "SimpleQueue_get",
+    "cond_wait",
+    "cond_timedwait",
+    "nanosleep",
+    "sem_wait",
+    "Poller.poll",
+    "zmq_poll",
+    "Socket.recv",
+)
+
+
+def hottest_frames(raw: Path, top: int = 25) -> dict:
+    """From py-spy's collapsed stacks: the share of samples spent waiting, and per frame the
+    share of busy samples where it is the innermost frame (self) or a Python frame anywhere on
+    the stack (total)."""
+    own: collections.Counter = collections.Counter()
+    anywhere: collections.Counter = collections.Counter()
+    total = idle = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        if any(marker in stack for marker in IDLE_MARKERS):
+            idle += n
+            continue
+        frames = stack.split(";")
+        own[frames[-1]] += n
+        for frame in set(frames):
+            if ".py:" in frame:
+                anywhere[frame] += n
+    busy = max(1, total - idle)
+    return {
+        "samples": total,
+        "idle_share": idle / max(1, total),
+        "self": [(f, n / busy) for f, n in own.most_common(top)],
+        "total": [(f, n / busy) for f, n in anywhere.most_common(top)],
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def ratio_table(results: dict[str, dict], pyserve_names: list[str], peers: list[str]) -> list[dict]:
+    """pyserve / peer for output tok/s, TTFT p50 and ITL p50 at each concurrency."""
+    rows = []
+    for ours in pyserve_names:
+        for peer in peers:
+            if ours not in results or peer not in results:
+                continue
+            theirs = {r["concurrency"]: r for r in results[peer]["runs"]}
+            for mine in results[ours]["runs"]:
+                other = theirs.get(mine["concurrency"])
+                if other is None:
+                    continue
+                rows.append(
+                    {
+                        "pyserve": ours,
+                        "peer": peer,
+                        "concurrency": mine["concurrency"],
+                        **{
+                            key: _ratio(mine[key], other[key])
+                            for key in ("output_tok_per_s", "ttft_p50_ms", "itl_p50_ms")
+                        },
+                    }
+                )
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def print_summary(results: dict[str, dict], ratios: list[dict]) -> None:
+    print("\n== all servers")
+    print(f"{'server':<28} {'conc':>4} {'ok':>4} {'out tok/s':>10} {'TTFT p50':>10} {'ITL p50':>9}")
+    for name, data in results.items():
+        for r in data["runs"]:
+            print(
+                f"{name:<28} {r['concurrency']:>4} {r['completed']:>4} "
+                f"{r['output_tok_per_s']:>10.1f} {r['ttft_p50_ms']:>8.0f}ms "
+                f"{r['itl_p50_ms']:>7.1f}ms"
+            )
+    if ratios:
+        print("\n== ratios pyserve / peer (tok/s: higher is better; TTFT, ITL: lower is better)")
+        print(
+            f"{'pyserve':<28} {'peer':<13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8}"
+        )
+        for r in ratios:
+            print(
+                f"{r['pyserve']:<28} {r['peer']:<13} {r['concurrency']:>4} "
+                f"{r['output_tok_per_s']:>6.2f}× {r['ttft_p50_ms']:>8.2f}× {r['itl_p50_ms']:>7.2f}×"
+            )
+
+
+def target_checks(
+    results: dict, ratios: list[dict], ceiling: dict | None, prefix: dict
+) -> list[str]:
+    """Issue 5's targets, each as one line saying the measured figure and met / NOT met."""
+    lines = []
+
+    def check(text: str, value: float, ok: bool) -> None:
+        lines.append(f"{'met' if ok else 'NOT met':>7}: {text} (measured {value:.2f})")
+
+    for r in ratios:
+        c, peer = r["concurrency"], r["peer"]
+        if peer == "llama.cpp" and c == 32:
+            check(
+                f"{r['pyserve']} c=32 tok/s ≥ 4× llama.cpp",
+                r["output_tok_per_s"],
+                r["output_tok_per_s"] >= 4,
+            )
+            check(
+                f"{r['pyserve']} c=32 TTFT p50 ≤ ⅓ llama.cpp",
+                r["ttft_p50_ms"],
+                r["ttft_p50_ms"] <= 1 / 3,
+            )
+        if peer == "llama.cpp" and c == 1:
+            check(
+                f"{r['pyserve']} c=1 ITL p50 ≤ 1.5× llama.cpp",
+                r["itl_p50_ms"],
+                r["itl_p50_ms"] <= 1.5,
+            )
+        if peer == "transformers" and c == 32:
+            check(
+                f"{r['pyserve']} c=32 tok/s ≥ 6× transformers",
+                r["output_tok_per_s"],
+                r["output_tok_per_s"] >= 6,
+            )
+    if ceiling:
+        bf16 = ceiling["dtypes"]["bfloat16"]["ceiling_output_tok_per_s"]
+        for name, data in results.items():
+            if not name.startswith("pyserve"):
+                continue
+            for r in data["runs"]:
+                if r["concurrency"] in bf16 and r["concurrency"] == 32:
+                    share = r["output_tok_per_s"] / bf16[r["concurrency"]]
+                    check(f"{name} c=32 tok/s ≥ 60% of the bf16 ceiling", share, share >= 0.6)
+    if "radix" in prefix and "no-radix" in prefix:
+        speedup = _ratio(prefix["no-radix"]["ttft_p50_ms"], prefix["radix"]["ttft_p50_ms"])
+        check("prefix cache: TTFT p50 ≥ 4× better than without", speedup, speedup >= 4)
+        reported = prefix["radix"].get("metrics_hit_rate")
+        if reported is not None:
+            gap = abs(reported - prefix["theoretical_hit_rate"]) * 100
+            check("prefix cache: hit rate within 5 points of theory (gap in points)", gap, gap <= 5)
+    return lines
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small smoke run")
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
+    p.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    p.add_argument(
+        "--pyserve-args",
+        action="append",
+        default=[],
+        help='one more pyserve variant, e.g. "--dtype bfloat16" (repeatable)',
+    )
+    p.add_argument("--no-pyserve-default", action="store_true", help="only the --pyserve-args runs")
+    p.add_argument("--transformers-dtype", default=None, help="default: pyserve's (float32 on CPU)")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache load")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--prompts-per-group", type=int, default=16)
+    p.add_argument("--system-len", type=int, default=1024)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--prefix-output-len", type=int, default=32)
+    p.add_argument("--prefix-concurrency", type=int, default=8)
+    p.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling")
+    p.add_argument("--profile-seconds", type=int, default=0, help="py-spy pyserve's worker")
+    p.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/out/compare-…")
+    p.add_argument("--png", type=Path, default=None, help="default: OUT_DIR/serving.png")
+    p.add_argument("--make-hf-dir", nargs=2, metavar=("GGUF", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len = 8, 64, 16
+        args.concurrency = [1, 4]
+        args.groups, args.prompts_per_group, args.system_len = 2, 4, 256
+        args.question_len, args.prefix_output_len, args.prefix_concurrency = 16, 8, 4
+        args.warmup = 1
+        args.profile_seconds = min(args.profile_seconds, 5)
+    return args
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg()
+    return f"{cpu}, nproc {os.cpu_count()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.make_hf_dir:
+        make_hf_dir(*args.make_hf_dir)
+        return 0
+    _raise_on_sigterm()
+    gguf = default_model_path()
+    out_dir = args.out_dir or BENCH_DIR / "out" / time.strftime("compare-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    print(f"compare.py {' '.join(sys.argv[1:])}\n{started}; {machine_line()}\nout: {out_dir}")
+
+    ceiling = None
+    if not args.no_ceiling:
+        ceiling = measure_ceiling(
+            gguf, args.input_len, args.output_len, args.concurrency, args.quick
+        )
+
+    specs = []
+    if not args.no_pyserve_default:
+        specs.append(pyserve_spec("pyserve", []))
+    for extra in args.pyserve_args:
+        specs.append(pyserve_spec(f"pyserve {extra}".strip(), extra.split()))
+    pyserve_names = [s.name for s in specs]
+    if "llamacpp" in args.peers:
+        binary = find_llama_server(args.llama_server)
+        if binary:
+            specs.append(llamacpp_spec(binary, gguf))
+    if "transformers" in args.peers:
+        try:
+            hf_dir = hf_dir_for(gguf)
+        except (OSError, RuntimeError) as e:
+            print(f"[transformers] could not make a Hugging Face directory ({e}): skipping it")
+        else:
+            dtype = args.transformers_dtype or "float32"  # pyserve's default dtype on CPU
+            specs.append(transformers_spec(hf_dir, dtype))
+
+    tok = serving._tokenizer(None)
+    prompts = serving.random_dataset(tok, args.num_prompts, args.input_len, seed=0)
+    results: dict[str, dict] = {}
+    prefix: dict = {}
+    profile: dict = {}
+    for spec in specs:
+        try:
+            with running(spec, out_dir) as server:
+                ns = load_args(args, spec, server.base_url)
+                results[spec.name] = asyncio.run(serving.benchmark(ns, prompts))
+                path = out_dir / f"{spec.name.replace(' ', '_').replace('/', '_')}.json"
+                path.write_text(json.dumps(results[spec.name], indent=2))
+                if spec.name == "pyserve" and args.profile_seconds:
+                    profile = profile_worker(args, server, prompts, out_dir)
+        except StartError as e:
+            print(f"[{spec.name}] did not start, skipping it: {e}")
+
+    if not args.no_prefix and not args.no_pyserve_default:
+        prefix = run_prefix_comparison(args, tok, out_dir)
+
+    peer_names = [n for n in results if n not in pyserve_names]
+    ratios = ratio_table(results, pyserve_names, peer_names)
+    print_summary(results, ratios)
+    checks = target_checks(results, ratios, ceiling, prefix)
+    if checks:
+        print("\n== issue 5 targets")
+        print("\n".join(checks))
+    files = [str(out_dir / f"{n.replace(' ', '_').replace('/', '_')}.json") for n in results]
+    png = args.png or out_dir / "serving.png"
+    if files:
+        serving.plot(files, str(png))
+    summary = {
+        "started": started,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_line(),
+        "argv": sys.argv[1:],
+        "ceiling": ceiling,
+        "results": results,
+        "ratios": ratios,
+        "prefix": prefix,
+        "profile": profile,
+        "targets": checks,
+        "png": str(png),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\nwrote {out_dir / 'summary.json'}")
+    return 0
+
+
+def run_prefix_comparison(args: argparse.Namespace, tok, out_dir: Path) -> dict:
+    """pyserve with and without the radix cache on the shared-prefix dataset."""
+    prompts = serving.shared_prefix_dataset(
+        tok, args.groups, args.prompts_per_group, args.system_len, args.question_len, seed=1
+    )
+    warm = serving.random_dataset(tok, 2, 32, seed=2)
+    prefix: dict = {"theoretical_hit_rate": theoretical_hit_rate(tok, prompts, block=16)}
+    for name, extra in (("radix", []), ("no-radix", ["--disable-radix-cache"])):
+        spec = pyserve_spec(f"pyserve-{name}", extra)
+        try:
+            with running(spec, out_dir) as server:
+                prefix[name] = asyncio.run(prefix_load(args, server, prompts, warm))
+        except StartError as e:
+            print(f"[{spec.name}] did not start, skipping it: {e}")
+    if "radix" in prefix and "no-radix" in prefix:
+        print(
+            f"\nprefix cache: TTFT p50 {prefix['no-radix']['ttft_p50_ms']:.0f} ms without, "
+            f"{prefix['radix']['ttft_p50_ms']:.0f} ms with "
+            f"({_ratio(prefix['no-radix']['ttft_p50_ms'], prefix['radix']['ttft_p50_ms']):.2f}×); "
+            f"hit rate reported {prefix['radix'].get('metrics_hit_rate', float('nan')):.3f} "
+            f"(usage {prefix['radix'].get('usage_hit_rate', float('nan')):.3f}), "
+            f"theoretical {prefix['theoretical_hit_rate']:.3f}"
+        )
+    return prefix
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted: servers stopped", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,84 @@
+"""Linear layers whose weights can be prepacked for oneDNN's CPU GEMM.
+
+``F.linear`` on a CPU re-lays the weight out into oneDNN's blocked format on every call (or runs
+a plain BLAS); doing that once at load time (the op torch.compile's CPU backend uses for the same
+purpose) made the SmolLM2 matmuls 1.2-1.9x faster in bf16 and 1.3-1.75x in fp32 from batch 8 up
+on the benchmark machine (benchmarks/RESULTS.md, "Worker"). The ops are torch internals, so
+packing is probed once per dtype and falls back to ``F.linear`` if they are missing or disagree;
+``PYSERVE_PACK_WEIGHTS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ + b with W stored [out, in] as in checkpoints (the loader fills ``weight``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        weight: nn.Parameter | None = None,  # share a matrix (tied embeddings)
+    ):
+        super().__init__()
+        if weight is None:
+            weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        self.weight: nn.Parameter | None = weight
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.out_features = out_features
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, *, keep_weight: bool = False) -> bool:
+        """Prepacks the weight for oneDNN if that works for its dtype; frees the plain copy
+        unless ``keep_weight`` (a matrix shared with an embedding). Returns whether it packed."""
+        weight = self.weight
+        if weight is None or weight.device.type != "cpu" or not packing_works(weight.dtype):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        if not keep_weight:
+            self.weight = None
+        return True
+
+
+@functools.cache
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether prepacked oneDNN linear runs here for ``dtype`` and agrees with F.linear."""
+    if os.environ.get("PYSERVE_PACK_WEIGHTS", "1") == "0":
+        return False
+    try:
+        if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 64, generator=gen).to(dtype)
+        bias = torch.randn(48, generator=gen).to(dtype)
+        x = torch.randn(5, 64, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        want = F.linear(x, weight, bias)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance))
+    except (RuntimeError, AttributeError, TypeError):  # op missing, or no kernel for this CPU
+        return False

@@ -1,0 +1,342 @@
+"""pyserve._kernels and pyserve.worker.quant: the quantized matmul against float references.
+
+Two kinds of reference:
+- exact: the kernel computes Σ_g s·(d·Σu·q + m·Σq) from the packed integers (u, d, m) and the
+  quantized activations (q, s); recomputed here in float64, the only difference left is float32
+  rounding, so any indexing or packing mistake shows up as a large error;
+- float: against x @ wᵀ with the original float weights, within the bound that the two roundings
+  imply, |Δ| ≤ Σ_k |x_k|·|w_k − w'_k| + |x_k − x'_k|·|w'_k|, with |w − w'| ≤ d/2 and
+  |x − x'| ≤ s/2 checked on their own.
+Every instruction set this CPU supports is tested (the scalar path always is).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pyserve.worker import quant
+
+torch.set_num_threads(2)
+KERNELS = quant.kernels()
+BEST_ISA = KERNELS.isa()
+ISAS = KERNELS.supported_isas()
+
+# (rows, n, k): odd sizes, partial tiles (n % 16) and partial groups (k % 32), M past the
+# kernels' 4/8-row blocks, and one layer-sized shape.
+SHAPES = [(1, 1, 32), (1, 37, 45), (2, 17, 33), (5, 100, 97), (8, 33, 200), (13, 50, 70)]
+BIG_SHAPE = (3, 960, 576)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    KERNELS.set_isa(request.param)
+    yield request.param
+    KERNELS.set_isa(BEST_ISA)
+
+
+def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # rows on different scales and a few outliers, as trained weights have
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
+    w[torch.rand(n, k, generator=g) < 0.01] *= 8
+    return w
+
+
+def random_input(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1000)
+    x = torch.randn(rows, k, generator=g)
+    x[:, :: max(1, k // 5)] *= 10  # outlier channels
+    return x
+
+
+def reference_activations(x: torch.Tensor, group: int, bits: int):
+    """What the kernel quantizes activations to: q, s per group (float32 math, ties to even)."""
+    rows, k = x.shape
+    k_pad = -(-k // group) * group
+    top = 127.0 if bits == 8 else 32767.0
+    padded = torch.cat([x, x.new_zeros(rows, k_pad - k)], 1).view(rows, -1, group)
+    amax = padded.abs().amax(-1)
+    scale = amax / top
+    # tensor / tensor: a Python number over a tensor is computed as reciprocal × number
+    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+    q = torch.round(padded * inverse[..., None]).clamp(-top, top)
+    return q.view(rows, k_pad), scale
+
+
+def kernel_activations(x: torch.Tensor, group: int, bits: int):
+    rows, k = x.shape
+    groups = -(-k // group)
+    q = torch.empty(rows, groups * group, dtype=torch.int8 if bits == 8 else torch.int16)
+    scale = torch.empty(rows, groups)
+    total = torch.empty(rows, groups, dtype=torch.int32)
+    KERNELS.quantize_activations(
+        x.data_ptr(), k, rows, k, group, bits, q.data_ptr(), scale.data_ptr(), total.data_ptr()
+    )
+    return q, scale, total
+
+
+def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 Σ_g s·(d·Σu·q + m·Σq) (+ bias), and Σ_g of the terms' magnitudes for a tolerance."""
+    q, scale = reference_activations(x, packed.group, activation_bits)
+    u, d, m = quant.unpack_weight(packed)
+    rows, n = x.shape[0], packed.n
+    q = q.double().view(rows, -1, packed.group)  # [rows, groups, group]
+    u = u[:n].double().view(n, -1, packed.group)  # [n, groups, group]
+    d, m, s = d[:n].double(), m[:n].double(), scale.double()
+    dots = torch.einsum("rgi,ngi->rng", q, u)
+    term_d = s[:, None, :] * d[None] * dots
+    term_m = s[:, None, :] * m[None] * q.sum(-1)[:, None, :]
+    out = (term_d + term_m).sum(-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out, (term_d.abs() + term_m.abs()).sum(-1)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_quantization_is_exactly_the_reference(isa, bits):
+    for rows, _, k in [*SHAPES, BIG_SHAPE]:
+        x = random_input(rows, k, seed=k)
+        x[0, : min(k, 32)] = 0  # an all-zero group: scale 0, q 0
+        q, scale, total = kernel_activations(x, quant.GROUP, bits)
+        ref_q, ref_scale = reference_activations(x, quant.GROUP, bits)
+        assert torch.equal(q.float(), ref_q)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(total, ref_q.view(rows, -1, quant.GROUP).sum(-1).int())
+        # the rounding bound the float test relies on, |x − s·q| ≤ s/2, in float64; x·(Q/max)
+        # is rounded to float32 before it is rounded to an integer: ≤ Q·2⁻²³ more, ~1% for int16
+        scale64 = ref_scale.double()
+        x_hat = (ref_q.double().view(rows, -1, quant.GROUP) * scale64[..., None]).view(rows, -1)
+        half_step = scale64.repeat_interleave(quant.GROUP, 1)[:, :k] / 2
+        assert ((x.double() - x_hat[:, :k]).abs() <= half_step * 1.01).all()
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_is_the_integer_formula(isa, bits, activation_bits):
+    for i, (rows, n, k) in enumerate([*SHAPES, BIG_SHAPE]):
+        packed = quant.quantize_weight(random_weight(n, k, seed=i), bits)
+        x = random_input(rows, k, seed=i)
+        bias = torch.randn(n) if i % 2 else None
+        got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
+        want, magnitude = exact_reference(x, packed, activation_bits, bias)
+        error = (got.double() - want).abs()
+        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_is_within_the_rounding_bound_of_float(isa, bits, activation_bits):
+    for i, (rows, n, k) in enumerate(SHAPES):
+        w = random_weight(n, k, seed=i)
+        x = random_input(rows, k, seed=i)
+        packed = quant.quantize_weight(w, bits)
+        w_hat = quant.dequantize_weight(packed)
+        _, d, _ = quant.unpack_weight(packed)
+        step = d[:n].float().repeat_interleave(quant.GROUP, 1)[:, :k]
+        # weight rounding: half a step (fp16 rounding of d can move the extreme value by more;
+        # that case is clamped, so allow a sliver)
+        assert ((w - w_hat).abs() <= step * 0.5 * (1 + 1e-2) + 1e-7).all()
+        q, scale = reference_activations(x, quant.GROUP, activation_bits)
+        x_hat = (q.view(rows, -1, quant.GROUP) * scale[..., None]).view(rows, -1)[:, :k]
+        bound = x.abs() @ (w - w_hat).abs().T + (x - x_hat).abs() @ w_hat.abs().T
+        got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+        slack = 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+        assert ((got - x @ w.T).abs() <= bound + slack).all()
+
+
+def test_the_isas_agree():
+    rows, n, k = 6, 200, 300
+    x, w = random_input(rows, k, seed=7), random_weight(n, k, seed=7)
+    for bits in (8, 4):
+        packed = quant.quantize_weight(w, bits)
+        results = []
+        for name in ISAS:
+            KERNELS.set_isa(name)
+            results.append(quant.quantized_matmul(x, packed))
+        KERNELS.set_isa(BEST_ISA)
+        scale = (x.abs() @ quant.dequantize_weight(packed).abs().T).max()
+        for other in results[1:]:
+            assert (other - results[0]).abs().max() <= 1e-6 * scale
+
+
+def test_thread_count_does_not_change_a_bit():
+    packed = quant.quantize_weight(random_weight(2000, 576, seed=3), 4)  # many tile chunks
+    x = random_input(5, 576, seed=3)
+    threads = KERNELS.num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            KERNELS.set_num_threads(count)
+            results.append(quant.quantized_matmul(x, packed))
+    finally:
+        KERNELS.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_strided_input_and_given_output():
+    packed = quant.quantize_weight(random_weight(40, 64, seed=5), 8)
+    wide = random_input(4, 100, seed=5)
+    x = wide[:, 10:74]  # row stride 100, unit column stride: passed without a copy
+    out = torch.full((4, 40), float("nan"))
+    got = quant.quantized_matmul(x, packed, out=out)
+    assert got is out
+    assert torch.equal(got, quant.quantized_matmul(x.contiguous(), packed))
+    transposed = x.contiguous().T.contiguous().T  # column stride ≠ 1: copied first
+    assert torch.equal(quant.quantized_matmul(transposed, packed), got)
+    assert quant.quantized_matmul(x[:0], packed).shape == (0, 40)
+
+
+def test_bad_arguments_raise_clear_errors():
+    packed = quant.quantize_weight(random_weight(16, 32, seed=1), 8)
+    with pytest.raises(ValueError, match="float32"):
+        quant.quantized_matmul(torch.randn(1, 32, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="columns"):
+        quant.quantized_matmul(torch.randn(1, 31), packed)
+    with pytest.raises(ValueError, match="bias"):
+        quant.quantized_matmul(torch.randn(1, 32), packed, torch.randn(15))
+    with pytest.raises(ValueError, match="bits"):
+        quant.quantize_weight(torch.randn(4, 32), 3)
+    with pytest.raises(ValueError, match="group"):
+        quant.quantize_weight(torch.randn(4, 32), 8, group=48)
+    with pytest.raises(ValueError, match="inf or nan"):
+        quant.quantize_weight(torch.tensor([[float("inf")] * 32]), 8)
+    x, out = torch.randn(1, 32), torch.empty(1, 16)
+    with pytest.raises(ValueError, match="activation bits"):  # the C++ side checks too
+        KERNELS.matmul(
+            x.data_ptr(), 32, 1, 12, packed.data.data_ptr(), packed.scales.data_ptr(),
+            16, 32, 8, 32, 0, out.data_ptr(), 16,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown ISA"):
+        KERNELS.set_isa("sse9")
+    assert KERNELS.isa() == BEST_ISA
+
+
+def test_isa_environment_variable_forces_the_fallback():
+    code = (
+        "import torch\n"
+        "from pyserve.worker import quant\n"
+        "k = quant.kernels()\n"
+        "p = quant.quantize_weight(torch.ones(20, 40), 4)\n"
+        "y = quant.quantized_matmul(torch.ones(2, 40), p)\n"
+        "print(k.isa(), float(y.sum()))\n"
+    )
+    env = {**os.environ, quant.ISA_ENV: "scalar"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    isa, total = done.stdout.split()
+    assert isa == "scalar" and float(total) == pytest.approx(2 * 20 * 40, rel=1e-6)
+    env[quant.ISA_ENV] = "sse9"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and "PYSERVE_KERNELS_ISA='sse9'" in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_working_pool():
+    packed = quant.quantize_weight(random_weight(500, 64, seed=2), 8)
+    x, out = random_input(2, 64, seed=2), torch.zeros(2, 500)
+    want = quant.quantized_matmul(x, packed)  # the parent's pool exists before the fork
+    pid = os.fork()
+    if pid == 0:  # child: no torch ops, just the kernel on memory the parent set up
+        try:
+            KERNELS.matmul(
+                x.data_ptr(), 64, 2, 16, packed.data.data_ptr(), packed.scales.data_ptr(),
+                500, 64, 8, 32, 0, out.data_ptr(), 500,
+            )  # fmt: skip
+            os._exit(0 if torch.equal(out, want) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the kernel hung in a forked child")
+
+
+def test_gguf_weights_quantize_back_to_themselves():
+    """The default model's Q4_1 layers and Q8_0 embedding are already on our grids."""
+    from gguf import GGUFReader, dequantize
+
+    from pyserve.model_files import default_model_path
+
+    reader = GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name, bits in [("blk.0.attn_q.weight", 4), ("blk.3.ffn_down.weight", 4),
+                       ("token_embd.weight", 8)]:  # fmt: skip
+        t = tensors[name]
+        rows = t.data[:2048]  # quantized rows: [rows, bytes]; the whole matrix is slower
+        k = int(t.shape[0])
+        w = torch.from_numpy(dequantize(rows, t.tensor_type).reshape(-1, k).copy())
+        assert torch.equal(quant.dequantize_weight(quant.quantize_weight(w, bits)), w), name
+
+
+def test_quant_linear_uses_the_kernel_for_small_batches_and_torch_beyond():
+    w, bias = random_weight(70, 96, seed=4), torch.randn(70)
+    layer = quant.QuantLinear(w, bias, 8, max_kernel_rows=4)
+    w_hat = quant.dequantize_weight(layer.packed)
+    assert torch.equal(layer.weight, w_hat)
+    small, large = random_input(4, 96, seed=4), random_input(9, 96, seed=4)
+    want_small = quant.quantized_matmul(small, layer.packed, bias)
+    assert torch.equal(layer(small), want_small)
+    assert torch.allclose(layer(large), large @ w_hat.T + bias, atol=1e-5)
+    # leading dimensions and bfloat16 pass through
+    x3 = small.view(2, 2, 96).bfloat16()
+    y3 = layer(x3)
+    assert y3.shape == (2, 2, 70) and y3.dtype == torch.bfloat16
+    want_bf16 = quant.quantized_matmul(x3.float().view(4, 96), layer.packed, bias)
+    assert torch.equal(y3.view(4, 70), want_bf16.bfloat16())
+    assert layer.max_kernel_rows == 4
+    assert quant.QuantLinear(w, None, 4).max_kernel_rows == quant.MAX_KERNEL_ROWS[torch.float32]
+
+
+def tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_quantize_model_linears_on_a_transformers_llama(mode):
+    model = tiny_llama(tied=True)
+    embedding = model.model.embed_tokens.weight
+    replaced = quant.quantize_model_linears(model, mode)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert len(replaced) == 2 * len(projections) + 1 and "lm_head" in replaced
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    head = model.lm_head
+    assert head.bits == 8  # in both modes
+    assert model.model.layers[0].mlp.down_proj.bits == (8 if mode == "int8" else 4)
+    # the embedding lookup is untouched; the head shares its tensor only if nothing changed
+    assert model.model.embed_tokens.weight is embedding
+    assert (head.weight is embedding) == torch.equal(head.weight, embedding)
+
+    # against the same model with the dequantized weights in float: only the int16 activation
+    # rounding is left, so logits agree closely
+    reference = tiny_llama(tied=True)
+    with torch.no_grad():
+        for name in replaced:
+            target = reference.get_submodule(name)
+            target.weight = nn.Parameter(model.get_submodule(name).weight.clone())
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    with pytest.raises(ValueError, match="mode"):
+        quant.quantize_model_linears(tiny_llama(tied=False), "int3")
