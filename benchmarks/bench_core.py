@@ -11,8 +11,9 @@ The Python loop around the calls is counted for both. Times are the CPU time of 
 (`time.process_time`), best of a few repeats, so that other work on a shared machine does not
 inflate them; everything here runs on one thread. Token ids reach the core as packed int32
 bytes, the form the main process holds them in (the core also takes lists: that figure is
-printed too); the reference gets Python lists, its natural form. Targets: core ≥ 20× the
-reference on both, and a 256-request plan + report under 50 µs.
+printed too); the reference gets Python lists, its natural form. Block ids come back the same
+way (int32 bytes from the core, lists from the reference), so one loop serves both. Targets:
+core ≥ 20× the reference on both, and a 256-request plan + report under 50 µs.
 
     .venv/bin/python benchmarks/bench_core.py            # full run (about a minute)
     .venv/bin/python benchmarks/bench_core.py --quick    # a few seconds

@@ -27,6 +27,7 @@ float32's top token, and how often fp32's top-2 gap was small where they disagre
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import platform
@@ -182,7 +183,7 @@ def timing_table(contenders: list[Contender], rows: list[int], times: dict) -> s
 # ---------------------------------------------------------------------------------- accuracy
 
 
-def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
+def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: int) -> str:
     """Teacher-forced logits of the default model, float32 against each quantization mode."""
     import importlib.util
 
@@ -229,12 +230,12 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
 
     reference = logits_of(model)
     rows = []
-    for mode in modes:
-        quantized = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+    for mode, activation_bits in variants:
+        quantized = copy.deepcopy(model)
         # every row through the kernel: its per-row result does not depend on the batch size
-        replaced = quant.quantize_model_linears(quantized, mode, max_kernel_rows=1 << 30)
+        replaced = quant.quantize_model_linears(
+            quantized, mode, activation_bits=activation_bits, max_kernel_rows=1 << 30
+        )
         got = logits_of(quantized)
         ref, new = torch.cat(reference), torch.cat(got)
         ref_lp, new_lp = ref.log_softmax(-1), new.log_softmax(-1)
@@ -246,15 +247,16 @@ def measure_accuracy(modes: list[str], prompts: int, new_tokens: int) -> str:
         kl = (ref_lp.exp() * (ref_lp - new_lp)).sum(-1)
         disagree_gaps = gap[~agree]
         rows.append(
-            f"| {mode} | {len(replaced)} | {len(ref)} | {agree.float().mean() * 100:.1f}% | "
+            f"| {mode} | int{activation_bits} | {len(replaced)} | {len(ref)} | "
+            f"{agree.float().mean() * 100:.1f}% | "
             f"{drop.mean():.4f} / {drop.max():.3f} | {kl.mean():.5f} / {kl.max():.4f} | "
             + (f"{disagree_gaps.max():.3f}" if len(disagree_gaps) else "—")
             + " |"
         )
     header = (
-        "| mode | linears replaced | positions | top-1 agreement with fp32 | "
+        "| weights | activations | linears replaced | positions | top-1 agreement with fp32 | "
         "abs Δ logprob of fp32's top token, mean / max | KL(fp32‖quantized), mean / max | "
-        "largest fp32 top-2 gap where top-1 differs |\n|---|---|---|---|---|---|---|"
+        "largest fp32 top-2 gap where top-1 differs |\n|---|---|---|---|---|---|---|---|"
     )
     return header + "\n" + "\n".join(rows)
 
@@ -317,7 +319,8 @@ def main() -> int:
     print(context + "\n\n" + table)
     accuracy = ""
     if args.accuracy:
-        accuracy = measure_accuracy(["int8", "int4"], args.accuracy_prompts, args.accuracy_tokens)
+        variants = [("int8", 16), ("int4", 16), ("int8", 8), ("int4", 8)]
+        accuracy = measure_accuracy(variants, args.accuracy_prompts, args.accuracy_tokens)
         print("\n" + accuracy)
     if args.write_results:
         command = "`.venv/bin/python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]) + "`"

@@ -10,7 +10,7 @@ For each dtype, on the default model (SmolLM2-135M Q4_1 GGUF, dequantized) unles
   the gaps between its tokens (a stopping criterion timestamps each), so its prefill is not
   counted. Both decode rates use the median step: the machine may be shared.
 - the ceiling: the model's matmuls alone (every projection of every layer plus the vocabulary
-  projection, M = batch rows, same dtype), timed with F.linear on random weights.
+  projection, M = batch rows, same dtype), on random weights, run the way the runner runs them.
 
     .venv/bin/python benchmarks/bench_worker.py --quick          # a short run
     .venv/bin/python benchmarks/bench_worker.py --dtype bfloat16 # full run, one dtype
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.linear import Linear
 from pyserve.worker.model_runner import DTYPES, ModelRunner
 from pyserve.worker.models.config import ModelConfig
 
@@ -36,15 +36,15 @@ BLOCK_SIZE = 16
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Best-of-3 mean seconds per call (the machine may be shared: take the quietest run)."""
+    """Seconds per call: the median of 5 rounds of ``repeats`` calls, like the decode steps."""
     fn()
-    best = float("inf")
-    for _ in range(3):
+    rounds = []
+    for _ in range(5):
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
+        rounds.append((time.perf_counter() - start) / repeats)
+    return statistics.median(rounds)
 
 
 # ---------------------------------------------------------------------------- the ceiling
@@ -55,33 +55,38 @@ def matmul_ceiling(
 ) -> float:
     """Tokens/s if a forward were nothing but its matmuls (one layer timed, times num_layers).
 
-    ``vocab_rows``: rows that need logits (all of them when decoding, one for a prefill).
+    Each projection runs as ``pyserve.worker.linear.Linear`` runs it for this dtype (prepacked
+    for oneDNN where the runner packs, else ``F.linear``), so the ceiling is the fastest matmul
+    the runner itself could get. ``vocab_rows``: rows that need logits (all of them when
+    decoding, one for a prefill).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
-    qkv = config.q_size + 2 * config.kv_size
+
+    def projection(inputs: int, outputs: int) -> Linear:
+        proj = Linear(inputs, outputs, bias=False, dtype=dtype, device="cpu")
+        proj.weight.data.normal_()
+        proj.pack()
+        return proj
+
+    qkv = projection(hidden, config.q_size + 2 * config.kv_size)
+    o_proj = projection(config.q_size, hidden)
+    gate_up = projection(hidden, 2 * inter)
+    down = projection(inter, hidden)
+    vocab = projection(hidden, config.vocab_size)
     x = torch.randn(rows, hidden, dtype=dtype)
     attn_out = torch.randn(rows, config.q_size, dtype=dtype)
     act = torch.randn(rows, inter, dtype=dtype)
-    w_qkv, w_o = (
-        torch.randn(qkv, hidden, dtype=dtype),
-        torch.randn(hidden, config.q_size, dtype=dtype),
-    )
-    w_gu, w_down = (
-        torch.randn(2 * inter, hidden, dtype=dtype),
-        torch.randn(hidden, inter, dtype=dtype),
-    )
-    w_vocab = torch.randn(config.vocab_size, hidden, dtype=dtype)
 
     def layer() -> None:
-        F.linear(x, w_qkv)
-        F.linear(attn_out, w_o)
-        F.linear(x, w_gu)
-        F.linear(act, w_down)
+        qkv(x)
+        o_proj(attn_out)
+        gate_up(x)
+        down(act)
 
     per_layer = timed(layer, repeats)
     last = x[: rows if vocab_rows is None else vocab_rows]
-    vocab = timed(lambda: F.linear(last, w_vocab), max(1, repeats // 4))
-    return rows / (config.num_layers * per_layer + vocab)
+    vocab_time = timed(lambda: vocab(last), max(1, repeats // 4))
+    return rows / (config.num_layers * per_layer + vocab_time)
 
 
 # ---------------------------------------------------------------------------- ours

@@ -111,9 +111,11 @@ async def one_request(
         return
     async with session.post(url + route, json=body) as resp:
         raw = await resp.read()
-    if resp.status != 200 or not raw.endswith(b"data: [DONE]\n\n") or b'"error"' in raw:
+    events = raw.split(b"\n\n")
+    errors = [e for e in events if e.startswith(b'data: {"error"')]
+    if resp.status != 200 or events[-2:] != [b"data: [DONE]", b""] or errors:
         stats.failed += 1
-        stats.errors.append(f"{resp.status}: {raw[-200:]!r}")
+        stats.errors.append(f"{resp.status}: {(errors or [raw[-300:]])[0]!r}")
         return
     stats.completed += 1
 

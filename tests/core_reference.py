@@ -1,6 +1,9 @@
 """A small pure-Python model of ``pyserve._core`` (cpp/README.md), for tests and benchmarks.
 
-Three classes with the same names and call signatures as the C++ core:
+Three classes with the same names and call signatures as the C++ core (``match_prefix`` and
+``insert`` also take packed little-endian bytes, like the core). Where the core returns block ids
+as packed int32 bytes (``BlockAllocator.allocate``, ``RadixCache.match_prefix``), the reference
+returns lists, its natural form, so that caller code such as ``blocks + fresh`` works with both.
 
 - ``BlockAllocator``: a free list and reference counts.
 - ``RadixCache``: a tree over token ids whose edges hold whole blocks; LRU eviction of unlocked

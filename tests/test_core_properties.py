@@ -58,6 +58,11 @@ def _i64(data: bytes) -> list[int]:
     return array("q", data).tolist()
 
 
+def _block_ids(blocks: bytes | list[int]) -> list[int]:
+    """Block ids as a list: the core returns them as packed int32 bytes, the reference as a list."""
+    return _i32(blocks) if isinstance(blocks, bytes) else list(blocks)
+
+
 def _prefix_hashes(tokens: list[int]) -> list[tuple[int, int]]:
     """hashes[k] identifies tokens[:k] (length and content)."""
     out, h = [(0, 0)], 0
@@ -108,7 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = len(tokens) // self.bs
         if n > self.core_alloc.num_free:
             return
-        ids = self.core_alloc.allocate(n)
+        ids = _i32(self.core_alloc.allocate(n))
         self.ref_alloc.take(ids)  # the reference must agree that these blocks were free
         as_bytes = data.draw(st.booleans())
         core_hit = self.core_cache.insert(
@@ -136,7 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
         _, _, ref_handle = self.ref_cache.match_prefix(tokens)
         self.core_cache.lock(core_handle)
         self.ref_cache.lock(ref_handle)
-        self.locks.append((core_handle, ref_handle, blocks))
+        self.locks.append((core_handle, ref_handle, _i32(blocks)))
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
@@ -164,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = len(tokens) // self.bs
         if n > self.core_alloc.num_free:
             return
-        ids = self.core_alloc.allocate(n - 1)  # good blocks for all but the last block
+        ids = _i32(self.core_alloc.allocate(n - 1))  # good blocks for all but the last block
         free = [b for b in range(self.core_alloc.num_blocks) if self.core_alloc.refcount(b) == 0]
         bad = [*ids, data.draw(st.sampled_from(free))]
         as_bytes = data.draw(st.booleans())
@@ -190,12 +195,14 @@ class CacheMachine(RuleBasedStateMachine):
             self._fail(f"reset() released {core_released} blocks, reference {ref_released}")
 
     def _compare_match(self, tokens: list[int]) -> None:
-        core_n, core_blocks, _ = self.core_cache.match_prefix(tokens)
+        core_n, packed, _ = self.core_cache.match_prefix(tokens)
         ref_n, ref_blocks, _ = self.ref_cache.match_prefix(tokens)
-        if (core_n, list(core_blocks)) != (ref_n, ref_blocks):
+        if not isinstance(packed, bytes):
+            self._fail(f"match_prefix returned block ids as {type(packed).__name__}, not bytes")
+        core_blocks = _i32(packed)
+        if (core_n, core_blocks) != (ref_n, ref_blocks):
             self._fail(
-                f"match_prefix({tokens}) = {core_n}, {list(core_blocks)}; "
-                f"reference {ref_n}, {ref_blocks}"
+                f"match_prefix({tokens}) = {core_n}, {core_blocks}; reference {ref_n}, {ref_blocks}"
             )
         if core_n != len(core_blocks) * self.bs:
             self._fail(f"match_prefix: {core_n} tokens but {len(core_blocks)} blocks")
@@ -909,9 +916,10 @@ class PlannerMachine(RuleBasedStateMachine):
                     break
                 expected.append(block)
             n, blocks, _ = self.planner.cache.match_prefix(tokens)
-            if n != len(expected) * bs or list(blocks) != expected:
+            blocks = _block_ids(blocks)
+            if n != len(expected) * bs or blocks != expected:
                 self._fail(
-                    f"match_prefix({tokens}) = {n}, {list(blocks)}; "
+                    f"match_prefix({tokens}) = {n}, {blocks}; "
                     f"the cached blocks' contents give {len(expected) * bs}, {expected}"
                 )
 

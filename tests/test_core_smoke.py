@@ -54,10 +54,14 @@ def test_bad_settings_raise_value_error(make):
 
 def test_allocator_errors_map_to_value_and_runtime_errors():
     alloc = core.BlockAllocator(2)
-    ids = alloc.allocate(2)
+    packed = alloc.allocate(2)
+    ids = _i32(packed)
+    assert ids == [0, 1]  # a fresh pool hands out 0, 1, 2, ...
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         alloc.allocate(1)
-    alloc.decref(ids)
+    with pytest.raises(ValueError, match="negative"):
+        alloc.allocate(-1)
+    alloc.decref(packed)
     with pytest.raises(ValueError, match="refcount 0"):
         alloc.decref([ids[0]])
     with pytest.raises(ValueError, match="free"):
@@ -215,16 +219,52 @@ def test_block_states_and_refcounts_cover_the_pool():
     assert _i32(planner.allocator.refcounts()) == refcounts
 
 
-def test_match_prefix_returns_a_list_and_a_handle():
+def test_block_ids_come_back_as_packed_int32():
     alloc = core.BlockAllocator(8)
     cache = core.RadixCache(2, alloc)
     blocks = alloc.allocate(2)
+    assert isinstance(blocks, bytes) and _i32(blocks) == [0, 1]
     assert cache.insert(array("i", [1, 2, 3, 4, 5]).tobytes(), blocks) == 0
     num_tokens, block_ids, handle = cache.match_prefix(np.array([1, 2, 3, 4], dtype=np.int32))
+    assert isinstance(block_ids, bytes)
     assert (num_tokens, block_ids) == (4, blocks)
+    assert cache.match_prefix([9, 9]) == (0, b"", 0)
     cache.lock(handle)
     assert cache.lock_count(handle) == 1
     assert cache.stats()["cached_blocks"] == 2
+
+
+def test_hot_methods_take_keywords_and_check_their_arguments():
+    """match_prefix, insert, allocate, incref, decref and num_free bypass pybind11's dispatcher
+    (cpp/bindings/fastcall.h); they must still behave like ordinary methods."""
+    alloc = core.BlockAllocator(8)
+    cache = core.RadixCache(2, alloc)
+    blocks = alloc.allocate(n=2)
+    assert cache.insert(block_ids=blocks, tokens=[1, 2, 3, 4]) == 0
+    assert cache.match_prefix(tokens=[1, 2, 3, 4])[:2] == (4, blocks)
+    alloc.incref(ids=blocks)
+    alloc.decref(blocks)
+    alloc.decref(ids=blocks)
+    assert alloc.num_free == 6 and [alloc.refcount(b) for b in _i32(blocks)] == [1, 1]
+    for call in (
+        lambda: cache.match_prefix(),
+        lambda: cache.match_prefix([1, 2], [3]),
+        lambda: cache.match_prefix([1, 2], tokens=[1, 2]),
+        lambda: cache.match_prefix(token=[1, 2]),
+        lambda: cache.insert([1, 2]),
+        lambda: alloc.allocate("1"),
+        lambda: alloc.allocate(1.0),
+        lambda: alloc.decref(5),
+        lambda: core.RadixCache.match_prefix(alloc, [1, 2]),  # self of the wrong class
+        lambda: core.BlockAllocator.num_free.__get__(cache),
+    ):
+        with pytest.raises(TypeError):
+            call()
+    with pytest.raises(AttributeError):
+        alloc.num_free = 3
+    assert "block_ids" in core.RadixCache.match_prefix.__doc__
+    alloc.check_invariants()
+    cache.check_invariants()
 
 
 # -- threads ----------------------------------------------------------------------------------
@@ -258,3 +298,43 @@ def test_concurrent_callers_are_serialized():
     assert not thread.is_alive()
     assert not errors, errors
     planner.check_invariants()
+
+
+def test_long_and_short_cache_calls_from_two_threads():
+    """Long match_prefix/insert calls release the GIL; short ones keep it unless the cache's
+    mutex is taken, and then wait for it with the GIL released. Neither may deadlock."""
+    bs, long_len = 16, 20_000  # above the release threshold (cpp/bindings/radix_cache_py.cpp)
+    alloc = core.BlockAllocator(16384)  # room for all 7 long sequences: no eviction
+    cache = core.RadixCache(bs, alloc)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def long_calls() -> None:
+        try:
+            for i in range(20):
+                tokens = array("i", [i % 7] * bs + list(range(long_len))).tobytes()
+                n, blocks, _ = cache.match_prefix(tokens)
+                fresh = alloc.allocate((long_len + bs - n) // bs)
+                cache.insert(tokens, blocks + fresh)
+                alloc.decref(fresh)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=long_calls)
+    thread.start()
+    try:
+        short = [1] * bs + [2] * bs
+        while not stop.is_set():
+            n, blocks, _ = cache.match_prefix(short)
+            if n == 0:
+                fresh = alloc.allocate(2)
+                cache.insert(short, fresh)
+                alloc.decref(fresh)
+    finally:
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not errors, errors
+    cache.check_invariants()
+    alloc.check_invariants()

@@ -415,3 +415,39 @@ def test_decode_split_across_chunks_matches_hf(llama):
     finally:
         runner.attention.max_chunk_blocks = default
     assert_all_match(seqs, refs)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.5},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["default", "linear", "llama3"],
+)
+def test_rope_frequencies_match_transformers(tmp_path, scaling):
+    """Inverse frequencies read from config.json equal transformers' for each rope type."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pyserve.model_files import resolve_model
+    from pyserve.worker.loading.hf import read_hf_config
+    from pyserve.worker.rope import inverse_frequencies
+
+    overrides = {"rope_scaling": scaling} if scaling else {}
+    hf_config = transformers.LlamaConfig(**{**TINY, "rope_theta": 50000.0, **overrides})
+    hf_config.save_pretrained(tmp_path)
+    ours = inverse_frequencies(read_hf_config(resolve_model(str(tmp_path))))
+    if scaling is None:
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+        theirs = rotary.inv_freq
+    else:
+        theirs, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
+    assert torch.equal(ours, theirs.float())

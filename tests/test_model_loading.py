@@ -102,6 +102,29 @@ def test_half_precision_close_to_float32(saved_tiny, dtype):
     assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
 
 
+def test_packed_bf16_weights_match_plain(saved_tiny, monkeypatch):
+    """bf16 projections prepacked for oneDNN (where that works) compute what F.linear does."""
+    import pyserve.worker.linear as linear
+
+    _, directory = saved_tiny
+    packed = runner(directory, dtype="bfloat16")
+    layers = TINY["num_hidden_layers"]
+    assert packed.packed_linears == (4 * layers + 1 if linear.packing_works(torch.bfloat16) else 0)
+    if packed.packed_linears:
+        assert packed.model.layers[0].qkv_proj.weight is None  # the plain copy is freed
+    monkeypatch.setattr(linear, "packing_works", lambda dtype: False)
+    plain = runner(directory, dtype="bfloat16")
+    assert plain.packed_linears == 0
+    a = prefill_logits(packed).log_softmax(-1)
+    b = prefill_logits(plain).log_softmax(-1)
+    assert (a - b).abs().max() < 1e-2
+
+
+def test_float32_is_never_packed(saved_tiny):
+    _, directory = saved_tiny
+    assert runner(directory).packed_linears == 0  # fp32 stays bit-comparable with transformers
+
+
 def test_dtype_auto_and_unknown(saved_tiny):
     from pyserve.worker.dtypes import default_dtype
 

@@ -1,10 +1,10 @@
 // Guarded<T>: how a core object is exposed to Python.
 //
-// The core is single-threaded; the bindings release the GIL in calls that can run long so that a
-// scheduler thread and the event loop can both call in. Every call takes the object's mutex; a
-// call that keeps the GIL while it holds the mutex never waits for the GIL there, so no call can
-// deadlock against the GIL (the mutex is only ever waited for with the GIL released, or by a
-// short `held` call whose holder does not need the GIL to finish).
+// The core is single-threaded; every call takes the object's mutex, so a scheduler thread and the
+// event loop can both call in. Calls that can run long release the GIL before they take the
+// mutex; short ones keep it. No thread ever waits for the GIL while it holds the mutex (f never
+// touches Python, and the GIL is taken back only after the mutex is unlocked), so a thread that
+// waits for the mutex, with or without the GIL, cannot deadlock.
 // Objects that share state share one mutex: `planner.cache` and `planner.allocator` lock the
 // planner's mutex, and a RadixCache built on a BlockAllocator locks the allocator's.
 #pragma once
@@ -24,7 +24,8 @@ struct Guarded {
   std::shared_ptr<T> obj;  // may alias an owner (the planner) that it keeps alive
   std::shared_ptr<std::mutex> mutex;
 
-  // Runs f(obj) under the mutex with the GIL released. f must not touch Python objects.
+  // Runs f(obj) under the mutex with the GIL released. f must not touch Python objects (nor in
+  // maybe_released below, which runs f with or without the GIL).
   template <class F>
   auto released(F&& f) {
     py::gil_scoped_release no_gil;

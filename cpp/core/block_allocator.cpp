@@ -22,6 +22,7 @@ void BlockAllocator::allocate(int64_t n, std::vector<BlockId>& out) {
                         std::to_string(num_free()) + " of " + std::to_string(num_blocks()) +
                         " are free");
   }
+  out.reserve(out.size() + static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const BlockId id = free_list_.back();
     free_list_.pop_back();

@@ -22,13 +22,28 @@ RadixCache::RadixCache(int64_t block_size, BlockAllocator& allocator) : allocato
 }
 
 uint64_t RadixCache::hash_tokens(const int32_t* tokens) const {
-  uint64_t h = 0x9E3779B97F4A7C15ULL;
-  for (int32_t i = 0; i < block_size_; ++i) {
-    h ^= static_cast<uint32_t>(tokens[i]);
-    h *= 0xBF58476D1CE4E5B9ULL;
-    h ^= h >> 29;
+  // Multiply-xorshift over token pairs in four independent lanes, so that the multiplies of a
+  // block overlap instead of forming one long dependency chain (every lookup hashes a block at
+  // each tree level it passes); then the odd tail, and a final mix of the lanes.
+  constexpr uint64_t kMul = 0xBF58476D1CE4E5B9ULL;
+  auto mix = [](uint64_t h, uint64_t v) {
+    h = (h ^ v) * kMul;
+    return h ^ (h >> 29);
+  };
+  uint64_t lane[4] = {0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,
+                      0x27D4EB2F165667C5ULL};
+  const size_t n = static_cast<size_t>(block_size_);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (size_t k = 0; k < 4; ++k) {
+      uint64_t pair;
+      std::memcpy(&pair, tokens + i + 2 * k, sizeof(pair));
+      lane[k] = mix(lane[k], pair);
+    }
   }
-  return h;
+  uint64_t h = mix(mix(mix(lane[0], lane[1]), lane[2]), lane[3]);
+  for (; i < n; ++i) h = mix(h, static_cast<uint32_t>(tokens[i]));
+  return mix(h, n);
 }
 
 bool RadixCache::same_block(const int32_t* a, const int32_t* b) const {

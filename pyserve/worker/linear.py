@@ -2,9 +2,11 @@
 
 ``F.linear`` on a CPU re-lays the weight out into oneDNN's blocked format on every call (or runs
 a plain BLAS); doing that once at load time (the op torch.compile's CPU backend uses for the same
-purpose) made the SmolLM2 matmuls 1.2-1.9x faster in bf16 and 1.3-1.75x in fp32 from batch 8 up
-on the benchmark machine (benchmarks/RESULTS.md, "Worker"). The ops are torch internals, so
-packing is probed once per dtype and falls back to ``F.linear`` if they are missing or disagree;
+purpose) made the SmolLM2 layer matmuls 1.2x (batch 64) to 1.9x (batch 1) faster in bf16 on the
+benchmark machine. Only half-precision weights are packed: in fp32 the packed kernel sums in
+another order, which moved SmolLM2's logprobs up to 8e-5 from transformers' (1e-4 is the bar the
+float32 tests hold), and fp32 is the path kept exact. The ops are torch internals, so packing is
+probed once per dtype and falls back to ``F.linear`` if they are missing or disagree;
 ``PYSERVE_PACK_WEIGHTS=0`` turns it off.
 """
 
@@ -66,7 +68,7 @@ class Linear(nn.Module):
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether prepacked oneDNN linear runs here for ``dtype`` and agrees with F.linear."""
-    if os.environ.get("PYSERVE_PACK_WEIGHTS", "1") == "0":
+    if dtype == torch.float32 or os.environ.get("PYSERVE_PACK_WEIGHTS", "1") == "0":
         return False
     try:
         if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
@@ -78,7 +80,6 @@ def packing_works(dtype: torch.dtype) -> bool:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         want = F.linear(x, weight, bias)
-        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-        return bool(torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance))
+        return bool(torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2))
     except (RuntimeError, AttributeError, TypeError):  # op missing, or no kernel for this CPU
         return False

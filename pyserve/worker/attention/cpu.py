@@ -79,7 +79,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
         bs = self.kv_cache.block_size
-        device = batch.input_ids.device
+        device = self.kv_cache.k[0].device
         num_tokens, start_pos, tables = batch.num_tokens, batch.start_pos, batch.block_tables
         if not num_tokens:
             raise ValueError("ForwardBatch has no entries")
@@ -96,7 +96,7 @@ class CpuAttentionBackend(AttentionBackend):
         table_rows = table_rows.to(device)
         counts = torch.tensor(num_tokens, dtype=torch.int64, device=device)
         entry_of_row = torch.repeat_interleave(torch.arange(len(tables), device=device), counts)
-        positions = batch.positions
+        positions = batch.positions.to(device)
         slots = table_rows[entry_of_row, positions // bs] * bs + positions % bs
 
         prefills: list[PrefillSpan] = []

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op (accumulates in float32 for bf16 too); 1.5x faster than the 7-op form
+        # one fused op instead of seven; it accumulates in float32 for bf16 inputs too
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -62,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         attention: AttentionBackend,
         metadata: object,
     ) -> torch.Tensor:
@@ -70,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv = self.qkv_proj(self.input_norm(hidden))
         qk_size = self.split[0] + self.split[1]
         # q and k heads side by side: one rotation for both
-        qk = apply_rope(qkv[:, :qk_size].view(rows, -1, self.head_dim), cos, sin)
+        qk = apply_rope(qkv[:, :qk_size].view(rows, -1, self.head_dim), cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(rows, self.num_kv_heads, self.head_dim)
         attn = attention.forward(self.index, q, k, v, metadata)
@@ -105,9 +105,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention, metadata)
+            hidden = layer(hidden, cos, signed_sin, attention, metadata)
         # the last norm and the vocabulary projection only for rows that sample
         last = self.norm(hidden.index_select(0, sample_index))
         return self.lm_head(last).float()
