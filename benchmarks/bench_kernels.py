@@ -187,6 +187,7 @@ def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: 
     """Teacher-forced logits of the default model, float32 against each quantization mode."""
     import importlib.util
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion progress bar
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -281,7 +282,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="batch sizes M")
     parser.add_argument("--rounds", type=int, default=15, help="0: accuracy only")
-    parser.add_argument("--threads", type=int, default=2, help="torch's and the kernel's")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[2], help="torch's and the kernel's, each"
+    )
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument(
         "--contenders",
@@ -296,20 +299,26 @@ def main() -> int:
     parser.add_argument("--write-results", action="store_true", help="update RESULTS.md")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
     kernels = quant.kernels()
-    kernels.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
-    table = "(timing skipped: --rounds 0)"
-    if args.rounds > 0:
-        contenders = build_contenders(args.layers, args.contenders)
+    tables = []
+    contenders = build_contenders(args.layers, args.contenders) if args.rounds > 0 else []
+    for threads in args.threads if args.rounds > 0 else []:
+        torch.set_num_threads(threads)
+        kernels.set_num_threads(threads)
         times = time_contenders(contenders, args.rows, args.rounds)
-        table = timing_table(contenders, args.rows, times)
+        tables.append(
+            f"{threads} thread{'s' if threads > 1 else ''}:\n\n"
+            + timing_table(contenders, args.rows, times)
+        )
+    table = "\n\n".join(tables) or "(timing skipped: --rounds 0)"
+    torch.set_num_threads(max(args.threads))
+    kernels.set_num_threads(max(args.threads))
     load_after = os.getloadavg()[0]
     context = (
-        f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, "
-        f"{args.threads} threads; kernel ISA `{kernels.isa()}` (supported here: "
+        f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}; "
+        f"kernel ISA `{kernels.isa()}` (supported here: "
         f"{', '.join(kernels.supported_isas())}); torch {torch.__version__}.  \n"
         f"Load average before/after: {load_before:.1f} / {load_after:.1f}; "
         f"copy bandwidth (256 MiB tensor copy, read + write): {bandwidth:.1f} GB/s.  \n"

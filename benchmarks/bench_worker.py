@@ -53,7 +53,8 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 def matmul_ceiling(
     config: ModelConfig, rows: int, dtype: torch.dtype, repeats: int, vocab_rows: int | None = None
 ) -> float:
-    """Tokens/s if a forward were nothing but its matmuls (one layer timed, times num_layers).
+    """Tokens/s if a forward were nothing but its matmuls, on random weights of the model's
+    shapes: every layer has its own matrices, so they stream from memory as the model's do.
 
     Each projection runs as ``pyserve.worker.linear.Linear`` runs it for this dtype (prepacked
     for oneDNN where the runner packs, else ``F.linear``), so the ceiling is the fastest matmul
@@ -68,25 +69,30 @@ def matmul_ceiling(
         proj.pack()
         return proj
 
-    qkv = projection(hidden, config.q_size + 2 * config.kv_size)
-    o_proj = projection(config.q_size, hidden)
-    gate_up = projection(hidden, 2 * inter)
-    down = projection(inter, hidden)
+    layers = [
+        (
+            projection(hidden, config.q_size + 2 * config.kv_size),
+            projection(config.q_size, hidden),
+            projection(hidden, 2 * inter),
+            projection(inter, hidden),
+        )
+        for _ in range(config.num_layers)
+    ]
     vocab = projection(hidden, config.vocab_size)
     x = torch.randn(rows, hidden, dtype=dtype)
     attn_out = torch.randn(rows, config.q_size, dtype=dtype)
     act = torch.randn(rows, inter, dtype=dtype)
-
-    def layer() -> None:
-        qkv(x)
-        o_proj(attn_out)
-        gate_up(x)
-        down(act)
-
-    per_layer = timed(layer, repeats)
     last = x[: rows if vocab_rows is None else vocab_rows]
-    vocab_time = timed(lambda: vocab(last), max(1, repeats // 4))
-    return rows / (config.num_layers * per_layer + vocab_time)
+
+    def forward() -> None:
+        for qkv, o_proj, gate_up, down in layers:
+            qkv(x)
+            o_proj(attn_out)
+            gate_up(x)
+            down(act)
+        vocab(last)
+
+    return rows / timed(forward, repeats)
 
 
 # ---------------------------------------------------------------------------- ours
@@ -256,7 +262,7 @@ def main() -> None:
                 )
                 ours = ours_decode(runner, prompts, args.decode_steps)
                 theirs = hf_decode(hf, prompts, args.decode_steps) if hf else float("nan")
-                ceiling = matmul_ceiling(config, batch, dtype, repeats * 4)
+                ceiling = matmul_ceiling(config, batch, dtype, repeats)
             else:
                 prompt = torch.randint(100, config.vocab_size, (args.prefill_len,), generator=gen)
                 ours = ours_prefill(runner, prompt, repeats)

@@ -132,6 +132,8 @@ TEST(invalid_inserts_raise_and_change_nothing) {
   CHECK_THROWS(f.cache.insert(four.data(), 4, held.data(), 1), ValueError);  // too few ids
   const Ids out_of_range{held[0], 99};
   CHECK_THROWS(f.cache.insert(four.data(), 4, out_of_range.data(), 2), ValueError);
+  const Ids negative{-1, held[0]};
+  CHECK_THROWS(f.cache.insert(four.data(), 4, negative.data(), 2), ValueError);
   const Ids free_block{held[0], 5};  // block 5 was never allocated
   CHECK_THROWS(f.cache.insert(four.data(), 4, free_block.data(), 2), ValueError);
   const Ids twice{held[0], held[0]};
@@ -144,6 +146,43 @@ TEST(invalid_inserts_raise_and_change_nothing) {
   const Tokens other{7, 8};
   CHECK_THROWS(f.cache.insert(other.data(), 2, held.data(), 1), ValueError);
   f.check();
+}
+
+TEST(every_block_size_tells_blocks_apart_by_every_token) {
+  // Children are keyed by a hash of their first block, read in token pairs and lanes of eight:
+  // block sizes below, at and around those widths must still see every token.
+  for (int64_t bs : {1, 2, 3, 7, 8, 9, 16, 17}) {
+    Fixture f(64, bs);
+    Tokens base(static_cast<size_t>(2 * bs));
+    for (size_t i = 0; i < base.size(); ++i) base[i] = static_cast<int32_t>(i);
+    CHECK_EQ(f.insert_fresh(base), 0);
+    for (int64_t p = 0; p < bs; ++p) {  // differs from base at position p of the first block
+      Tokens other = base;
+      other[static_cast<size_t>(p)] = 1000 + static_cast<int32_t>(p);
+      CHECK_EQ(f.insert_fresh(other), 0);
+      CHECK_EQ(f.match(other).num_tokens, 2 * bs);
+    }
+    CHECK_EQ(f.match(base).num_tokens, 2 * bs);
+    CHECK_EQ(f.cache.num_nodes(), 2 + bs);  // the root, base and one sibling a position
+  }
+}
+
+TEST(leaves_are_evicted_in_the_order_they_were_last_used) {
+  Fixture f(16, 2);
+  for (int32_t t = 1; t <= 8; ++t) f.insert_fresh({t, t});
+  const NodeId locked = f.match({3, 3}).node;
+  f.cache.lock(locked);
+  for (int32_t t : {5, 1, 7, 3, 2}) f.match({t, t});  // 3 is used while locked
+  f.cache.unlock(locked);
+  // Oldest first: 4, 6, 8 were never used again, then 5, 1, 7, 3, 2 in the order of use.
+  const int32_t order[] = {4, 6, 8, 5, 1, 7, 3, 2};
+  for (size_t i = 0; i < 8; ++i) {
+    CHECK_EQ(f.cache.evict(1), 1);
+    for (size_t j = 0; j < 8; ++j) {
+      CHECK_EQ(f.cache.in_tree(order[j] - 1), j > i);  // {t, t} holds block t - 1
+    }
+    f.check();
+  }
 }
 
 TEST(locked_nodes_are_never_evicted_and_unlock_below_zero_raises) {
