@@ -276,6 +276,9 @@ def plot(files: list[str], png: str) -> None:
             ax.set_title(title)
             ax.set_xlabel("concurrency")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])  # the concurrencies run, not powers of 2
+    for ax in axes:
+        ax.set_ylim(bottom=0)  # after all lines: it stops autoscaling
     axes[0].legend()
     fig.tight_layout()
     Path(png).parent.mkdir(parents=True, exist_ok=True)

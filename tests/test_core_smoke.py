@@ -327,7 +327,7 @@ def test_long_and_short_cache_calls_from_two_threads():
     try:
         short = [1] * bs + [2] * bs
         while not stop.is_set():
-            n, blocks, _ = cache.match_prefix(short)
+            n, _, _ = cache.match_prefix(short)
             if n == 0:
                 fresh = alloc.allocate(2)
                 cache.insert(short, fresh)

@@ -340,3 +340,23 @@ def test_quantize_model_linears_on_a_transformers_llama(mode):
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     with pytest.raises(ValueError, match="mode"):
         quant.quantize_model_linears(tiny_llama(tied=False), "int3")
+
+
+def test_quantize_model_linears_takes_the_workers_own_linear():
+    from pyserve.worker.linear import Linear
+
+    model = nn.Module()
+    model.proj = Linear(64, 40, bias=True, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        model.proj.weight.copy_(random_weight(40, 64, seed=9))
+        model.proj.bias.copy_(torch.randn(40))
+    x = random_input(3, 64, seed=9)
+    want = x @ model.proj.weight.T + model.proj.bias
+    assert quant.quantize_model_linears(model, "int8") == ["proj"]
+    assert isinstance(model.proj, quant.QuantLinear) and model.proj.bits == 8
+    assert (model.proj(x) - want).abs().max() <= 1e-2 * want.abs().max()
+    packed = nn.Module()
+    packed.proj = Linear(64, 40, bias=False, dtype=torch.float32, device="cpu")
+    packed.proj.weight = None  # what Linear.pack() leaves behind
+    with pytest.raises(ValueError, match="already packed"):
+        quant.quantize_model_linears(packed, "int4")

@@ -52,47 +52,52 @@ PyObject* num_free(PyObject* self, void*) {
   });
 }
 
+// "name($self, ...)\n--\n\n" gives the methods an inspect.signature, as pybind11's have.
 PyMethodDef allocate_def = {
     "allocate", fastcall_function(&allocate), METH_FASTCALL | METH_KEYWORDS,
-    "allocate(n) -> bytes: n fresh blocks (int32) with refcount 1; RuntimeError if fewer are free"};
-PyMethodDef incref_def = {"incref",
-                          fastcall_function(&change_refcounts<true>),
+    "allocate($self, /, n)\n--\n\n"
+    "n fresh blocks with refcount 1, as int32 bytes; RuntimeError if fewer are free"};
+PyMethodDef incref_def = {"incref", fastcall_function(&change_refcounts<true>),
                           METH_FASTCALL | METH_KEYWORDS,
-                          "incref(ids): one more owner for each held block"};
-PyMethodDef decref_def = {
-    "decref", fastcall_function(&change_refcounts<false>),
-    METH_FASTCALL | METH_KEYWORDS,
-    "decref(ids): a block whose count reaches 0 is free again; below 0 is a ValueError"};
+                          "incref($self, /, ids)\n--\n\none more owner for each (held) block"};
+PyMethodDef decref_def = {"decref", fastcall_function(&change_refcounts<false>),
+                          METH_FASTCALL | METH_KEYWORDS,
+                          "decref($self, /, ids)\n--\n\n"
+                          "a block whose count reaches 0 is free again; below 0 is a ValueError"};
 PyGetSetDef num_free_def = {"num_free", &num_free, nullptr, "blocks with refcount 0", nullptr};
 
 }  // namespace
 
 void bind_block_allocator(py::module_& m) {
-  auto cls = py::class_<PyAllocator>(m, "BlockAllocator",
-                          "A fixed pool of KV blocks with a free list and reference counts.")
-      .def(py::init([](int64_t num_blocks) {
-             return PyAllocator{std::make_shared<BlockAllocator>(num_blocks),
-                                std::make_shared<std::mutex>()};
-           }),
-           py::arg("num_blocks"))
-      .def_property_readonly(
-          "num_blocks",
-          [](PyAllocator& a) { return a.held([](auto& x) { return x.num_blocks(); }); })
-      .def(
-          "refcount",
-          [](PyAllocator& a, int64_t id) {
-            if (id < INT32_MIN || id > INT32_MAX) {
-              throw pyserve::ValueError("block id " + std::to_string(id) + " is out of range");
-            }
-            return a.held([id](BlockAllocator& x) { return x.refcount(static_cast<int32_t>(id)); });
-          },
-          py::arg("id"))
-      .def(
-          "refcounts",
-          [](PyAllocator& a) { return to_bytes(a.held([](auto& x) { return x.refcounts(); })); },
-          "int32 bytes: the count of every block")
-      .def("check_invariants",
-           [](PyAllocator& a) { a.held([](BlockAllocator& x) { x.check_invariants(); }); });
+  auto cls =
+      py::class_<PyAllocator>(m, "BlockAllocator",
+                              "A fixed pool of KV blocks with a free list and reference counts.")
+          .def(py::init([](int64_t num_blocks) {
+                 return PyAllocator{std::make_shared<BlockAllocator>(num_blocks),
+                                    std::make_shared<std::mutex>()};
+               }),
+               py::arg("num_blocks"))
+          .def_property_readonly(
+              "num_blocks",
+              [](PyAllocator& a) { return a.held([](auto& x) { return x.num_blocks(); }); })
+          .def(
+              "refcount",
+              [](PyAllocator& a, int64_t id) {
+                if (id < INT32_MIN || id > INT32_MAX) {
+                  throw pyserve::ValueError("block id " + std::to_string(id) + " is out of range");
+                }
+                return a.held(
+                    [id](BlockAllocator& x) { return x.refcount(static_cast<int32_t>(id)); });
+              },
+              py::arg("id"))
+          .def(
+              "refcounts",
+              [](PyAllocator& a) {
+                return to_bytes(a.held([](auto& x) { return x.refcounts(); }));
+              },
+              "int32 bytes: the count of every block")
+          .def("check_invariants",
+               [](PyAllocator& a) { a.held([](BlockAllocator& x) { x.check_invariants(); }); });
   add_method(cls, &allocate_def);
   add_method(cls, &incref_def);
   add_method(cls, &decref_def);

@@ -36,7 +36,8 @@ void parse_args(const char* method, PyObject* const* args, Py_ssize_t nargs, PyO
   const Py_ssize_t positional = PyVectorcall_NARGS(nargs);
   if (positional > expected) {
     throw py::type_error(std::string(method) + "() takes " + std::to_string(expected) +
-                         " arguments but " + std::to_string(positional) + " were given");
+                         (expected == 1 ? " argument but " : " arguments but ") +
+                         std::to_string(positional) + " were given");
   }
   for (Py_ssize_t i = 0; i < expected; ++i) out[i] = i < positional ? args[i] : nullptr;
   const Py_ssize_t num_kw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;

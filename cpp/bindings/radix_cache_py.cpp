@@ -38,16 +38,14 @@ NodeId to_handle(int64_t handle) {
 }
 
 // match_prefix(tokens) -> (num_tokens, block_ids: int32 bytes, handle)
-PyObject* match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                       PyObject* kwnames) {
+PyObject* match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return fast_call([&]() -> PyObject* {
     PyObject* arg[1];
     parse_args("match_prefix", args, nargs, kwnames, {"tokens"}, arg);
     PyCache& c = py::cast<PyCache&>(py::handle(self));
     Int32Arg t(arg[0], "tokens");
-    auto r = c.maybe_released(t.size() >= kReleaseGilTokens, [&](RadixCache& x) {
-      return x.match_prefix(t.data(), t.size());
-    });
+    auto r = c.maybe_released(t.size() >= kReleaseGilTokens,
+                              [&](RadixCache& x) { return x.match_prefix(t.data(), t.size()); });
     return py::make_tuple(r.num_tokens, to_bytes(r.blocks), r.node).release().ptr();
   });
 }
@@ -67,17 +65,16 @@ PyObject* insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
   });
 }
 
+// "name($self, ...)\n--\n\n" gives the methods an inspect.signature, as pybind11's have.
 PyMethodDef match_prefix_def = {
-    "match_prefix", fastcall_function(&match_prefix),
-    METH_FASTCALL | METH_KEYWORDS,
-    "match_prefix(tokens) -> (num_tokens, block_ids, handle): the longest cached prefix; "
-    "block_ids are int32 bytes"};
+    "match_prefix", fastcall_function(&match_prefix), METH_FASTCALL | METH_KEYWORDS,
+    "match_prefix($self, /, tokens)\n--\n\n"
+    "(num_tokens, block_ids, handle) of the longest cached prefix; block_ids are int32 bytes"};
 
 PyMethodDef insert_def = {
-    "insert", fastcall_function(&insert),
-    METH_FASTCALL | METH_KEYWORDS,
-    "insert(tokens, block_ids) -> int: inserts the whole blocks; returns how many leading tokens "
-    "were already cached"};
+    "insert", fastcall_function(&insert), METH_FASTCALL | METH_KEYWORDS,
+    "insert($self, /, tokens, block_ids)\n--\n\n"
+    "inserts the whole blocks; returns how many leading tokens were already cached"};
 
 }  // namespace
 
@@ -93,52 +90,57 @@ py::dict cache_stats_dict(const pyserve::CacheStats& s) {
 }
 
 void bind_radix_cache(py::module_& m) {
-  auto cls = py::class_<PyCache>(m, "RadixCache",
-                      "A prefix tree over token ids at block granularity (cpp/README.md).")
-      .def(py::init([](int64_t block_size, PyAllocator& allocator) {
-             auto owner = std::make_shared<StandaloneCache>(allocator.obj, block_size);
-             return PyCache{std::shared_ptr<RadixCache>(owner, &owner->cache), allocator.mutex};
-           }),
-           py::arg("block_size"), py::arg("allocator"))
-      .def_property_readonly(
-          "block_size", [](PyCache& c) { return c.held([](auto& x) { return x.block_size(); }); })
-      .def_property_readonly(
-          "evictable_blocks",
-          [](PyCache& c) { return c.held([](auto& x) { return x.evictable_blocks(); }); })
-      .def_property_readonly(
-          "cached_blocks",
-          [](PyCache& c) { return c.held([](auto& x) { return x.cached_blocks(); }); })
-      .def_property_readonly(
-          "num_nodes", [](PyCache& c) { return c.held([](auto& x) { return x.num_nodes(); }); })
-      .def(
-          "lock",
-          [](PyCache& c, int64_t handle) {
-            c.held([h = to_handle(handle)](RadixCache& x) { x.lock(h); });
-          },
-          py::arg("handle"))
-      .def(
-          "unlock",
-          [](PyCache& c, int64_t handle) {
-            c.held([h = to_handle(handle)](RadixCache& x) { x.unlock(h); });
-          },
-          py::arg("handle"))
-      .def(
-          "lock_count",
-          [](PyCache& c, int64_t handle) {
-            return c.held([h = to_handle(handle)](RadixCache& x) { return x.lock_count(h); });
-          },
-          py::arg("handle"))
-      .def(
-          "evict",
-          [](PyCache& c, int64_t num_blocks) {
-            return c.released([num_blocks](RadixCache& x) { return x.evict(num_blocks); });
-          },
-          py::arg("num_blocks"), "evicts unlocked LRU leaves; returns blocks released")
-      .def("reset", [](PyCache& c) { return c.released([](RadixCache& x) { return x.reset(); }); })
-      .def("stats",
-           [](PyCache& c) { return cache_stats_dict(c.held([](auto& x) { return x.stats(); })); })
-      .def("check_invariants",
-           [](PyCache& c) { c.held([](RadixCache& x) { x.check_invariants(); }); });
+  auto cls =
+      py::class_<PyCache>(m, "RadixCache",
+                          "A prefix tree over token ids at block granularity (cpp/README.md).")
+          .def(py::init([](int64_t block_size, PyAllocator& allocator) {
+                 auto owner = std::make_shared<StandaloneCache>(allocator.obj, block_size);
+                 return PyCache{std::shared_ptr<RadixCache>(owner, &owner->cache), allocator.mutex};
+               }),
+               py::arg("block_size"), py::arg("allocator"))
+          .def_property_readonly(
+              "block_size",
+              [](PyCache& c) { return c.held([](auto& x) { return x.block_size(); }); })
+          .def_property_readonly(
+              "evictable_blocks",
+              [](PyCache& c) { return c.held([](auto& x) { return x.evictable_blocks(); }); })
+          .def_property_readonly(
+              "cached_blocks",
+              [](PyCache& c) { return c.held([](auto& x) { return x.cached_blocks(); }); })
+          .def_property_readonly(
+              "num_nodes", [](PyCache& c) { return c.held([](auto& x) { return x.num_nodes(); }); })
+          .def(
+              "lock",
+              [](PyCache& c, int64_t handle) {
+                c.held([h = to_handle(handle)](RadixCache& x) { x.lock(h); });
+              },
+              py::arg("handle"))
+          .def(
+              "unlock",
+              [](PyCache& c, int64_t handle) {
+                c.held([h = to_handle(handle)](RadixCache& x) { x.unlock(h); });
+              },
+              py::arg("handle"))
+          .def(
+              "lock_count",
+              [](PyCache& c, int64_t handle) {
+                return c.held([h = to_handle(handle)](RadixCache& x) { return x.lock_count(h); });
+              },
+              py::arg("handle"))
+          .def(
+              "evict",
+              [](PyCache& c, int64_t num_blocks) {
+                return c.released([num_blocks](RadixCache& x) { return x.evict(num_blocks); });
+              },
+              py::arg("num_blocks"), "evicts unlocked LRU leaves; returns blocks released")
+          .def("reset",
+               [](PyCache& c) { return c.released([](RadixCache& x) { return x.reset(); }); })
+          .def("stats",
+               [](PyCache& c) {
+                 return cache_stats_dict(c.held([](auto& x) { return x.stats(); }));
+               })
+          .def("check_invariants",
+               [](PyCache& c) { c.held([](RadixCache& x) { x.check_invariants(); }); });
   add_method(cls, &match_prefix_def);
   add_method(cls, &insert_def);
 }

@@ -469,8 +469,7 @@ void RadixCache::check_invariants() const {
       fail(name + (should_list ? " is an unlocked leaf missing from" : " must not be in") +
            " the LRU set");
     }
-    if (n.listed != listed_now ||
-        (n.listed && *n.lru_entry != std::make_pair(n.last_access, id))) {
+    if (n.listed != listed_now || (n.listed && *n.lru_entry != std::make_pair(n.last_access, id))) {
       fail(name + " has a stale LRU entry");
     }
     listed += listed_now ? 1 : 0;

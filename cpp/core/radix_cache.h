@@ -10,10 +10,10 @@
 //   compares the tokens too, so a hash collision can never produce a wrong match.
 // - Unlocked leaves sit in an ordered set keyed by (last access, node id): LRU eviction pops the
 //   front. A listed node keeps its entry's iterator, so a used leaf is re-keyed to the back of
-//   the set without a search or an allocation. Access times come from a logical clock that ticks once per match, insert or release,
-//   each stamping the whole root→node path, so an unlocked parent is never older than its
-//   children. (insert_from below a locked node stamps only from that node down, to stay
-//   independent of depth; the lock holder's release() stamps the rest.)
+//   the set without a search or an allocation. Access times come from a logical clock that ticks
+//   once per match, insert or release, each stamping the whole root→node path, so an unlocked
+//   parent is never older than its children. (insert_from below a locked node stamps only from that
+//   node down, to stay independent of depth; the lock holder's release() stamps the rest.)
 // - A lock on a node counts on every node of its root→node path, so an unlocked node's subtree
 //   is entirely unlocked and `evictable_blocks` (blocks in unlocked nodes) can all be released
 //   by repeated leaf eviction.
@@ -174,9 +174,9 @@ class RadixCache {
   BlockAllocator& allocator_;
   std::vector<Node> nodes_;
   std::vector<NodeId> free_nodes_;
-  LruSet lru_leaves_;                                 // unlocked non-root leaves
-  std::vector<NodeId> block_node_;                    // node holding the block, or -1
-  std::vector<uint8_t> scratch_mark_;                 // per block, for duplicate checks
+  LruSet lru_leaves_;                  // unlocked non-root leaves
+  std::vector<NodeId> block_node_;     // node holding the block, or -1
+  std::vector<uint8_t> scratch_mark_;  // per block, for duplicate checks
   uint64_t clock_ = 0;
   int64_t cached_blocks_ = 0;
   int64_t evictable_blocks_ = 0;

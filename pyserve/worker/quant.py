@@ -264,16 +264,33 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(dequantized, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._bias32 = None if bias is None else bias.detach().float().contiguous()
-        kernels()  # fail here, not in the first forward, if the module or the ISA is missing
+        # A decode step makes ~120 of these calls, so forward() skips quantized_matmul's checks:
+        # everything about the weight is fixed here, x is made float32 and contiguous below.
+        self._matmul = kernels().matmul  # fails here, not in a forward, if the module is missing
+        packed = self.packed
+        self._weight_args = (
+            packed.data.data_ptr(), packed.scales.data_ptr(), packed.n, packed.k,
+            packed.bits, packed.group,
+            0 if self._bias32 is None else self._bias32.data_ptr(),
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > self.max_kernel_rows:
+        k, n = self.in_features, self.out_features
+        rows = x.numel() // k
+        if rows > self.max_kernel_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        out = quantized_matmul(
-            flat.float(), self.packed, self._bias32, activation_bits=self.activation_bits
+        flat = x.reshape(rows, k)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.empty(rows, n)
+        self._matmul(
+            flat.data_ptr(), k, rows, self.activation_bits, *self._weight_args, out.data_ptr(), n
         )
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return (
@@ -290,25 +307,36 @@ def quantize_model_linears(
     activation_bits: int = DEFAULT_ACTIVATION_BITS,
     max_kernel_rows: int | None = None,
     head_names: tuple[str, ...] = ("lm_head",),
+    linear_types: tuple[type[nn.Module], ...] | None = None,
 ) -> list[str]:
-    """Replaces every ``nn.Linear`` in ``model`` with a QuantLinear; returns the replaced names.
+    """Replaces every linear layer of ``model`` with a QuantLinear; returns the replaced names.
 
+    Linear layers are ``nn.Linear`` and the worker's own ``pyserve.worker.linear.Linear`` (or
+    the ``linear_types`` given): modules with a ``weight`` [out, in] and a ``bias`` or None.
     ``int8`` quantizes all of them to 8 bits; ``int4`` quantizes to 4 bits all but the output
     projection (a module named in ``head_names``), which stays 8-bit as in llama.cpp's Q4_1
-    files: logits are the most sensitive to rounding. A head tied to the embedding keeps the
-    embedding's tensor as it is, so token lookups are unchanged. Call it after loading weights.
+    files: logits are the most sensitive to rounding. A head tied to the embedding leaves the
+    embedding's tensor as it is, so token lookups are unchanged. Call it after loading the
+    weights and before anything repacks them.
     """
     if mode not in MODES:
         raise ValueError(f"quantization mode {mode!r} is not supported (choose from {MODES})")
+    if linear_types is None:
+        from pyserve.worker.linear import Linear
+
+        linear_types = (nn.Linear, Linear)
     replaced = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, linear_types):
             continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"{name}: no plain [out, in] weight to quantize (already packed?)")
         is_head = name.rsplit(".", 1)[-1] in head_names
         bits = 8 if mode == "int8" or is_head else 4
         quantized = QuantLinear(
-            module.weight,
-            module.bias,
+            weight,
+            getattr(module, "bias", None),
             bits,
             activation_bits=activation_bits,
             max_kernel_rows=max_kernel_rows,
