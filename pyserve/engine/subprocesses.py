@@ -31,6 +31,10 @@ class Child:
         self.name = name
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # OpenMP threads that spin between parallel regions steal the cores main and the
+        # detokenizer need; measured on 2 cores: a decode step of 25 ms took ~1 s with spinning
+        # threads under load (benchmarks/RESULTS.md, Kernels). The user's setting wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         command = [sys.executable, "-m", module, "--config", msgspec.json.encode(config).decode()]
         self.popen = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, start_new_session=True
