@@ -142,17 +142,22 @@ def machine() -> str:
 
 
 def write_results(section: str, path: Path) -> None:
-    """Replaces the '## Core' section of RESULTS.md, keeping every other section."""
+    """Replaces the '## Core' section of RESULTS.md in place (appends it if there is none),
+    keeping every other section as it is."""
     header = "# Benchmark results\n\nOne section per benchmark; each says how it was run.\n"
     text = path.read_text() if path.exists() else header
-    lines = text.splitlines(keepends=True)
-    out, skipping = [], False
-    for line in lines:
+    out, skipping, written = [], False, False
+    for line in text.splitlines(keepends=True):
         if line.startswith("## "):
             skipping = line.strip() == "## Core"
+            if skipping and not written:
+                out.append(section + "\n")
+                written = True
         if not skipping:
             out.append(line)
-    body = "".join(out).rstrip("\n") + "\n\n" + section
+    body = "".join(out).rstrip("\n") + "\n"
+    if not written:
+        body += "\n" + section
     path.write_text(body)
 
 

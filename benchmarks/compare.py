@@ -556,7 +556,9 @@ def profile_worker(args: argparse.Namespace, server: RunningServer, prompts, out
         )
         for frame, share in report[role]["self"][:12]:
             print(f"  self {100 * share:5.1f}%  {frame}")
-        for frame, share in report[role]["total"][:12]:
+        # Python frames by inclusive share, below the entry chain that every sample shares.
+        inner = [(f, x) for f, x in report[role]["total"] if x < 0.99]
+        for frame, share in inner[:15]:
             print(f"  total {100 * share:4.1f}%  {frame}")
     return report
 
@@ -580,7 +582,7 @@ IDLE_MARKERS = (
 )
 
 
-def hottest_frames(raw: Path, top: int = 25) -> dict:
+def hottest_frames(raw: Path, top: int = 40) -> dict:
     """From py-spy's collapsed stacks: the share of samples spent waiting, and per frame the
     share of busy samples where it is the innermost frame (self) or a Python frame anywhere on
     the stack (total)."""

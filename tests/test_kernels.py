@@ -180,6 +180,20 @@ def test_thread_count_does_not_change_a_bit():
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+def test_concurrent_callers_get_their_own_results():
+    """The GIL is released inside; calls from two threads queue on the pool, each with its own
+    activation buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    packed = quant.quantize_weight(random_weight(300, 200, seed=6), 4)
+    inputs = [random_input(1 + i % 5, 200, seed=i) for i in range(16)]
+    want = [quant.quantized_matmul(x, packed) for x in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda x: quant.quantized_matmul(x, packed), inputs))
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_strided_input_and_given_output():
     packed = quant.quantize_weight(random_weight(40, 64, seed=5), 8)
     wide = random_input(4, 100, seed=5)

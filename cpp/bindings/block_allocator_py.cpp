@@ -19,7 +19,7 @@ PyObject* allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyOb
   return fast_call([&]() -> PyObject* {
     PyObject* arg[1];
     parse_args("allocate", args, nargs, kwnames, {"n"}, arg);
-    PyAllocator& a = py::cast<PyAllocator&>(py::handle(self));
+    PyAllocator& a = self_object<PyAllocator>(self);
     const int64_t n = int_arg(arg[0]);
     return to_bytes(a.held([n](BlockAllocator& x) { return x.allocate(n); })).release().ptr();
   });
@@ -32,7 +32,7 @@ PyObject* change_refcounts(PyObject* self, PyObject* const* args, Py_ssize_t nar
   return fast_call([&]() -> PyObject* {
     PyObject* arg[1];
     parse_args(Increment ? "incref" : "decref", args, nargs, kwnames, {"ids"}, arg);
-    PyAllocator& a = py::cast<PyAllocator&>(py::handle(self));
+    PyAllocator& a = self_object<PyAllocator>(self);
     Int32Arg v(arg[0], "ids");
     a.held([&](BlockAllocator& x) {
       if (Increment) {
@@ -47,7 +47,7 @@ PyObject* change_refcounts(PyObject* self, PyObject* const* args, Py_ssize_t nar
 
 PyObject* num_free(PyObject* self, void*) {
   return fast_call([&]() -> PyObject* {
-    PyAllocator& a = py::cast<PyAllocator&>(py::handle(self));
+    PyAllocator& a = self_object<PyAllocator>(self);
     return PyLong_FromLong(a.held([](BlockAllocator& x) { return x.num_free(); }));
   });
 }

@@ -32,6 +32,13 @@ PyObject* fast_call(Body&& body) noexcept {
   }
 }
 
+// The C++ object of `self` (the method descriptor has checked its class), as pybind11's own
+// methods get it.
+template <class T>
+T& self_object(PyObject* self) {
+  return py::cast<T&>(py::handle(self));
+}
+
 // The arguments of a METH_FASTCALL | METH_KEYWORDS call, in the order of `names`, given by
 // position or keyword; all are required. Throws py::type_error for a missing, repeated or
 // unknown argument.

@@ -26,7 +26,7 @@ struct StandaloneCache {
 };
 
 // match_prefix and insert keep the GIL for inputs shorter than this (on a 1k-token prompt they
-// take well under a microsecond, less than handing the GIL to another thread and back); longer
+// take a microsecond or less, no more than handing the GIL to another thread and back); longer
 // ones release it, and so does a short one that has to wait for the mutex (Guarded).
 constexpr size_t kReleaseGilTokens = 16384;
 
@@ -42,7 +42,7 @@ PyObject* match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
   return fast_call([&]() -> PyObject* {
     PyObject* arg[1];
     parse_args("match_prefix", args, nargs, kwnames, {"tokens"}, arg);
-    PyCache& c = py::cast<PyCache&>(py::handle(self));
+    PyCache& c = self_object<PyCache>(self);
     Int32Arg t(arg[0], "tokens");
     auto r = c.maybe_released(t.size() >= kReleaseGilTokens,
                               [&](RadixCache& x) { return x.match_prefix(t.data(), t.size()); });
@@ -55,7 +55,7 @@ PyObject* insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
   return fast_call([&]() -> PyObject* {
     PyObject* arg[2];
     parse_args("insert", args, nargs, kwnames, {"tokens", "block_ids"}, arg);
-    PyCache& c = py::cast<PyCache&>(py::handle(self));
+    PyCache& c = self_object<PyCache>(self);
     Int32Arg t(arg[0], "tokens");
     Int32Arg b(arg[1], "block_ids");
     const int64_t cached = c.maybe_released(t.size() >= kReleaseGilTokens, [&](RadixCache& x) {

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # inputs per quantization group (llama.cpp's block size)
+MAX_GROUP = 256  # keeps a group's integer dot product inside int32 with int16 activations
 TILE_ROWS = 16  # output rows per packed tile (one AVX-512 register)
 MODES = ("int8", "int4")
 # Rows up to which the kernel beats torch's matmul in the model's dtype, measured on the
@@ -84,8 +85,8 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> Pack
     """Quantizes a float [n, k] weight per group of ``group`` inputs and packs it for the kernel."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits}")
-    if group <= 0 or group % 32:
-        raise ValueError(f"group must be a positive multiple of 32, not {group}")
+    if group <= 0 or group % 32 or group > MAX_GROUP:
+        raise ValueError(f"group must be a multiple of 32 up to {MAX_GROUP}, not {group}")
     if weight.dim() != 2 or weight.numel() == 0:
         raise ValueError(f"expected a non-empty 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
