@@ -18,7 +18,16 @@ import torch
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.model_runner import ModelRunner
 
-torch.set_num_threads(2)
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One thread: these models are small, and on a busy machine a second OpenMP thread spins
+    waiting for a descheduled peer at every op (tests ran 10x slower with two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 NEW_TOKENS = 48
 NUM_PROMPTS = 8
