@@ -453,6 +453,46 @@ def load_args(
     return ns
 
 
+@dataclass
+class PromptSets:
+    """Fresh prompts for every phase: a server must not answer a measured prompt from a cache an
+    earlier phase filled (llama.cpp's slots keep their last prompt and pick the slot with the
+    longest common prefix; pyserve's radix cache keeps them all). Every server gets the same."""
+
+    warmup: list[serving.Prompt]
+    by_concurrency: dict[int, list[serving.Prompt]]
+    profile: list[serving.Prompt]
+
+    @classmethod
+    def build(cls, tok, args: argparse.Namespace) -> PromptSets:
+        def make(n: int, seed: int) -> list[serving.Prompt]:
+            return serving.random_dataset(tok, n, args.input_len, seed)
+
+        return cls(
+            warmup=make(args.warmup, seed=10_000),
+            by_concurrency={c: make(args.num_prompts, seed=c) for c in args.concurrency},
+            profile=make(args.num_prompts, seed=20_000) if args.profile_seconds else [],
+        )
+
+
+async def measure(args: argparse.Namespace, server: RunningServer, prompts: PromptSets) -> dict:
+    """The warm-up, then each concurrency on its own prompts; serving.py's JSON layout."""
+    ns = load_args(args, server.spec, server.base_url)
+    if prompts.warmup:
+        await serving.run_load(ns, prompts.warmup, len(prompts.warmup), None)
+    runs = []
+    for concurrency, measured in prompts.by_concurrency.items():
+        results, wall = await serving.run_load(ns, measured, concurrency, None)
+        runs.append(serving.summarize(results, wall, concurrency))
+    serving.print_table(runs, server.spec.name)
+    return {
+        "label": server.spec.name,
+        "args": vars(ns),
+        "runs": runs,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
 def scrape_prefix_counters(base_url: str) -> tuple[float, float] | None:
     """(queried, hit) prompt tokens from pyserve's /metrics, or None."""
     status, body = _get(base_url + "/metrics")
@@ -812,19 +852,18 @@ def main(argv: list[str] | None = None) -> int:
             specs.append(transformers_spec(hf_dir, dtype))
 
     tok = serving._tokenizer(None)
-    prompts = serving.random_dataset(tok, args.num_prompts, args.input_len, seed=0)
+    prompts = PromptSets.build(tok, args)
     results: dict[str, dict] = {}
     prefix: dict = {}
     profile: dict = {}
     for spec in specs:
         try:
             with running(spec, out_dir) as server:
-                ns = load_args(args, spec, server.base_url)
-                results[spec.name] = asyncio.run(serving.benchmark(ns, prompts))
+                results[spec.name] = asyncio.run(measure(args, server, prompts))
                 path = out_dir / f"{spec.name.replace(' ', '_').replace('/', '_')}.json"
                 path.write_text(json.dumps(results[spec.name], indent=2))
                 if spec.name == "pyserve" and args.profile_seconds:
-                    profile = profile_worker(args, server, prompts, out_dir)
+                    profile = profile_worker(args, server, prompts.profile, out_dir)
         except StartError as e:
             print(f"[{spec.name}] did not start, skipping it: {e}")
 
