@@ -51,6 +51,7 @@ test-py: setup
 
 test: lint test-cpp test-py
 
+# The serving comparison (benchmarks/compare.py) needs the bench extra; README.md, Benchmarks.
 bench: setup
 	$(PY) benchmarks/bench_core.py
 

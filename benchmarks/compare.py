@@ -1,25 +1,34 @@
 """Side by side: pyserve against llama.cpp's server and `transformers serve` on the same model.
 
 One server at a time on 127.0.0.1 (a free port each), started here, waited for until ready, driven
-with the same loads through ``benchmarks/serving.py`` and stopped again (its whole process group,
-also on Ctrl-C, SIGTERM or an error). Then one table with the ratios pyserve / peer for output
-tok/s, TTFT p50 and ITL p50 at each concurrency, a JSON file per server and a PNG plot.
+with the same loads through ``benchmarks/serving.py`` (fresh prompts for every phase) and stopped
+again (its whole process tree, also on Ctrl-C, SIGTERM or an error). Then a table of every run
+with the real output lengths, the ratios pyserve / peer for output tok/s, TTFT p50 and ITL p50 at
+each concurrency, issue 5's targets as met / NOT met, a JSON file per server, ``summary.json``
+and a PNG plot.
 
-- pyserve at its default dtype, and once more per ``--pyserve-args`` (e.g. "--dtype bfloat16").
+- pyserve with its defaults, and once more per ``--pyserve-args`` string; each run is labelled
+  with the dtype and weight quantization it reports in /server_info.
 - llama.cpp's server on the same GGUF file (``--llama-server PATH``; otherwise one built earlier in
   the cache, otherwise built there from the llama-cpp-python sdist; skipped if that fails).
-- ``transformers serve --continuous-batching`` at pyserve's dtype, on a Hugging Face directory
-  made once (cached) from the same GGUF weights.
+- ``transformers serve --continuous-batching`` on a Hugging Face directory made once (cached)
+  from the same GGUF weights, at each dtype the pyserve runs computed in (or
+  ``--transformers-dtype``); each pyserve run is compared with the one at its own dtype.
 - The machine's ceiling in the same run: bf16 and fp32 matmuls over the model's shapes, turned
   into the output tok/s no server could beat on this workload (``bench_worker.matmul_ceiling``).
-- The prefix-cache load: pyserve with and without ``--disable-radix-cache`` on the shared-prefix
-  dataset; TTFT p50 ratio and the hit rate it reports (/metrics) against the theoretical one.
-- ``--profile-seconds N``: after pyserve's loads, a py-spy recording of its worker (and main
-  process) during one more concurrency-32 load, summarised as the hottest frames.
+- The prefix-cache load: the first pyserve configuration with and without
+  ``--disable-radix-cache`` on the shared-prefix dataset; TTFT p50 ratio and the hit rate it
+  reports (/metrics) against the theoretical one.
+- ``--profile-seconds N``: after the first pyserve run's loads, a py-spy recording of its worker
+  (and main process) during one more load at the top concurrency, as the hottest frames.
 
-    .venv/bin/python benchmarks/compare.py --quick                 # smoke run, a few minutes
+Needs the bench extra (``pip install --no-build-isolation -e '.[test,bench]'``). Run it alone on
+a quiet machine: every figure is wall-clock on shared cores.
+
+    .venv/bin/python benchmarks/compare.py --quick                 # smoke run, ~10 minutes
     .venv/bin/python benchmarks/compare.py --png benchmarks/serving.png --profile-seconds 20
-    .venv/bin/python benchmarks/compare.py --peers llamacpp --pyserve-args "--dtype bfloat16"
+    .venv/bin/python benchmarks/compare.py --peers llamacpp --pyserve-args "--dtype bfloat16" \
+        "--quantization int4"
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -39,6 +49,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -75,8 +86,10 @@ class StartError(RuntimeError):
 @dataclass
 class ServerSpec:
     name: str  # label in tables, JSON file names and the plot
+    kind: str  # "pyserve", "llama.cpp" or "transformers"
     argv: list[str]  # with {port} where the port goes
     model: str  # the model name sent in request bodies
+    dtype: str | None = None  # the compute dtype, where known before the start
     ready_path: str = "/health"
     ignore_eos: bool = True
     extra_body: dict = field(default_factory=dict)
@@ -100,7 +113,8 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 class RunningServer:
-    """A server process in its own process group; ``stop`` ends the whole group."""
+    """A server process in its own process group; ``stop`` ends the whole group. Every one
+    started is in ``STARTED`` until stopped, so that ``main`` can stop any left on an error."""
 
     def __init__(self, spec: ServerSpec, log_path: Path) -> None:
         self.spec = spec
@@ -114,6 +128,9 @@ class RunningServer:
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        self.argv = argv
+        self.runs_as: dict = {"dtype": spec.dtype} if spec.dtype else {}
+        STARTED.append(self)
 
     def log_tail(self, lines: int = 15) -> str:
         with contextlib.suppress(OSError):
@@ -136,6 +153,9 @@ class RunningServer:
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server (it drains and stops its children), then SIGKILL whatever of
         its process tree is left (pyserve's children live in sessions of their own)."""
+        if self not in STARTED:
+            return
+        STARTED.remove(self)
         tree = [pid for pid, _ in self.descendants()]
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -154,6 +174,9 @@ class RunningServer:
         while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
         self._log.close()
+        left = [pid for pid in [self.proc.pid, *tree] if _alive(pid)]
+        if left:
+            print(f"[{self.spec.name}] WARNING: processes {left} still alive after the stop")
 
     def descendants(self) -> list[tuple[int, str]]:
         """(pid, command line) of every live process below the server, children first."""
@@ -173,6 +196,14 @@ class RunningServer:
                         found.append((pid, cmd.replace(b"\0", b" ").decode(errors="replace")))
                     frontier.append(pid)
         return found
+
+
+STARTED: list[RunningServer] = []
+
+
+def stop_all() -> None:
+    for server in list(STARTED):
+        server.stop()
 
 
 def _alive(pid: int) -> bool:
@@ -208,12 +239,51 @@ def _unwind_on_signals() -> None:
 
 def pyserve_spec(name: str, extra_args: list[str]) -> ServerSpec:
     argv = [sys.executable, "-m", "pyserve.cli", "run", "--host", "127.0.0.1", "--port", "{port}"]
-    return ServerSpec(name, argv + extra_args, model="SmolLM2-135M-Instruct")
+    return ServerSpec(name, "pyserve", argv + extra_args, model="SmolLM2-135M-Instruct")
+
+
+def pyserve_variant_name(extra: str) -> str:
+    """'pyserve' for the defaults, else the flags as given: 'pyserve --quantization int4'."""
+    return f"pyserve {' '.join(extra.split())}".strip()
+
+
+def describe_pyserve(base_url: str) -> dict:
+    """What a running pyserve really computes in, from /server_info: the dtype (``auto``
+    resolved) and the weights' quantization where the server reports it (the resolved one
+    first, then the flag)."""
+    status, body = _get(base_url + "/server_info")
+    if status != 200:
+        return {}
+    info = json.loads(body)
+    config, kv = info.get("config") or {}, info.get("kv_cache") or {}
+    dtype = kv.get("dtype") or config.get("dtype")
+    quant = next(
+        (
+            q
+            for q in (info.get("quantization"), kv.get("quantization"), config.get("quantization"))
+            if q
+        ),
+        None,
+    )
+    return {
+        "dtype": str(dtype).removeprefix("torch.") if dtype else None,
+        "quantization": None if quant == "none" else quant,
+    }
+
+
+def runs_as_text(runs_as: dict) -> str:
+    """'bfloat16, int4 weights' from describe_pyserve's answer; '' when nothing is known."""
+    if not runs_as:
+        return ""
+    parts = [runs_as.get("dtype") or "?"]
+    if runs_as.get("quantization"):
+        parts.append(f"{runs_as['quantization']} weights")
+    return ", ".join(parts)
 
 
 def llamacpp_spec(binary: str, gguf: str) -> ServerSpec:
     argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_SERVER_FLAGS]
-    return ServerSpec("llama.cpp", argv, model=Path(gguf).name)
+    return ServerSpec("llama.cpp", "llama.cpp", argv, model=Path(gguf).name)
 
 
 def transformers_spec(hf_dir: Path, dtype: str) -> ServerSpec:
@@ -232,9 +302,12 @@ def transformers_spec(hf_dir: Path, dtype: str) -> ServerSpec:
         "{port}",
     ]
     return ServerSpec(
+        f"transformers {dtype}",
         "transformers",
         argv,
+        # transformers serve loads the model a request names; the forced one is this path.
         model=str(hf_dir),
+        dtype=dtype,
         ignore_eos=False,
         extra_body=TRANSFORMERS_NO_EOS,
     )
@@ -475,18 +548,30 @@ class PromptSets:
         )
 
 
-async def measure(args: argparse.Namespace, server: RunningServer, prompts: PromptSets) -> dict:
-    """The warm-up, then each concurrency on its own prompts; serving.py's JSON layout."""
+def token_counter(tok):
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
+
+
+async def measure(
+    args: argparse.Namespace, server: RunningServer, prompts: PromptSets, tok
+) -> dict:
+    """The warm-up, then each concurrency on its own prompts; serving.py's JSON layout plus
+    what the server is (kind, command line, dtype)."""
     ns = load_args(args, server.spec, server.base_url)
     if prompts.warmup:
         await serving.run_load(ns, prompts.warmup, len(prompts.warmup), None)
     runs = []
     for concurrency, measured in prompts.by_concurrency.items():
         results, wall = await serving.run_load(ns, measured, concurrency, None)
-        runs.append(serving.summarize(results, wall, concurrency))
+        runs.append(
+            serving.summarize(results, wall, concurrency, args.output_len, token_counter(tok))
+        )
     serving.print_table(runs, server.spec.name)
     return {
         "label": server.spec.name,
+        "kind": server.spec.kind,
+        "argv": server.argv,
+        "runs_as": server.runs_as,
         "args": vars(ns),
         "runs": runs,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -511,14 +596,19 @@ def scrape_prefix_counters(base_url: str) -> tuple[float, float] | None:
     return queried, hit
 
 
-def theoretical_hit_rate(tok, prompts: list[serving.Prompt], block: int) -> float:
+def theoretical_hit_rate(
+    tok, prompts: list[serving.Prompt], block: int, in_flight: int = 0
+) -> float:
     """Prompt tokens a perfect cache serves: each prompt's longest prefix shared with any prompt
-    sent before it (cut to whole blocks: caches hold blocks), over all prompt tokens."""
+    sent before it (cut to whole blocks: caches hold blocks), over all prompt tokens.
+
+    ``in_flight`` > 0: as if the ``in_flight`` prompts sent just before each one were still
+    being prefilled and had cached nothing yet (a pessimistic bound for bounded concurrency)."""
     seqs = [tok.encode(p.text, add_special_tokens=False) for p in prompts]
     hit = 0
     for i, seq in enumerate(seqs):
         best = 0
-        for prev in seqs[:i]:
+        for prev in seqs[: max(0, i - in_flight)]:
             n = 0
             for a, b in zip(seq, prev, strict=False):
                 if a != b:
@@ -529,7 +619,7 @@ def theoretical_hit_rate(tok, prompts: list[serving.Prompt], block: int) -> floa
     return hit / max(1, sum(len(s) for s in seqs))
 
 
-async def prefix_load(args: argparse.Namespace, server: RunningServer, prompts, warm) -> dict:
+async def prefix_load(args: argparse.Namespace, server: RunningServer, prompts, warm, tok) -> dict:
     ns = load_args(
         args, server.spec, server.base_url, concurrency=[args.prefix_concurrency], warmup=0
     )
@@ -538,7 +628,9 @@ async def prefix_load(args: argparse.Namespace, server: RunningServer, prompts, 
     before = scrape_prefix_counters(server.base_url)
     results, wall = await serving.run_load(ns, prompts, args.prefix_concurrency, None)
     after = scrape_prefix_counters(server.base_url)
-    summary = serving.summarize(results, wall, args.prefix_concurrency)
+    summary = serving.summarize(
+        results, wall, args.prefix_concurrency, args.prefix_output_len, token_counter(tok)
+    )
     if before and after and after[0] > before[0]:
         summary["metrics_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
     if summary["input_tokens"]:
@@ -582,7 +674,7 @@ def profile_worker(args: argparse.Namespace, server: RunningServer, prompts, out
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    report = {"load": serving.summarize(results, wall, max(args.concurrency))}
+    report = {"load": serving.summarize(results, wall, max(args.concurrency), args.output_len)}
     for role, (proc, raw) in recorders.items():
         if not raw.is_file():
             err = proc.stderr.read().decode(errors="replace")[-300:] if proc.stderr else ""
@@ -654,110 +746,194 @@ def hottest_frames(raw: Path, top: int = 40) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
+RATIO_KEYS = ("output_tok_per_s", "ttft_p50_ms", "itl_p50_ms")
 
-def ratio_table(results: dict[str, dict], pyserve_names: list[str], peers: list[str]) -> list[dict]:
+
+def comparable(ours: dict, peer: dict, same_dtype_only: bool) -> bool:
+    """transformers runs at pyserve's dtype: each pyserve run meets the transformers run at its
+    own dtype only (unless --transformers-dtype chose one for all)."""
+    if peer["kind"] != "transformers" or not same_dtype_only:
+        return True
+    return peer["runs_as"].get("dtype") == ours["runs_as"].get("dtype")
+
+
+def ratio_table(results: dict[str, dict], same_dtype_only: bool = True) -> list[dict]:
     """pyserve / peer for output tok/s, TTFT p50 and ITL p50 at each concurrency."""
     rows = []
-    for ours in pyserve_names:
-        for peer in peers:
-            if ours not in results or peer not in results:
+    for ours_name, ours in results.items():
+        if ours["kind"] != "pyserve":
+            continue
+        for peer_name, peer in results.items():
+            if peer["kind"] == "pyserve" or not comparable(ours, peer, same_dtype_only):
                 continue
-            theirs = {r["concurrency"]: r for r in results[peer]["runs"]}
-            for mine in results[ours]["runs"]:
+            theirs = {r["concurrency"]: r for r in peer["runs"]}
+            for mine in ours["runs"]:
                 other = theirs.get(mine["concurrency"])
                 if other is None:
                     continue
                 rows.append(
                     {
-                        "pyserve": ours,
-                        "peer": peer,
+                        "pyserve": ours_name,
+                        "peer": peer_name,
+                        "peer_kind": peer["kind"],
                         "concurrency": mine["concurrency"],
-                        **{
-                            key: _ratio(mine[key], other[key])
-                            for key in ("output_tok_per_s", "ttft_p50_ms", "itl_p50_ms")
-                        },
+                        **{key: _ratio(mine[key], other[key]) for key in RATIO_KEYS},
                     }
                 )
     return rows
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
+def _ratio(a: float | None, b: float | None) -> float:
+    if a is None or b is None or not b:
+        return float("nan")
+    return a / b
 
 
 def print_summary(results: dict[str, dict], ratios: list[dict]) -> None:
-    print("\n== all servers")
-    print(f"{'server':<28} {'conc':>4} {'ok':>4} {'out tok/s':>10} {'TTFT p50':>10} {'ITL p50':>9}")
+    print("\n== all servers (out len: the mean real output length / requested)")
+    print(
+        f"{'server':<30} {'runs as':<22} {'conc':>4} {'ok':>4} {'out tok/s':>10} "
+        f"{'TTFT p50':>10} {'ITL p50':>9} {'out len':>9}"
+    )
     for name, data in results.items():
         for r in data["runs"]:
             print(
-                f"{name:<28} {r['concurrency']:>4} {r['completed']:>4} "
-                f"{r['output_tok_per_s']:>10.1f} {r['ttft_p50_ms']:>8.0f}ms "
-                f"{r['itl_p50_ms']:>7.1f}ms"
+                f"{name:<30} {runs_as_text(data['runs_as']):<22} {r['concurrency']:>4} "
+                f"{r['completed']:>4} {r['output_tok_per_s']:>10.1f} "
+                f"{r['ttft_p50_ms']:>8.0f}ms {r['itl_p50_ms']:>7.1f}ms "
+                f"{r['mean_output_len']:>5.0f}/{r['requested_output_len']}"
             )
     if ratios:
         print("\n== ratios pyserve / peer (tok/s: higher is better; TTFT, ITL: lower is better)")
         print(
-            f"{'pyserve':<28} {'peer':<13} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8}"
+            f"{'pyserve':<30} {'peer':<22} {'conc':>4} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8}"
         )
         for r in ratios:
             print(
-                f"{r['pyserve']:<28} {r['peer']:<13} {r['concurrency']:>4} "
+                f"{r['pyserve']:<30} {r['peer']:<22} {r['concurrency']:>4} "
                 f"{r['output_tok_per_s']:>6.2f}× {r['ttft_p50_ms']:>8.2f}× {r['itl_p50_ms']:>7.2f}×"
             )
 
 
 def target_checks(
-    results: dict, ratios: list[dict], ceiling: dict | None, prefix: dict
-) -> list[str]:
-    """Issue 5's targets, each as one line saying the measured figure and met / NOT met."""
-    lines = []
+    args: argparse.Namespace,
+    results: dict[str, dict],
+    ratios: list[dict],
+    ceiling: dict | None,
+    prefix: dict,
+) -> list[dict]:
+    """Issue 5's targets, one row each: what, for which pyserve run, the measured figure, the
+    bound and whether it is met (None: not measurable, a peer or phase missing). The issue's
+    c=32 and c=1 are the highest and lowest concurrency run (the same in a full run)."""
+    top, low = max(args.concurrency), min(args.concurrency)
+    rows: list[dict] = []
 
-    def check(text: str, value: float, ok: bool) -> None:
-        lines.append(f"{'met' if ok else 'NOT met':>7}: {text} (measured {value:.2f})")
+    def add(target: str, server: str, conc: int | None, value, bound: float) -> None:
+        """``bound`` > 0: at least that; ≤ 0: at most its magnitude."""
+        if value is None or value != value:  # None or NaN: a peer or phase is missing
+            met = None
+        else:
+            met = value >= bound if bound > 0 else value <= -bound
+        text = f"≥ {bound:g}" if bound > 0 else f"≤ {-bound:.3g}"
+        rows.append(
+            {
+                "target": target,
+                "server": server,
+                "concurrency": conc,
+                "measured": value,
+                "bound": text,
+                "met": met,
+            }
+        )
 
-    for r in ratios:
-        c, peer = r["concurrency"], r["peer"]
-        if peer == "llama.cpp" and c == 32:
-            check(
-                f"{r['pyserve']} c=32 tok/s ≥ 4× llama.cpp",
-                r["output_tok_per_s"],
-                r["output_tok_per_s"] >= 4,
-            )
-            check(
-                f"{r['pyserve']} c=32 TTFT p50 ≤ ⅓ llama.cpp",
-                r["ttft_p50_ms"],
-                r["ttft_p50_ms"] <= 1 / 3,
-            )
-        if peer == "llama.cpp" and c == 1:
-            check(
-                f"{r['pyserve']} c=1 ITL p50 ≤ 1.5× llama.cpp",
-                r["itl_p50_ms"],
-                r["itl_p50_ms"] <= 1.5,
-            )
-        if peer == "transformers" and c == 32:
-            check(
-                f"{r['pyserve']} c=32 tok/s ≥ 6× transformers",
-                r["output_tok_per_s"],
-                r["output_tok_per_s"] >= 6,
-            )
-    if ceiling:
-        bf16 = ceiling["dtypes"]["bfloat16"]["ceiling_output_tok_per_s"]
-        for name, data in results.items():
-            if not name.startswith("pyserve"):
-                continue
-            for r in data["runs"]:
-                if r["concurrency"] in bf16 and r["concurrency"] == 32:
-                    share = r["output_tok_per_s"] / bf16[r["concurrency"]]
-                    check(f"{name} c=32 tok/s ≥ 60% of the bf16 ceiling", share, share >= 0.6)
+    for name, data in results.items():
+        if data["kind"] != "pyserve":
+            continue
+        at = _ratio_lookup(ratios, name)
+        checks = [
+            ("output tok/s vs llama.cpp", top, at("llama.cpp", top, "output_tok_per_s"), 4.0),
+            ("TTFT p50 vs llama.cpp", top, at("llama.cpp", top, "ttft_p50_ms"), -1 / 3),
+            ("ITL p50 vs llama.cpp", low, at("llama.cpp", low, "itl_p50_ms"), -1.5),
+            (
+                "output tok/s vs transformers (same dtype)",
+                top,
+                at("transformers", top, "output_tok_per_s"),
+                6.0,
+            ),
+            ("output tok/s / bf16 matmul ceiling", top, _ceiling_share(data, ceiling, top), 0.6),
+        ]
+        for target, conc, value, bound in checks:
+            add(target, name, conc, value, bound)
     if "radix" in prefix and "no-radix" in prefix:
+        conc = args.prefix_concurrency
         speedup = _ratio(prefix["no-radix"]["ttft_p50_ms"], prefix["radix"]["ttft_p50_ms"])
-        check("prefix cache: TTFT p50 ≥ 4× better than without", speedup, speedup >= 4)
+        add("prefix cache: TTFT p50 without / with", "pyserve-radix", conc, speedup, 4.0)
         reported = prefix["radix"].get("metrics_hit_rate")
-        if reported is not None:
-            gap = abs(reported - prefix["theoretical_hit_rate"]) * 100
-            check("prefix cache: hit rate within 5 points of theory (gap in points)", gap, gap <= 5)
-    return lines
+        gap = None if reported is None else abs(reported - prefix["theoretical_hit_rate"]) * 100
+        add("prefix cache: |hit rate − theoretical| (points)", "pyserve-radix", conc, gap, -5.0)
+    for name, data in results.items():  # every figure above assumes full-length outputs
+        off = sum(r.get("off_length_outputs", 0) for r in data["runs"])
+        add("outputs not of the requested length", name, None, off, -0.0)
+    return rows
+
+
+def _ratio_lookup(ratios: list[dict], pyserve_name: str):
+    """at(peer kind, concurrency, key) -> the ratio for this pyserve run, or None."""
+    table = {(r["peer_kind"], r["concurrency"]): r for r in ratios if r["pyserve"] == pyserve_name}
+
+    def at(kind: str, conc: int, key: str) -> float | None:
+        row = table.get((kind, conc))
+        return None if row is None else row[key]
+
+    return at
+
+
+def _ceiling_share(data: dict, ceiling: dict | None, conc: int) -> float | None:
+    """Output tok/s at ``conc`` over the bf16 matmul ceiling for the same load."""
+    if not ceiling:
+        return None
+    bf16 = ceiling["dtypes"]["bfloat16"]["ceiling_output_tok_per_s"]
+    mine = {r["concurrency"]: r for r in data["runs"]}
+    if conc not in bf16 or conc not in mine:
+        return None
+    return mine[conc]["output_tok_per_s"] / bf16[conc]
+
+
+def print_targets(rows: list[dict], args: argparse.Namespace) -> None:
+    print("\n== issue 5 targets")
+    if (max(args.concurrency), min(args.concurrency)) != (32, 1):
+        print(
+            f"(the issue's c=32 and c=1 checked at c={max(args.concurrency)} and "
+            f"c={min(args.concurrency)}: this is not the issue's load)"
+        )
+    print(f"{'':>7}  {'target':<48} {'server':<30} {'conc':>4} {'measured':>9} {'bound':>8}")
+    for r in rows:
+        verdict = {True: "met", False: "NOT met", None: "n/a"}[r["met"]]
+        value = "-" if r["measured"] is None else f"{r['measured']:.2f}"
+        conc = "" if r["concurrency"] is None else r["concurrency"]
+        print(
+            f"{verdict:>7}  {r['target']:<48} {r['server']:<30} {conc:>4} {value:>9} "
+            f"{r['bound']:>8}"
+        )
+
+
+def finite(obj):
+    """``obj`` with NaN and infinities as None (strict JSON) and every key a string."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(finite(data), indent=2, default=str, allow_nan=False))
+
+
+def file_stem(name: str) -> str:
+    return name.replace(" ", "_").replace("/", "_")
 
 
 # ----------------------------------------------------------------------------- main
@@ -770,12 +946,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     p.add_argument(
         "--pyserve-args",
-        action="append",
+        nargs="+",
+        action="extend",
         default=[],
-        help='one more pyserve variant, e.g. "--dtype bfloat16" (repeatable)',
+        metavar="ARGS",
+        help='more pyserve runs, one per quoted string: "--dtype bfloat16" "--quantization int4"',
     )
     p.add_argument("--no-pyserve-default", action="store_true", help="only the --pyserve-args runs")
-    p.add_argument("--transformers-dtype", default=None, help="default: pyserve's (float32 on CPU)")
+    p.add_argument(
+        "--transformers-dtype",
+        default=None,
+        help="one dtype for transformers serve; default: each dtype the pyserve runs used",
+    )
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
@@ -801,6 +983,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.question_len, args.prefix_output_len, args.prefix_concurrency = 16, 8, 4
         args.warmup = 1
         args.profile_seconds = min(args.profile_seconds, 5)
+    args.concurrency = sorted(set(args.concurrency))
     return args
 
 
@@ -821,23 +1004,133 @@ def main(argv: list[str] | None = None) -> int:
         make_hf_dir(*args.make_hf_dir)
         return 0
     _unwind_on_signals()
+    sys.stdout.reconfigure(line_buffering=True)  # a log file shows progress as it happens
+    try:
+        return compare(args)
+    finally:
+        stop_all()  # servers an error left running
+
+
+def compare(args: argparse.Namespace) -> int:
     gguf = default_model_path()
     out_dir = args.out_dir or BENCH_DIR / "out" / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    print(f"compare.py {' '.join(sys.argv[1:])}\n{started}; {machine_line()}\nout: {out_dir}")
+    machine_start = machine_line()
+    print(f"compare.py {' '.join(sys.argv[1:])}\n{started}; {machine_start}\nout: {out_dir}")
 
     ceiling_rows = [1, 256, *args.concurrency]
     gflops_start = None if args.no_ceiling else matmul_gflops(gguf, ceiling_rows, args.quick)
     if gflops_start:
         ceiling_report(gguf, gflops_start, args)
 
+    tok = serving._tokenizer(None)
+    prompts = PromptSets.build(tok, args)
+    bench = Bench(args, tok, prompts, out_dir)
+    variants = ([] if args.no_pyserve_default else [""]) + args.pyserve_args
+    for i, extra in enumerate(variants):
+        bench.run(pyserve_spec(pyserve_variant_name(extra), extra.split()), profile=i == 0)
+    for spec in peer_specs(args, gguf, bench.results):
+        bench.run(spec)
+
+    prefix: dict = {}
+    if not args.no_prefix and variants:
+        prefix = run_prefix_comparison(args, tok, out_dir, variants[0].split())
+
+    ceiling = None
+    if gflops_start:  # again at the end; each figure is the better of the two
+        print("\n[ceiling] measured again after the servers; the better of the two counts:")
+        ceiling = ceiling_report(
+            gguf, best_of(gflops_start, matmul_gflops(gguf, ceiling_rows, args.quick)), args
+        )
+    results = bench.results
+    ratios = ratio_table(results, same_dtype_only=args.transformers_dtype is None)
+    print_summary(results, ratios)
+    targets = target_checks(args, results, ratios, ceiling, prefix)
+    print_targets(targets, args)
+    for name, why in bench.failures.items():
+        print(f"FAILED: {name}: {why.splitlines()[0] if why else ''}")
+    png = args.png or out_dir / "serving.png"
+    if results:
+        serving.plot([str(out_dir / f"{file_stem(n)}.json") for n in results], str(png))
+    summary = {
+        "schema": 2,
+        "started": started,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine_start": machine_start,
+        "machine_end": machine_line(),
+        "argv": sys.argv[1:],
+        "load": {k: getattr(args, k) for k in LOAD_KEYS},
+        "ceiling": ceiling,
+        "results": results,
+        "failures": bench.failures,
+        "ratios": ratios,
+        "prefix": prefix,
+        "profile": bench.profile,
+        "targets": targets,
+        "png": str(png),
+    }
+    write_json(out_dir / "summary.json", summary)
+    print(f"\nwrote {out_dir / 'summary.json'}; {machine_line()}")
+    return 1 if bench.failures else 0
+
+
+LOAD_KEYS = (
+    "num_prompts",
+    "input_len",
+    "output_len",
+    "concurrency",
+    "warmup",
+    "groups",
+    "prompts_per_group",
+    "system_len",
+    "question_len",
+    "prefix_output_len",
+    "prefix_concurrency",
+)
+
+
+class Bench:
+    """Runs one server at a time through the loads and keeps what came out: results by server
+    name, failures (a server that did not start or broke down: the others still run)."""
+
+    def __init__(self, args: argparse.Namespace, tok, prompts: PromptSets, out_dir: Path):
+        self.args, self.tok, self.prompts, self.out_dir = args, tok, prompts, out_dir
+        self.results: dict[str, dict] = {}
+        self.failures: dict[str, str] = {}
+        self.profile: dict = {}
+
+    def run(self, spec: ServerSpec, profile: bool = False) -> None:
+        try:
+            with running(spec, self.out_dir) as server:
+                if spec.kind == "pyserve":
+                    server.runs_as = describe_pyserve(server.base_url)
+                    print(f"[{spec.name}] runs as {runs_as_text(server.runs_as)}")
+                result = asyncio.run(measure(self.args, server, self.prompts, self.tok))
+                result["label"] = display_label(spec.name, server.runs_as)
+                self.results[spec.name] = result
+                write_json(self.out_dir / f"{file_stem(spec.name)}.json", result)
+                if profile and self.args.profile_seconds:
+                    self.profile = profile_worker(
+                        self.args, server, self.prompts.profile, self.out_dir
+                    )
+        except StartError as e:
+            print(f"[{spec.name}] did not start, skipping it: {e}")
+            self.failures[spec.name] = f"did not start: {e}"
+        except Exception as e:  # one broken server must not cost the others' figures
+            traceback.print_exc()
+            print(f"[{spec.name}] failed, going on without it: {type(e).__name__}: {e}")
+            self.failures[spec.name] = f"{type(e).__name__}: {e}"
+
+
+def display_label(name: str, runs_as: dict) -> str:
+    text = runs_as_text(runs_as)
+    return f"{name} ({text})" if text and text not in name else name
+
+
+def peer_specs(args: argparse.Namespace, gguf: str, results: dict[str, dict]) -> list[ServerSpec]:
+    """llama.cpp's server on the GGUF; transformers serve at each dtype pyserve ran in."""
     specs = []
-    if not args.no_pyserve_default:
-        specs.append(pyserve_spec("pyserve", []))
-    for extra in args.pyserve_args:
-        specs.append(pyserve_spec(f"pyserve {extra}".strip(), extra.split()))
-    pyserve_names = [s.name for s in specs]
     if "llamacpp" in args.peers:
         binary = find_llama_server(args.llama_server)
         if binary:
@@ -847,86 +1140,59 @@ def main(argv: list[str] | None = None) -> int:
             hf_dir = hf_dir_for(gguf)
         except (OSError, RuntimeError) as e:
             print(f"[transformers] could not make a Hugging Face directory ({e}): skipping it")
-        else:
-            dtype = args.transformers_dtype or "float32"  # pyserve's default dtype on CPU
+            return specs
+        for dtype in transformers_dtypes(args, results):
             specs.append(transformers_spec(hf_dir, dtype))
-
-    tok = serving._tokenizer(None)
-    prompts = PromptSets.build(tok, args)
-    results: dict[str, dict] = {}
-    prefix: dict = {}
-    profile: dict = {}
-    for spec in specs:
-        try:
-            with running(spec, out_dir) as server:
-                results[spec.name] = asyncio.run(measure(args, server, prompts))
-                path = out_dir / f"{spec.name.replace(' ', '_').replace('/', '_')}.json"
-                path.write_text(json.dumps(results[spec.name], indent=2))
-                if spec.name == "pyserve" and args.profile_seconds:
-                    profile = profile_worker(args, server, prompts.profile, out_dir)
-        except StartError as e:
-            print(f"[{spec.name}] did not start, skipping it: {e}")
-
-    if not args.no_prefix and not args.no_pyserve_default:
-        prefix = run_prefix_comparison(args, tok, out_dir)
-
-    ceiling = None
-    if gflops_start:  # again at the end; each figure is the better of the two
-        print("\n[ceiling] measured again after the servers; the better of the two counts:")
-        ceiling = ceiling_report(
-            gguf, best_of(gflops_start, matmul_gflops(gguf, ceiling_rows, args.quick)), args
-        )
-    peer_names = [n for n in results if n not in pyserve_names]
-    ratios = ratio_table(results, pyserve_names, peer_names)
-    print_summary(results, ratios)
-    checks = target_checks(results, ratios, ceiling, prefix)
-    if checks:
-        print("\n== issue 5 targets")
-        print("\n".join(checks))
-    files = [str(out_dir / f"{n.replace(' ', '_').replace('/', '_')}.json") for n in results]
-    png = args.png or out_dir / "serving.png"
-    if files:
-        serving.plot(files, str(png))
-    summary = {
-        "started": started,
-        "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine_line(),
-        "argv": sys.argv[1:],
-        "ceiling": ceiling,
-        "results": results,
-        "ratios": ratios,
-        "prefix": prefix,
-        "profile": profile,
-        "targets": checks,
-        "png": str(png),
-    }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"\nwrote {out_dir / 'summary.json'}")
-    return 0
+    return specs
 
 
-def run_prefix_comparison(args: argparse.Namespace, tok, out_dir: Path) -> dict:
-    """pyserve with and without the radix cache on the shared-prefix dataset."""
+def transformers_dtypes(args: argparse.Namespace, results: dict[str, dict]) -> list[str]:
+    """The one asked for, else the dtypes the pyserve runs reported, else float32."""
+    if args.transformers_dtype:
+        return [args.transformers_dtype]
+    found = [
+        data["runs_as"].get("dtype")
+        for data in results.values()
+        if data["kind"] == "pyserve" and data["runs_as"].get("dtype")
+    ]
+    return list(dict.fromkeys(found)) or ["float32"]
+
+
+def run_prefix_comparison(
+    args: argparse.Namespace, tok, out_dir: Path, base_args: list[str]
+) -> dict:
+    """pyserve (the first configuration run) with and without the radix cache on the
+    shared-prefix dataset."""
     prompts = serving.shared_prefix_dataset(
         tok, args.groups, args.prompts_per_group, args.system_len, args.question_len, seed=1
     )
     warm = serving.random_dataset(tok, 2, 32, seed=2)
-    prefix: dict = {"theoretical_hit_rate": theoretical_hit_rate(tok, prompts, block=16)}
+    prefix: dict = {
+        "pyserve_args": base_args,
+        "theoretical_hit_rate": theoretical_hit_rate(tok, prompts, block=16),
+        # The same if the prompts still in flight when one is sent had cached nothing yet.
+        "theoretical_hit_rate_in_flight_miss": theoretical_hit_rate(
+            tok, prompts, block=16, in_flight=args.prefix_concurrency - 1
+        ),
+    }
     for name, extra in (("radix", []), ("no-radix", ["--disable-radix-cache"])):
-        spec = pyserve_spec(f"pyserve-{name}", extra)
+        spec = pyserve_spec(f"pyserve-{name}", [*base_args, *extra])
         try:
             with running(spec, out_dir) as server:
-                prefix[name] = asyncio.run(prefix_load(args, server, prompts, warm))
+                prefix[name] = asyncio.run(prefix_load(args, server, prompts, warm, tok))
+                prefix[name]["runs_as"] = describe_pyserve(server.base_url)
         except StartError as e:
             print(f"[{spec.name}] did not start, skipping it: {e}")
     if "radix" in prefix and "no-radix" in prefix:
+        radix, plain = prefix["radix"], prefix["no-radix"]
         print(
-            f"\nprefix cache: TTFT p50 {prefix['no-radix']['ttft_p50_ms']:.0f} ms without, "
-            f"{prefix['radix']['ttft_p50_ms']:.0f} ms with "
-            f"({_ratio(prefix['no-radix']['ttft_p50_ms'], prefix['radix']['ttft_p50_ms']):.2f}×); "
-            f"hit rate reported {prefix['radix'].get('metrics_hit_rate', float('nan')):.3f} "
-            f"(usage {prefix['radix'].get('usage_hit_rate', float('nan')):.3f}), "
-            f"theoretical {prefix['theoretical_hit_rate']:.3f}"
+            f"\nprefix cache: TTFT p50 {plain['ttft_p50_ms']:.0f} ms without, "
+            f"{radix['ttft_p50_ms']:.0f} ms with "
+            f"({_ratio(plain['ttft_p50_ms'], radix['ttft_p50_ms']):.2f}×); "
+            f"hit rate reported {radix.get('metrics_hit_rate', float('nan')):.3f} "
+            f"(usage {radix.get('usage_hit_rate', float('nan')):.3f}), theoretical "
+            f"{prefix['theoretical_hit_rate']:.3f} "
+            f"({prefix['theoretical_hit_rate_in_flight_miss']:.3f} if in-flight prompts miss)"
         )
     return prefix
 

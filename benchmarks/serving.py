@@ -46,6 +46,9 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     cached_tokens: int = 0
+    content_events: int = 0  # streamed chunks with text (a chunk may carry several tokens)
+    usage_reported: bool = False  # output_tokens came from the server's usage, not from events
+    text: str = ""
     error: str = ""
 
 
@@ -143,6 +146,7 @@ async def send_request(
                         return res
                     usage = data.get("usage")
                     if usage:
+                        res.usage_reported = True
                         res.output_tokens = usage.get("completion_tokens", 0)
                         res.input_len = usage.get("prompt_tokens", res.input_len)
                         details = usage.get("prompt_tokens_details") or {}
@@ -155,6 +159,7 @@ async def send_request(
                         )
                         if not delta:
                             continue
+                        res.text += delta
                         now = time.perf_counter()
                         if events == 0:
                             res.ttft = now - t0
@@ -166,7 +171,8 @@ async def send_request(
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - t0
-    if res.output_tokens == 0:  # the server sent no usage: count content events
+    res.content_events = events
+    if not res.usage_reported:  # count content events instead
         res.output_tokens = events
     res.ok = events > 0
     return res
@@ -207,7 +213,15 @@ def _pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(results: list[RequestResult], wall: float, concurrency: int) -> dict:
+def summarize(
+    results: list[RequestResult],
+    wall: float,
+    concurrency: int,
+    requested_output_len: int | None = None,
+    count_tokens=None,
+) -> dict:
+    """vLLM's metrics over one load, and the real output lengths: the server's own count
+    (usage), the streamed chunks and, given ``count_tokens``, the streamed text re-tokenized."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.input_len for r in ok)
@@ -223,8 +237,8 @@ def summarize(results: list[RequestResult], wall: float, concurrency: int) -> di
         "output_tok_per_s": out_tokens / wall,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
-        "mean_output_len": statistics.mean([r.output_tokens for r in ok]) if ok else 0,
         "cached_tokens": sum(r.cached_tokens for r in ok),
+        **output_lengths(ok, requested_output_len, count_tokens),
     }
     for name, vals in (
         ("ttft", [r.ttft for r in ok]),
@@ -235,6 +249,24 @@ def summarize(results: list[RequestResult], wall: float, concurrency: int) -> di
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_ms"] = _pct(vals, q) * 1000
     return summary
+
+
+def output_lengths(ok: list[RequestResult], requested: int | None, count_tokens=None) -> dict:
+    lengths = [r.output_tokens for r in ok]
+    out: dict = {
+        "requested_output_len": requested,
+        "mean_output_len": statistics.mean(lengths) if lengths else 0,
+        "min_output_len": min(lengths, default=0),
+        "max_output_len": max(lengths, default=0),
+        # Outputs whose length differs from the request's max_tokens (an early EOS or a cut).
+        "off_length_outputs": sum(n != requested for n in lengths) if requested else 0,
+        "usage_reported": all(r.usage_reported for r in ok) if ok else False,
+        "mean_content_events": statistics.mean([r.content_events for r in ok]) if ok else 0,
+    }
+    if count_tokens is not None and ok:
+        # Decoding and re-encoding need not round-trip exactly: a check, not the count.
+        out["mean_retokenized_output_len"] = statistics.mean(count_tokens(r.text) for r in ok)
+    return out
 
 
 def print_table(rows: list[dict], label: str) -> None:
@@ -252,6 +284,12 @@ def print_table(rows: list[dict], label: str) -> None:
         )
         if r["failed"]:
             print(f"      {r['failed']} failed: {r['errors']}")
+        if r.get("off_length_outputs"):
+            print(
+                f"      {r['off_length_outputs']} outputs not of the requested "
+                f"{r['requested_output_len']} tokens (min {r['min_output_len']}, "
+                f"max {r['max_output_len']})"
+            )
 
 
 def plot(files: list[str], png: str) -> None:
@@ -330,7 +368,7 @@ async def benchmark(args: argparse.Namespace, prompts: list[Prompt] | None = Non
     runs = []
     for conc in args.concurrency:
         results, wall = await run_load(args, prompts, conc, args.request_rate)
-        runs.append(summarize(results, wall, conc))
+        runs.append(summarize(results, wall, conc, args.output_len))
     label = args.label or args.base_url
     print_table(runs, label)
     return {
