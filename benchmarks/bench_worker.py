@@ -14,11 +14,16 @@ For each dtype, on the default model (SmolLM2-135M Q4_1 GGUF, dequantized) unles
 
     .venv/bin/python benchmarks/bench_worker.py --quick          # a short run
     .venv/bin/python benchmarks/bench_worker.py --dtype bfloat16 # full run, one dtype
+    .venv/bin/python benchmarks/bench_worker.py --quantization none,int4 --dtype float32
+
+With --quantization int4/int8 our linear layers run on pyserve._kernels (HF generate and the
+ceiling stay in the float dtype: they are the same reference for every quantization).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -233,6 +238,11 @@ def main() -> None:
     )
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--dtype", default="both", choices=[*DTYPES, "both"])
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="comma-separated: none, int8, int4, auto (the runner's linear layers)",
+    )
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt-len", type=int, default=64, help="context before decoding")
     parser.add_argument("--decode-steps", type=int, default=64)
@@ -257,44 +267,72 @@ def main() -> None:
         args.decode_steps = min(args.decode_steps, 8)
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    quantizations = args.quantization.split(",")
     repeats = 2 if args.quick else 5
     gen = torch.Generator().manual_seed(0)
     results = []
+    references: dict[tuple[str, str], tuple[float, float]] = {}  # HF tok/s, ceiling tok/s
+    hf_loaded: list = [None, None]  # dtype name, the HF model: one loaded at a time
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.1f}"
     )
-    for dtype_name in dtypes:
+    for dtype_name, quantization in itertools.product(dtypes, quantizations):
         dtype = DTYPES[dtype_name]
         tokens_each = args.prompt_len + args.decode_steps + 2
         need = max(batches) * -(-max(tokens_each, args.prefill_len) // BLOCK_SIZE)
-        runner = ModelRunner(args.model, dtype=dtype_name, num_blocks=need, block_size=BLOCK_SIZE)
+        runner = ModelRunner(
+            args.model,
+            dtype=dtype_name,
+            num_blocks=need,
+            block_size=BLOCK_SIZE,
+            quantization=quantization,
+        )
         config = runner.config
-        hf = None if args.skip_hf else load_hf(args.model, dtype)
-        print(f"\n== {dtype_name} ({config.name}, load {runner.load_seconds:.1f}s) ==")
+        print(
+            f"\n== {dtype_name}, quantization {runner.quantization} "
+            f"({config.name}, load {runner.load_seconds:.1f}s) =="
+        )
         print(f"{'':>14} {'ours tok/s':>11} {'HF tok/s':>9} {'×HF':>6} {'ceiling':>9} {'%ceil':>6}")
         rows = [(f"decode b={b}", b) for b in batches] + [(f"prefill {args.prefill_len}", 0)]
         for label, batch in rows:
+            # HF and the ceiling do not depend on our quantization: measured once per dtype
+            reference = references.get((dtype_name, label))
+            if reference is None and not args.skip_hf and hf_loaded[0] != dtype_name:
+                hf_loaded[:] = [dtype_name, load_hf(args.model, dtype)]
+            hf = None if args.skip_hf else hf_loaded[1]
             if batch:
                 prompts = torch.randint(
                     100, config.vocab_size, (batch, args.prompt_len), generator=gen
                 )
                 ours = ours_decode(runner, prompts, args.decode_steps)
-                theirs = hf_decode(hf, prompts, args.decode_steps) if hf else float("nan")
-                ceiling = matmul_ceiling(config, batch, dtype, repeats)
+                if reference is None:
+                    theirs = hf_decode(hf, prompts, args.decode_steps) if hf else float("nan")
+                    ceiling = matmul_ceiling(config, batch, dtype, repeats)
             else:
                 prompt = torch.randint(100, config.vocab_size, (args.prefill_len,), generator=gen)
                 ours = ours_prefill(runner, prompt, repeats)
-                theirs = hf_prefill(hf, prompt, repeats) if hf else float("nan")
-                ceiling = matmul_ceiling(config, args.prefill_len, dtype, repeats, vocab_rows=1)
+                if reference is None:
+                    theirs = hf_prefill(hf, prompt, repeats) if hf else float("nan")
+                    ceiling = matmul_ceiling(config, args.prefill_len, dtype, repeats, vocab_rows=1)
+            if reference is None:
+                references[dtype_name, label] = theirs, ceiling
+            theirs, ceiling = references[dtype_name, label]
             print(
                 f"{label:>14} {ours:11.0f} {theirs:9.0f} {ours / theirs:6.2f} "
                 f"{ceiling:9.0f} {100 * ours / ceiling:5.0f}%"
             )
             results.append(
-                {"dtype": dtype_name, "case": label, "ours": ours, "hf": theirs, "ceiling": ceiling}
+                {
+                    "dtype": dtype_name,
+                    "quantization": runner.quantization,
+                    "case": label,
+                    "ours": ours,
+                    "hf": theirs,
+                    "ceiling": ceiling,
+                }
             )
-        del runner, hf
+        del runner
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -1,9 +1,12 @@
 """The bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF) served by a plain `pyserve run`
-knows the capital of France."""
+knows the capital of France; with the default `--quantization auto` it serves the file's 4-bit
+weights on the int4 kernels, and says so in /server_info and its startup log."""
 
 from __future__ import annotations
 
-from http_testlib import running_server
+import json
+
+from http_testlib import request, running_server
 from openai import OpenAI
 
 
@@ -20,5 +23,11 @@ def test_default_model_answers_paris():
             max_tokens=32,
             temperature=0,
         )
+        status, _, body = request(server.url + "/server_info")
+        log = server.log()
     text = answer.choices[0].message.content
     assert "Paris" in text, text
+    info = json.loads(body)
+    assert status == 200 and info["config"]["quantization"] == "auto"
+    assert info["quantization"] == "int4" and info["kv_cache"]["dtype"] == "float32"
+    assert "quantization int4" in log

@@ -312,6 +312,10 @@ def test_quant_linear_uses_the_kernel_for_small_batches_and_torch_beyond():
     assert torch.equal(y3.view(4, 70), want_bf16.bfloat16())
     assert layer.max_kernel_rows == 4
     assert quant.QuantLinear(w, None, 4).max_kernel_rows == quant.MAX_KERNEL_ROWS[torch.float32]
+    # float32 default: the kernel at every size, and no float copy of the weights
+    unbounded = quant.QuantLinear(w, bias, 8)
+    assert unbounded.weight is None and unbounded.max_kernel_rows is None
+    assert torch.equal(unbounded(large), quant.quantized_matmul(large, unbounded.packed, bias))
 
 
 def tiny_llama(tied: bool):
@@ -337,9 +341,9 @@ def test_quantize_model_linears_on_a_transformers_llama(mode):
     head = model.lm_head
     assert head.bits == 8  # in both modes
     assert model.model.layers[0].mlp.down_proj.bits == (8 if mode == "int8" else 4)
-    # the embedding lookup is untouched; the head shares its tensor only if nothing changed
+    # the embedding lookup is untouched; a float32 model keeps no float copy of the packed weights
     assert model.model.embed_tokens.weight is embedding
-    assert (head.weight is embedding) == torch.equal(head.weight, embedding)
+    assert head.weight is None and head.max_kernel_rows is None
 
     # against the same model with the dequantized weights in float: only the int16 activation
     # rounding is left, so logits agree closely
@@ -347,7 +351,8 @@ def test_quantize_model_linears_on_a_transformers_llama(mode):
     with torch.no_grad():
         for name in replaced:
             target = reference.get_submodule(name)
-            target.weight = nn.Parameter(model.get_submodule(name).weight.clone())
+            packed = model.get_submodule(name).packed
+            target.weight = nn.Parameter(quant.dequantize_weight(packed))
     ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from pyserve.model_files import ModelInfo
+from pyserve.worker.dtypes import QUANTIZATION_NAMES, resolve_quantization  # torch-free
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
@@ -19,6 +20,10 @@ class EngineConfig:
     served_model_name: str | None = None  # what /v1/models reports; default from the model
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto = float32 on CPU, bfloat16 else
     device: str = "cpu"
+    # Linear layers: none | int8 | int4 (CPU kernels, pyserve/worker/quant.py) | auto: the
+    # precision a GGUF file holds, on the CPU (none for float checkpoints and other devices).
+    # The worker resolves auto (it reads the file) and reports the result in WorkerReady.
+    quantization: str = "auto"
     block_size: int = 16
     # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
     kv_cache_tokens: int | None = None
@@ -38,6 +43,9 @@ class EngineConfig:
     shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
 
     def resolved_dtype(self) -> str:
+        # auto is float32 on the CPU with or without quantization (the kernels compute in
+        # float32: pyserve/worker/dtypes.py), so the KV pool is sized before the worker
+        # knows what auto quantization resolves to, and the worker is told this dtype.
         if self.dtype == "auto":
             return "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in DTYPE_BYTES:
@@ -58,6 +66,12 @@ class EngineConfig:
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before any process starts."""
         self.resolved_dtype()
+        if self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}; "
+                f"got {self.quantization!r}"
+            )
+        resolve_quantization(self.quantization, self.device, None)  # int4/int8 need the CPU
         positive = ("block_size", "max_running_requests", "max_prefill_tokens")
         positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval")
         for name in positive:

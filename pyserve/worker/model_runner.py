@@ -8,7 +8,7 @@ import torch
 
 from pyserve.worker.attention import create_attention_backend
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.dtypes import default_dtype
+from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.models.config import ModelConfig
@@ -21,6 +21,8 @@ class ModelRunner:
     """One model on one device, with a KV cache of ``num_blocks`` blocks of ``block_size`` tokens.
 
     ``dtype``: float32, bfloat16, float16, or auto (``pyserve.worker.dtypes.default_dtype``).
+    ``quantization``: none, int8 or int4 linear layers (``pyserve.worker.quant``), or auto: the
+    precision a GGUF file holds, on the CPU (``pyserve.worker.dtypes.resolve_quantization``).
 
     Block ids in ForwardBatch.block_tables index this cache directly (they come from the core's
     BlockAllocator, sized with the same ``num_blocks``).
@@ -35,16 +37,19 @@ class ModelRunner:
         block_size: int,
         device: str = "cpu",
         max_model_len: int | None = None,
+        quantization: str = "none",
     ):
-        if dtype == "auto":
-            dtype = default_dtype(device)
-        if dtype not in DTYPES:
+        if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (auto, {', '.join(DTYPES)})")
+        resolve_quantization(quantization, device, None)  # bad settings fail before loading
         started = time.perf_counter()
+        checkpoint = open_checkpoint(model)
+        self.quantization = resolve_quantization(quantization, device, checkpoint.quantization_hint)
+        if dtype == "auto":
+            dtype = default_dtype(device, self.quantization)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.dtype_name = dtype
-        checkpoint = open_checkpoint(model)
         self.config: ModelConfig = checkpoint.config
         limit = self.config.max_model_len
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
@@ -53,6 +58,12 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.config, dtype=self.dtype, device=self.device)
         self.model.load_weights(checkpoint.tensors(), checkpoint.path)
         self.model.eval()
+        self.quantized_linears = 0
+        if self.quantization != "none":
+            from pyserve.worker.quant import quantize_model_linears
+
+            # before packing: it needs the plain [out, in] weights, and packs its own
+            self.quantized_linears = len(quantize_model_linears(self.model, self.quantization))
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_layers,

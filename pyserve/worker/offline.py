@@ -49,6 +49,7 @@ class OfflineEngine:
         runner: Runner | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        quantization: str = "none",
         num_blocks: int = 1024,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -74,6 +75,7 @@ class OfflineEngine:
                 block_size=block_size,
                 device=device,
                 max_model_len=max_model_len,
+                quantization=quantization,
             )
         self.runner = runner
         config = runner.config

@@ -13,10 +13,12 @@ Weight formats (w = d·u + m per group, d and m fp16):
 Both round as llama.cpp does, so weights that a Q8_0 or Q4_1 GGUF held (the default model's)
 quantize back to exactly themselves.
 
-Quantization changes the logits (benchmarks/RESULTS.md, "Kernels"), so it is opt-in per run;
-the float path stays the default. A ``QuantLinear`` keeps the dequantized weights too, in the
-model's dtype, for batches of more than ``max_kernel_rows`` rows (long prefill chunks), where
-torch's matmul catches up with the kernel.
+Quantization changes the logits (benchmarks/RESULTS.md, "Kernels"), so the server applies it
+only where the checkpoint was quantized already (``quantization="auto"``: a GGUF served at the
+precision its file holds, pyserve/worker/dtypes.py) or when asked; ModelRunner defaults to none.
+In a bfloat16 model a ``QuantLinear`` keeps the dequantized weights too, for batches of more
+than ``max_kernel_rows`` rows (long prefill chunks), where oneDNN's bf16 matmul overtakes the
+kernel; in a float32 model the kernel wins at every size, so only the packed weights are kept.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ MAX_GROUP = 256  # keeps a group's integer dot product inside int32 with int16 a
 TILE_ROWS = 16  # output rows per packed tile (one AVX-512 register)
 MODES = ("int8", "int4")
 # Rows up to which the kernel beats torch's matmul in the model's dtype, measured on the
-# benchmark machine (benchmarks/bench_kernels.py): ~2x float32 at every M to 512, about even
-# with bfloat16 at 64 (with int16 activations).
-MAX_KERNEL_ROWS = {torch.float32: 512, torch.bfloat16: 64, torch.float16: 64}
+# benchmark machine (benchmarks/bench_kernels.py; RESULTS.md "Worker" for the re-check): with
+# int16 activations and one thread, int4 is 2.3x float32 at 64 rows, 1.9x at 287 (a 256-token
+# prefill chunk + 31 decodes), 1.7x at 2048 (the default prefill chunk), 1.4x at 4096; about
+# even with bfloat16 at 64. None: the kernel at any size, so a float32 model keeps no float copy
+# of its quantized weights (a 7B model would otherwise hold 28 GB of float32 beside 4 GB of int4).
+MAX_KERNEL_ROWS = {torch.float32: None, torch.bfloat16: 64, torch.float16: 64}
 DEFAULT_ACTIVATION_BITS = 16
 ISA_ENV = "PYSERVE_KERNELS_ISA"  # force a kernel path: avx512_vnni, avx2 or scalar
 
@@ -232,9 +237,14 @@ def quantized_matmul(
     return out
 
 
+_DEFAULT_ROWS = object()  # QuantLinear's max_kernel_rows: MAX_KERNEL_ROWS of the weight's dtype
+
+
 class QuantLinear(nn.Module):
     """A linear layer with packed weights: the kernel for up to ``max_kernel_rows`` rows, a float
-    matmul over the dequantized weights (in the model's dtype) beyond that."""
+    matmul over the dequantized weights (in the model's dtype) beyond that. With
+    ``max_kernel_rows=None`` every batch takes the kernel and no float weight is kept
+    (``weight`` is None; ``dequantize_weight(layer.packed)`` rebuilds it)."""
 
     def __init__(
         self,
@@ -244,7 +254,7 @@ class QuantLinear(nn.Module):
         *,
         group: int = GROUP,
         activation_bits: int = DEFAULT_ACTIVATION_BITS,
-        max_kernel_rows: int | None = None,
+        max_kernel_rows: int | object | None = _DEFAULT_ROWS,
     ):
         super().__init__()
         if weight.device.type != "cpu":
@@ -253,16 +263,19 @@ class QuantLinear(nn.Module):
             raise ValueError(f"activation_bits must be 8 or 16, not {activation_bits}")
         self.out_features, self.in_features = weight.shape
         self.bits, self.group, self.activation_bits = bits, group, activation_bits
-        if max_kernel_rows is None:
+        if max_kernel_rows is _DEFAULT_ROWS:
             max_kernel_rows = MAX_KERNEL_ROWS.get(weight.dtype, 64)
         self.max_kernel_rows = max_kernel_rows
         self.packed = quantize_weight(weight, bits, group)
-        dequantized = dequantize_weight(self.packed).to(weight.dtype)
-        # Weights that were already on the grid (a Q8_0 / Q4_1 GGUF) come back bit for bit:
-        # share the original tensor (a tied embedding, say) instead of holding a second copy.
-        if torch.equal(dequantized, weight.detach()):
-            dequantized = weight.detach()
-        self.weight = nn.Parameter(dequantized, requires_grad=False)
+        if max_kernel_rows is None:
+            self.weight = None  # every batch goes through the kernel: no float copy to keep
+        else:
+            dequantized = dequantize_weight(self.packed).to(weight.dtype)
+            # Weights that were already on the grid (a Q8_0 / Q4_1 GGUF) come back bit for bit:
+            # share the original tensor (a tied embedding, say) instead of holding a second copy.
+            if torch.equal(dequantized, weight.detach()):
+                dequantized = weight.detach()
+            self.weight = nn.Parameter(dequantized, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._bias32 = None if bias is None else bias.detach().float().contiguous()
         # A decode step makes ~120 of these calls, so forward() skips quantized_matmul's checks:
@@ -278,7 +291,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
         rows = x.numel() // k
-        if rows > self.max_kernel_rows or x.device.type != "cpu":
+        limit = self.max_kernel_rows
+        if limit is not None and rows > limit:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, k)
         if flat.dtype != torch.float32:
@@ -306,7 +320,7 @@ def quantize_model_linears(
     mode: str,
     *,
     activation_bits: int = DEFAULT_ACTIVATION_BITS,
-    max_kernel_rows: int | None = None,
+    max_kernel_rows: int | object | None = _DEFAULT_ROWS,
     head_names: tuple[str, ...] = ("lm_head",),
     linear_types: tuple[type[nn.Module], ...] | None = None,
 ) -> list[str]:

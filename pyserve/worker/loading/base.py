@@ -21,3 +21,6 @@ class Checkpoint:
     # Yields tensors named and laid out ([out, in]) as in Hugging Face Llama checkpoints
     # ("model.layers.0.mlp.up_proj.weight"), one at a time so peak memory stays near one copy.
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # The kernel precision that holds the file's linear weights ("int4", "int8"), what
+    # quantization="auto" serves; None for float checkpoints (HF safetensors, F32/F16/BF16 GGUF).
+    quantization_hint: str | None = None

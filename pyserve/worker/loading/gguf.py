@@ -67,7 +67,48 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
         problem = f"{type(e).__name__}: {e}"
         raise ModelLoadError(f"{path}: not a readable GGUF file ({problem})") from None
     config = _read_config(reader, source)
-    return Checkpoint(path=path, config=config, tensors=lambda: _iter_tensors(reader, config, path))
+    return Checkpoint(
+        path=path,
+        config=config,
+        tensors=lambda: _iter_tensors(reader, config, path),
+        quantization_hint=quantization_hint(reader.tensors),
+    )
+
+
+# GGML types by their bits a weight: Q4_1 → 4, IQ3_S → 3, TQ2_0 → 2, MXFP4 → 4.
+_GGML_BITS = re.compile(r"(?:I|T)?Q(\d)_|MXFP(\d)|NVFP(\d)")
+# The projections inside the decoder blocks (the output head stays 8-bit whatever the file says).
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def ggml_type_bits(type_name: str) -> int | None:
+    """Bits a weight of a quantized GGML type (its integer part); None for float types."""
+    match = _GGML_BITS.match(type_name)
+    if match is None:
+        return None
+    return int(next(g for g in match.groups() if g is not None))
+
+
+def quantization_hint(tensors) -> str | None:
+    """The kernel precision closest to what the file stores its decoder projections in.
+
+    Decided by the type holding most of their weights (a Q4_K_M file keeps a few tensors in
+    Q6_K): 4 bits or fewer → int4 (Q4_1 comes back bit for bit), 5 to 8 bits → int8 (more
+    precise than the file), float types → None (serve them unquantized).
+    """
+    weights_by_bits: dict[int | None, int] = {}
+    for tensor in tensors:
+        match = _LAYER_NAME.fullmatch(tensor.name)
+        if match is None or match.group(2) not in _LINEAR_PARTS or match.group(3) != "weight":
+            continue
+        bits = ggml_type_bits(tensor.tensor_type.name)
+        weights_by_bits[bits] = weights_by_bits.get(bits, 0) + int(tensor.n_elements)
+    if not weights_by_bits:
+        return None
+    bits = max(weights_by_bits, key=weights_by_bits.__getitem__)
+    if bits is None:
+        return None
+    return "int4" if bits <= 4 else "int8"
 
 
 def _field(reader, key: str, default: object = None) -> object:

@@ -74,9 +74,10 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(rows, self.num_kv_heads, self.head_dim)
         attn = attention.forward(self.index, q, k, v, metadata)
-        hidden = hidden + self.o_proj(attn.reshape(rows, -1))
+        # residual adds in place into the projections' fresh outputs: no extra allocation
+        hidden = self.o_proj(attn.reshape(rows, -1)).add_(hidden)
         gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up).add_(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,8 +169,11 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> int:
         """Prepacks every projection for the CPU GEMM (after loading); returns how many packed."""
+        # Only plain Linear modules: quantized ones (pyserve.worker.quant) hold packed weights.
         tied = self.config.tie_word_embeddings
         packed = sum(
             m.pack() for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head
         )
-        return packed + self.lm_head.pack(keep_weight=tied)
+        if isinstance(self.lm_head, Linear):
+            packed += self.lm_head.pack(keep_weight=tied)
+        return packed
