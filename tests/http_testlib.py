@@ -17,11 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tiny_models import build_tiny_smollm
 
 REFERENCE_PROMPTS = [
     "The quick brown fox",
@@ -31,53 +32,6 @@ REFERENCE_PROMPTS = [
 ]
 REFERENCE_NEW_TOKENS = 12
 
-_MAKE_MODEL = textwrap.dedent(
-    """
-    import json, shutil, sys
-    from pathlib import Path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
-
-    out, max_new, texts = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    torch.manual_seed(1234)
-    torch.set_num_threads(2)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # random logits are near-uniform; make the top stand out
-    model.save_pretrained(out)
-    source = resolve_model(None)
-    for f in tokenizer_dir(source).iterdir():
-        shutil.copy(f, out / f.name)
-    tok = load_tokenizer(source)
-    refs = []
-    with torch.no_grad():
-        for text in texts:
-            prompt = tok.encode(text)
-            gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                do_sample=False, eos_token_id=None, output_logits=True,
-                return_dict_in_generate=True,
-            )
-            logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1)
-            top2 = logprobs.topk(2)
-            refs.append({
-                "text": text,
-                "prompt": prompt,
-                "output": gen.sequences[0, len(prompt):].tolist(),
-                "logprobs": top2.values[:, 0].tolist(),
-                "gaps": (top2.values[:, 0] - top2.values[:, 1]).tolist(),
-            })
-    (out / "references.json").write_text(json.dumps(refs))
-    """
-)
-
 
 def tiny_model(base: Path) -> Path:
     """The tiny model under ``base`` (built once per test session, then reused)."""
@@ -85,20 +39,14 @@ def tiny_model(base: Path) -> Path:
     if (directory / "references.json").is_file():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _MAKE_MODEL,
-            str(directory),
-            str(REFERENCE_NEW_TOKENS),
-            json.dumps(REFERENCE_PROMPTS),
-        ],
-        check=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    # Its long context (16k positions) serves the tokenization-lag test.
+    return build_tiny_smollm(
+        directory,
+        seed=1234,
+        max_position_embeddings=16384,
+        texts=REFERENCE_PROMPTS,
+        max_new_tokens=REFERENCE_NEW_TOKENS,
     )
-    return directory
 
 
 def references(model_dir: Path) -> list[dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import uvloop
+from tiny_models import build_tiny_smollm
 
 from pyserve import Engine, EngineConfig
 from pyserve.engine import ContextLengthExceeded, EngineStartError, KVCacheTooSmall
@@ -31,6 +32,7 @@ from pyserve.wire.detok_to_main import RequestDelta
 from pyserve.wire.main_to_worker import DetokParams, SamplingParams
 
 MAX_NEW = 16
+STATS_REFRESH_S = 0.25  # Engine.stats() is refreshed every 0.1 s by the scheduler thread
 KV_TOKENS = 800  # 50 blocks of 16: enough for the concurrent test, less than the 1024 context
 PROMPT_TEXTS = [
     "The quick brown fox",
@@ -43,52 +45,6 @@ PROMPT_TEXTS = [
     "In 1969, astronauts",
 ]
 
-# Runs in a subprocess (it imports torch): builds the model next to SmolLM2's tokenizer files and
-# writes HF greedy outputs plus the top-2 logprob gap at every position (to tell near-ties).
-MAKE_MODEL = textwrap.dedent(
-    """
-    import json, shutil, sys
-    from pathlib import Path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
-
-    out, max_new, texts = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # random logits are near-uniform; make the top stand out
-    model.save_pretrained(out)
-    source = resolve_model(None)
-    for f in tokenizer_dir(source).iterdir():
-        shutil.copy(f, out / f.name)
-    tok = load_tokenizer(source)
-    refs = []
-    with torch.no_grad():
-        for text in texts:
-            prompt = tok.encode(text)
-            gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                do_sample=False, eos_token_id=None, output_logits=True,
-                return_dict_in_generate=True,
-            )
-            logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1)
-            top2 = logprobs.topk(2).values
-            refs.append({
-                "prompt": prompt,
-                "output": gen.sequences[0, len(prompt):].tolist(),
-                "gaps": (top2[:, 0] - top2[:, 1]).tolist(),
-            })
-    (out / "references.json").write_text(json.dumps(refs))
-    """
-)
-
 
 @pytest.fixture(scope="module")
 def workdir():
@@ -99,14 +55,13 @@ def workdir():
 
 @pytest.fixture(scope="module")
 def tiny_model(workdir) -> Path:
-    directory = workdir / "tiny-smollm"
-    subprocess.run(
-        [sys.executable, "-c", MAKE_MODEL, str(directory), str(MAX_NEW), json.dumps(PROMPT_TEXTS)],
-        check=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    return build_tiny_smollm(
+        workdir / "tiny-smollm",
+        seed=0,
+        max_position_embeddings=1024,
+        texts=PROMPT_TEXTS,
+        max_new_tokens=MAX_NEW,
     )
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +215,43 @@ def test_stream_interval_coalesces_tokens_but_sends_the_first_at_once():
     assert [c.token_ids for c in chunks] == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
     assert [c.text for c in chunks] == ["t0", "t1t2t3t4", "t5t6t7t8", "t9"]
     assert [c.completion_tokens for c in chunks] == [1, 5, 9, 10]
+
+
+def test_worker_busy_time_and_token_counters_add_up(engine, loop, references):
+    """The counters /metrics exports: the worker's busy seconds and steps (utilisation =
+    Δbusy / Δwall) and the tokens handed to streams, read before and after known work."""
+    from pyserve.http.metrics import Metrics
+
+    async def run() -> tuple[dict, float, list]:
+        await wait_idle(engine)
+        started = time.perf_counter()  # the window holds every step the counters can count
+        await asyncio.sleep(STATS_REFRESH_S)
+        before = engine.stats()
+        streams = [engine.generate(ref["prompt"], greedy()) for ref in references[:3]]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        await wait_idle(engine)
+        await asyncio.sleep(STATS_REFRESH_S)
+        return before, time.perf_counter() - started, results
+
+    before, wall, results = loop.run_until_complete(run())
+    after = engine.stats()
+    tokens = sum(len(c.token_ids) for chunks in results for c in chunks)
+    assert tokens == 3 * MAX_NEW
+    assert after["handed_tokens"] - before["handed_tokens"] == tokens
+    # every token came from a step; a step holds at most one token of each of the 3 requests
+    steps = after["worker_steps"] - before["worker_steps"]
+    assert MAX_NEW <= steps <= tokens + 4, steps
+    busy = after["worker_busy_seconds"] - before["worker_busy_seconds"]
+    assert 0 < busy <= wall, (busy, wall)
+
+    exported = Metrics(engine).render().decode()
+    for name, key in (
+        ("pyserve_worker_busy_seconds_total", "worker_busy_seconds"),
+        ("pyserve_worker_steps_total", "worker_steps"),
+        ("pyserve_streamed_tokens_total", "handed_tokens"),
+    ):
+        line = next(x for x in exported.splitlines() if x.startswith(name + " "))
+        assert float(line.split()[1]) == pytest.approx(after[key]), name
 
 
 # ------------------------------------------------------------------------ aborts

@@ -6,39 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tiny_models import random_llama
 
 TINY_VOCAB = 512
 TINY_EOS = 2
 
 
 def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
-    """Saves a 2-layer Llama (safetensors) whose logits are far from uniform.
-
-    Random init gives near-uniform logits, where every argmax is a near-tie; a larger init range
-    and a scaled-up output projection make the top tokens stand apart.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=TINY_EOS,
-        pad_token_id=0,
-        initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+    """Saves a 2-layer Llama (safetensors) with a 512-token vocabulary and peaked logits."""
+    model = random_llama(TINY_VOCAB, 512, seed, eos_token_id=TINY_EOS, pad_token_id=0)
     model.save_pretrained(directory)
     return directory
 

@@ -124,6 +124,8 @@ class Detokenizer:
             forward_ms=msg.forward_ms,
             worker_requests=msg.worker_requests,
             detokenizer_requests=len(self.requests),
+            worker_busy_seconds=msg.busy_seconds,
+            worker_steps=msg.steps,
         )
 
     def drop(self, dropped: bytes) -> None:
@@ -140,6 +142,8 @@ class Detokenizer:
             msg.token_ids,
             worker_requests=msg.worker_requests,
             detokenizer_requests=len(self.requests),
+            worker_busy_seconds=msg.busy_seconds,
+            worker_steps=msg.steps,
         )
 
 

@@ -121,12 +121,14 @@ class Engine:
             await self._teardown()
             raise
         log.info(
-            "engine ready: %s, KV pool %d blocks × %d tokens (%s on %s), model loaded in %.1f s",
+            "engine ready: %s, KV pool %d blocks × %d tokens (%s on %s), quantization %s, "
+            "model loaded in %.1f s",
             self.model_name,
             self._ready.num_blocks,
             self._ready.block_size,
             self._ready.dtype,
             self._ready.device,
+            self._ready.quantization,
             self._ready.load_seconds,
         )
         return self
@@ -157,6 +159,7 @@ class Engine:
                 model=model_path,
                 dtype=config.resolved_dtype(),
                 device=config.device,
+                quantization=config.quantization,
                 max_model_len=config.max_model_len,
                 parent_pid=os.getpid(),
                 log_level=config.log_level,
@@ -346,6 +349,8 @@ class Engine:
                 "dtype": ready.dtype if ready is not None else None,
                 "device": ready.device if ready is not None else None,
             },
+            # what the worker runs its linear layers in (config.quantization may say auto)
+            "quantization": ready.quantization if ready is not None else None,
             "load_seconds": ready.load_seconds if ready is not None else None,
             "versions": _versions(),
         }

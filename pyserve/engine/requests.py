@@ -23,11 +23,11 @@ def _int32s(data: bytes) -> list[int]:
 class RequestState:
     __slots__ = (
         "_chunks",
-        "_event",
         "_ids",
         "_logprobs",
         "_sent_first",
         "_texts",
+        "_waiter",
         "cached_tokens",
         "completion_tokens",
         "core_rid",
@@ -58,7 +58,9 @@ class RequestState:
         self.finished = False  # the last chunk is queued (or an error is set)
         self.error: BaseException | None = None
         self._chunks: collections.deque[GenerationChunk] = collections.deque()
-        self._event = asyncio.Event()
+        # the consumer's future while it waits for a chunk (a bare future is cheaper per token
+        # than an asyncio.Event)
+        self._waiter: asyncio.Future | None = None
         self._texts: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
@@ -94,15 +96,23 @@ class RequestState:
         if not self.finished:
             self.error = error
             self.finished = True
-            self._event.set()
+            self._wake()
 
     async def next_chunk(self) -> GenerationChunk:
         while not self._chunks:
             if self.error is not None:
                 raise self.error
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._chunks.popleft()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _flush(self, finish_reason: str | None, matched_stop: str | int | None) -> None:
         self._chunks.append(
@@ -124,7 +134,7 @@ class RequestState:
         self._sent_first = True
         if finish_reason is not None:
             self.finished = True
-        self._event.set()
+        self._wake()
 
 
 class RequestRegistry:

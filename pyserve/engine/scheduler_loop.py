@@ -89,6 +89,9 @@ class SchedulerLoop:
         # What the worker and the detokenizer said they hold, as of the last StepDone.
         self._worker_requests = 0
         self._detokenizer_requests = 0
+        self._worker_busy_seconds = 0.0  # the worker's running totals, as of the last StepDone
+        self._worker_steps = 0
+        self._handed_tokens = 0  # tokens handed to live requests since start
         self._last_submitted_rid = 0
         self._idle_watch = IdleWatch()
         self.snapshot: dict = {}  # the planner's stats, refreshed by the thread (read anywhere)
@@ -294,6 +297,8 @@ class SchedulerLoop:
         planner.report(msg.step_id, msg.rids, msg.token_ids)
         self._worker_requests = msg.worker_requests
         self._detokenizer_requests = msg.detokenizer_requests
+        self._worker_busy_seconds = msg.worker_busy_seconds
+        self._worker_steps = msg.worker_steps
         handed: list[tuple[inp.RequestDelta, int | None]] = []
         for delta in msg.deltas:
             rid = delta.rid
@@ -308,6 +313,7 @@ class SchedulerLoop:
                 self._forget(rid)
             handed.append((delta, cached))
         self._generated_since_log += len(msg.deltas)
+        self._handed_tokens += len(handed)
         if handed:
             self._post(self._sink.on_step, handed)
 
@@ -340,6 +346,9 @@ class SchedulerLoop:
             "live_requests": len(self._live),
             "worker_requests": self._worker_requests,
             "detokenizer_requests": self._detokenizer_requests,
+            "worker_busy_seconds": self._worker_busy_seconds,
+            "worker_steps": self._worker_steps,
+            "handed_tokens": self._handed_tokens,
         }
 
     def _refresh_stats(self, now: float) -> None:

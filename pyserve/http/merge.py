@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from pyserve.http.metrics import RequestLatencies
 from pyserve.outputs import GenerationChunk
 
 _END = object()
@@ -17,17 +18,32 @@ _END = object()
 
 async def merge_choices(
     streams: list[AsyncIterator[GenerationChunk]],
+    latencies: list[RequestLatencies] | None = None,
 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """Yields ``(choice index, chunk)`` as chunks arrive; an error in any stream is raised."""
-    if len(streams) == 1:  # the common case needs no tasks and no queue
-        stream = streams[0]
-        try:
-            async for chunk in stream:
-                yield 0, chunk
-        finally:
-            await _close(stream)
-        return
+    """Yields ``(choice index, chunk)`` as chunks arrive; an error in any stream is raised.
+    ``latencies[i]``, when given, sees every chunk of stream i and is closed with it."""
+    if latencies is None:
+        latencies = [_Unobserved() for _ in streams]
+    try:
+        if len(streams) == 1:  # the common case needs no tasks and no queue
+            stream, observe = streams[0], latencies[0].chunk
+            try:
+                async for chunk in stream:
+                    observe(chunk)
+                    yield 0, chunk
+            finally:
+                await _close(stream)
+            return
+        async for item in _merge_many(streams, latencies):
+            yield item
+    finally:
+        for latency in latencies:
+            latency.close()
 
+
+async def _merge_many(
+    streams: list[AsyncIterator[GenerationChunk]], latencies: list[RequestLatencies]
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[GenerationChunk]) -> None:
@@ -52,6 +68,7 @@ async def merge_choices(
             elif isinstance(item, BaseException):
                 raise item
             else:
+                latencies[index].chunk(item)
                 yield index, item
     finally:
         for task in tasks:
@@ -59,6 +76,16 @@ async def merge_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:  # a pump cancelled before it ran never closed its stream
             await _close(stream)
+
+
+class _Unobserved:
+    """Stands in for RequestLatencies where nobody records them."""
+
+    def chunk(self, chunk: GenerationChunk) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 async def _close(stream: AsyncIterator) -> None:

@@ -9,12 +9,18 @@ between chunks that carry tokens, end-to-end from arrival to the last chunk.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from pyserve.http.loop_lag import LoopLagProbe
 from pyserve.outputs import GenerationChunk
@@ -72,6 +78,16 @@ class EngineCollector(Collector):
             "pyserve_prefix_cache_queried_tokens": ("Prompt tokens looked up", "query_tokens"),
             "pyserve_prefix_cache_hit_tokens": ("Prompt tokens found cached", "hit_tokens"),
             "pyserve_retractions": ("Running requests preempted for KV space", "retractions"),
+            # utilisation = Δbusy / Δwall; busy = from a step's arrival to its tokens' sending
+            "pyserve_worker_busy_seconds": (
+                "Seconds the worker spent handling steps and requests",
+                "worker_busy_seconds",
+            ),
+            "pyserve_worker_steps": ("Steps the worker has run", "worker_steps"),
+            "pyserve_streamed_tokens": (
+                "Tokens handed to running requests, counted as each step completes",
+                "handed_tokens",
+            ),
             "pyserve_idle_checks": ("Idle accounting self-checks run", "idle_checks"),
             "pyserve_idle_check_failures": (
                 "Idle accounting self-checks that found a leak",
@@ -82,28 +98,85 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
 
 
+class LoopHistogram(Collector):
+    """A histogram for the event loop's thread alone: no lock and no label machinery, so that
+    observing once a token stays cheap (prometheus-client's Histogram takes a mutex and walks
+    its buckets in Python on every observation)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le is inclusive
+        self.sum += value
+
+    def collect(self) -> Iterator[Any]:
+        cumulative, buckets = 0, []
+        bounds = (*map(floatToGoString, self.bounds), "+Inf")
+        for bound, count in zip(bounds, self.counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, buckets=buckets, sum_value=self.sum
+        )
+
+
+class RequestLatencies:
+    """One request's latencies, fed every chunk as the handler takes it."""
+
+    __slots__ = ("_arrival", "_last_text_at", "_metrics", "generated")
+
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last_text_at: float | None = None
+        self.generated = 0
+
+    def chunk(self, chunk: GenerationChunk) -> None:
+        now = time.perf_counter()
+        metrics = self._metrics
+        if chunk.token_ids:
+            if self._last_text_at is None:
+                metrics.ttft.observe(now - self._arrival)
+            else:
+                metrics.itl.observe(now - self._last_text_at)
+            self._last_text_at = now
+        self.generated = chunk.completion_tokens
+        if chunk.finish_reason is not None:
+            metrics.e2e.observe(now - self._arrival)
+            metrics.prompt_tokens.inc(chunk.prompt_tokens)
+            metrics.requests.labels(chunk.finish_reason).inc()
+
+    def close(self) -> None:
+        """Counts the tokens generated, however the request ended."""
+        self._metrics.generation_tokens.inc(self.generated)
+
+
 class Metrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(engine))
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "pyserve_time_to_first_token_seconds",
             "Time from a request's arrival to its first tokens",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "pyserve_inter_token_latency_seconds",
             "Time between consecutive chunks of a request's tokens",
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "pyserve_e2e_request_latency_seconds",
             "Time from a request's arrival to its last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
+        for histogram in (self.ttft, self.itl, self.e2e):
+            self.registry.register(histogram)
         self.prompt_tokens = Counter(
             "pyserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
         )
@@ -121,29 +194,5 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def observe(
-        self, stream: AsyncIterator[GenerationChunk], arrival: float
-    ) -> AsyncIterator[GenerationChunk]:
-        """Passes ``stream`` through, recording its latencies and token counts."""
-        last_text_at: float | None = None
-        generated = 0
-        try:
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.token_ids:
-                    if last_text_at is None:
-                        self.ttft.observe(now - arrival)
-                    else:
-                        self.itl.observe(now - last_text_at)
-                    last_text_at = now
-                generated = chunk.completion_tokens
-                if chunk.finish_reason is not None:
-                    self.e2e.observe(now - arrival)
-                    self.prompt_tokens.inc(chunk.prompt_tokens)
-                    self.requests.labels(chunk.finish_reason).inc()
-                yield chunk
-        finally:
-            self.generation_tokens.inc(generated)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    def request(self, arrival: float) -> RequestLatencies:
+        return RequestLatencies(self, arrival)

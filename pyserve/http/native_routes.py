@@ -87,10 +87,11 @@ class NativeRoutes:
         try:
             with state.serving(request, base, rids):
                 streams = [
-                    state.observed(self.engine.generate(p, sampling, detok, rid), arrival)
+                    self.engine.generate(p, sampling, detok, rid)
                     for p, rid in zip(prompts, rids, strict=True)
                 ]
-                async with contextlib.aclosing(merge_choices(streams)) as merged:
+                latencies = [state.metrics.request(arrival) for _ in streams]
+                async with contextlib.aclosing(merge_choices(streams, latencies)) as merged:
                     first = await next_item(merged)  # an error here is a plain HTTP error
                     ticket.release()
                     if req.stream:

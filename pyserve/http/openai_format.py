@@ -242,6 +242,24 @@ def completion_response(
 
 # ----------------------------------------------------------------------------- formats
 
+_PLACEHOLDER = "\x00"
+_ENCODED_PLACEHOLDER = msgspec.json.encode(_PLACEHOLDER)
+_encode_text = msgspec.json.encode
+
+
+class ContentTemplate:
+    """A content chunk of one choice cut around its text: every token of a stream repeats the
+    same id, model and choice, so only the text is encoded per chunk."""
+
+    __slots__ = ("prefix", "suffix")
+
+    def __init__(self, sample: bytes) -> None:
+        # ``sample``: the chunk encoded with _PLACEHOLDER as its text
+        self.prefix, self.suffix = sample.rsplit(_ENCODED_PLACEHOLDER, 1)  # text comes last
+
+    def render(self, text: str) -> bytes:
+        return self.prefix + _encode_text(text) + self.suffix
+
 
 class ChatFormat:
     """Chat completion bodies; for streams, the chunks of each choice in order."""
@@ -252,17 +270,22 @@ class ChatFormat:
         self.meta = meta
         self.n = n
         self.token_text = token_text  # None: no logprobs asked for
+        self._templates: dict[int, ContentTemplate] = {}
 
     def opening(self, index: int) -> list[bytes]:
         return [chat_chunk(self.meta, index, {"role": "assistant", "content": ""})]
 
     def content(self, index: int, chunk: GenerationChunk) -> bytes | None:
-        logprobs = None
         if self.token_text is not None and chunk.logprobs:
             logprobs = chat_logprobs(chunk.logprobs, self.token_text)
-        if not chunk.text and logprobs is None:
+            return chat_chunk(self.meta, index, {"content": chunk.text}, logprobs=logprobs)
+        if not chunk.text:
             return None
-        return chat_chunk(self.meta, index, {"content": chunk.text}, logprobs=logprobs)
+        template = self._templates.get(index)
+        if template is None:
+            sample = chat_chunk(self.meta, index, {"content": _PLACEHOLDER})
+            template = self._templates[index] = ContentTemplate(sample)
+        return template.render(chunk.text)
 
     def closing(self, index: int, finish_reason: str | None) -> bytes:
         return chat_chunk(self.meta, index, {}, finish_reason=finish_reason)
@@ -287,20 +310,25 @@ class CompletionFormat:
         self.echoes = echoes
         self.token_text = token_text
         self._offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+        self._templates: dict[int, ContentTemplate] = {}
 
     def opening(self, index: int) -> list[bytes]:
         echo = self.echoes[index]
         return [completion_chunk(self.meta, index, echo)] if echo else []
 
     def content(self, index: int, chunk: GenerationChunk) -> bytes | None:
-        logprobs = None
         if self.token_text is not None and chunk.logprobs:
             logprobs, self._offsets[index] = completion_logprobs(
                 chunk.logprobs, self.token_text, self._offsets[index]
             )
-        if not chunk.text and logprobs is None:
+            return completion_chunk(self.meta, index, chunk.text, logprobs=logprobs)
+        if not chunk.text:
             return None
-        return completion_chunk(self.meta, index, chunk.text, logprobs=logprobs)
+        template = self._templates.get(index)
+        if template is None:
+            sample = completion_chunk(self.meta, index, _PLACEHOLDER)
+            template = self._templates[index] = ContentTemplate(sample)
+        return template.render(chunk.text)
 
     def closing(self, index: int, finish_reason: str | None) -> bytes:
         return completion_chunk(self.meta, index, "", finish_reason=finish_reason)

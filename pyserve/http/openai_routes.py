@@ -210,12 +210,11 @@ class OpenAIRoutes:
         try:
             with state.serving(request, job.meta.id, rids):
                 streams = [
-                    state.observed(
-                        self.engine.generate(prompt, sampling, job.detok, rid), job.arrival
-                    )
+                    self.engine.generate(prompt, sampling, job.detok, rid)
                     for (prompt, sampling), rid in zip(job.choices, rids, strict=True)
                 ]
-                async with contextlib.aclosing(merge_choices(streams)) as merged:
+                latencies = [state.metrics.request(job.arrival) for _ in streams]
+                async with contextlib.aclosing(merge_choices(streams, latencies)) as merged:
                     if job.stream:
                         return await self._stream(request, merged, fmt, len(rids), ticket)
                     return await self._collect(merged, fmt, len(rids), ticket)

@@ -145,9 +145,6 @@ class ServerState:
             )
         return QueueTicket(self)
 
-    def observed(self, stream: AsyncIterator, arrival: float) -> AsyncIterator:
-        return self.metrics.observe(stream, arrival)
-
     # ------------------------------------------------------------------ request life
 
     @contextlib.contextmanager

@@ -29,6 +29,9 @@ class StepDone(msgspec.Struct, tag=True, omit_defaults=True):
     # idle self-check expects both to be 0 when nothing runs.
     worker_requests: int = 0
     detokenizer_requests: int = 0
+    # Forwarded from StepTokens: the worker's running totals of busy seconds and steps.
+    worker_busy_seconds: float = 0.0
+    worker_steps: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True):
@@ -47,6 +50,7 @@ class Ready(msgspec.Struct, tag=True):
     device: str
     load_seconds: float = 0.0
     kv_cache_bytes: int = 0
+    quantization: str = "none"  # the linear layers' precision: none, int8 or int4
 
 
 class Stopped(msgspec.Struct, tag=True):

@@ -40,6 +40,11 @@ class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     top_logprobs: list[TopLogprobs] = []
     forward_ms: float = 0.0  # time the worker spent on the forward pass and sampling
     worker_requests: int = 0  # requests the worker holds state for after this step (accounting)
+    # Running totals since the worker started, for utilisation = Δbusy / Δwall: seconds spent
+    # handling messages (from holding one to sending its replies; this step up to its encoding)
+    # and steps run.
+    busy_seconds: float = 0.0
+    steps: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True):
@@ -58,6 +63,7 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     device: str
     load_seconds: float = 0.0
     kv_cache_bytes: int = 0
+    quantization: str = "none"  # the linear layers' precision: none, int8 or int4
 
 
 class Shutdown(msgspec.Struct, tag=True):

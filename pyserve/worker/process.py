@@ -39,6 +39,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str = "none"  # none | int8 | int4 | auto (ModelRunner resolves auto)
     max_model_len: int | None = None
     parent_pid: int = 0  # 0: do not watch the parent
     log_level: str = "info"
@@ -90,6 +91,7 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
             block_size=config.block_size,
             device=config.device,
             max_model_len=config.max_model_len,
+            quantization=config.quantization,
         )
         executor = StepExecutor(
             runner,
@@ -109,8 +111,9 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
     ready = out.WorkerReady(
         num_blocks=config.num_blocks,
         block_size=config.block_size,
-        dtype=config.dtype,
+        dtype=runner.dtype_name,
         device=config.device,
+        quantization=runner.quantization,
         load_seconds=load_seconds,
         kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)),
     )
@@ -121,6 +124,7 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
 def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
+    busy_seconds, steps = 0.0, 0  # running totals, carried on every StepTokens
     while True:
         # take everything already queued before blocking again
         frames = [pull.recv()]
@@ -130,6 +134,7 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
             except zmq.Again:
                 break
         for frame in frames:
+            started = time.perf_counter()  # busy from holding a message to sending its replies
             try:
                 msg = decode(frame)
             except msgspec.DecodeError as e:
@@ -137,6 +142,10 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
                 continue
             if isinstance(msg, inp.Step):
                 replies = _run_step(executor, msg)
+                steps += 1
+                tokens = replies[-1]  # the StepTokens comes last
+                tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
+                tokens.steps = steps
             elif isinstance(msg, inp.NewRequest):
                 replies = _add_request(executor, msg)
             else:  # Shutdown
@@ -145,6 +154,7 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
                 return
             for reply in replies:
                 push.send(encode(reply))
+            busy_seconds += time.perf_counter() - started
 
 
 def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.Struct]:
