@@ -352,12 +352,13 @@ def dense_attention(q, keys, values, start: int) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize(
     "dtype, max_chunk_tokens, tol",
     [(torch.float32, None, 1e-5), (torch.float32, 8, 1e-5), (torch.bfloat16, 12, 3e-2)],
     ids=["fp32-one-chunk", "fp32-split-chunks", "bf16-split-chunks"],
 )
-def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol):
+def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, decode_kernel):
     """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes."""
     from pyserve.worker.attention.cpu import CpuAttentionBackend
     from pyserve.worker.kv_cache import PagedKVCache
@@ -375,8 +376,10 @@ def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol):
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=dim,
-        max_chunk_tokens=max_chunk_tokens,
+        max_chunk_tokens=max_chunk_tokens,  # the torch path's chunks; the kernel splits its own
+        decode_kernel=decode_kernel,
     )
+    assert backend.decode_kernel == decode_kernel
     # (start_pos, num_tokens) per entry
     shapes = [(37, 1), (0, 9), (12, 7), (5, 1), (0, 1), (61, 1), (23, 3), (2, 1)]
     free = torch.randperm(200, generator=gen).tolist()
@@ -412,10 +415,11 @@ def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol):
 
 
 def test_decode_split_across_chunks_matches_hf(llama):
-    """The split-softmax decode path (contexts spanning several chunks) against HF."""
+    """The torch split-softmax decode path (contexts spanning several chunks) against HF."""
     runner, prompts, refs = llama
-    default = runner.attention.max_chunk_blocks
+    default, kernel = runner.attention.max_chunk_blocks, runner.attention.decode_kernel
     runner.attention.max_chunk_blocks = 3  # 12-token chunks: every context spans several
+    runner.attention.decode_kernel = False  # the kernel (the default) splits contexts its own way
     try:
         driver = Driver(runner)
         seqs = [driver.new_seq(p) for p in prompts]
@@ -423,6 +427,7 @@ def test_decode_split_across_chunks_matches_hf(llama):
         driver.run_decodes(seqs)
     finally:
         runner.attention.max_chunk_blocks = default
+        runner.attention.decode_kernel = kernel
     assert_all_match(seqs, refs)
 
 

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention.h"
 #include "dispatch.h"
 #include "thread_pool.h"
 
@@ -39,6 +40,37 @@ void quantize_activations(uintptr_t x, int64_t x_stride, int rows, int k, int gr
                            address<void>(q), address<float>(scale), address<int32_t>(sum));
 }
 
+void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, int num_queries,
+                            int num_heads, uintptr_t k_cache, uintptr_t v_cache, int cache_dtype,
+                            int num_kv_heads, int num_blocks, int block_size, int head_dim,
+                            uintptr_t block_tables, int table_index_bytes, int64_t table_stride,
+                            uintptr_t context_lens, int context_index_bytes, float scale,
+                            uintptr_t out, int64_t out_token_stride, int partition_tokens) {
+  const pk::DecodeAttentionArgs args{address<const void>(q),
+                                     q_token_stride,
+                                     static_cast<pk::DType>(q_dtype),
+                                     num_queries,
+                                     num_heads,
+                                     address<const void>(k_cache),
+                                     address<const void>(v_cache),
+                                     static_cast<pk::DType>(cache_dtype),
+                                     num_kv_heads,
+                                     num_blocks,
+                                     block_size,
+                                     head_dim,
+                                     address<const void>(block_tables),
+                                     table_index_bytes,
+                                     table_stride,
+                                     address<const void>(context_lens),
+                                     context_index_bytes,
+                                     scale,
+                                     address<void>(out),
+                                     out_token_stride,
+                                     partition_tokens};
+  py::gil_scoped_release released;
+  pk::paged_decode_attention(args);
+}
+
 py::list supported_isas() {
   py::list names;
   const std::string before = pk::current_isa();
@@ -67,6 +99,18 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("quantize_activations", &quantize_activations, py::arg("x"), py::arg("x_stride"),
         py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("q"),
         py::arg("scale"), py::arg("sum"), "the per-group integer activations matmul computes with");
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("q_token_stride"),
+        py::arg("q_dtype"), py::arg("num_queries"), py::arg("num_heads"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"), py::arg("num_blocks"),
+        py::arg("block_size"), py::arg("head_dim"), py::arg("block_tables"),
+        py::arg("table_index_bytes"), py::arg("table_stride"), py::arg("context_lens"),
+        py::arg("context_index_bytes"), py::arg("scale"), py::arg("out"),
+        py::arg("out_token_stride"), py::arg("partition_tokens"),
+        "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
+        "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself");
+  m.def("attention_partition_tokens", &pk::auto_partition_tokens, py::arg("total_context_tokens"),
+        py::arg("num_kv_heads"), py::arg("threads"),
+        "the context tokens per work item that partition_tokens=0 picks");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

@@ -20,7 +20,7 @@ import os
 import platform
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pyserve import model_files
@@ -406,6 +406,17 @@ class Engine:
         async with contextlib.aclosing(self.generate(prompt_ids, sampling, detok, rid)) as stream:
             async for chunk in stream:
                 yield chunk
+
+    def stream_directly(self, rid: str, sink: Callable[[GenerationChunk], bool] | None) -> bool:
+        """Lets ``sink`` take request ``rid``'s mid-stream chunks as the step that makes them
+        lands, while its ``generate`` consumer is parked with nothing queued; the sink returns
+        False to pass a chunk on to the consumer instead. Final chunks and errors always go to
+        the consumer. None removes the sink. False if no such request runs."""
+        state = self._registry.get(rid)
+        if state is None:
+            return False
+        state.direct = sink
+        return True
 
     def abort(self, rid: str) -> bool:
         """Ends request ``rid`` with finish_reason "abort"; False if no such request runs."""

@@ -3,15 +3,24 @@
 The scheduler thread hands over the deltas of a whole step at once; each RequestState turns
 its deltas into GenerationChunks (coalescing every ``stream_interval`` tokens) and wakes the
 one coroutine that iterates it. Everything here runs on the event loop thread only.
+
+A consumer may also install a direct sink (``RequestState.direct``): a mid-stream chunk is then
+offered to it right here, while the consumer is parked with nothing queued, instead of waking
+the consumer (at 256 streams, one task wake-up and generator chain per token per stream is most
+of the event loop's work). The sink returns False to decline; the chunk then takes the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+from collections.abc import Callable
 
 from pyserve.outputs import GenerationChunk, TokenLogprob
 from pyserve.wire.detok_to_main import RequestDelta
+
+log = logging.getLogger("pyserve.engine")
 
 
 def _int32s(data: bytes) -> list[int]:
@@ -31,6 +40,7 @@ class RequestState:
         "cached_tokens",
         "completion_tokens",
         "core_rid",
+        "direct",
         "error",
         "finished",
         "prompt_tokens",
@@ -65,6 +75,9 @@ class RequestState:
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._sent_first = False
+        # takes a mid-stream chunk instead of the queue while the consumer is parked; True when
+        # it took it (the consumer then never sees that chunk)
+        self.direct: Callable[[GenerationChunk], bool] | None = None
 
     def add_delta(self, delta: RequestDelta, cached_tokens: int | None) -> None:
         if self.finished:
@@ -115,18 +128,16 @@ class RequestState:
             waiter.set_result(None)
 
     def _flush(self, finish_reason: str | None, matched_stop: str | int | None) -> None:
-        self._chunks.append(
-            GenerationChunk(
-                rid=self.rid,
-                text="".join(self._texts),
-                token_ids=self._ids,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens,
-                cached_tokens=self.cached_tokens,
-                finish_reason=finish_reason,
-                matched_stop=matched_stop,
-                logprobs=self._logprobs if self.want_logprobs else None,
-            )
+        chunk = GenerationChunk(
+            rid=self.rid,
+            text="".join(self._texts),
+            token_ids=self._ids,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            finish_reason=finish_reason,
+            matched_stop=matched_stop,
+            logprobs=self._logprobs if self.want_logprobs else None,
         )
         self._texts = []
         self._ids = []
@@ -134,7 +145,26 @@ class RequestState:
         self._sent_first = True
         if finish_reason is not None:
             self.finished = True
+        elif self._offer_direct(chunk):
+            return
+        self._chunks.append(chunk)
         self._wake()
+
+    def _offer_direct(self, chunk: GenerationChunk) -> bool:
+        """Hands ``chunk`` to the direct sink if the consumer has consumed everything before it
+        (nothing queued, parked on its waiter), which keeps the stream's order."""
+        direct = self.direct
+        waiter = self._waiter
+        if direct is None or self._chunks or waiter is None or waiter.done():
+            return False
+        try:
+            return direct(chunk)
+        except Exception:  # a broken sink must not break the other requests of the step
+            log.exception(
+                "the direct sink of request %s failed; it streams the usual way", self.rid
+            )
+            self.direct = None
+            return False
 
 
 class RequestRegistry:

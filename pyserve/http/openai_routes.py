@@ -216,7 +216,10 @@ class OpenAIRoutes:
                 latencies = [state.metrics.request(job.arrival) for _ in streams]
                 async with contextlib.aclosing(merge_choices(streams, latencies)) as merged:
                     if job.stream:
-                        return await self._stream(request, merged, fmt, len(rids), ticket)
+                        sse = SSEStream(request)
+                        if len(rids) == 1 and fmt.token_text is None:
+                            self._stream_directly(rids[0], sse, fmt, latencies[0])
+                        return await self._stream(sse, merged, fmt, len(rids), ticket)
                     return await self._collect(merged, fmt, len(rids), ticket)
         finally:
             ticket.release()
@@ -239,13 +242,12 @@ class OpenAIRoutes:
         return web.Response(body=fmt.response(results), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, merged: Merged, fmt: Format, count: int, ticket: QueueTicket
+        self, sse: SSEStream, merged: Merged, fmt: Format, count: int, ticket: QueueTicket
     ) -> web.StreamResponse:
-        results = [ChoiceResult() for _ in range(count)]
+        results = self._results.pop(sse, None) or [ChoiceResult() for _ in range(count)]
         opened = [False] * count
         first = await next_item(merged)  # an error here is still a plain HTTP error
         ticket.release()
-        sse = SSEStream(request)
         await sse.start()
         item = first
         try:

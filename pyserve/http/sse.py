@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from pyserve.http.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
+# Past this many bytes waiting in a connection's send buffer, write_now declines and events take
+# the awaited path, which waits for the client to catch up (aiohttp's writer drains at 64 KiB).
+HIGH_WATER = 0x10000
 
 
 def event(payload: bytes) -> bytes:
@@ -28,6 +33,11 @@ class SSEStream:
             },
         )
         self.started = False
+        # write_now may write straight to the transport once aiohttp has written the headers
+        # (it holds them back until the first body write) and only if the body is plain
+        # HTTP/1.1 chunks; looked up at the first send
+        self._transport: asyncio.Transport | None = None
+        self._wrote = False
 
     async def start(self) -> None:
         await self._response.prepare(self._request)
@@ -37,6 +47,32 @@ class SSEStream:
         if not self.started:
             await self.start()
         await self._response.write(event(payload))
+        if not self._wrote:
+            self._wrote = True
+            self._transport = self._direct_transport()
+
+    def write_now(self, payload: bytes) -> bool:
+        """Writes one event at once, without awaiting, if the connection can take it; False
+        (nothing written) when it cannot: before the first ``send``, on a connection that is
+        closing or whose send buffer is past HIGH_WATER, or a response that is not plain
+        chunked HTTP/1.1. The bytes on the wire are the ones ``send`` writes."""
+        transport = self._transport
+        if (
+            transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() > HIGH_WATER
+        ):
+            return False
+        data = event(payload)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one HTTP/1.1 chunk
+        return True
+
+    def _direct_transport(self) -> asyncio.Transport | None:
+        response = self._response
+        # prepare() decided the framing: plain chunks unless HTTP/1.0 or compression
+        if response.headers.get("Transfer-Encoding") != "chunked" or response.compression:
+            return None
+        return self._request.transport  # type: ignore[return-value]  (uvloop's is no subclass)
 
     async def send_error(self, error: APIError) -> None:
         """An error after the stream began: an error event, then the terminator."""

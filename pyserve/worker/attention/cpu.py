@@ -10,16 +10,23 @@ Two paths run inside the same forward:
   ``CHUNK_COST_TOKENS``); the chunks of all requests are gathered into one tensor, scored with one
   batched matmul, and merged per request with a split softmax (max and sum reduced across the
   request's chunks). Padding is less than one chunk per request, masked out.
+
+On the CPU the decodes go instead through the fused C++ kernel (attention_kernel.py): it reads K
+and V in place from the cache through each request's block table, with no gather copy and one
+pass of online softmax. ``PYSERVE_ATTENTION=torch`` (or ``decode_kernel=False``) keeps the torch
+path above, which is also the path for other devices.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pyserve.worker.attention.base import AttentionBackend
+from pyserve.worker.attention_kernel import DecodeAttention, kernel_available
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
 
@@ -28,6 +35,8 @@ from pyserve.worker.kv_cache import PagedKVCache
 # batch and one more row in the split-softmax bookkeeping. Short contexts thus get one chunk each
 # (no split softmax at all), long ones chunks of 128-256 tokens with ~half a chunk of padding.
 CHUNK_COST_TOKENS = 32
+# "kernel" (the default where it can run) or "torch": how decode tokens attend on the CPU
+ATTENTION_ENV = "PYSERVE_ATTENTION"
 
 
 @dataclass
@@ -49,11 +58,17 @@ class DecodeChunks:
 
 
 @dataclass
+class DecodeKernelBatch:
+    token_index: torch.Tensor  # int64 [D]: batch rows of the single-token entries
+    call: DecodeAttention  # their block tables and context lengths, checked once per forward
+
+
+@dataclass
 class CpuAttentionMetadata:
     slots: torch.Tensor  # int64 [T]: cache slot of each new token
     num_tokens: int
     prefills: list[PrefillSpan]
-    decode: DecodeChunks | None
+    decode: DecodeChunks | DecodeKernelBatch | None
     all_decode: bool  # every row is a single-token entry, in order
 
 
@@ -66,14 +81,31 @@ class CpuAttentionBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         max_chunk_tokens: int | None = None,
+        decode_kernel: bool | None = None,
     ):
         super().__init__(
             kv_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
         )
+        self.decode_kernel = self._use_decode_kernel(decode_kernel)
         # a cap on the chosen chunk length (tests use it to force the split-softmax path)
         self.max_chunk_blocks = (
             max(1, max_chunk_tokens // kv_cache.block_size) if max_chunk_tokens else None
         )
+
+    def _use_decode_kernel(self, requested: bool | None) -> bool:
+        """The kernel unless asked otherwise (argument, then env), where the cache can use it."""
+        if requested is None:
+            choice = os.environ.get(ATTENTION_ENV, "kernel")
+            if choice not in ("kernel", "torch"):
+                raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected 'kernel' or 'torch'")
+            requested = choice == "kernel"
+        cache = self.kv_cache.k[0]
+        usable = cache.device.type == "cpu" and cache.dtype in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        )
+        return requested and usable and kernel_available()
 
     # ------------------------------------------------------------------ metadata, once per forward
 
@@ -110,8 +142,10 @@ class CpuAttentionBackend(AttentionBackend):
             else:
                 prefills.append(self._prefill_span(row, n, s, tables[i], device))
             row += n
-        decode = None
-        if decode_entries:
+        decode: DecodeChunks | DecodeKernelBatch | None = None
+        if decode_entries and self.decode_kernel:
+            decode = self._decode_kernel_batch(decode_entries, decode_rows, start_pos, table_rows)
+        elif decode_entries:
             decode = self._decode_chunks(decode_entries, decode_rows, start_pos, table_rows)
         return CpuAttentionMetadata(
             slots=slots,
@@ -131,6 +165,20 @@ class CpuAttentionBackend(AttentionBackend):
         blocks = torch.tensor(table[:used], dtype=torch.int64, device=device)
         mask = torch.ones(n, total, dtype=torch.bool, device=device).tril(diagonal=start)
         return PrefillSpan(row, n, start, blocks, mask)
+
+    def _decode_kernel_batch(
+        self,
+        entries: list[int],
+        rows: list[int],
+        start_pos: list[int],
+        table_rows: torch.Tensor,
+    ) -> DecodeKernelBatch:
+        tables = table_rows if len(entries) == len(table_rows) else table_rows[entries]
+        contexts = torch.tensor([start_pos[e] + 1 for e in entries], dtype=torch.int64)
+        call = DecodeAttention(
+            tables, contexts, num_heads=self.num_heads, k_cache=self.kv_cache.k[0]
+        )
+        return DecodeKernelBatch(torch.tensor(rows, dtype=torch.int64), call)
 
     def _decode_chunks(
         self,
@@ -189,15 +237,23 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: CpuAttentionMetadata = metadata  # type: ignore[assignment]
         self.kv_cache.write(layer, meta.slots, k, v)
+        decode, k_cache, v_cache = meta.decode, self.kv_cache.k[layer], self.kv_cache.v[layer]
+        if meta.all_decode and isinstance(decode, DecodeKernelBatch):
+            return decode.call.run(q, k_cache, v_cache, self.scale)
         if meta.all_decode:
-            return self._decode(layer, q, meta.decode)  # type: ignore[arg-type]
+            return self._decode(layer, q, decode)  # type: ignore[arg-type]
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_tokens)
             out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
-        if meta.decode is not None:
-            decoded = self._decode(layer, q.index_select(0, meta.decode.token_index), meta.decode)
-            out.index_copy_(0, meta.decode.token_index, decoded)
+        if isinstance(decode, DecodeKernelBatch):
+            decoded = decode.call.run(
+                q.index_select(0, decode.token_index), k_cache, v_cache, self.scale
+            )
+            out.index_copy_(0, decode.token_index, decoded)
+        elif decode is not None:
+            decoded = self._decode(layer, q.index_select(0, decode.token_index), decode)
+            out.index_copy_(0, decode.token_index, decoded)
         return out
 
     def _prefill(

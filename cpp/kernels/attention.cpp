@@ -1,0 +1,257 @@
+// paged_decode_attention: argument checks, the split into work items, the online softmax over a
+// work item's tiles, and the merge of a request's partitions.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "attention_convert.h"
+#include "dispatch.h"
+#include "thread_pool.h"
+
+namespace pyserve_kernels {
+namespace {
+
+// Contexts shorter than this are never split: a partition's merge and its item's setup (q
+// conversion, a partial written and read back) cost about as much as this many tokens.
+constexpr int kMinPartitionTokens = 256;
+// With the automatic choice, the work is cut into about this many items per thread, so that
+// threads claiming items one at a time finish close together.
+constexpr int kItemsPerThread = 8;
+
+const AttentionKernels& kernels_for_isa() {
+  const std::string isa = current_isa();  // set_isa picks the attention loops too
+  if (isa == "avx512_vnni") return avx512_attention();
+  if (isa == "avx2") return avx2_attention();
+  return scalar_attention();
+}
+
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+int64_t index_at(const void* base, int bytes, int64_t i) {
+  return bytes == 4 ? static_cast<const int32_t*>(base)[i] : static_cast<const int64_t*>(base)[i];
+}
+
+// One (request, kv head, context range) of the work; `partial` < 0 when the range is the
+// request's whole context and the item writes the output itself.
+struct WorkItem {
+  int query;
+  int kv_head;
+  int begin;
+  int end;
+  int64_t partial;
+};
+
+// The partitions of one (request, kv head): items [first, first + count).
+struct Merge {
+  int first;
+  int count;
+};
+
+struct Job {
+  const DecodeAttentionArgs* args;
+  const AttentionKernels* kernels;
+  const WorkItem* items;
+  const Merge* merges;
+  float* partials;  // per partial: m [group], l [group], acc [group][head_dim]
+  int group;
+};
+
+int64_t partial_floats(int group, int dim) { return static_cast<int64_t>(group) * (dim + 2); }
+
+void write_output(const DecodeAttentionArgs& a, const WorkItem& item, int group, const float* acc,
+                  const float* l) {
+  const int dim = a.head_dim;
+  const int64_t row =
+      item.query * a.out_token_stride + static_cast<int64_t>(item.kv_head) * group * dim;
+  for (int h = 0; h < group; ++h) {
+    const float inverse = 1.0f / l[h];
+    for (int i = 0; i < dim; ++i)
+      store_element(a.q_dtype, a.out, row + h * dim + i, acc[h * dim + i] * inverse);
+  }
+}
+
+void attend(void* context, int chunk) {
+  const Job& job = *static_cast<const Job*>(context);
+  const DecodeAttentionArgs& a = *job.args;
+  const AttentionKernels& kernels = *job.kernels;
+  const WorkItem& item = job.items[chunk];
+  const int group = job.group, dim = a.head_dim, bs = a.block_size;
+
+  thread_local std::vector<float> q, scores, acc, m, l;
+  q.resize(static_cast<size_t>(group) * dim);
+  scores.resize(static_cast<size_t>(group) * kTileTokens);
+  acc.assign(static_cast<size_t>(group) * dim, 0.0f);
+  m.assign(group, -std::numeric_limits<float>::infinity());
+  l.assign(group, 0.0f);
+
+  const int64_t q_row =
+      item.query * a.q_token_stride + static_cast<int64_t>(item.kv_head) * group * dim;
+  for (int i = 0; i < group * dim; ++i) q[i] = load_element(a.q_dtype, a.q, q_row + i) * a.scale;
+
+  const int64_t element = element_bytes(a.cache_dtype);
+  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs * dim;
+  const char* k_head = static_cast<const char*>(a.k_cache) + head_offset * element;
+  const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
+  const int64_t table_row = item.query * a.table_stride;
+
+  // a tile's address in the K and V of this head, and its length
+  const auto tile_at = [&](int pos, int64_t& at) {
+    const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
+    const int offset = pos % bs;
+    at = (block * bs + offset) * dim * element;
+    return std::min({item.end - pos, bs - offset, kTileTokens});
+  };
+  int64_t at = 0;
+  int n = tile_at(item.begin, at);
+  for (int pos = item.begin; pos < item.end;) {
+    // blocks lie anywhere in the cache, out of the hardware prefetcher's sight: ask for the next
+    // tile's rows while this one is computed
+    int64_t next_at = 0;
+    const int next_n = pos + n < item.end ? tile_at(pos + n, next_at) : 0;
+    for (int64_t byte = 0; byte < next_n * dim * element; byte += 64) {
+      __builtin_prefetch(k_head + next_at + byte);
+      __builtin_prefetch(v_head + next_at + byte);
+    }
+    kernels.score(a.cache_dtype, q.data(), group, dim, k_head + at, n, scores.data(), kTileTokens);
+    for (int h = 0; h < group; ++h) {
+      float* s = scores.data() + h * kTileTokens;
+      const float tile_max = *std::max_element(s, s + n);
+      if (tile_max > m[h]) {  // rescale what was summed so far to the new maximum
+        const float factor = std::exp(m[h] - tile_max);
+        for (int i = 0; i < dim; ++i) acc[h * dim + i] *= factor;
+        l[h] *= factor;
+        m[h] = tile_max;
+      }
+      l[h] += kernels.exp_sum(s, n, m[h]);
+    }
+    kernels.accumulate(a.cache_dtype, scores.data(), kTileTokens, group, dim, v_head + at, n,
+                       acc.data());
+    pos += n;
+    at = next_at;
+    n = next_n;
+  }
+
+  if (item.partial < 0) {
+    write_output(a, item, group, acc.data(), l.data());
+    return;
+  }
+  float* out = job.partials + item.partial * partial_floats(group, dim);
+  std::copy(m.begin(), m.end(), out);
+  std::copy(l.begin(), l.end(), out + group);
+  std::copy(acc.begin(), acc.end(), out + 2 * group);
+}
+
+// Rescales each partition's sums to the largest of their maxima and adds them up.
+void merge(void* context, int chunk) {
+  const Job& job = *static_cast<const Job*>(context);
+  const Merge& merge = job.merges[chunk];
+  const int group = job.group, dim = job.args->head_dim;
+  const int64_t stride = partial_floats(group, dim);
+  thread_local std::vector<float> acc, l;
+  acc.assign(static_cast<size_t>(group) * dim, 0.0f);
+  l.assign(group, 0.0f);
+  for (int h = 0; h < group; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < merge.count; ++p) {
+      const float* part = job.partials + job.items[merge.first + p].partial * stride;
+      top = std::max(top, part[h]);
+    }
+    for (int p = 0; p < merge.count; ++p) {
+      const float* part = job.partials + job.items[merge.first + p].partial * stride;
+      const float weight = std::exp(part[h] - top);
+      l[h] += part[group + h] * weight;
+      const float* part_acc = part + 2 * group + h * dim;
+      for (int i = 0; i < dim; ++i) acc[h * dim + i] += part_acc[i] * weight;
+    }
+  }
+  write_output(*job.args, job.items[merge.first], group, acc.data(), l.data());
+}
+
+void check_args(const DecodeAttentionArgs& a) {
+  check(a.q != nullptr && a.k_cache != nullptr && a.v_cache != nullptr && a.out != nullptr &&
+            a.block_tables != nullptr && a.context_lens != nullptr,
+        "null pointer");
+  for (DType type : {a.q_dtype, a.cache_dtype})
+    check(type == DType::kFloat32 || type == DType::kBFloat16 || type == DType::kFloat16,
+          "dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(a.num_queries >= 0, "num_queries must be >= 0");
+  check(a.num_heads >= 1 && a.num_kv_heads >= 1 && a.num_heads % a.num_kv_heads == 0,
+        "num_heads must be a positive multiple of num_kv_heads");
+  check(a.head_dim >= 1 && a.block_size >= 1 && a.num_blocks >= 1,
+        "head_dim, block_size and num_blocks must be >= 1");
+  check(a.table_index_bytes == 4 || a.table_index_bytes == 8, "block ids must be int32 or int64");
+  check(a.context_index_bytes == 4 || a.context_index_bytes == 8,
+        "context lengths must be int32 or int64");
+  const int64_t row = static_cast<int64_t>(a.num_heads) * a.head_dim;
+  check(a.q_token_stride >= row && a.out_token_stride >= row, "a token stride is too short");
+  check(a.table_stride >= 1, "table_stride must be >= 1");
+  check(a.partition_tokens >= 0, "partition_tokens must be >= 0");
+  for (int d = 0; d < a.num_queries; ++d) {
+    const int64_t context = index_at(a.context_lens, a.context_index_bytes, d);
+    check(context >= 1 && context <= a.table_stride * a.block_size,
+          "query " + std::to_string(d) + ": context length " + std::to_string(context) +
+              " is not in [1, table width * block_size]");
+    const int64_t blocks = (context + a.block_size - 1) / a.block_size;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t id = index_at(a.block_tables, a.table_index_bytes, d * a.table_stride + b);
+      check(id >= 0 && id < a.num_blocks,
+            "query " + std::to_string(d) + ": block id " + std::to_string(id) + " is out of range");
+    }
+  }
+}
+
+}  // namespace
+
+int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int threads) {
+  if (threads <= 1) return std::numeric_limits<int>::max();
+  const int64_t work = total_context_tokens * num_kv_heads;
+  const int64_t items = static_cast<int64_t>(kItemsPerThread) * threads;
+  const int64_t per_item = (work + items - 1) / items;
+  const int64_t rounded = (per_item + kTileTokens - 1) / kTileTokens * kTileTokens;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(kMinPartitionTokens, rounded),
+                                            std::numeric_limits<int>::max()));
+}
+
+void paged_decode_attention(const DecodeAttentionArgs& args) {
+  check_args(args);
+  if (args.num_queries == 0) return;
+  ThreadPool& pool = ThreadPool::instance();
+  int64_t total = 0;
+  for (int d = 0; d < args.num_queries; ++d)
+    total += index_at(args.context_lens, args.context_index_bytes, d);
+  const int partition = args.partition_tokens > 0
+                            ? args.partition_tokens
+                            : auto_partition_tokens(total, args.num_kv_heads, pool.size());
+
+  thread_local std::vector<WorkItem> items;
+  thread_local std::vector<Merge> merges;
+  thread_local std::vector<float> partials;
+  items.clear();
+  merges.clear();
+  int64_t num_partials = 0;
+  for (int d = 0; d < args.num_queries; ++d) {
+    const auto context = static_cast<int>(index_at(args.context_lens, args.context_index_bytes, d));
+    const int parts = static_cast<int>((context + int64_t{partition} - 1) / partition);
+    for (int g = 0; g < args.num_kv_heads; ++g) {
+      if (parts > 1) merges.push_back({static_cast<int>(items.size()), parts});
+      for (int p = 0; p < parts; ++p) {
+        const int begin = static_cast<int>(int64_t{p} * partition);
+        const int end = static_cast<int>(std::min<int64_t>(context, int64_t{begin} + partition));
+        items.push_back({d, g, begin, end, parts > 1 ? num_partials++ : -1});
+      }
+    }
+  }
+  const int group = args.num_heads / args.num_kv_heads;
+  partials.resize(static_cast<size_t>(num_partials * partial_floats(group, args.head_dim)));
+  Job job{&args, &kernels_for_isa(), items.data(), merges.data(), partials.data(), group};
+  pool.run(attend, &job, static_cast<int>(items.size()));
+  if (!merges.empty()) pool.run(merge, &job, static_cast<int>(merges.size()));
+}
+
+}  // namespace pyserve_kernels

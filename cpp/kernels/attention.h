@@ -1,0 +1,67 @@
+// Paged decode attention for the CPU worker: D single-token queries, each attending to its own
+// request's K/V read in place from the paged cache (no gather copy), GQA, fp32 accumulation with
+// an online softmax, work split over (request, kv head, context partition) and the partitions
+// merged at the end (flash-decoding).
+//
+// Cache layout per layer: [num_kv_heads][num_blocks][block_size][head_dim], contiguous
+// (pyserve/worker/kv_cache.py). Query head h reads kv head h / (num_heads / num_kv_heads).
+#pragma once
+
+#include <cstdint>
+
+namespace pyserve_kernels {
+
+// Element types of q, the cache and the output (the codes cross the Python boundary).
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct DecodeAttentionArgs {
+  const void* q;           // [num_queries][num_heads][head_dim], rows num_heads·head_dim apart…
+  int64_t q_token_stride;  // …or this many elements apart
+  DType q_dtype;           // also the output's
+  int num_queries;         // D
+  int num_heads;           // H
+  const void* k_cache;     // [num_kv_heads][num_blocks][block_size][head_dim]
+  const void* v_cache;
+  DType cache_dtype;
+  int num_kv_heads;
+  int num_blocks;
+  int block_size;
+  int head_dim;
+  const void* block_tables;  // [num_queries][table_stride] block ids, int32 or int64
+  int table_index_bytes;     // 4 or 8
+  int64_t table_stride;
+  const void* context_lens;  // [num_queries] tokens to attend to, int32 or int64
+  int context_index_bytes;   // 4 or 8
+  float scale;
+  void* out;  // [num_queries][num_heads][head_dim], q_dtype
+  int64_t out_token_stride;
+  int partition_tokens;  // context tokens per work item; 0: chosen from the load and threads
+};
+
+// Checks the arguments (std::invalid_argument, block ids included) and computes the output.
+void paged_decode_attention(const DecodeAttentionArgs& args);
+
+// The tokens per partition that `partition_tokens = 0` picks for these contexts.
+int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int threads);
+
+// One ISA's inner loops over a tile of ≤ kTileTokens consecutive cache rows of one kv head.
+// q: group rows of head_dim fp32 (pre-scaled); s, p: group rows of `stride` scores.
+constexpr int kTileTokens = 32;
+
+struct AttentionKernels {
+  const char* name;
+  // s[h·stride + t] = q[h] · k[t]   for t < tokens, h < group
+  void (*score)(DType cache, const float* q, int group, int dim, const void* k, int tokens,
+                float* s, int stride);
+  // s[t] = exp(s[t] − shift) for t < n; returns Σ s[t]
+  float (*exp_sum)(float* s, int n, float shift);
+  // acc[h·dim + i] += Σ_t p[h·stride + t] · v[t·dim + i]
+  void (*accumulate)(DType cache, const float* p, int stride, int group, int dim, const void* v,
+                     int tokens, float* acc);
+};
+
+const AttentionKernels& scalar_attention();
+const AttentionKernels& avx2_attention();
+const AttentionKernels& avx512_attention();
+
+}  // namespace pyserve_kernels

@@ -1,0 +1,208 @@
+// The AVX2 attention loops (Haswell and later, Zen 1-3): 8 floats a register, a scalar tail for
+// a head_dim that is not a multiple of 8, a polynomial exp. Function-level target attributes:
+// this file builds with the default flags.
+#include "attention.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "attention_convert.h"
+
+#define PYSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace pyserve_kernels {
+namespace {
+
+// 8 cache elements from `p`, as floats.
+template <DType T>
+PYSERVE_AVX2 inline __m256 load8(const void* p) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p));
+  } else {
+    const __m128i raw = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    if constexpr (T == DType::kBFloat16)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    else
+      return _mm256_cvtph_ps(raw);
+  }
+}
+
+template <DType T>
+inline const void* element(const void* base, int64_t i) {
+  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  return static_cast<const char*>(base) + i * bytes;
+}
+
+PYSERVE_AVX2 inline float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// DIM > 0: head_dim known at compile time (a multiple of 8), the K row held in registers for
+// every query head of the group; DIM == 0: any head_dim, vector chunks then a scalar tail.
+template <DType T, int DIM>
+PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, int tokens, float* s,
+                           int stride) {
+  if constexpr (DIM > 0) {
+    constexpr int chunks = DIM / 8;
+    for (int t = 0; t < tokens; ++t) {
+      __m256 row[chunks];
+      for (int c = 0; c < chunks; ++c) row[c] = load8<T>(element<T>(k, t * DIM + 8 * c));
+      for (int h = 0; h < group; ++h) {
+        __m256 sum0 = _mm256_mul_ps(_mm256_loadu_ps(q + h * DIM), row[0]);
+        __m256 sum1 = _mm256_setzero_ps();
+        for (int c = 1; c < chunks; ++c) {
+          const __m256 qc = _mm256_loadu_ps(q + h * DIM + 8 * c);
+          if (c % 2)
+            sum1 = _mm256_fmadd_ps(qc, row[c], sum1);
+          else
+            sum0 = _mm256_fmadd_ps(qc, row[c], sum0);
+        }
+        s[h * stride + t] = horizontal_sum(_mm256_add_ps(sum0, sum1));
+      }
+    }
+  } else {
+    const int vector_end = dim / 8 * 8;
+    for (int t = 0; t < tokens; ++t) {
+      const int64_t row = static_cast<int64_t>(t) * dim;
+      for (int h = 0; h < group; ++h) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int i = 0; i < vector_end; i += 8)
+          sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + i), load8<T>(element<T>(k, row + i)),
+                                sum);
+        float total = horizontal_sum(sum);
+        for (int i = vector_end; i < dim; ++i)
+          total += q[h * dim + i] * load_element(T, k, row + i);
+        s[h * stride + t] = total;
+      }
+    }
+  }
+}
+
+template <DType T>
+PYSERVE_AVX2 void score_for(const float* q, int group, int dim, const void* k, int tokens, float* s,
+                            int stride) {
+  if (dim == 64) return score_as<T, 64>(q, group, dim, k, tokens, s, stride);
+  if (dim == 128) return score_as<T, 128>(q, group, dim, k, tokens, s, stride);
+  return score_as<T, 0>(q, group, dim, k, tokens, s, stride);
+}
+
+PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, const void* k, int tokens,
+                        float* s, int stride) {
+  switch (cache) {
+    case DType::kFloat32:
+      return score_for<DType::kFloat32>(q, group, dim, k, tokens, s, stride);
+    case DType::kBFloat16:
+      return score_for<DType::kBFloat16>(q, group, dim, k, tokens, s, stride);
+    case DType::kFloat16:
+      return score_for<DType::kFloat16>(q, group, dim, k, tokens, s, stride);
+  }
+}
+
+// exp(x) for x ≤ 0 as in the AVX-512 path, 2^n built in the exponent bits (n ≥ −126 here).
+PYSERVE_AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bias = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(bias, 23)));
+}
+
+PYSERVE_AVX2 float exp_sum(float* s, int n, float shift) {
+  const __m256 offset = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), offset));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = horizontal_sum(total);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - shift);
+    sum += s[t];
+  }
+  return sum;
+}
+
+template <DType T, int DIM>
+PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
+                                int tokens, float* acc) {
+  if constexpr (DIM > 0) {
+    constexpr int chunks = DIM / 8;
+    for (int h = 0; h < group; ++h) {
+      __m256 sum[chunks];
+      for (int c = 0; c < chunks; ++c) sum[c] = _mm256_loadu_ps(acc + h * DIM + 8 * c);
+      for (int t = 0; t < tokens; ++t) {
+        const __m256 weight = _mm256_set1_ps(p[h * stride + t]);
+        for (int c = 0; c < chunks; ++c)
+          sum[c] = _mm256_fmadd_ps(weight, load8<T>(element<T>(v, t * DIM + 8 * c)), sum[c]);
+      }
+      for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + h * DIM + 8 * c, sum[c]);
+    }
+  } else {
+    const int vector_end = dim / 8 * 8;
+    for (int h = 0; h < group; ++h) {
+      for (int i = 0; i < vector_end; i += 8) {
+        __m256 sum = _mm256_loadu_ps(acc + h * dim + i);
+        for (int t = 0; t < tokens; ++t)
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + t]),
+                                load8<T>(element<T>(v, int64_t{t} * dim + i)), sum);
+        _mm256_storeu_ps(acc + h * dim + i, sum);
+      }
+      for (int i = vector_end; i < dim; ++i)
+        for (int t = 0; t < tokens; ++t)
+          acc[h * dim + i] += p[h * stride + t] * load_element(T, v, int64_t{t} * dim + i);
+    }
+  }
+}
+
+template <DType T>
+PYSERVE_AVX2 void accumulate_for(const float* p, int stride, int group, int dim, const void* v,
+                                 int tokens, float* acc) {
+  if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc);
+  if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc);
+  return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc);
+}
+
+PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group, int dim,
+                             const void* v, int tokens, float* acc) {
+  switch (cache) {
+    case DType::kFloat32:
+      return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc);
+    case DType::kBFloat16:
+      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc);
+    case DType::kFloat16:
+      return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
+  }
+}
+
+}  // namespace
+
+const AttentionKernels& avx2_attention() {
+  static const AttentionKernels table{"avx2", score, exp_sum, accumulate};
+  return table;
+}
+
+}  // namespace pyserve_kernels
+
+#else  // not x86-64: the dispatcher never picks this path
+
+namespace pyserve_kernels {
+const AttentionKernels& avx2_attention() { return scalar_attention(); }
+}  // namespace pyserve_kernels
+
+#endif

@@ -1,0 +1,233 @@
+// The AVX-512 attention loops (Skylake-X and later Intel, Zen 4 and later AMD): 16 floats a
+// register, masked loads for a head_dim that is not a multiple of 16, a polynomial exp.
+// Function-level target attributes: this file builds with the default flags.
+#include "attention.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include <cmath>
+
+#define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+namespace pyserve_kernels {
+namespace {
+
+inline __mmask16 lanes(int left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// 16 (or the masked lanes of 16) cache elements from `p`, as floats.
+template <DType T>
+PYSERVE_AVX512 inline __m512 load(const void* p, __mmask16 live) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm512_maskz_loadu_ps(live, p);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
+    if constexpr (T == DType::kBFloat16)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    else
+      return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <DType T>
+PYSERVE_AVX512 inline __m512 load(const void* p) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    if constexpr (T == DType::kBFloat16)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    else
+      return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <DType T>
+inline const void* element(const void* base, int64_t i) {
+  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  return static_cast<const char*>(base) + i * bytes;
+}
+
+// DIM > 0: a head_dim known at compile time (a multiple of 16), whose K row lives in registers
+// while every query head of the group takes its dot product; DIM == 0: any head_dim, masked.
+template <DType T, int DIM>
+PYSERVE_AVX512 void score_as(const float* q, int group, int dim, const void* k, int tokens,
+                             float* s, int stride) {
+  if constexpr (DIM > 0) {
+    constexpr int chunks = DIM / 16;
+    for (int t = 0; t < tokens; ++t) {
+      __m512 row[chunks];
+      for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(k, t * DIM + 16 * c));
+      for (int h = 0; h < group; ++h) {
+        __m512 sum0 = _mm512_mul_ps(_mm512_loadu_ps(q + h * DIM), row[0]);
+        __m512 sum1 = _mm512_setzero_ps();  // two chains: half the FMA latency in a row
+        for (int c = 1; c < chunks; ++c) {
+          const __m512 product_q = _mm512_loadu_ps(q + h * DIM + 16 * c);
+          if (c % 2)
+            sum1 = _mm512_fmadd_ps(product_q, row[c], sum1);
+          else
+            sum0 = _mm512_fmadd_ps(product_q, row[c], sum0);
+        }
+        s[h * stride + t] = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+      }
+    }
+  } else {
+    for (int t = 0; t < tokens; ++t) {
+      const int64_t row = static_cast<int64_t>(t) * dim;
+      for (int h = 0; h < group; ++h) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < dim; i += 16) {
+          const __mmask16 live = lanes(dim - i);
+          sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, q + h * dim + i),
+                                load<T>(element<T>(k, row + i), live), sum);
+        }
+        s[h * stride + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+  }
+}
+
+template <DType T>
+PYSERVE_AVX512 void score_for(const float* q, int group, int dim, const void* k, int tokens,
+                              float* s, int stride) {
+  if (dim == 64) return score_as<T, 64>(q, group, dim, k, tokens, s, stride);
+  if (dim == 128) return score_as<T, 128>(q, group, dim, k, tokens, s, stride);
+  return score_as<T, 0>(q, group, dim, k, tokens, s, stride);
+}
+
+PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, const void* k,
+                          int tokens, float* s, int stride) {
+  switch (cache) {
+    case DType::kFloat32:
+      return score_for<DType::kFloat32>(q, group, dim, k, tokens, s, stride);
+    case DType::kBFloat16:
+      return score_for<DType::kBFloat16>(q, group, dim, k, tokens, s, stride);
+    case DType::kFloat16:
+      return score_for<DType::kFloat16>(q, group, dim, k, tokens, s, stride);
+  }
+}
+
+// exp(x) for x ≤ 0: x = n·ln2 + r, |r| ≤ ln2/2, exp(r) by Cephes' degree-6 polynomial, times 2^n
+// (scalef). Relative error ~2e-7. A NaN stays NaN (max returns its second operand then).
+PYSERVE_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+PYSERVE_AVX512 float exp_sum(float* s, int n, float shift) {
+  const __m512 offset = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  for (int t = 0; t < n; t += 16) {
+    const __mmask16 live = lanes(n - t);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), offset));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    total = _mm512_mask_add_ps(total, live, total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// G heads of the group at a time, their sums in registers, each V row loaded and converted once
+// for all of them.
+template <DType T, int DIM, int G>
+PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const void* v, int tokens,
+                                     float* acc) {
+  constexpr int chunks = DIM / 16;
+  __m512 sum[G][chunks];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
+  for (int t = 0; t < tokens; ++t) {
+    __m512 row[chunks];
+    for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
+    for (int g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(p[g * stride + t]);
+      for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, sum[g][c]);
+}
+
+template <DType T, int DIM>
+PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
+                                  int tokens, float* acc) {
+  if constexpr (DIM > 0) {
+    constexpr int most = DIM <= 64 ? 4 : 2;  // sums + a row within the 32 registers
+    int h = 0;
+    for (; h + most <= group; h += most)
+      accumulate_heads<T, DIM, most>(p + h * stride, stride, v, tokens, acc + h * DIM);
+    const float* rest_p = p + h * stride;
+    float* rest_acc = acc + h * DIM;
+    switch (group - h) {
+      case 1:
+        return accumulate_heads<T, DIM, 1>(rest_p, stride, v, tokens, rest_acc);
+      case 2:
+        return accumulate_heads<T, DIM, 2>(rest_p, stride, v, tokens, rest_acc);
+      case 3:
+        return accumulate_heads<T, DIM, 3>(rest_p, stride, v, tokens, rest_acc);
+      default:
+        return;
+    }
+  } else {
+    for (int h = 0; h < group; ++h) {
+      for (int i = 0; i < dim; i += 16) {
+        const __mmask16 live = lanes(dim - i);
+        __m512 sum = _mm512_maskz_loadu_ps(live, acc + h * dim + i);
+        for (int t = 0; t < tokens; ++t) {
+          const __m512 weight = _mm512_set1_ps(p[h * stride + t]);
+          sum = _mm512_fmadd_ps(weight, load<T>(element<T>(v, int64_t{t} * dim + i), live), sum);
+        }
+        _mm512_mask_storeu_ps(acc + h * dim + i, live, sum);
+      }
+    }
+  }
+}
+
+template <DType T>
+PYSERVE_AVX512 void accumulate_for(const float* p, int stride, int group, int dim, const void* v,
+                                   int tokens, float* acc) {
+  if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc);
+  if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc);
+  return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc);
+}
+
+PYSERVE_AVX512 void accumulate(DType cache, const float* p, int stride, int group, int dim,
+                               const void* v, int tokens, float* acc) {
+  switch (cache) {
+    case DType::kFloat32:
+      return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc);
+    case DType::kBFloat16:
+      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc);
+    case DType::kFloat16:
+      return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
+  }
+}
+
+}  // namespace
+
+const AttentionKernels& avx512_attention() {
+  static const AttentionKernels table{"avx512", score, exp_sum, accumulate};
+  return table;
+}
+
+}  // namespace pyserve_kernels
+
+#else  // not x86-64: the dispatcher never picks this path
+
+namespace pyserve_kernels {
+const AttentionKernels& avx512_attention() { return scalar_attention(); }
+}  // namespace pyserve_kernels
+
+#endif

@@ -1,0 +1,79 @@
+// Scalar element conversions for the attention kernel: bf16 and fp16 to and from float, rounding
+// to nearest even as torch does (fp16 → float itself is half.h's).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "attention.h"
+#include "half.h"
+
+namespace pyserve_kernels {
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // nan
+  if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (magnitude < 0x38800000u) {               // below the smallest normal: a subnormal or zero
+    if (magnitude < 0x33000000u) return sign;  // under half the smallest subnormal
+    const uint32_t exponent = magnitude >> 23;
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exponent;  // value in units of 2^-24, in [14, 24]
+    uint32_t value = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (value & 1u))) ++value;
+    return static_cast<uint16_t>(sign | value);
+  }
+  uint32_t value = magnitude - (112u << 23);  // rebias the exponent
+  value += 0xfffu + ((value >> 13) & 1u);     // round the 13 dropped bits to nearest even
+  return static_cast<uint16_t>(sign | (value >> 13));
+}
+
+inline float load_element(DType type, const void* base, int64_t i) {
+  switch (type) {
+    case DType::kFloat32:
+      return static_cast<const float*>(base)[i];
+    case DType::kBFloat16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat16:
+      return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+inline void store_element(DType type, void* base, int64_t i, float value) {
+  switch (type) {
+    case DType::kFloat32:
+      static_cast<float*>(base)[i] = value;
+      return;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(base)[i] = float_to_bf16(value);
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(base)[i] = float_to_half(value);
+      return;
+  }
+}
+
+inline int element_bytes(DType type) { return type == DType::kFloat32 ? 4 : 2; }
+
+}  // namespace pyserve_kernels

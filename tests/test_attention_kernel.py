@@ -1,0 +1,248 @@
+"""The fused paged decode-attention kernel (pyserve._kernels via worker/attention_kernel.py).
+
+Against a float64 reference that gathers each request's blocks and runs a plain softmax: random
+block tables, contexts from 1 token to ~2000 (crossing block and partition boundaries), GQA
+ratios 1/3/4, head_dim 64/128 (the vector paths' unrolled loops) and 40 (their masked/generic
+loops), float32 / bfloat16 / float16 caches, every instruction set this CPU runs, 1 and 2
+threads. Then: the result does not depend on the thread count (bit for bit), the CPU backend
+gives the same answer through the kernel and through its torch path, and bad arguments raise
+ValueError.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pyserve.worker import quant
+from pyserve.worker.attention_kernel import DecodeAttention, paged_decode_attention
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import PagedKVCache
+
+torch.set_num_threads(2)
+KERNELS = quant.kernels()
+BEST_ISA = KERNELS.isa()
+ISAS = KERNELS.supported_isas()
+THREADS = KERNELS.num_threads()
+
+BLOCK = 16
+NUM_BLOCKS = 160
+CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 700, 1999]
+# (head_dim, heads, kv_heads): GQA 3 (the default model's), 1 and 4, and a generic head_dim
+SHAPES = [(64, 9, 3), (128, 4, 4), (64, 8, 2), (40, 3, 1)]
+# relative error from rounding the output to the dtype, on top of float32 accumulation
+OUTPUT_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    KERNELS.set_isa(request.param)
+    yield request.param
+    KERNELS.set_isa(BEST_ISA)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    KERNELS.set_num_threads(request.param)
+    yield request.param
+    KERNELS.set_num_threads(THREADS)
+
+
+def random_cache(kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape = (kv_heads, NUM_BLOCKS, BLOCK, dim)
+    # keys scaled up so that softmaxes are peaked, not near-uniform averages that hide mistakes
+    k = (torch.randn(shape, generator=g) * 2).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    return k, v
+
+
+def random_tables(contexts: list[int], seed: int, dtype=torch.int32) -> torch.Tensor:
+    """Each request's blocks: distinct random ids, the table padded with more random ids."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(contexts) // BLOCK) + 1
+    return torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:width] for _ in contexts]).to(
+        dtype
+    )
+
+
+def reference(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
+    """float64: gather each request's first `context` tokens, repeat kv heads, plain softmax."""
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out = []
+    for d, n in enumerate(contexts):
+        blocks = tables[d, : -(-n // BLOCK)].long()
+        k = k_cache.index_select(1, blocks).flatten(1, 2)[:, :n].double()  # [KVH, n, dim]
+        v = v_cache.index_select(1, blocks).flatten(1, 2)[:, :n].double()
+        k = k.repeat_interleave(heads // kv_heads, dim=0)
+        v = v.repeat_interleave(heads // kv_heads, dim=0)
+        scores = (k @ q[d].double()[:, :, None])[..., 0] * scale  # [H, n]
+        out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])
+    return torch.stack(out)
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    err = (out.double() - expected).abs()
+    bound = 2e-5 + OUTPUT_RTOL[dtype] * expected.abs()
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), (
+        f"{what}: error {err.flatten()[worst]:.3e} > {bound.flatten()[worst]:.3e}"
+    )
+
+
+@functools.cache
+def reference_case(dtype: torch.dtype, shape: tuple[int, int, int]):
+    """Inputs and the float64 answer for one dtype and shape, shared by every ISA and thread
+    count (the reference costs far more than the kernel)."""
+    dim, heads, kv_heads = shape
+    seed = dim + heads + kv_heads
+    k_cache, v_cache = random_cache(kv_heads, dim, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(CONTEXTS), heads, dim, generator=g).to(dtype)
+    # int32 and int64 indices both
+    tables = random_tables(CONTEXTS, seed, torch.int32 if dim == 64 else torch.int64)
+    lens = torch.tensor(CONTEXTS, dtype=torch.int64 if dim == 64 else torch.int32)
+    expected = reference(q, k_cache, v_cache, tables, CONTEXTS, dim**-0.5)
+    return q, k_cache, v_cache, tables, lens, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
+def test_matches_reference(isa, threads, dtype, shape):
+    dim = shape[0]
+    q, k_cache, v_cache, tables, lens, expected = reference_case(dtype, shape)
+    # 0: the kernel's own split; 96: partitions that straddle blocks and tiles
+    for partition in (0, 96):
+        out = paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, dim**-0.5, partition_tokens=partition
+        )
+        assert out.shape == q.shape and out.dtype == dtype
+        assert_close(out, expected, dtype, f"{isa} {dtype} partition={partition}")
+
+
+def test_long_context_is_split_over_threads():
+    """One request with a long context: the automatic choice cuts it into partitions."""
+    partition = KERNELS.attention_partition_tokens(4096, 3, 2)
+    assert 256 <= partition <= 4096 // 2
+    assert KERNELS.attention_partition_tokens(4096, 3, 1) >= 4096  # one thread: no split
+    assert KERNELS.attention_partition_tokens(100, 3, 2) == 256  # short: never split below 256
+
+
+def test_mixed_dtypes_and_strided_rows():
+    """float32 q over a bfloat16 cache; q rows strided (a view of q|k heads, as the model's)."""
+    dim, heads, kv_heads = 64, 9, 3
+    k_cache, v_cache = random_cache(kv_heads, dim, torch.bfloat16, 5)
+    contexts = [3, 64, 513]
+    qk = torch.randn(len(contexts), heads + kv_heads, dim)
+    q = qk[:, :heads]
+    tables = random_tables(contexts, 5)
+    lens = torch.tensor(contexts)
+    out = torch.full((len(contexts), heads, dim), float("nan"))
+    result = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out)
+    assert result is out
+    assert_close(out, reference(q, k_cache, v_cache, tables, contexts, 0.125), torch.float32, "")
+
+
+def test_same_bits_whatever_the_thread_count():
+    dim, heads, kv_heads = 64, 9, 3
+    k_cache, v_cache = random_cache(kv_heads, dim, torch.float32, 7)
+    contexts = [1999, 5, 300, 1024, 77, 640]
+    q = torch.randn(len(contexts), heads, dim, generator=torch.Generator().manual_seed(7))
+    tables, lens = random_tables(contexts, 7), torch.tensor(contexts)
+    results = []
+    try:
+        for n in (1, 2, 3):
+            KERNELS.set_num_threads(n)
+            results.append(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                                  partition_tokens=128))  # fmt: skip
+    finally:
+        KERNELS.set_num_threads(THREADS)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backend_kernel_and_torch_paths_agree(dtype):
+    """A mixed batch (prefills, a prefill after a prefix, decodes short and long) through the CPU
+    backend with the kernel and with the torch path (split softmax forced): same outputs, the
+    same cache writes."""
+    from pyserve.worker.attention.cpu import CpuAttentionBackend, DecodeKernelBatch
+
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    shapes = [(300, 1), (0, 20), (40, 5), (0, 1), (1100, 1), (17, 1)]  # (start_pos, num_tokens)
+    g = torch.Generator().manual_seed(3)
+    free = torch.randperm(200, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-(s + n) // block))] for s, n in shapes]
+    total = sum(n for _, n in shapes)
+    q, k, v = (
+        torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    batch = ForwardBatch(
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=torch.cat([torch.arange(s, s + n) for s, n in shapes]),
+        start_pos=[s for s, _ in shapes],
+        num_tokens=[n for _, n in shapes],
+        block_tables=tables,
+        sample_index=torch.tensor([0]),
+    )
+    outs, caches = [], []
+    for use_kernel in (True, False):
+        cache = PagedKVCache(num_layers=1, num_blocks=200, block_size=block,
+                             num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)  # fmt: skip
+        init = torch.Generator().manual_seed(4)
+        for t in cache.k + cache.v:
+            t.copy_(torch.randn(t.shape, generator=init))
+        backend = CpuAttentionBackend(cache, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                      max_chunk_tokens=64, decode_kernel=use_kernel)  # fmt: skip
+        meta = backend.prepare(batch)
+        assert isinstance(meta.decode, DecodeKernelBatch) == use_kernel
+        outs.append(backend.forward(0, q, k, v, meta))
+        caches.append((cache.k[0].clone(), cache.v[0].clone()))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (outs[0].float() - outs[1].float()).abs().max() < tol
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_bad_arguments_raise_value_error():
+    dim, heads, kv_heads = 64, 6, 2
+    k_cache, v_cache = random_cache(kv_heads, dim, torch.float32, 9)
+    contexts = [5, 40]
+    q = torch.randn(2, heads, dim)
+    tables, lens = random_tables(contexts, 9), torch.tensor(contexts)
+
+    def call(**changes):
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, context_lens=lens)
+        args.update(changes)
+        return paged_decode_attention(scale=0.125, **args)
+
+    call()  # the unchanged arguments are fine
+    bad = {
+        "q of ints": dict(q=q.int()),
+        "q head_dim": dict(q=torch.randn(2, heads, 32)),
+        "q heads not a multiple": dict(q=torch.randn(2, 5, dim)),
+        "q count": dict(q=torch.randn(3, heads, dim)),
+        "q heads strided": dict(q=torch.randn(2, dim, heads).transpose(1, 2)),
+        "cache 3-d": dict(k_cache=k_cache[0], v_cache=v_cache[0]),
+        "cache strided": dict(k_cache=k_cache.transpose(2, 3)),
+        "cache dtype mismatch": dict(v_cache=v_cache.double()),
+        "cache of ints": dict(k_cache=k_cache.int(), v_cache=v_cache.int()),
+        "float table": dict(block_tables=tables.float()),
+        "table rows": dict(block_tables=tables[:1]),
+        "float lengths": dict(context_lens=lens.float()),
+        "zero context": dict(context_lens=torch.tensor([0, 40])),
+        "context past the table": dict(context_lens=torch.tensor([5, tables.shape[1] * BLOCK + 1])),
+        "block id too large": dict(block_tables=torch.full_like(tables, NUM_BLOCKS)),
+        "negative block id": dict(block_tables=torch.full_like(tables, -1)),
+    }
+    for what, changes in bad.items():
+        with pytest.raises(ValueError):
+            call(**changes)
+            pytest.fail(what)
+    with pytest.raises(ValueError):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, partition_tokens=-1)
+    with pytest.raises(ValueError):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=torch.empty(2, 6, 32))
+    call_once = DecodeAttention(tables, lens, num_heads=heads, k_cache=k_cache)
+    with pytest.raises(ValueError):  # a layer whose cache has another geometry
+        call_once.run(q, k_cache[:, :10].contiguous(), v_cache[:, :10].contiguous(), 0.125)
