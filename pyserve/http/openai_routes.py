@@ -19,8 +19,10 @@ from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_request
+from pyserve.http.direct_events import direct_events
 from pyserve.http.errors import bad_request, json_response
 from pyserve.http.merge import merge_choices
+from pyserve.http.metrics import RequestLatencies
 from pyserve.http.openai_format import (
     ChatFormat,
     ChoiceResult,
@@ -216,10 +218,7 @@ class OpenAIRoutes:
                 latencies = [state.metrics.request(job.arrival) for _ in streams]
                 async with contextlib.aclosing(merge_choices(streams, latencies)) as merged:
                     if job.stream:
-                        sse = SSEStream(request)
-                        if len(rids) == 1 and fmt.token_text is None:
-                            self._stream_directly(rids[0], sse, fmt, latencies[0])
-                        return await self._stream(sse, merged, fmt, len(rids), ticket)
+                        return await self._stream(request, merged, fmt, rids, latencies, ticket)
                     return await self._collect(merged, fmt, len(rids), ticket)
         finally:
             ticket.release()
@@ -242,13 +241,24 @@ class OpenAIRoutes:
         return web.Response(body=fmt.response(results), content_type="application/json")
 
     async def _stream(
-        self, sse: SSEStream, merged: Merged, fmt: Format, count: int, ticket: QueueTicket
+        self,
+        request: web.Request,
+        merged: Merged,
+        fmt: Format,
+        rids: list[str],
+        latencies: list[RequestLatencies],
+        ticket: QueueTicket,
     ) -> web.StreamResponse:
-        results = self._results.pop(sse, None) or [ChoiceResult() for _ in range(count)]
+        count = len(rids)
+        results = [ChoiceResult() for _ in range(count)]
         opened = [False] * count
         first = await next_item(merged)  # an error here is still a plain HTTP error
         ticket.release()
+        sse = SSEStream(request)
         await sse.start()
+        if count == 1 and fmt.token_text is None:  # plain text events: see direct_events
+            sink = direct_events(sse, fmt, results[0], latencies[0])
+            self.engine.stream_directly(rids[0], sink)
         item = first
         try:
             while item is not None:
