@@ -379,3 +379,34 @@ def test_quantize_model_linears_takes_the_workers_own_linear():
     packed.proj.weight = None  # what Linear.pack() leaves behind
     with pytest.raises(ValueError, match="already packed"):
         quant.quantize_model_linears(packed, "int4")
+
+
+_BACK_TO_BACK_RUNS = """
+import sys, time, torch
+from pyserve.worker import quant
+quant.kernels().set_num_threads(4)
+torch.manual_seed(0)
+small = quant.quantize_weight(torch.randn(128, 1024), 8)  # a few chunks
+big = quant.quantize_weight(torch.randn(2048, 1024), 8)  # many chunks
+x = torch.randn(1, 1024)
+want_small, want_big = quant.quantized_matmul(x, small), quant.quantized_matmul(x, big)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for _ in range(100):
+        got_small, got_big = quant.quantized_matmul(x, small), quant.quantized_matmul(x, big)
+    assert torch.equal(got_small, want_small) and torch.equal(got_big, want_big)
+print("ok")
+"""
+
+
+def test_pool_survives_back_to_back_runs_of_different_sizes():
+    """A run with few chunks right before one with many, over and over, with more pool threads
+    than cores (so workers get preempted mid-claim): a worker late from the small run must not
+    claim a chunk of the big one. Before the fix this hung the worker within seconds here."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BACK_TO_BACK_RUNS, "6"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang fails the test instead of blocking the suite
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -33,6 +33,9 @@ int default_threads() {
 
 uint32_t generation_of(uint64_t ticket) { return static_cast<uint32_t>(ticket >> 32); }
 
+// The chunk field of a run that is over: no chunk count reaches it.
+constexpr uint64_t kClosed = 0xffffffffu;
+
 }  // namespace
 
 ThreadPool& ThreadPool::instance() {
@@ -95,11 +98,18 @@ void ThreadPool::run(Task task, void* context, int chunks) {
     for (int i = 0; i < chunks; ++i) task(context, i);
     return;
   }
+  // Close the previous run first: a worker still inside work() for it may hold a stale ticket
+  // (its generation, the next chunk). Were chunks_ raised before the ticket changed, that worker
+  // could claim a "chunk" of the old run against the new count and run the new task with it,
+  // adding an extra done_ and leaving the wait below spinning forever (seen under load). With
+  // the old generation's ticket set to kClosed its CAS fails, and kClosed is past any count.
+  const uint32_t previous = generation_of(ticket_.load());
+  ticket_.store(static_cast<uint64_t>(previous) << 32 | kClosed);
   task_ = task;
   context_ = context;
-  chunks_.store(chunks, std::memory_order_relaxed);
+  chunks_.store(chunks, std::memory_order_release);  // after kClosed: see work()
   done_.store(0);
-  const uint32_t generation = generation_of(ticket_.load()) + 1;
+  const uint32_t generation = previous + 1;
   ticket_.store(static_cast<uint64_t>(generation) << 32);  // publishes the run (seq_cst)
   if (sleepers_.load() > 0) {
     {
@@ -108,18 +118,19 @@ void ThreadPool::run(Task task, void* context, int chunks) {
     wake_.notify_all();
   }
   work(generation);
-  while (done_.load(std::memory_order_acquire) != chunks) PYSERVE_PAUSE();
+  while (done_.load(std::memory_order_acquire) < chunks) PYSERVE_PAUSE();
 }
 
 void ThreadPool::work(uint32_t generation) {
   uint64_t ticket = ticket_.load();
   for (;;) {
     if (generation_of(ticket) != generation) return;
-    const auto chunk = static_cast<int>(ticket & 0xffffffffu);
-    if (chunk >= chunks_.load(std::memory_order_relaxed)) return;
+    const auto chunk = static_cast<uint32_t>(ticket & 0xffffffffu);
+    // acquire: a count of the next run is only seen after its kClosed, so the CAS below fails
+    if (chunk >= static_cast<uint32_t>(chunks_.load(std::memory_order_acquire))) return;
     // chunks_, task_ and context_ belong to this run for as long as a chunk of it is unfinished
     if (!ticket_.compare_exchange_weak(ticket, ticket + 1)) continue;
-    task_(context_, chunk);
+    task_(context_, static_cast<int>(chunk));
     done_.fetch_add(1, std::memory_order_release);
     ticket = ticket_.load();
   }
