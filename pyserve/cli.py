@@ -72,8 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, default=16, help="tokens per KV cache block")
     add("--context-length", type=int, help="a context length below the model's")
     add("--max-running-requests", type=int, default=256, help="requests computed together")
-    add("--max-prefill-tokens", type=int, default=8192, help="prompt tokens in one step")
-    add("--chunked-prefill-size", type=int, default=2048, help="prompt tokens of one request")
+    add(
+        "--max-prefill-tokens",
+        type=int,
+        help="prompt tokens in one step; none: 512 on the CPU (decodes keep flowing), 8192 else",
+    )
+    add(
+        "--chunked-prefill-size",
+        type=int,
+        help="prompt tokens of one request in one step; none: 512 on the CPU, 2048 else",
+    )
     add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="queue order")
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
     add("--tokenizer-workers", type=int, default=2, help="threads for chat templates and encoding")

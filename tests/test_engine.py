@@ -447,6 +447,16 @@ def test_kv_pool_is_sized_from_the_model_and_the_budget():
         EngineConfig(dtype="int8").validate()
 
 
+def test_prefill_budget_defaults_by_device_and_can_be_set():
+    assert EngineConfig().resolved_prefill_budget() == (512, 512)  # CPU: decodes keep flowing
+    assert EngineConfig(device="cuda").resolved_prefill_budget() == (8192, 2048)
+    assert EngineConfig(max_prefill_tokens=100).resolved_prefill_budget() == (100, 512)
+    assert EngineConfig(chunked_prefill_size=64).resolved_prefill_budget() == (512, 64)
+    EngineConfig().validate()
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        EngineConfig(max_prefill_tokens=0).validate()
+
+
 def test_ipc_directory_is_private():
     addresses = RingAddresses.create()
     try:

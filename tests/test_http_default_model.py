@@ -31,3 +31,4 @@ def test_default_model_answers_paris():
     assert status == 200 and info["config"]["quantization"] == "auto"
     assert info["quantization"] == "int4" and info["kv_cache"]["dtype"] == "float32"
     assert "quantization int4" in log
+    assert info["prefill_budget"] == {"max_prefill_tokens": 512, "chunked_prefill_size": 512}

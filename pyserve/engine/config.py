@@ -12,6 +12,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
 # 23,301 tokens in float32 (46,080 bytes a token) or 46,603 in bfloat16.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# (max_prefill_tokens, chunked_prefill_size) unless set: see EngineConfig.resolved_prefill_budget
+CPU_PREFILL_BUDGET = (512, 512)
+GPU_PREFILL_BUDGET = (8192, 2048)
 
 
 @dataclass
@@ -29,8 +32,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048
+    # Prompt tokens in one step, and of one request in one step; None: by device (below).
+    max_prefill_tokens: int | None = None
+    chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"  # or "lpm"
     enable_radix_cache: bool = True
     max_model_len: int | None = None  # None = the model's context length
@@ -41,6 +45,20 @@ class EngineConfig:
     log_level: str = "info"
     ready_timeout: float = 900.0  # seconds for the worker to load the model
     shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
+
+    def resolved_prefill_budget(self) -> tuple[int, int]:
+        """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
+
+        A CPU prefills ~500-1000 tokens/s on the default model, so a step of 8192 prompt tokens
+        would stall every running decode for 10 s and hand all its first tokens out at the end.
+        512 a step keeps the matmuls large enough to run at full speed and lets requests start
+        one after another: at 32 concurrent 256-token prompts (benchmarks/RESULTS.md, "Serving")
+        TTFT p50 fell from 10.8 s to 2.8 s and output tok/s rose from 202 to 233.
+        """
+        budget, chunk = CPU_PREFILL_BUDGET if self.device == "cpu" else GPU_PREFILL_BUDGET
+        budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else budget
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else chunk
+        return budget, chunk
 
     def resolved_dtype(self) -> str:
         # auto is float32 on the CPU with or without quantization (the kernels compute in
@@ -75,8 +93,9 @@ class EngineConfig:
         positive = ("block_size", "max_running_requests", "max_prefill_tokens")
         positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval")
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

@@ -173,12 +173,13 @@ class Engine:
 
         config = self.config
         assert self._info is not None
+        max_prefill_tokens, chunked_prefill_size = config.resolved_prefill_budget()
         planner = _core.Planner(
             ready.num_blocks,
             ready.block_size,
             max_running_requests=config.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
-            chunked_prefill_size=config.chunked_prefill_size,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
             policy=config.schedule_policy,
             enable_radix_cache=config.enable_radix_cache,
             vocab_size=self._info.vocab_size,
@@ -351,6 +352,13 @@ class Engine:
             },
             # what the worker runs its linear layers in (config.quantization may say auto)
             "quantization": ready.quantization if ready is not None else None,
+            "prefill_budget": dict(
+                zip(
+                    ("max_prefill_tokens", "chunked_prefill_size"),
+                    self.config.resolved_prefill_budget(),
+                    strict=True,
+                )
+            ),
             "load_seconds": ready.load_seconds if ready is not None else None,
             "versions": _versions(),
         }
