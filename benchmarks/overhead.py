@@ -36,10 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from http_testlib import Server, child_pids, metrics  # noqa: E402
+from http_testlib import Server, metrics, server_processes  # noqa: E402
 from tiny_models import build_tiny_smollm  # noqa: E402
 
-PROCESS_ROLES = {"pyserve.worker": "worker", "pyserve.detokenizer": "detokenizer"}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # SmolLM2's first 4096 ids: a 49152-token output projection would cost 1.6 GFLOP a step of
 # 256 tokens, which is not overhead.
@@ -47,18 +46,6 @@ VOCAB = 4096
 
 
 # ----------------------------------------------------------------------------- processes
-
-
-def server_processes(main_pid: int) -> dict[str, int]:
-    """role → pid for the server and its two children."""
-    found = {"main": main_pid}
-    for pid in child_pids(main_pid):
-        with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            for module, role in PROCESS_ROLES.items():
-                if module.encode() in argv:
-                    found[role] = pid
-    return found
 
 
 def cpu_seconds(pid: int) -> float:

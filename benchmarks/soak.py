@@ -32,10 +32,9 @@ import aiohttp
 
 # The `pyserve run` subprocess helper and the tiny model builder of the HTTP tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from http_testlib import Server, alive, child_pids, kv_idle, metrics, tiny_model
+from http_testlib import Server, alive, kv_idle, metrics, server_processes, tiny_model
 
 MAX_MINUTES = 10.0
-PROCESS_ROLES = {"pyserve.worker": "worker", "pyserve.detokenizer": "detokenizer"}
 ACCOUNTS = (
     "pyserve_engine_requests",
     "pyserve_core_requests",
@@ -46,18 +45,6 @@ WORDS = ("the", "a", "river", "stone", "light", "over", "under", "north", "garde
 
 
 # ----------------------------------------------------------------------------- processes
-
-
-def server_processes(main_pid: int) -> dict[str, int]:
-    """role → pid for the server and its children."""
-    found = {"main": main_pid}
-    for pid in child_pids(main_pid):
-        with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            for module, role in PROCESS_ROLES.items():
-                if module.encode() in argv:
-                    found[role] = pid
-    return found
 
 
 def rss_bytes(pid: int) -> int:

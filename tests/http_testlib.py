@@ -143,6 +143,21 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+SERVER_CHILD_ROLES = {"pyserve.worker": "worker", "pyserve.detokenizer": "detokenizer"}
+
+
+def server_processes(main_pid: int) -> dict[str, int]:
+    """role → pid for a `pyserve run` process (main) and its worker and detokenizer."""
+    found = {"main": main_pid}
+    for pid in child_pids(main_pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            for module, role in SERVER_CHILD_ROLES.items():
+                if module.encode() in argv:
+                    found[role] = pid
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -15,10 +15,10 @@ import functools
 
 import pytest
 import torch
+from worker_testlib import paged_batch
 
 from pyserve.worker import quant
 from pyserve.worker.attention_kernel import DecodeAttention, paged_decode_attention
-from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
 
 torch.set_num_threads(2)
@@ -172,19 +172,10 @@ def test_backend_kernel_and_torch_paths_agree(dtype):
     heads, kv_heads, dim, block = 9, 3, 64, 16
     shapes = [(300, 1), (0, 20), (40, 5), (0, 1), (1100, 1), (17, 1)]  # (start_pos, num_tokens)
     g = torch.Generator().manual_seed(3)
-    free = torch.randperm(200, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-(s + n) // block))] for s, n in shapes]
-    total = sum(n for _, n in shapes)
+    _, batch = paged_batch(shapes, block, 200, g)
+    total = batch.input_ids.numel()
     q, k, v = (
         torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
-    )
-    batch = ForwardBatch(
-        input_ids=torch.zeros(total, dtype=torch.int64),
-        positions=torch.cat([torch.arange(s, s + n) for s, n in shapes]),
-        start_pos=[s for s, _ in shapes],
-        num_tokens=[n for _, n in shapes],
-        block_tables=tables,
-        sample_index=torch.tensor([0]),
     )
     outs, caches = [], []
     for use_kernel in (True, False):

@@ -14,20 +14,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from worker_testlib import one_torch_thread, paged_batch  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.model_runner import ModelRunner
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread: these models are small, and on a busy machine a second OpenMP thread spins
-    waiting for a descheduled peer at every op (tests ran 10x slower with two)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 NEW_TOKENS = 48
 NUM_PROMPTS = 8
@@ -382,20 +372,11 @@ def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, decode_ke
     assert backend.decode_kernel == decode_kernel
     # (start_pos, num_tokens) per entry
     shapes = [(37, 1), (0, 9), (12, 7), (5, 1), (0, 1), (61, 1), (23, 3), (2, 1)]
-    free = torch.randperm(200, generator=gen).tolist()
-    tables = [[free.pop() for _ in range(-(-(s + n) // block))] for s, n in shapes]
-    total = sum(n for _, n in shapes)
+    tables, batch = paged_batch(shapes, block, 200, gen)
+    total = batch.input_ids.numel()
     q = torch.randn(total, heads, dim, generator=gen).to(dtype)
     k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(total, dtype=torch.int64),
-        positions=torch.cat([torch.arange(s, s + n) for s, n in shapes]),
-        start_pos=[s for s, _ in shapes],
-        num_tokens=[n for _, n in shapes],
-        block_tables=tables,
-        sample_index=torch.tensor([0]),
-    )
     # what the cache holds before the forward, per entry (its cached prefix)
     prefixes = []
     for (s, _), table in zip(shapes, tables, strict=True):

@@ -12,21 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.loading import ModelLoadError
 from pyserve.worker.model_runner import ModelRunner
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread: these models are small, and on a busy machine a second OpenMP thread spins
-    waiting for a descheduled peer at every op (tests ran 10x slower with two)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 TINY = dict(
     vocab_size=256,

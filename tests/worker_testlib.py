@@ -5,11 +5,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_models import random_llama
 
+from pyserve.worker.batch import ForwardBatch
+
 TINY_VOCAB = 512
 TINY_EOS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One thread: these models are small, and on a busy machine a second OpenMP thread spins
+    waiting for a descheduled peer at every op (tests ran 10x slower with two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def paged_batch(
+    shapes: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator
+) -> tuple[list[list[int]], ForwardBatch]:
+    """Block tables drawn at random from ``num_blocks`` and the ForwardBatch of entries given as
+    (start_pos, num_tokens); for attention tests that fill the cache themselves."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-(s + n) // block_size))] for s, n in shapes]
+    total = sum(n for _, n in shapes)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=torch.cat([torch.arange(s, s + n) for s, n in shapes]),
+        start_pos=[s for s, _ in shapes],
+        num_tokens=[n for _, n in shapes],
+        block_tables=tables,
+        sample_index=torch.tensor([0]),
+    )
+    return tables, batch
 
 
 def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
