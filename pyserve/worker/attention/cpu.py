@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker.attention.base import AttentionBackend
-from pyserve.worker.attention_kernel import DecodeAttention, kernel_available
+from pyserve.worker.attention_kernel import DTYPE_CODES, DecodeAttention, kernel_available
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
 
@@ -100,11 +100,7 @@ class CpuAttentionBackend(AttentionBackend):
                 raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected 'kernel' or 'torch'")
             requested = choice == "kernel"
         cache = self.kv_cache.k[0]
-        usable = cache.device.type == "cpu" and cache.dtype in (
-            torch.float32,
-            torch.bfloat16,
-            torch.float16,
-        )
+        usable = cache.device.type == "cpu" and cache.dtype in DTYPE_CODES
         return requested and usable and kernel_available()
 
     # ------------------------------------------------------------------ metadata, once per forward
@@ -237,24 +233,26 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: CpuAttentionMetadata = metadata  # type: ignore[assignment]
         self.kv_cache.write(layer, meta.slots, k, v)
-        decode, k_cache, v_cache = meta.decode, self.kv_cache.k[layer], self.kv_cache.v[layer]
-        if meta.all_decode and isinstance(decode, DecodeKernelBatch):
-            return decode.call.run(q, k_cache, v_cache, self.scale)
+        decode = meta.decode
         if meta.all_decode:
-            return self._decode(layer, q, decode)  # type: ignore[arg-type]
+            return self._attend_decodes(layer, q, decode)  # type: ignore[arg-type]
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_tokens)
             out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
-        if isinstance(decode, DecodeKernelBatch):
-            decoded = decode.call.run(
-                q.index_select(0, decode.token_index), k_cache, v_cache, self.scale
-            )
-            out.index_copy_(0, decode.token_index, decoded)
-        elif decode is not None:
-            decoded = self._decode(layer, q.index_select(0, decode.token_index), decode)
+        if decode is not None:
+            decoded = self._attend_decodes(layer, q.index_select(0, decode.token_index), decode)
             out.index_copy_(0, decode.token_index, decoded)
         return out
+
+    def _attend_decodes(
+        self, layer: int, q: torch.Tensor, decode: DecodeChunks | DecodeKernelBatch
+    ) -> torch.Tensor:
+        """q: [D, heads, head_dim] of the single-token entries → their attention output."""
+        if isinstance(decode, DecodeKernelBatch):
+            k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+            return decode.call.run(q, k_cache, v_cache, self.scale)
+        return self._decode(layer, q, decode)
 
     def _prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
