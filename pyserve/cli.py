@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-requests", action="store_true", help="log prompts and outputs")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight work")
+    add(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the worker may take to answer one step before /health answers 503 and an "
+        "error is logged (until the step completes; nothing is killed); 0: never",
+    )
     return parser
 
 
@@ -122,6 +129,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         torch_threads=args.torch_threads,
         seed=args.seed,
         log_level=args.log_level,
+        step_timeout=args.step_timeout,
     )
     if args.kv_cache_gib is not None:
         config.kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))

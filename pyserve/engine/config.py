@@ -45,6 +45,10 @@ class EngineConfig:
     log_level: str = "info"
     ready_timeout: float = 900.0  # seconds for the worker to load the model
     shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
+    # Seconds a step may go unanswered by the worker before /health answers 503 (and an error
+    # is logged) until it completes; 0: never. Nothing is killed (see engine/step_watch.py).
+    # A long prefill step on a slow CPU takes seconds, so the default leaves a wide margin.
+    step_timeout: float = 60.0
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
@@ -94,5 +98,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if not self.step_timeout >= 0:  # also NaN
+            raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")

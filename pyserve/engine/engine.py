@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from pyserve.engine.config import EngineConfig
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
 from pyserve.engine.requests import RequestRegistry, RequestState
 from pyserve.engine.scheduler_loop import SchedulerLoop
+from pyserve.engine.step_watch import Stall
 from pyserve.engine.subprocesses import Children
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.outputs import GenerationChunk
@@ -79,6 +81,7 @@ class Engine:
         self._context_length = 0
         self._idle_checks = 0
         self._idle_check_failures = 0
+        self._stall: Stall | None = None  # a step the worker has not answered in time
 
     # ------------------------------------------------------------------ life cycle
 
@@ -114,6 +117,7 @@ class Engine:
                 sink=self,
                 ready_timeout=config.ready_timeout,
                 shutdown_timeout=config.shutdown_timeout,
+                step_timeout=config.step_timeout,
             )
             self._scheduler.start()
             self._ready = await self._ready_future
@@ -266,6 +270,10 @@ class Engine:
         else:
             log.debug("idle accounting check passed")
 
+    def on_stall(self, stall: Stall | None) -> None:
+        """The step watchdog's verdict changed (see step_watch.py; it has logged why)."""
+        self._stall = stall
+
     # ------------------------------------------------------------------ state
 
     @property
@@ -273,8 +281,28 @@ class Engine:
         return self._ready is not None and not self._closed
 
     @property
-    def healthy(self) -> bool:
+    def serving(self) -> bool:
+        """Takes new requests: ready, not failed, not shutting down (a stalled step does not
+        stop it: a worker that is only slow still finishes them)."""
         return self.ready and self._failure is None and not self._closing
+
+    @property
+    def healthy(self) -> bool:
+        """What /health says: serving, and no step stuck in the worker past the step timeout."""
+        return self.serving and self._stall is None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why a ready engine is not healthy, in words; None when it is (or is not ready)."""
+        if not self.ready:
+            return None
+        if self._failure is not None:
+            return f"the engine has failed: {self._failure}"
+        if self._closing:
+            return "the engine is shutting down"
+        if self._stall is not None:
+            return f"the worker is stalled: {self._stall.describe(time.monotonic())}"
+        return None
 
     @property
     def failure(self) -> BaseException | None:
@@ -327,6 +355,7 @@ class Engine:
             "idle_check_failures": self._idle_check_failures,
             "ready": self.ready,
             "healthy": self.healthy,
+            "worker_stalled": self._stall is not None,
         }
 
     async def core_stats(self) -> dict:

@@ -7,6 +7,9 @@ answers with one ``loop.call_soon_threadsafe`` per completed step, never one per
 Overlap (DESIGN.md): the thread keeps up to two Steps in flight, so it plans Step N+1 while the
 worker computes Step N and the worker always has its next Step queued. The Planner's hot calls
 release the GIL, so HTTP work on the event loop does not starve planning and vice versa.
+
+The thread also watches the Steps it has sent (step_watch.py): one left unanswered past
+``step_timeout`` makes the engine unhealthy until it completes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pyserve.engine.channels import RingAddresses, main_sockets
 from pyserve.engine.errors import EngineDeadError, EngineError, EngineStartError
 from pyserve.engine.idle_check import IdleWatch, core_problems
+from pyserve.engine.step_watch import Stall, StepWatch
 from pyserve.engine.subprocesses import Children
 from pyserve.wire import detok_to_main as inp
 from pyserve.wire import main_to_worker as out
@@ -49,6 +53,7 @@ class EngineSink(Protocol):
     def on_request_error(self, rids: list[int] | None, error: Exception) -> None: ...
     def on_fatal(self, error: Exception) -> None: ...
     def on_idle(self, problems: list[str], last_submitted_rid: int) -> None: ...
+    def on_stall(self, stall: Stall | None) -> None: ...
 
 
 class SchedulerLoop:
@@ -62,6 +67,7 @@ class SchedulerLoop:
         sink: EngineSink,
         ready_timeout: float,
         shutdown_timeout: float,
+        step_timeout: float = 0.0,
     ) -> None:
         self._addresses = addresses
         self._children = children
@@ -94,6 +100,7 @@ class SchedulerLoop:
         self._handed_tokens = 0  # tokens handed to live requests since start
         self._last_submitted_rid = 0
         self._idle_watch = IdleWatch()
+        self._step_watch = StepWatch(step_timeout)
         self.snapshot: dict = {}  # the planner's stats, refreshed by the thread (read anywhere)
 
     # ------------------------------------------------------------------ event-loop side
@@ -233,6 +240,8 @@ class SchedulerLoop:
                 dead = self._children.first_dead()
                 if dead is not None:
                     raise EngineDeadError(f"{dead.describe_exit()}; the engine cannot go on")
+                if self._step_watch.check(now):
+                    self._post(self._sink.on_stall, self._step_watch.stall)
             if now - self._last_stats >= STATS_EVERY_S or not self._live:
                 self._refresh_stats(now)
             idle = not self._live and self._planner.num_inflight_steps == 0
@@ -273,7 +282,9 @@ class SchedulerLoop:
             step = planner.plan()
             if step is None:
                 return
-            self._send(out.step_from_plan(step))
+            msg = out.step_from_plan(step)
+            self._send(msg)
+            self._step_watch.sent(msg.step_id, len(msg.rids) // 8, time.monotonic())
 
     def _send(self, msg: out.NewRequest | out.Step | out.Shutdown) -> None:
         self._to_worker.send(out.encoder.encode(msg), copy=False)
@@ -295,6 +306,7 @@ class SchedulerLoop:
     def _on_step_done(self, msg: inp.StepDone) -> None:
         planner = self._planner
         planner.report(msg.step_id, msg.rids, msg.token_ids)
+        self._step_watch.done(msg.step_id, time.monotonic())
         self._worker_requests = msg.worker_requests
         self._detokenizer_requests = msg.detokenizer_requests
         self._worker_busy_seconds = msg.worker_busy_seconds
@@ -349,6 +361,8 @@ class SchedulerLoop:
             "worker_busy_seconds": self._worker_busy_seconds,
             "worker_steps": self._worker_steps,
             "handed_tokens": self._handed_tokens,
+            "oldest_step_age_seconds": self._step_watch.oldest_age(time.monotonic()),
+            "worker_stalls": self._step_watch.stalls,
         }
 
     def _refresh_stats(self, now: float) -> None:

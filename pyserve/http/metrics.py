@@ -53,7 +53,19 @@ class EngineCollector(Collector):
             "pyserve_kv_block_size": ("Tokens per KV block", stats.get("block_size", 0)),
             "pyserve_requests_running": ("Requests being computed", stats.get("num_running", 0)),
             "pyserve_requests_waiting": ("Requests waiting to start", stats.get("num_waiting", 0)),
-            "pyserve_ready": ("1 when the engine serves", int(bool(stats.get("healthy")))),
+            "pyserve_ready": (
+                "1 when the engine serves and /health answers 200",
+                int(bool(stats.get("healthy"))),
+            ),
+            # The step watchdog (engine/step_watch.py): a worker stuck inside a step.
+            "pyserve_worker_step_stalled": (
+                "1 while a step has gone unanswered by the worker longer than the step timeout",
+                int(bool(stats.get("worker_stalled"))),
+            ),
+            "pyserve_worker_oldest_step_age_seconds": (
+                "Seconds the worker has had its oldest unanswered step; 0 when none",
+                stats.get("oldest_step_age_seconds", 0.0),
+            ),
             # Where request state lives; all 0 when idle (the idle self-check's accounts).
             "pyserve_engine_requests": (
                 "Request states in the main process",
@@ -92,6 +104,10 @@ class EngineCollector(Collector):
             "pyserve_idle_check_failures": (
                 "Idle accounting self-checks that found a leak",
                 "idle_check_failures",
+            ),
+            "pyserve_worker_step_stalls": (
+                "Steps the worker left unanswered longer than the step timeout",
+                "worker_stalls",
             ),
         }
         for name, (doc, key) in counters.items():

@@ -35,7 +35,10 @@ class ServiceRoutes:
 
     async def health(self, request: web.Request) -> web.Response:
         status = self.status()
-        return json_response({"status": status}, status=200 if status == "ok" else 503)
+        body = {"status": status}
+        if status == "unhealthy":  # the engine has failed, or a step is stuck in the worker
+            body["reason"] = self.engine.health_problem
+        return json_response(body, status=200 if status == "ok" else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = self.engine.server_info()

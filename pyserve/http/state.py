@@ -104,7 +104,7 @@ class ServerState:
             )
         if not self.engine.ready:
             raise not_ready()
-        if not self.engine.healthy:
+        if not self.engine.serving:  # a stalled step (unhealthy, but serving) takes requests
             raise APIError(
                 503,
                 f"The engine has failed: {self.engine.failure}",

@@ -12,6 +12,7 @@ Importing this module stays light (no torch), so that the main process can build
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import traceback
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from pyserve.worker.executor import StepExecutor
 
 log = logging.getLogger("pyserve.worker")
+
+# Tests only: the worker sleeps this many seconds inside its first Step, so that a test can see
+# main's step watchdog (pyserve/engine/step_watch.py) fire and clear. Never set it anywhere else.
+TEST_HOOK_STALL_STEP_S = "PYSERVE_TEST_HOOK_STALL_WORKER_STEP_S"
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -125,6 +130,9 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
     busy_seconds, steps = 0.0, 0  # running totals, carried on every StepTokens
+    stall_s = float(os.environ.get(TEST_HOOK_STALL_STEP_S) or 0)
+    if stall_s > 0:
+        log.warning("test hook %s: the first step will stall %g s", TEST_HOOK_STALL_STEP_S, stall_s)
     while True:
         # take everything already queued before blocking again
         frames = [pull.recv()]
@@ -141,6 +149,9 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
                 log.error("dropped a malformed message: %s", e)
                 continue
             if isinstance(msg, inp.Step):
+                if stall_s > 0:
+                    time.sleep(stall_s)
+                    stall_s = 0.0
                 replies = _run_step(executor, msg)
                 steps += 1
                 tokens = replies[-1]  # the StepTokens comes last
