@@ -8,14 +8,15 @@
 
 #include <cmath>
 
+#include "avx512_math.h"
+
 #define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
 namespace pyserve_kernels {
 namespace {
 
-inline __mmask16 lanes(int left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-}
+using avx512::exp_nonpositive;
+using avx512::lanes;
 
 // 16 (or the masked lanes of 16) cache elements from `p`, as floats.
 template <DType T>
@@ -107,24 +108,6 @@ PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, const
     case DType::kFloat16:
       return score_for<DType::kFloat16>(q, group, dim, k, tokens, s, stride);
   }
-}
-
-// exp(x) for x ≤ 0: x = n·ln2 + r, |r| ≤ ln2/2, exp(r) by Cephes' degree-6 polynomial, times 2^n
-// (scalef). Relative error ~2e-7. A NaN stays NaN (max returns its second operand then).
-PYSERVE_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
 }
 
 PYSERVE_AVX512 float exp_sum(float* s, int n, float shift) {

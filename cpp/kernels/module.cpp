@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "dispatch.h"
+#include "layer_ops.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -71,6 +72,34 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
   pk::paged_decode_attention(args);
 }
 
+void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, uintptr_t weight,
+              float eps, uintptr_t out, int64_t out_stride) {
+  const pk::RmsNormArgs args{static_cast<pk::DType>(dtype),
+                             address<const void>(x),
+                             x_stride,
+                             rows,
+                             hidden,
+                             address<const void>(weight),
+                             eps,
+                             address<void>(out),
+                             out_stride};
+  py::gil_scoped_release released;
+  pk::rms_norm(args);
+}
+
+void silu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width, uintptr_t out,
+              int64_t out_stride) {
+  const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
+                             address<const void>(input),
+                             input_stride,
+                             rows,
+                             width,
+                             address<void>(out),
+                             out_stride};
+  py::gil_scoped_release released;
+  pk::silu_mul(args);
+}
+
 py::list supported_isas() {
   py::list names;
   const std::string before = pk::current_isa();
@@ -111,6 +140,12 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("attention_partition_tokens", &pk::auto_partition_tokens, py::arg("total_context_tokens"),
         py::arg("num_kv_heads"), py::arg("threads"),
         "the context tokens per work item that partition_tokens=0 picks");
+  m.def("rms_norm", &rms_norm, py::arg("dtype"), py::arg("x"), py::arg("x_stride"), py::arg("rows"),
+        py::arg("hidden"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("out_stride"),
+        "out = weight * x * rsqrt(mean(x^2) + eps), row by row");
+  m.def("silu_mul", &silu_mul, py::arg("dtype"), py::arg("input"), py::arg("input_stride"),
+        py::arg("rows"), py::arg("width"), py::arg("out"), py::arg("out_stride"),
+        "out = silu(input[:, :width]) * input[:, width:]");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

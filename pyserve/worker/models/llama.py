@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.worker import layer_ops
 from pyserve.worker.attention.base import AttentionBackend
 from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError
@@ -36,8 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op instead of seven; it accumulates in float32 for bf16 inputs too
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # one pass in C++ on the CPU (layer_ops.py), torch's op elsewhere
+        return layer_ops.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,8 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         attn = attention.forward(self.index, q, k, v, metadata)
         # residual adds in place into the projections' fresh outputs: no extra allocation
         hidden = self.o_proj(attn.reshape(rows, -1)).add_(hidden)
-        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up).add_(hidden)
+        gate_up = self.gate_up_proj(self.post_attention_norm(hidden))
+        return self.down_proj(layer_ops.silu_mul(gate_up)).add_(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

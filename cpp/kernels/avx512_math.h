@@ -1,0 +1,63 @@
+// AVX-512 helpers shared by the attention and layer-op loops: tail masks, a polynomial exp, and
+// bf16 ↔ float. Function-level target attributes: including files build with the default flags.
+#pragma once
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#define PYSERVE_AVX512_MATH __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+namespace pyserve_kernels {
+namespace avx512 {
+
+inline __mmask16 lanes(int left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// exp(x) for x ≤ 0: x = n·ln2 + r, |r| ≤ ln2/2, exp(r) by Cephes' degree-6 polynomial, times 2^n
+// (scalef). Relative error ~2e-7. A NaN stays NaN (max returns its second operand then).
+PYSERVE_AVX512_MATH inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// 16 (masked) bf16 values from p, as floats.
+PYSERVE_AVX512_MATH inline __m512 load_bf16(const void* p, __mmask16 live) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The bf16 bits of 16 floats, rounded to nearest even; a NaN stays a (quiet) NaN.
+PYSERVE_AVX512_MATH inline __m512i bf16_bits32(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+}
+
+// v as bf16 would hold it, still as floats.
+PYSERVE_AVX512_MATH inline __m512 round_to_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits32(v), 16));
+}
+
+PYSERVE_AVX512_MATH inline void store_bf16(void* p, __mmask16 live, __m512 v) {
+  _mm256_mask_storeu_epi16(p, live, _mm512_cvtepi32_epi16(bf16_bits32(v)));
+}
+
+}  // namespace avx512
+}  // namespace pyserve_kernels
+
+#endif
