@@ -37,7 +37,7 @@ from pyserve.worker.kv_cache import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def decode_batch(batch: int, context: int, num_blocks: int, seed: int) -> ForwardBatch:
@@ -54,10 +54,12 @@ def decode_batch(batch: int, context: int, num_blocks: int, seed: int) -> Forwar
     )
 
 
-def measure(batch: int, context: int, dtype: torch.dtype, rounds: int, clock) -> dict[str, float]:
+def measure(
+    batch: int, context: int, dtype: torch.dtype, cache_dtype: torch.dtype, rounds: int, clock
+) -> dict[str, float]:
     num_blocks = batch * -(-context // BLOCK) + 8
     cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=BLOCK,
-                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)  # fmt: skip
+                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=cache_dtype)  # fmt: skip
     for t in cache.k + cache.v:
         t.normal_()
     kw = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
@@ -91,7 +93,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--contexts", default="256,1024")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="comma list of model dtypes, each optionally /the KV cache's (float32/float16)",
+    )
     parser.add_argument("--threads", default="1,2", help="comma list of thread counts")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
@@ -108,7 +114,9 @@ def main() -> None:
         for dtype_name in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 for context in (int(c) for c in args.contexts.split(",")):
-                    t = measure(batch, context, DTYPES[dtype_name], args.rounds, clock)
+                    q_name, _, cache_name = dtype_name.partition("/")
+                    dtypes = DTYPES[q_name], DTYPES[cache_name or q_name]
+                    t = measure(batch, context, *dtypes, args.rounds, clock)
                     ratio = t["torch"] / t["kernel"]
                     cells = [threads, dtype_name, batch, context, f"{t['torch']:.0f}",
                              f"{t['kernel']:.0f}", f"{ratio:.2f}", f"{t['write']:.0f}"]  # fmt: skip
