@@ -25,7 +25,7 @@ from pyserve.engine import Engine, EngineConfig
 from pyserve.http.app import create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.state import ServerState
-from pyserve.worker.dtypes import QUANTIZATION_NAMES
+from pyserve.worker.dtypes import KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
 
 log = logging.getLogger("pyserve")
 
@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="what the model computes in; auto: float32 on the CPU, bfloat16 elsewhere",
+    )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPE_NAMES),
+        help="what K and V are stored in; auto: float16 for a float32 model on the CPU "
+        "(as llama.cpp), the model's dtype otherwise",
     )
     add("--device", default="cpu", help="torch device of the model worker")
     add(
@@ -116,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_running_requests=args.max_running_requests,

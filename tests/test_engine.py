@@ -438,8 +438,15 @@ def test_kv_pool_is_sized_from_the_model_and_the_budget():
     info = read_model_info(resolve_model(None))  # SmolLM2: 30 layers × 3 KV heads × 64 dims
     default = EngineConfig()
     assert default.resolved_dtype() == "float32"
-    assert default.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * 64 * 4)) // 16)
+    assert default.resolved_kv_cache_dtype() == "float16"  # a float32 model on the CPU
+    assert default.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * 64 * 2)) // 16)
+    exact = EngineConfig(kv_cache_dtype="float32")
+    assert exact.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * 64 * 4)) // 16)
+    assert EngineConfig(dtype="bfloat16").resolved_kv_cache_dtype() == "bfloat16"
     assert EngineConfig(dtype="bfloat16").num_kv_blocks(info) == -(-((1 << 30) // 23040) // 16)
+    assert EngineConfig(device="cuda", dtype="float32").resolved_kv_cache_dtype() == "float32"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8").validate()
     assert EngineConfig(kv_cache_tokens=1000, block_size=32).num_kv_blocks(info) == 32
     with pytest.raises(ValueError, match="schedule_policy"):
         EngineConfig(schedule_policy="random").validate()

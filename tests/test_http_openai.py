@@ -38,7 +38,9 @@ def refs(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    args = ["--model", str(model_dir), "--dtype", "float32", "--kv-cache-tokens", str(KV_TOKENS)]
+    # the exact mode: float32 compute and K/V (auto would store K/V in float16 on the CPU)
+    args = ["--model", str(model_dir), "--dtype", "float32", "--kv-cache-dtype", "float32"]
+    args += ["--kv-cache-tokens", str(KV_TOKENS)]
     args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from pyserve.model_files import ModelInfo
-from pyserve.worker.dtypes import resolve_quantization  # torch-free
+from pyserve.worker.dtypes import resolve_kv_cache_dtype, resolve_quantization  # torch-free
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
@@ -27,6 +27,9 @@ class EngineConfig:
     # precision a GGUF file holds, on the CPU (none for float checkpoints and other devices).
     # The worker resolves auto (it reads the file) and reports the result in WorkerReady.
     quantization: str = "auto"
+    # K and V storage: float32 | bfloat16 | float16 | auto (float16 for a float32 model on the
+    # CPU, the model's dtype otherwise: pyserve/worker/dtypes.py, resolve_kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
     kv_cache_tokens: int | None = None
@@ -74,6 +77,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, {', '.join(DTYPE_BYTES)}; got {self.dtype!r}")
         return self.dtype
 
+    def resolved_kv_cache_dtype(self) -> str:
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.device, self.resolved_dtype())
+
     def num_kv_blocks(self, info: ModelInfo) -> int:
         """Blocks in the KV pool for this model (at least one)."""
         if self.block_size < 1:
@@ -81,13 +87,13 @@ class EngineConfig:
         if self.kv_cache_tokens is not None:
             tokens = self.kv_cache_tokens
         else:
-            per_token = info.kv_bytes_per_token(DTYPE_BYTES[self.resolved_dtype()])
+            per_token = info.kv_bytes_per_token(DTYPE_BYTES[self.resolved_kv_cache_dtype()])
             tokens = self.kv_cache_bytes // per_token
         return max(1, math.ceil(tokens / self.block_size))
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before any process starts."""
-        self.resolved_dtype()
+        self.resolved_kv_cache_dtype()  # checks dtype too
         # an unknown name, or int4/int8 off the CPU
         resolve_quantization(self.quantization, self.device, None)
         positive = ("block_size", "max_running_requests", "max_prefill_tokens")

@@ -125,13 +125,14 @@ class Engine:
             await self._teardown()
             raise
         log.info(
-            "engine ready: %s, KV pool %d blocks × %d tokens (%s on %s), quantization %s, "
+            "engine ready: %s in %s on %s, KV pool %d blocks × %d tokens (%s), quantization %s, "
             "model loaded in %.1f s",
             self.model_name,
-            self._ready.num_blocks,
-            self._ready.block_size,
             self._ready.dtype,
             self._ready.device,
+            self._ready.num_blocks,
+            self._ready.block_size,
+            self._ready.kv_cache_dtype,
             self._ready.quantization,
             self._ready.load_seconds,
         )
@@ -162,6 +163,7 @@ class Engine:
                 block_size=config.block_size,
                 model=model_path,
                 dtype=config.resolved_dtype(),
+                kv_cache_dtype=config.resolved_kv_cache_dtype(),
                 device=config.device,
                 quantization=config.quantization,
                 max_model_len=config.max_model_len,
@@ -376,7 +378,7 @@ class Engine:
                 "block_size": self.block_size,
                 "tokens": self.num_blocks * self.block_size,
                 "bytes": ready.kv_cache_bytes if ready is not None else 0,
-                "dtype": ready.dtype if ready is not None else None,
+                "dtype": ready.kv_cache_dtype if ready is not None else None,
                 "device": ready.device if ready is not None else None,
             },
             # what the worker runs its linear layers in (config.quantization may say auto)

@@ -51,6 +51,7 @@ class Ready(msgspec.Struct, tag=True):
     load_seconds: float = 0.0
     kv_cache_bytes: int = 0
     quantization: str = "none"  # the linear layers' precision: none, int8 or int4
+    kv_cache_dtype: str = ""  # what K and V are stored in ("": the model's dtype)
 
 
 class Stopped(msgspec.Struct, tag=True):

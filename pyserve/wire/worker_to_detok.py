@@ -64,6 +64,7 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     load_seconds: float = 0.0
     kv_cache_bytes: int = 0
     quantization: str = "none"  # the linear layers' precision: none, int8 or int4
+    kv_cache_dtype: str = ""  # what K and V are stored in ("": the model's dtype)
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -29,6 +29,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.dtype = dtype
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # zeros, not empty: masked-out slots are still multiplied (by a zero weight), and
         # uninitialised memory could hold NaN/inf, which 0 * inf would spread.
@@ -42,9 +43,12 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new tokens' K/V.
 
-        slots: int64 [T], block * block_size + offset; k, v: [T, kv_heads, head_dim].
+        slots: int64 [T], block * block_size + offset; k, v: [T, kv_heads, head_dim], in any
+        float dtype (rounded to the cache's).
         """
         heads = self.num_kv_heads
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
         self.k[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
 

@@ -23,6 +23,8 @@ class ModelRunner:
     ``dtype``: float32, bfloat16, float16, or auto (``pyserve.worker.dtypes.default_dtype``).
     ``quantization``: none, int8 or int4 linear layers (``pyserve.worker.quant``), or auto: the
     precision a GGUF file holds, on the CPU (``pyserve.worker.dtypes.resolve_quantization``).
+    ``kv_cache_dtype``: what K and V are stored in; None: the model's dtype (the engine passes
+    what ``resolve_kv_cache_dtype`` chose). Attention computes in the model's dtype either way.
 
     Block ids in ForwardBatch.block_tables index this cache directly (they come from the core's
     BlockAllocator, sized with the same ``num_blocks``).
@@ -38,9 +40,14 @@ class ModelRunner:
         device: str = "cpu",
         max_model_len: int | None = None,
         quantization: str = "none",
+        kv_cache_dtype: str | None = None,
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (auto, {', '.join(DTYPES)})")
+        if kv_cache_dtype is not None and kv_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} is not supported ({', '.join(DTYPES)})"
+            )
         resolve_quantization(quantization, device, None)  # bad settings fail before loading
         started = time.perf_counter()
         checkpoint = open_checkpoint(model)
@@ -50,6 +57,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.dtype_name = dtype
+        self.kv_cache_dtype_name = kv_cache_dtype or dtype  # None: K and V in the model's dtype
         self.config: ModelConfig = checkpoint.config
         limit = self.config.max_model_len
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
@@ -71,7 +79,7 @@ class ModelRunner:
             block_size=block_size,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
-            dtype=self.dtype,
+            dtype=DTYPES[self.kv_cache_dtype_name],
             device=self.device,
         )
         self.attention = create_attention_backend(

@@ -50,6 +50,7 @@ class OfflineEngine:
         dtype: str = "float32",
         device: str = "cpu",
         quantization: str = "none",
+        kv_cache_dtype: str | None = None,
         num_blocks: int = 1024,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -76,6 +77,7 @@ class OfflineEngine:
                 device=device,
                 max_model_len=max_model_len,
                 quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
             )
         self.runner = runner
         config = runner.config

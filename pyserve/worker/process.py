@@ -43,6 +43,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: int = 16
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
     dtype: str = "float32"
+    kv_cache_dtype: str | None = None  # None: the model's dtype
     device: str = "cpu"
     quantization: str = "none"  # none | int8 | int4 | auto (ModelRunner resolves auto)
     max_model_len: int | None = None
@@ -97,6 +98,7 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
             device=config.device,
             max_model_len=config.max_model_len,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         executor = StepExecutor(
             runner,
@@ -119,6 +121,7 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
         dtype=runner.dtype_name,
         device=config.device,
         quantization=runner.quantization,
+        kv_cache_dtype=runner.kv_cache_dtype_name,
         load_seconds=load_seconds,
         kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)),
     )

@@ -197,7 +197,8 @@ class CpuAttentionBackend(AttentionBackend):
         entry_idx = torch.tensor(entries, dtype=torch.int64, device=device)
         chunk_blocks = table_rows[entry_idx[owner][:, None], columns]
         pos = chunk_no[:, None] * chunk_tokens + torch.arange(chunk_tokens, device=device)
-        bias = torch.zeros(pos.shape, dtype=self.kv_cache.k[0].dtype, device=device)
+        # float32 adds into scores of any dtype in place (bf16 included)
+        bias = torch.zeros(pos.shape, dtype=torch.float32, device=device)
         bias.masked_fill_(pos >= context[owner][:, None], float("-inf"))
         return DecodeChunks(
             token_index=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -258,12 +259,15 @@ class CpuAttentionBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
         if span.blocks is None:  # nothing cached before this chunk: its own k, v suffice
+            # as the cache holds them, so that a prompt gives the same result however it is
+            # split into chunks
+            k, v = self._as_cached(k, q.dtype), self._as_cached(v, q.dtype)
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = span.start_pos + span.num_tokens
             keys, values = self.kv_cache.gather(layer, span.blocks)
-            keys = keys.flatten(1, 2)[:, :total]
-            values = values.flatten(1, 2)[:, :total]
+            keys = keys.flatten(1, 2)[:, :total].to(q.dtype)
+            values = values.flatten(1, 2)[:, :total].to(q.dtype)
             mask, causal = span.mask, False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -276,13 +280,18 @@ class CpuAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)
 
+    def _as_cached(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x rounded to the cache's dtype (when it differs), back in ``dtype``."""
+        cache_dtype = self.kv_cache.dtype
+        return x if cache_dtype == x.dtype else x.to(cache_dtype).to(dtype)
+
     def _decode(self, layer: int, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
         """q: [D, heads, head_dim] for D single-token entries → the same shape."""
         num_rows = q.shape[0]
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         keys, values = self.kv_cache.gather(layer, chunks.chunk_blocks)  # [KVH, C, nb, bs, dim]
-        keys = keys.flatten(2, 3)  # [KVH, C, chunk_tokens, dim]
-        values = values.flatten(2, 3)
+        keys = keys.flatten(2, 3).to(q.dtype)  # [KVH, C, chunk_tokens, dim]
+        values = values.flatten(2, 3).to(q.dtype)
         # [D, H, dim] -> [KVH, D, group, dim]: query head h uses kv head h // group
         q_by_kv = (q * self.scale).view(num_rows, kv_heads, group, dim).transpose(0, 1)
         if chunks.one_chunk_each:
