@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the model computes in; auto: float32 on the CPU, bfloat16 elsewhere",
     )
     add(
+        "--activation-bits",
+        type=int,
+        default=16,
+        choices=[16, 8],
+        help="what int8/int4 layers round activations to; 8: llama.cpp's numerics, faster "
+        "prefill and batched decode, less accurate",
+    )
+    add(
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPE_NAMES),
@@ -124,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        activation_bits=args.activation_bits,
         block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_running_requests=args.max_running_requests,

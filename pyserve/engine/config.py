@@ -30,6 +30,10 @@ class EngineConfig:
     # K and V storage: float32 | bfloat16 | float16 | auto (float16 for a float32 model on the
     # CPU, the model's dtype otherwise: pyserve/worker/dtypes.py, resolve_kv_cache_dtype)
     kv_cache_dtype: str = "auto"
+    # What int8/int4 layers round activations to: 16 bits (logits within ~0.001 of float32
+    # over the same weights) or 8 (llama.cpp's Q8_1: matmuls ~1.6x faster from ~8 rows on,
+    # logprobs off by up to ~1; benchmarks/RESULTS.md). No effect without quantization.
+    activation_bits: int = 16
     block_size: int = 16
     # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
     kv_cache_tokens: int | None = None
@@ -102,6 +106,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if not self.step_timeout >= 0:  # also NaN

@@ -164,6 +164,7 @@ class Engine:
                 model=model_path,
                 dtype=config.resolved_dtype(),
                 kv_cache_dtype=config.resolved_kv_cache_dtype(),
+                activation_bits=config.activation_bits,
                 device=config.device,
                 quantization=config.quantization,
                 max_model_len=config.max_model_len,

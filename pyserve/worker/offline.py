@@ -51,6 +51,7 @@ class OfflineEngine:
         device: str = "cpu",
         quantization: str = "none",
         kv_cache_dtype: str | None = None,
+        activation_bits: int = 16,
         num_blocks: int = 1024,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -78,6 +79,7 @@ class OfflineEngine:
                 max_model_len=max_model_len,
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
+                activation_bits=activation_bits,
             )
         self.runner = runner
         config = runner.config

@@ -44,6 +44,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
     dtype: str = "float32"
     kv_cache_dtype: str | None = None  # None: the model's dtype
+    activation_bits: int = 16  # quantized layers' activations: 16 or 8 (llama.cpp's Q8_1)
     device: str = "cpu"
     quantization: str = "none"  # none | int8 | int4 | auto (ModelRunner resolves auto)
     max_model_len: int | None = None
@@ -99,6 +100,7 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
             max_model_len=config.max_model_len,
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            activation_bits=config.activation_bits,
         )
         executor = StepExecutor(
             runner,
