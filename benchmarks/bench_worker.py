@@ -243,6 +243,19 @@ def main() -> None:
         default="none",
         help="comma-separated: none, int8, int4, auto (the runner's linear layers)",
     )
+    parser.add_argument(
+        "--activation-bits",
+        default="16",
+        help="comma-separated: 16, 8 (what quantized layers round activations to; "
+        "8 runs only with int8/int4)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="K/V storage (default: the model's dtype; the server's auto is float16 for a "
+        "float32 model on the CPU)",
+    )
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt-len", type=int, default=64, help="context before decoding")
     parser.add_argument("--decode-steps", type=int, default=64)
@@ -277,7 +290,10 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average {os.getloadavg()[0]:.1f}"
     )
-    for dtype_name, quantization in itertools.product(dtypes, quantizations):
+    activation_bits = [int(b) for b in args.activation_bits.split(",")]
+    for dtype_name, quantization, bits in itertools.product(dtypes, quantizations, activation_bits):
+        if bits != 16 and quantization == "none":
+            continue
         dtype = DTYPES[dtype_name]
         tokens_each = args.prompt_len + args.decode_steps + 2
         need = max(batches) * -(-max(tokens_each, args.prefill_len) // BLOCK_SIZE)
@@ -287,10 +303,14 @@ def main() -> None:
             num_blocks=need,
             block_size=BLOCK_SIZE,
             quantization=quantization,
+            activation_bits=bits,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         config = runner.config
+        kv = runner.kv_cache_dtype_name
         print(
-            f"\n== {dtype_name}, quantization {runner.quantization} "
+            f"\n== {dtype_name}, quantization {runner.quantization}, activations {bits}-bit, "
+            f"K/V {kv} "
             f"({config.name}, load {runner.load_seconds:.1f}s) =="
         )
         print(f"{'':>14} {'ours tok/s':>11} {'HF tok/s':>9} {'×HF':>6} {'ceiling':>9} {'%ceil':>6}")
@@ -326,6 +346,8 @@ def main() -> None:
                 {
                     "dtype": dtype_name,
                     "quantization": runner.quantization,
+                    "activation_bits": bits,
+                    "kv_cache_dtype": kv,
                     "case": label,
                     "ours": ours,
                     "hf": theirs,

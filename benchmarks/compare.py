@@ -256,7 +256,7 @@ def describe_pyserve(base_url: str) -> dict:
         return {}
     info = json.loads(body)
     config, kv = info.get("config") or {}, info.get("kv_cache") or {}
-    dtype = kv.get("dtype") or config.get("dtype")
+    dtype = info.get("dtype") or config.get("dtype")
     quant = next(
         (
             q
@@ -265,10 +265,14 @@ def describe_pyserve(base_url: str) -> dict:
         ),
         None,
     )
-    return {
+    runs_as = {
         "dtype": str(dtype).removeprefix("torch.") if dtype else None,
         "quantization": None if quant == "none" else quant,
+        "kv_cache_dtype": kv.get("dtype"),
     }
+    if runs_as["quantization"] and config.get("activation_bits", 16) != 16:
+        runs_as["activation_bits"] = config["activation_bits"]
+    return runs_as
 
 
 def runs_as_text(runs_as: dict) -> str:
@@ -278,6 +282,10 @@ def runs_as_text(runs_as: dict) -> str:
     parts = [runs_as.get("dtype") or "?"]
     if runs_as.get("quantization"):
         parts.append(f"{runs_as['quantization']} weights")
+    if runs_as.get("activation_bits"):
+        parts.append(f"int{runs_as['activation_bits']} activations")
+    if runs_as.get("kv_cache_dtype") and runs_as["kv_cache_dtype"] != runs_as.get("dtype"):
+        parts.append(f"{runs_as['kv_cache_dtype']} K/V")
     return ", ".join(parts)
 
 

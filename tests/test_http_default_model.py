@@ -30,6 +30,7 @@ def test_default_model_answers_paris():
     info = json.loads(body)
     assert status == 200 and info["config"]["quantization"] == "auto"
     # K and V in float16, as llama.cpp keeps them (pyserve/worker/dtypes.py)
-    assert info["quantization"] == "int4" and info["kv_cache"]["dtype"] == "float16"
+    assert info["quantization"] == "int4" and info["dtype"] == "float32"
+    assert info["kv_cache"]["dtype"] == "float16"
     assert "quantization int4" in log
     assert info["prefill_budget"] == {"max_prefill_tokens": 512, "chunked_prefill_size": 512}

@@ -374,6 +374,7 @@ class Engine:
             "model_info": info,
             "context_length": self.context_length,
             "config": dataclasses.asdict(self.config),
+            "dtype": ready.dtype if ready is not None else None,  # what the model computes in
             "kv_cache": {
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,

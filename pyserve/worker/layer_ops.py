@@ -33,12 +33,18 @@ def _fused_module():
     return module if module.isa() == "avx512_vnni" else None
 
 
-_kernels = _fused_module()
+# Looked up at the first call, not at import: quant.kernels() sizes the kernels' thread pool
+# from torch's thread count, which the worker (or a benchmark) sets after importing the model.
+_kernels = None
+_looked_up = False
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as a [rows, width] CPU tensor the kernels take (rows evenly strided, elements
     contiguous), or None when they do not apply."""
+    global _kernels, _looked_up
+    if not _looked_up:
+        _kernels, _looked_up = _fused_module(), True
     if _kernels is None or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
         return None
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
