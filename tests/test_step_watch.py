@@ -163,3 +163,27 @@ def test_a_stalled_worker_turns_health_to_503_and_back(tmp_path_factory, monkeyp
         assert len(recovered) == 1 and " INFO " in recovered[0]
         took = float(recovered[0].split("worker recovered after ")[1].split(" s")[0])
         assert STALL_S - 0.5 <= took < STALL_S + 5
+
+
+@pytest.mark.parametrize(
+    "failure, status_code, words",
+    [
+        (None, "draining", "shutting down"),
+        (RuntimeError("worker died"), "engine_dead", "worker died"),
+    ],
+)
+def test_requests_to_a_closing_or_failed_engine_get_503_saying_which(failure, status_code, words):
+    """An engine that is not serving is either closing (an embedding app stops it; no failure)
+    or dead: the 503 says which, never "The engine has failed: None"."""
+    from types import SimpleNamespace
+
+    from pyserve.http.errors import APIError
+    from pyserve.http.state import ServerState
+
+    state = ServerState.__new__(ServerState)  # check_serving reads only these two
+    state.draining = False
+    state.engine = SimpleNamespace(ready=True, serving=False, failure=failure)
+    with pytest.raises(APIError) as raised:
+        state.check_serving()
+    assert raised.value.status == 503 and raised.value.info.code == status_code
+    assert words in raised.value.info.message and "None" not in raised.value.info.message

@@ -105,6 +105,10 @@ class ServerState:
         if not self.engine.ready:
             raise not_ready()
         if not self.engine.serving:  # a stalled step (unhealthy, but serving) takes requests
+            if self.engine.failure is None:  # closing: an embedding app is shutting it down
+                raise APIError(
+                    503, "The engine is shutting down.", type="service_unavailable", code="draining"
+                )
             raise APIError(
                 503,
                 f"The engine has failed: {self.engine.failure}",
