@@ -526,3 +526,16 @@ def test_a_bad_prompt_fails_its_call_and_leaves_nothing_behind() -> None:
     (out,) = engine.generate([[5, 6]], greedy)
     assert out.token_ids == hash_reference([5, 6], greedy)
     assert engine.planner.num_running == engine.planner.num_waiting == 0
+
+
+def test_float16_cache_saturates_outliers_instead_of_storing_inf() -> None:
+    from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
+
+    cache = PagedKVCache(
+        num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float16
+    )
+    k = torch.tensor([[[1e6, -1e6]], [[0.5, 2.0]]])  # [T, kv_heads, head_dim], float32
+    cache.write(0, torch.tensor([0, 5]), k, k)
+    stored = cache.k[0].view(-1, 2)
+    assert torch.isfinite(cache.k[0]).all() and torch.isfinite(cache.v[0]).all()
+    assert stored[0].tolist() == [FLOAT16_MAX, -FLOAT16_MAX] and stored[5].tolist() == [0.5, 2.0]

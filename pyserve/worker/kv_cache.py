@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+FLOAT16_MAX = 65504.0
+
 
 class PagedKVCache:
     def __init__(
@@ -48,9 +50,17 @@ class PagedKVCache:
         """
         heads = self.num_kv_heads
         if k.dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
+            k, v = self.stored(k), self.stored(v)
         self.k[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the cache holds it: in its dtype, and within float16's range (±65504) for a
+        float16 cache, so that an outlier saturates instead of becoming inf (and NaN in
+        attention)."""
+        if self.dtype == torch.float16 and x.dtype != torch.float16:
+            x = x.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+        return x.to(self.dtype)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (int64, any shape S): each [kv_heads, *S, block_size, head_dim]."""

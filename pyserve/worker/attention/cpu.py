@@ -281,9 +281,8 @@ class CpuAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     def _as_cached(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x rounded to the cache's dtype (when it differs), back in ``dtype``."""
-        cache_dtype = self.kv_cache.dtype
-        return x if cache_dtype == x.dtype else x.to(cache_dtype).to(dtype)
+        """x as the cache holds it (when its dtype differs), back in ``dtype``."""
+        return x if self.kv_cache.dtype == x.dtype else self.kv_cache.stored(x).to(dtype)
 
     def _decode(self, layer: int, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
         """q: [D, heads, head_dim] for D single-token entries → the same shape."""
