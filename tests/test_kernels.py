@@ -316,6 +316,10 @@ def test_quant_linear_uses_the_kernel_for_small_batches_and_torch_beyond():
     unbounded = quant.QuantLinear(w, bias, 8)
     assert unbounded.weight is None and unbounded.max_kernel_rows is None
     assert torch.equal(unbounded(large), quant.quantized_matmul(large, unbounded.packed, bias))
+    # no rows (a step of unfinished prefill chunks samples none): an empty output, no call
+    for empty in (torch.empty(0, 96), torch.empty(2, 0, 96, dtype=torch.bfloat16)):
+        out = unbounded(empty)
+        assert out.shape == (*empty.shape[:-1], 70) and out.dtype == empty.dtype
 
 
 def tiny_llama(tied: bool):

@@ -294,6 +294,8 @@ class QuantLinear(nn.Module):
         limit = self.max_kernel_rows
         if limit is not None and rows > limit:
             return F.linear(x, self.weight, self.bias)
+        if rows == 0:  # a step whose rows all belong to unfinished prefill chunks samples none
+            return x.new_empty(*x.shape[:-1], n)
         flat = x.reshape(rows, k)
         if flat.dtype != torch.float32:
             flat = flat.float()
