@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--step-timeout",
         type=float,
-        default=60.0,
+        default=300.0,
         help="seconds the worker may take to answer one step before /health answers 503 and an "
         "error is logged (until the step completes; nothing is killed); 0: never",
     )

@@ -91,8 +91,8 @@ def test_timeout_zero_never_declares_a_stall_but_still_measures():
 
 def test_step_timeout_goes_from_the_cli_into_engine_config():
     parser = build_parser()
-    assert engine_config(parser.parse_args(["run"])).step_timeout == 60.0
-    assert EngineConfig().step_timeout == 60.0
+    assert engine_config(parser.parse_args(["run"])).step_timeout == 300.0
+    assert EngineConfig().step_timeout == 300.0
     assert engine_config(parser.parse_args(["run", "--step-timeout", "2.5"])).step_timeout == 2.5
     config = engine_config(parser.parse_args(["run", "--step-timeout", "0"]))
     assert config.step_timeout == 0.0

@@ -54,8 +54,10 @@ class EngineConfig:
     shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
     # Seconds a step may go unanswered by the worker before /health answers 503 (and an error
     # is logged) until it completes; 0: never. Nothing is killed (see engine/step_watch.py).
-    # A long prefill step on a slow CPU takes seconds, so the default leaves a wide margin.
-    step_timeout: float = 60.0
+    # A healthy step can be long: a 512-token prefill of a 7B model on a 2-core CPU takes
+    # ~40 s, and an orchestrator's health probe may restart a server it sees unhealthy, so the
+    # default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
+    step_timeout: float = 300.0
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
