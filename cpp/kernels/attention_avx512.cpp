@@ -10,46 +10,15 @@
 
 #include "avx512_math.h"
 
-#define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define PYSERVE_AVX512 PYSERVE_AVX512_MATH
 
 namespace pyserve_kernels {
 namespace {
 
+using avx512::element;
 using avx512::exp_nonpositive;
 using avx512::lanes;
-
-// 16 (or the masked lanes of 16) cache elements from `p`, as floats.
-template <DType T>
-PYSERVE_AVX512 inline __m512 load(const void* p, __mmask16 live) {
-  if constexpr (T == DType::kFloat32) {
-    return _mm512_maskz_loadu_ps(live, p);
-  } else {
-    const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
-    if constexpr (T == DType::kBFloat16)
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    else
-      return _mm512_cvtph_ps(raw);
-  }
-}
-
-template <DType T>
-PYSERVE_AVX512 inline __m512 load(const void* p) {
-  if constexpr (T == DType::kFloat32) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-    if constexpr (T == DType::kBFloat16)
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    else
-      return _mm512_cvtph_ps(raw);
-  }
-}
-
-template <DType T>
-inline const void* element(const void* base, int64_t i) {
-  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
-  return static_cast<const char*>(base) + i * bytes;
-}
+using avx512::load;
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree, 45 ops for
 // 16 sums (_mm512_reduce_add_ps is ~8 a sum).

@@ -1,9 +1,14 @@
-// AVX-512 helpers shared by the attention and layer-op loops: tail masks, a polynomial exp, and
-// bf16 ↔ float. Function-level target attributes: including files build with the default flags.
+// AVX-512 helpers shared by the attention and layer-op loops: tail masks, loads of float32 /
+// bf16 / fp16 elements as floats, a polynomial exp, and float → bf16. Function-level target
+// attributes: including files build with the default flags.
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+
+#include <cstdint>
+
+#include "attention.h"  // DType
 
 #define PYSERVE_AVX512_MATH __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
@@ -32,10 +37,38 @@ PYSERVE_AVX512_MATH inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// 16 (masked) bf16 values from p, as floats.
-PYSERVE_AVX512_MATH inline __m512 load_bf16(const void* p, __mmask16 live) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+// The address of element i of an array of T.
+template <DType T>
+inline const void* element(const void* base, int64_t i) {
+  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  return static_cast<const char*>(base) + i * bytes;
+}
+
+// 16 (or the masked lanes of 16) elements of type T from `p`, as floats.
+template <DType T>
+PYSERVE_AVX512_MATH inline __m512 load(const void* p, __mmask16 live) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm512_maskz_loadu_ps(live, p);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
+    if constexpr (T == DType::kBFloat16)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    else
+      return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <DType T>
+PYSERVE_AVX512_MATH inline __m512 load(const void* p) {
+  if constexpr (T == DType::kFloat32) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    if constexpr (T == DType::kBFloat16)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    else
+      return _mm512_cvtph_ps(raw);
+  }
 }
 
 // The bf16 bits of 16 floats, rounded to nearest even; a NaN stays a (quiet) NaN.

@@ -43,7 +43,7 @@ void rms_norm_rows_scalar(const RmsNormArgs& a, int row0, int row1) {
     const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(a.hidden) + a.eps);
     for (int i = 0; i < a.hidden; ++i) {
       float y = load_element(a.dtype, a.x, in + i) * inverse;
-      if (a.dtype != DType::kFloat32) y = rounded(a.dtype, y);
+      y = rounded(a.dtype, y);  // where HF rounds to the tensor's dtype
       store_element(a.dtype, a.out, out + i, load_element(a.dtype, a.weight, i) * y);
     }
   }
@@ -55,7 +55,7 @@ void silu_mul_rows_scalar(const SiluMulArgs& a, int row0, int row1) {
     for (int i = 0; i < a.width; ++i) {
       const float gate = load_element(a.dtype, a.input, in + i);
       float silu = gate / (1.0f + std::exp(-gate));
-      if (a.dtype != DType::kFloat32) silu = rounded(a.dtype, silu);
+      silu = rounded(a.dtype, silu);
       store_element(a.dtype, a.out, out + i,
                     silu * load_element(a.dtype, a.input, in + a.width + i));
     }

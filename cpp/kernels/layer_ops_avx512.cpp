@@ -11,12 +11,10 @@ namespace {
 
 using avx512::lanes;
 
+// 16 (masked) elements from base + i, as floats
 template <DType T>
 PYSERVE_AVX512_MATH inline __m512 load(const void* base, int64_t i, __mmask16 live) {
-  if constexpr (T == DType::kFloat32)
-    return _mm512_maskz_loadu_ps(live, static_cast<const float*>(base) + i);
-  else
-    return avx512::load_bf16(static_cast<const uint16_t*>(base) + i, live);
+  return avx512::load<T>(avx512::element<T>(base, i), live);
 }
 
 template <DType T>
