@@ -53,12 +53,12 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def run_kernel(fn, *args):
     """Calls the C++ kernel whatever layer_ops chose for this CPU."""
-    saved = layer_ops._kernels, layer_ops._looked_up
-    layer_ops._kernels, layer_ops._looked_up = KERNELS, True
+    saved = layer_ops.fused_kernels
+    layer_ops.fused_kernels = lambda: KERNELS
     try:
         return fn(*args)
     finally:
-        layer_ops._kernels, layer_ops._looked_up = saved
+        layer_ops.fused_kernels = saved
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

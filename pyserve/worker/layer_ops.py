@@ -11,19 +11,24 @@ as fast as a scalar loop). ``PYSERVE_LAYER_OPS=torch`` forces torch.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from pyserve.worker import quant
+from pyserve.worker.attention_kernel import DTYPE_CODES
 
 ENV = "PYSERVE_LAYER_OPS"  # "torch": never the fused kernels
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (codes: attention_kernel's)
 
 
-def _fused_module():
-    """The compiled module when the fused ops should run here, else None."""
+@functools.cache
+def fused_kernels():
+    """The compiled module when the fused ops should run here, else None. Looked up at the
+    first call, not at import: quant.kernels() sizes the kernels' thread pool from torch's
+    thread count, which the worker (or a benchmark) sets after importing the model."""
     if os.environ.get(ENV, "").lower() == "torch":
         return None
     try:
@@ -33,19 +38,10 @@ def _fused_module():
     return module if module.isa() == "avx512_vnni" else None
 
 
-# Looked up at the first call, not at import: quant.kernels() sizes the kernels' thread pool
-# from torch's thread count, which the worker (or a benchmark) sets after importing the model.
-_kernels = None
-_looked_up = False
-
-
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as a [rows, width] CPU tensor the kernels take (rows evenly strided, elements
     contiguous), or None when they do not apply."""
-    global _kernels, _looked_up
-    if not _looked_up:
-        _kernels, _looked_up = _fused_module(), True
-    if _kernels is None or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+    if x.dtype not in DTYPES or x.device.type != "cpu" or fused_kernels() is None:
         return None
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return flat if flat.stride(1) == 1 else flat.contiguous()
@@ -60,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match rows of {hidden}")
     out = torch.empty(rows, hidden, dtype=x.dtype)
-    _kernels.rms_norm(
+    fused_kernels().rms_norm(
         DTYPE_CODES[x.dtype], flat.data_ptr(), max(flat.stride(0), hidden), rows, hidden,
         weight.data_ptr(), eps, out.data_ptr(), hidden,
     )  # fmt: skip
@@ -75,7 +71,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     rows, width = flat.shape[0], flat.shape[1] // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype)
-    _kernels.silu_mul(
+    fused_kernels().silu_mul(
         DTYPE_CODES[gate_up.dtype], flat.data_ptr(), max(flat.stride(0), 2 * width), rows, width,
         out.data_ptr(), width,
     )  # fmt: skip
