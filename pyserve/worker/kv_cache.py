@@ -42,19 +42,22 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores new tokens' K/V.
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores new tokens' K/V; returns them as stored (the inputs when the dtypes match).
 
         slots: int64 [T], block * block_size + offset; k, v: [T, kv_heads, head_dim], in any
         float dtype (rounded to the cache's).
         """
         heads = self.num_kv_heads
         if k.dtype != self.dtype:
-            k, v = self.stored(k), self.stored(v)
+            k, v = self._stored(k), self._stored(v)
         self.k[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        return k, v
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """x as the cache holds it: in its dtype, and within float16's range (±65504) for a
         float16 cache, so that an outlier saturates instead of becoming inf (and NaN in
         attention)."""

@@ -233,7 +233,9 @@ class CpuAttentionBackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         meta: CpuAttentionMetadata = metadata  # type: ignore[assignment]
-        self.kv_cache.write(layer, meta.slots, k, v)
+        # k, v as the cache holds them: a prefill chunk attends to exactly what later chunks and
+        # decodes read back, so a prompt gives the same result however it is split
+        k, v = self.kv_cache.write(layer, meta.slots, k, v)
         decode = meta.decode
         if meta.all_decode:
             return self._attend_decodes(layer, q, decode)  # type: ignore[arg-type]
@@ -259,10 +261,8 @@ class CpuAttentionBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
         if span.blocks is None:  # nothing cached before this chunk: its own k, v suffice
-            # as the cache holds them, so that a prompt gives the same result however it is
-            # split into chunks
-            k, v = self._as_cached(k, q.dtype), self._as_cached(v, q.dtype)
-            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+            keys, values = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+            mask, causal = None, True
         else:
             total = span.start_pos + span.num_tokens
             keys, values = self.kv_cache.gather(layer, span.blocks)
@@ -279,10 +279,6 @@ class CpuAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
-
-    def _as_cached(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x as the cache holds it (when its dtype differs), back in ``dtype``."""
-        return x if self.kv_cache.dtype == x.dtype else self.kv_cache.stored(x).to(dtype)
 
     def _decode(self, layer: int, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
         """q: [D, heads, head_dim] for D single-token entries → the same shape."""
