@@ -25,7 +25,7 @@ from pyserve.engine import Engine, EngineConfig
 from pyserve.http.app import create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.state import ServerState
-from pyserve.worker.dtypes import KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
+from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
 
 log = logging.getLogger("pyserve")
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--activation-bits",
         type=int,
         default=16,
-        choices=[16, 8],
+        choices=list(ACTIVATION_BITS),
         help="what int8/int4 layers round activations to; 8: llama.cpp's numerics, faster "
         "prefill and batched decode, less accurate",
     )

@@ -6,7 +6,11 @@ import math
 from dataclasses import dataclass
 
 from pyserve.model_files import ModelInfo
-from pyserve.worker.dtypes import resolve_kv_cache_dtype, resolve_quantization  # torch-free
+from pyserve.worker.dtypes import (  # torch-free
+    ACTIVATION_BITS,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
@@ -108,7 +112,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.activation_bits not in (8, 16):
+        if self.activation_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")

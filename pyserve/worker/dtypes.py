@@ -73,6 +73,10 @@ def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:
 
 # ---------------------------------------------------------------------------- quantization
 
+# What quantized layers round activations to: 16 (default; logits within ~0.001 of float32 over
+# the same weights) or 8 (llama.cpp's Q8_1 numerics, faster from ~8 rows on)
+ACTIVATION_BITS = (16, 8)
+
 QUANTIZATION_NAMES = ("auto", "none", "int8", "int4")
 QUANTIZED_MODES = ("int8", "int4")
 

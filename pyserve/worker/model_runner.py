@@ -8,7 +8,7 @@ import torch
 
 from pyserve.worker.attention import create_attention_backend
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.dtypes import default_dtype, resolve_quantization
+from pyserve.worker.dtypes import ACTIVATION_BITS, default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.models.config import ModelConfig
@@ -48,7 +48,7 @@ class ModelRunner:
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (auto, {', '.join(DTYPES)})")
-        if activation_bits not in (8, 16):
+        if activation_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation_bits must be 8 or 16, not {activation_bits}")
         if kv_cache_dtype is not None and kv_cache_dtype not in DTYPES:
             raise ValueError(
@@ -74,18 +74,18 @@ class ModelRunner:
         self.model.eval()
         self.quantized_linears = 0
         if self.quantization != "none":
-            from pyserve.worker.quant import quantize_model_linears
+            from pyserve.worker.quant import DEFAULT_ACTIVATION_BITS, quantize_model_linears
 
             # before packing: it needs the plain [out, in] weights, and packs its own
-            replaced = quantize_model_linears(
-                self.model, self.quantization, activation_bits=activation_bits
-            )
-            self.quantized_linears = len(replaced)
             # the output projection decides the tokens and runs on few rows (the sampled ones):
             # it keeps int16 activations whatever the layers use
-            if activation_bits != 16 and "lm_head" in replaced:
-                self.model.lm_head.activation_bits = 16
-        self.activation_bits = activation_bits
+            replaced = quantize_model_linears(
+                self.model,
+                self.quantization,
+                activation_bits=activation_bits,
+                head_activation_bits=DEFAULT_ACTIVATION_BITS,
+            )
+            self.quantized_linears = len(replaced)
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_layers,

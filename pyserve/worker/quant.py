@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.worker.dtypes import ACTIVATION_BITS
+
 GROUP = 32  # inputs per quantization group (llama.cpp's block size)
 MAX_GROUP = 256  # keeps a group's integer dot product inside int32 with int16 activations
 TILE_ROWS = 16  # output rows per packed tile (one AVX-512 register)
@@ -259,7 +261,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         if weight.device.type != "cpu":
             raise ValueError("QuantLinear runs on the CPU only")
-        if activation_bits not in (8, 16):
+        if activation_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation_bits must be 8 or 16, not {activation_bits}")
         self.out_features, self.in_features = weight.shape
         self.bits, self.group, self.activation_bits = bits, group, activation_bits
@@ -322,6 +324,7 @@ def quantize_model_linears(
     mode: str,
     *,
     activation_bits: int = DEFAULT_ACTIVATION_BITS,
+    head_activation_bits: int | None = None,
     max_kernel_rows: int | object | None = _DEFAULT_ROWS,
     head_names: tuple[str, ...] = ("lm_head",),
     linear_types: tuple[type[nn.Module], ...] | None = None,
@@ -333,8 +336,9 @@ def quantize_model_linears(
     ``int8`` quantizes all of them to 8 bits; ``int4`` quantizes to 4 bits all but the output
     projection (a module named in ``head_names``), which stays 8-bit as in llama.cpp's Q4_1
     files: logits are the most sensitive to rounding. A head tied to the embedding leaves the
-    embedding's tensor as it is, so token lookups are unchanged. Call it after loading the
-    weights and before anything repacks them.
+    embedding's tensor as it is, so token lookups are unchanged. ``head_activation_bits``
+    (None: ``activation_bits``) is what the output projection rounds its inputs to. Call it after
+    loading the weights and before anything repacks them.
     """
     if mode not in MODES:
         raise ValueError(f"quantization mode {mode!r} is not supported (choose from {MODES})")
@@ -351,11 +355,12 @@ def quantize_model_linears(
             raise ValueError(f"{name}: no plain [out, in] weight to quantize (already packed?)")
         is_head = name.rsplit(".", 1)[-1] in head_names
         bits = 8 if mode == "int8" or is_head else 4
+        activations = head_activation_bits if is_head and head_activation_bits else activation_bits
         quantized = QuantLinear(
             weight,
             getattr(module, "bias", None),
             bits,
-            activation_bits=activation_bits,
+            activation_bits=activations,
             max_kernel_rows=max_kernel_rows,
         )
         parent_name, _, child = name.rpartition(".")
