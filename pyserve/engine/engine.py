@@ -292,7 +292,7 @@ class Engine:
     @property
     def healthy(self) -> bool:
         """What /health says: serving, and no step stuck in the worker past the step timeout."""
-        return self.serving and self._stall is None
+        return self.ready and self.health_problem is None
 
     @property
     def health_problem(self) -> str | None:
