@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import struct
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -122,6 +124,22 @@ def test_sink_is_not_offered_while_the_consumer_is_busy_or_after_a_failure():
 # ------------------------------------------------------------------------------------ HTTP
 
 
+@contextlib.asynccontextmanager
+async def serving(routes: dict) -> AsyncIterator[int]:
+    """An aiohttp app with GET ``routes`` (path → handler) on a free local port; yields the port."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]
+    finally:
+        await runner.cleanup()
+
+
 async def raw_body(port: int, path: str) -> bytes:
     """The raw bytes after the response's headers (chunked framing and all)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -154,19 +172,9 @@ def test_write_now_puts_on_the_wire_what_send_puts_there():
         return await sse.finish()
 
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_get("/awaited", awaited)
-        app.router.add_get("/direct", direct)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving({"/awaited": awaited, "/direct": direct}) as port:
             want = await raw_body(port, "/awaited")
             got = await raw_body(port, "/direct")
-        finally:
-            await runner.cleanup()
         assert got == want
         assert want.endswith(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
 
@@ -193,14 +201,7 @@ def test_write_now_declines_past_the_high_water_mark_and_order_holds():
         return await sse.finish()
 
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_get("/flood", flood)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving({"/flood": flood}) as port:
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.setblocking(False)
@@ -210,8 +211,6 @@ def test_write_now_declines_past_the_high_water_mark_and_order_holds():
             await asyncio.wait_for(release.wait(), 10)  # not reading until the server backs up
             data = await asyncio.wait_for(reader.read(), 30)
             writer.close()
-        finally:
-            await runner.cleanup()
         assert declined_at, "the send buffer never passed the high-water mark"
         _, _, body = data.partition(b"\r\n\r\n")
         framed = [b"%x\r\n%b\r\n" % (len(e) + 8, b"data: " + e + b"\n\n") for e in events]

@@ -8,10 +8,10 @@ server that answers in int4 is tests/test_http_default_model.py (the default ser
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 
 import pytest
 import torch
+from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.cli import build_parser, engine_config
 from pyserve.engine import EngineConfig
@@ -35,14 +35,6 @@ PROMPTS = [
 ]
 NEW_TOKENS = 16
 NEAR_TIE = 0.01  # logprob gap under which int16-rounded activations may flip fp32's top token
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------- settings

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker.sampling import (
@@ -20,16 +20,6 @@ from pyserve.worker.sampling import (
     top_k_top_p,
     validate_params,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small shapes on a shared 2-core machine: a second thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 VOCAB = 64
 EOS = 2

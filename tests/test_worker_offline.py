@@ -14,30 +14,26 @@ Three layers:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from worker_testlib import TINY_EOS, TINY_VOCAB, check_against_reference, hf_greedy, make_tiny_llama
+from worker_testlib import (  # noqa: F401 (an autouse fixture)
+    TINY_EOS,
+    TINY_VOCAB,
+    check_against_reference,
+    hf_greedy,
+    make_tiny_llama,
+    one_torch_thread,
+)
 
 from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, FINISH_STOP
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import StepExecutor
 from pyserve.worker.offline import OfflineEngine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small shapes on a shared 2-core machine: a second thread only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # ------------------------------------------------------------------ hand-built Steps
 
