@@ -15,16 +15,20 @@ import functools
 
 import pytest
 import torch
+from worker_testlib import assert_attention_close as assert_close
 from worker_testlib import paged_batch
 
 from pyserve.worker import quant
-from pyserve.worker.attention_kernel import DecodeAttention, paged_decode_attention
+from pyserve.worker.attention_kernel import (
+    DecodeAttention,
+    PrefillAttention,
+    paged_decode_attention,
+)
 from pyserve.worker.kv_cache import PagedKVCache
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()
 BEST_ISA = KERNELS.isa()
-ISAS = KERNELS.supported_isas()
 THREADS = KERNELS.num_threads()
 
 BLOCK = 16
@@ -32,22 +36,6 @@ NUM_BLOCKS = 160
 CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 700, 1999]
 # (head_dim, heads, kv_heads): GQA 3 (the default model's), 1 and 4, and a generic head_dim
 SHAPES = [(64, 9, 3), (128, 4, 4), (64, 8, 2), (40, 3, 1)]
-# relative error from rounding the output to the dtype, on top of float32 accumulation
-OUTPUT_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    KERNELS.set_isa(request.param)
-    yield request.param
-    KERNELS.set_isa(BEST_ISA)
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    KERNELS.set_num_threads(request.param)
-    yield request.param
-    KERNELS.set_num_threads(THREADS)
 
 
 def random_cache(kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
@@ -81,15 +69,6 @@ def reference(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
         scores = (k @ q[d].double()[:, :, None])[..., 0] * scale  # [H, n]
         out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])
     return torch.stack(out)
-
-
-def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
-    err = (out.double() - expected).abs()
-    bound = 2e-5 + OUTPUT_RTOL[dtype] * expected.abs()
-    worst = (err - bound).argmax()
-    assert (err <= bound).all(), (
-        f"{what}: error {err.flatten()[worst]:.3e} > {bound.flatten()[worst]:.3e}"
-    )
 
 
 @functools.cache
@@ -165,7 +144,7 @@ def test_same_bits_whatever_the_thread_count():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_backend_kernel_and_torch_paths_agree(dtype):
     """A mixed batch (prefills, a prefill after a prefix, decodes short and long) through the CPU
-    backend with the kernel and with the torch path (split softmax forced): same outputs, the
+    backend with the kernels and with the torch path (split softmax forced): same outputs, the
     same cache writes."""
     from pyserve.worker.attention.cpu import CpuAttentionBackend, DecodeKernelBatch
 
@@ -188,6 +167,10 @@ def test_backend_kernel_and_torch_paths_agree(dtype):
                                       max_chunk_tokens=64, decode_kernel=use_kernel)  # fmt: skip
         meta = backend.prepare(batch)
         assert isinstance(meta.decode, DecodeKernelBatch) == use_kernel
+        # the prefill kernel where its AVX-512 loops run
+        assert isinstance(meta.prefills, PrefillAttention) == (
+            use_kernel and BEST_ISA == "avx512_vnni"
+        )
         outs.append(backend.forward(0, q, k, v, meta))
         caches.append((cache.k[0].clone(), cache.v[0].clone()))
     tol = 1e-5 if dtype == torch.float32 else 3e-2

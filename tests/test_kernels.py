@@ -34,13 +34,6 @@ SHAPES = [(1, 1, 32), (1, 37, 45), (2, 17, 33), (5, 100, 97), (8, 33, 200), (13,
 BIG_SHAPE = (3, 960, 576)
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    KERNELS.set_isa(request.param)
-    yield request.param
-    KERNELS.set_isa(BEST_ISA)
-
-
 def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # rows on different scales and a few outliers, as trained weights have

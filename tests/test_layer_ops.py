@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from pyserve.worker import layer_ops, quant
 
 KERNELS = quant.kernels()
-BEST_ISA = KERNELS.isa()
-ISAS = KERNELS.supported_isas()
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 32, 129]  # 129 × 1536 is past the threading threshold
 # bf16: the kernel rounds where HF rounds, so results are equal but for float32 sums taken in
@@ -28,21 +26,6 @@ TOLERANCE = {
     torch.float32: dict(atol=2e-6, rtol=2e-6),
     torch.bfloat16: dict(atol=1e-30, rtol=2**-6),
 }
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    KERNELS.set_isa(request.param)
-    yield request.param
-    KERNELS.set_isa(BEST_ISA)
-
-
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    before = KERNELS.num_threads()
-    KERNELS.set_num_threads(request.param)
-    yield request.param
-    KERNELS.set_num_threads(before)
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

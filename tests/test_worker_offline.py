@@ -490,7 +490,12 @@ def test_16_bit_kv_cache_stays_close_to_hf_and_chunking_agrees(
         assert (got - want).abs().max().item() < tolerance, f"prompt {i}: logprobs moved"
         agree = min(first_difference(out.token_ids, other.token_ids) + 1, NEW_TOKENS)
         diff = np.abs(np.subtract(out.logprobs[:agree], other.logprobs[:agree]))
-        assert diff.max() < 1e-4, f"prompt {i}: chunked prefill read back other K/V"
+        # Attending to unrounded K/V moves the first token's logprob by ~7e-3 (float16) and
+        # ~4e-2 (bfloat16) here. Float32 summation order alone (the chunks' and the decodes'
+        # matmuls batched with other rows) moves it by < 2e-5, and later tokens, whose decode
+        # steps are batched differently too, by < 3e-4: this model's peaked logits magnify it.
+        assert diff[0] < 1e-4, f"prompt {i}: chunked prefill read back other K/V"
+        assert diff.max() < 1e-3, f"prompt {i}: chunked prefill read back other K/V"
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -25,6 +25,22 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# attention kernels: relative error from rounding the output to its dtype (accumulation is float32)
+ATTENTION_OUTPUT_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+
+
+def assert_attention_close(
+    out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str
+) -> None:
+    """An attention kernel's output against a float64 reference."""
+    err = (out.double() - expected).abs()
+    bound = 2e-5 + ATTENTION_OUTPUT_RTOL[dtype] * expected.abs()
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), (
+        f"{what}: error {err.flatten()[worst]:.3e} > {bound.flatten()[worst]:.3e}"
+    )
+
+
 def paged_batch(
     shapes: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator
 ) -> tuple[list[list[int]], ForwardBatch]:

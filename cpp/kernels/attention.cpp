@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "arg_checks.h"
 #include "attention.h"
 #include "attention_convert.h"
 #include "dispatch.h"
@@ -27,14 +28,6 @@ const AttentionKernels& kernels_for_isa() {
   if (isa == "avx512_vnni") return avx512_attention();
   if (isa == "avx2") return avx2_attention();
   return scalar_attention();
-}
-
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
-
-int64_t index_at(const void* base, int bytes, int64_t i) {
-  return bytes == 4 ? static_cast<const int32_t*>(base)[i] : static_cast<const int64_t*>(base)[i];
 }
 
 // One (request, kv head, context range) of the work; `partial` < 0 when the range is the

@@ -1,4 +1,5 @@
 #include "dispatch.h"
+#include "arg_checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -57,10 +58,6 @@ const KernelTable& kernels() {
     selected.store(table, std::memory_order_release);
   }
   return *table;
-}
-
-void check(bool ok, const char* message) {
-  if (!ok) throw std::invalid_argument(message);
 }
 
 void check_group(int group) {

@@ -1,6 +1,7 @@
 // The layer ops' entry points (argument checks, the split over threads) and the scalar loops,
 // which any CPU runs and which the vector loops follow.
 #include "layer_ops.h"
+#include "arg_checks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,10 +19,6 @@ namespace {
 constexpr int64_t kParallelElements = 1 << 14;
 // Elements per chunk claimed from the pool.
 constexpr int64_t kChunkElements = 1 << 13;
-
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
 
 // value as the tensor's dtype holds it
 float rounded(DType dtype, float value) {

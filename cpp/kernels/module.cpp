@@ -12,6 +12,7 @@
 #include "attention.h"
 #include "dispatch.h"
 #include "layer_ops.h"
+#include "prefill_attention.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -70,6 +71,36 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      partition_tokens};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
+}
+
+void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, int num_rows,
+                             int num_heads, uintptr_t k_cache, uintptr_t v_cache, int cache_dtype,
+                             int num_kv_heads, int num_blocks, int block_size, int head_dim,
+                             uintptr_t spans, int num_spans, uintptr_t block_tables,
+                             int table_index_bytes, int64_t table_stride, float scale,
+                             uintptr_t out, int64_t out_token_stride) {
+  const pk::PrefillAttentionArgs args{address<const void>(q),
+                                      q_token_stride,
+                                      static_cast<pk::DType>(q_dtype),
+                                      num_rows,
+                                      num_heads,
+                                      address<const void>(k_cache),
+                                      address<const void>(v_cache),
+                                      static_cast<pk::DType>(cache_dtype),
+                                      num_kv_heads,
+                                      num_blocks,
+                                      block_size,
+                                      head_dim,
+                                      address<const int64_t>(spans),
+                                      num_spans,
+                                      address<const void>(block_tables),
+                                      table_index_bytes,
+                                      table_stride,
+                                      scale,
+                                      address<void>(out),
+                                      out_token_stride};
+  py::gil_scoped_release released;
+  pk::paged_prefill_attention(args);
 }
 
 void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, uintptr_t weight,
@@ -137,6 +168,14 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("out_token_stride"), py::arg("partition_tokens"),
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
         "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself");
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"),
+        py::arg("q_token_stride"), py::arg("q_dtype"), py::arg("num_rows"), py::arg("num_heads"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"),
+        py::arg("num_blocks"), py::arg("block_size"), py::arg("head_dim"), py::arg("spans"),
+        py::arg("num_spans"), py::arg("block_tables"), py::arg("table_index_bytes"),
+        py::arg("table_stride"), py::arg("scale"), py::arg("out"), py::arg("out_token_stride"),
+        "causal attention of prompt chunks (spans: int64 [num_spans, 3] of first row, rows, "
+        "cached tokens before them) over the paged KV cache, read in place");
   m.def("attention_partition_tokens", &pk::auto_partition_tokens, py::arg("total_context_tokens"),
         py::arg("num_kv_heads"), py::arg("threads"),
         "the context tokens per work item that partition_tokens=0 picks");

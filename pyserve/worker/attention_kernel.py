@@ -1,14 +1,20 @@
-"""Paged decode attention on `pyserve._kernels`: the argument checks, then one C++ call.
+"""Paged attention on `pyserve._kernels`: the argument checks, then one C++ call.
 
+Decode:
 D single-token queries, each with its own block table and context length, attend to K and V read
 in place from one layer's paged cache (``[kv_heads, num_blocks, block_size, head_dim]``, see
 kv_cache.py): no gather copy. The kernel accumulates in float32 with an online softmax and splits
 the work over (request, kv head) and, for long contexts, over partitions of the context that it
 merges at the end (cpp/kernels/attention.h).
 
-``paged_decode_attention`` checks everything the kernel relies on and raises ValueError. The CPU
-backend checks the cache and the tables once per forward and calls ``DecodeAttention.run`` per
-layer, which only checks the query's layout.
+Prefill: the chunks of several prompts ("spans" of consecutive rows), each row attending
+causally to its request's cached tokens and to the rows of its chunk up to itself, again read in
+place from the cache, which holds the chunk's own K/V already (cpp/kernels/prefill_attention.h).
+
+``paged_decode_attention`` and ``paged_prefill_attention`` check everything the kernels rely on
+and raise ValueError. The CPU backend checks the cache and the tables once per forward and calls
+``DecodeAttention.run`` / ``PrefillAttention.run`` per layer, which only check the query's
+layout.
 """
 
 from __future__ import annotations
@@ -51,7 +57,40 @@ def _check_index(name: str, t: torch.Tensor, dims: int, rows: int) -> None:
         raise ValueError(f"{name} must be contiguous with {dims} dims and {rows} rows")
 
 
-class DecodeAttention:
+class _BoundToCache:
+    """A call's per-batch arguments bound to a cache geometry and checked once; ``_layer``
+    checks what changes per layer (q, the caches, out) and gives q's and out's row strides."""
+
+    def __init__(self, rows: int, num_heads: int, k_cache: torch.Tensor):
+        kv_heads = k_cache.shape[0]
+        if num_heads < 1 or num_heads % kv_heads:
+            raise ValueError(f"{num_heads} query heads do not split into {kv_heads} kv heads")
+        self.rows = rows
+        self.num_heads = num_heads
+        self.geometry = tuple(k_cache.shape)  # kv_heads, num_blocks, block_size, head_dim
+        self._kernels = quant.kernels()
+
+    def _layer(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    ) -> tuple[int, int]:
+        head_dim = self.geometry[3]
+        shape = (self.rows, self.num_heads, head_dim)
+        if q.dtype not in DTYPE_CODES or q.device.type != "cpu":
+            raise ValueError(f"q must be a float32/bfloat16/float16 CPU tensor, not {q.dtype}")
+        if q.shape != shape or q.stride()[1:] != (head_dim, 1):
+            raise ValueError(
+                f"q must be {list(shape)} with contiguous heads, got shape {tuple(q.shape)} "
+                f"strides {q.stride()}"
+            )
+        if k_cache.shape != self.geometry or v_cache.shape != self.geometry:
+            raise ValueError(f"the caches must be {list(self.geometry)}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride()[1:] != (head_dim, 1):
+            raise ValueError("out must have q's shape and dtype, with contiguous heads")
+        row = self.num_heads * head_dim  # the stride of a single row does not matter
+        return (q.stride(0), out.stride(0)) if self.rows > 1 else (row, row)
+
+
+class DecodeAttention(_BoundToCache):
     """One batch's block tables and context lengths bound to a cache geometry, checked once;
     ``run`` then attends for one layer."""
 
@@ -67,9 +106,8 @@ class DecodeAttention:
         num_queries = context_lens.shape[0] if context_lens.dim() == 1 else -1
         _check_index("context_lens", context_lens, 1, num_queries)
         _check_index("block_tables", block_tables, 2, num_queries)
-        kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        if num_heads < 1 or num_heads % kv_heads:
-            raise ValueError(f"{num_heads} query heads do not split into {kv_heads} kv heads")
+        super().__init__(num_queries, num_heads, k_cache)
+        block_size = k_cache.shape[2]
         if partition_tokens < 0:
             raise ValueError(f"partition_tokens must be >= 0, not {partition_tokens}")
         if num_queries:
@@ -79,11 +117,7 @@ class DecodeAttention:
                 raise ValueError("a context is longer than its block table covers")
         self.block_tables = block_tables
         self.context_lens = context_lens
-        self.num_queries = num_queries
-        self.num_heads = num_heads
-        self.geometry = (kv_heads, num_blocks, block_size, head_dim)
         self.partition_tokens = partition_tokens
-        self._kernels = quant.kernels()
 
     def run(
         self,
@@ -94,29 +128,15 @@ class DecodeAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [D, heads, head_dim] (rows may be strided) → out of q's shape and dtype."""
-        kv_heads, num_blocks, block_size, head_dim = self.geometry
-        row = self.num_heads * head_dim
-        if q.dtype not in DTYPE_CODES or q.device.type != "cpu":
-            raise ValueError(f"q must be a float32/bfloat16/float16 CPU tensor, not {q.dtype}")
-        if q.shape != (self.num_queries, self.num_heads, head_dim) or q.stride()[1:] != (
-            head_dim,
-            1,
-        ):
-            raise ValueError(
-                f"q must be [{self.num_queries}, {self.num_heads}, {head_dim}] with contiguous "
-                f"heads, got shape {tuple(q.shape)} strides {q.stride()}"
-            )
-        if k_cache.shape != self.geometry or v_cache.shape != self.geometry:
-            raise ValueError(f"the caches must be {list(self.geometry)}")
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        elif out.shape != q.shape or out.dtype != q.dtype or out.stride()[1:] != (head_dim, 1):
-            raise ValueError("out must have q's shape and dtype, with contiguous heads")
+        q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
+        kv_heads, num_blocks, block_size, head_dim = self.geometry
         self._kernels.paged_decode_attention(
             q.data_ptr(),
-            q.stride(0) if self.num_queries > 1 else row,
+            q_stride,
             DTYPE_CODES[q.dtype],
-            self.num_queries,
+            self.rows,
             self.num_heads,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -132,10 +152,111 @@ class DecodeAttention:
             INDEX_BYTES[self.context_lens.dtype],
             scale,
             out.data_ptr(),
-            out.stride(0) if self.num_queries > 1 else row,
+            out_stride,
             self.partition_tokens,
         )
         return out
+
+
+class PrefillAttention(_BoundToCache):
+    """One batch's prompt chunks bound to a cache geometry, checked once; ``run`` then attends
+    for one layer.
+
+    spans: int64 [S, 3], per chunk its first row in q, its rows and the tokens cached before it;
+    block_tables: int32/int64 [S, width], each chunk's request's blocks.
+    """
+
+    def __init__(
+        self,
+        spans: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        num_rows: int,
+        num_heads: int,
+        k_cache: torch.Tensor,
+    ):
+        if spans.dtype != torch.int64 or spans.device.type != "cpu":
+            raise ValueError(f"spans must be an int64 CPU tensor, not {spans.dtype} {spans.device}")
+        if spans.dim() != 2 or spans.shape[1] != 3 or not spans.is_contiguous():
+            raise ValueError("spans must be a contiguous [S, 3] tensor")
+        _check_index("block_tables", block_tables, 2, spans.shape[0])
+        super().__init__(num_rows, num_heads, k_cache)
+        block_size = k_cache.shape[2]
+        if len(spans):
+            first, rows, start = spans.unbind(1)
+            if int(rows.min()) < 1 or int(start.min()) < 0 or int(first.min()) < 0:
+                raise ValueError("every span needs rows >= 1, start >= 0 and first row >= 0")
+            if int((first + rows).max()) > num_rows:
+                raise ValueError(f"a span reaches past the batch's {num_rows} rows")
+            if int((start + rows).max()) > block_tables.shape[1] * block_size:
+                raise ValueError("a span is longer than its block table covers")
+        self.spans = spans
+        self.block_tables = block_tables
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [rows, heads, head_dim] (rows may be strided) → the spans' rows of ``out`` (q's
+        shape and dtype, contiguous heads); other rows of ``out`` are left as they are."""
+        q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
+        kv_heads, num_blocks, block_size, head_dim = self.geometry
+        self._kernels.paged_prefill_attention(
+            q.data_ptr(),
+            q_stride,
+            DTYPE_CODES[q.dtype],
+            self.rows,
+            self.num_heads,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            DTYPE_CODES[k_cache.dtype],
+            kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            self.spans.data_ptr(),
+            self.spans.shape[0],
+            self.block_tables.data_ptr(),
+            INDEX_BYTES[self.block_tables.dtype],
+            self.block_tables.shape[1],
+            scale,
+            out.data_ptr(),
+            out_stride,
+        )
+        return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of prompt chunks over the paged cache (which already holds their K/V):
+    row ``first + i`` of span (first, rows, start) sees its request's tokens [0, start + i]
+    through ``block_tables[span]``; query head h reads kv head h // (heads // kv_heads).
+    Returns ``out`` ([rows, heads, head_dim] in q's dtype; new and zeroed when None), written at
+    the spans' rows.
+    """
+    _check_cache(k_cache, v_cache)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [rows, heads, head_dim], got shape {tuple(q.shape)}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q's head_dim {q.shape[2]} is not the cache's {k_cache.shape[3]}")
+    call = PrefillAttention(
+        spans, block_tables, num_rows=q.shape[0], num_heads=q.shape[1], k_cache=k_cache
+    )
+    if out is None:
+        out = torch.zeros(q.shape, dtype=q.dtype)
+    return call.run(q, k_cache, v_cache, scale, out)
 
 
 def paged_decode_attention(
@@ -173,4 +294,11 @@ def paged_decode_attention(
     return call.run(q, k_cache, v_cache, scale, out)
 
 
-__all__ = ["DTYPE_CODES", "DecodeAttention", "kernel_available", "paged_decode_attention"]
+__all__ = [
+    "DTYPE_CODES",
+    "DecodeAttention",
+    "PrefillAttention",
+    "kernel_available",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+]

@@ -11,10 +11,12 @@ Two paths run inside the same forward:
   batched matmul, and merged per request with a split softmax (max and sum reduced across the
   request's chunks). Padding is less than one chunk per request, masked out.
 
-On the CPU the decodes go instead through the fused C++ kernel (attention_kernel.py): it reads K
-and V in place from the cache through each request's block table, with no gather copy and one
-pass of online softmax. ``PYSERVE_ATTENTION=torch`` (or ``decode_kernel=False``) keeps the torch
-path above, which is also the path for other devices.
+On the CPU both go instead through the fused C++ kernels (attention_kernel.py), which read K and V
+in place from the cache through each request's block table, with no gather copy and one pass of
+online softmax: all prefill chunks of the batch in one call, then all decodes in another. The
+prefill kernel is used where its AVX-512 loops run (its portable loops are the reference, slower
+than SDPA). ``PYSERVE_ATTENTION=torch`` (or ``decode_kernel=False``) keeps the torch paths above,
+which are also the paths for other devices.
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pyserve.worker import quant
 from pyserve.worker.attention.base import AttentionBackend
-from pyserve.worker.attention_kernel import DTYPE_CODES, DecodeAttention, kernel_available
+from pyserve.worker.attention_kernel import (
+    DTYPE_CODES,
+    DecodeAttention,
+    PrefillAttention,
+    kernel_available,
+)
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
 
@@ -67,7 +75,7 @@ class DecodeKernelBatch:
 class CpuAttentionMetadata:
     slots: torch.Tensor  # int64 [T]: cache slot of each new token
     num_tokens: int
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillSpan] | PrefillAttention  # the kernel's call for all of them
     decode: DecodeChunks | DecodeKernelBatch | None
     all_decode: bool  # every row is a single-token entry, in order
 
@@ -87,6 +95,7 @@ class CpuAttentionBackend(AttentionBackend):
             kv_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
         )
         self.decode_kernel = self._use_decode_kernel(decode_kernel)
+        self.prefill_kernel = self.decode_kernel and quant.kernels().isa() == "avx512_vnni"
         # a cap on the chosen chunk length (tests use it to force the split-softmax path)
         self.max_chunk_blocks = (
             max(1, max_chunk_tokens // kv_cache.block_size) if max_chunk_tokens else None
@@ -128,6 +137,8 @@ class CpuAttentionBackend(AttentionBackend):
         slots = table_rows[entry_of_row, positions // bs] * bs + positions % bs
 
         prefills: list[PrefillSpan] = []
+        prefill_entries: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # the kernel's: first row, rows, start
         decode_entries: list[int] = []
         decode_rows: list[int] = []
         row = 0
@@ -135,9 +146,21 @@ class CpuAttentionBackend(AttentionBackend):
             if n == 1:
                 decode_entries.append(i)
                 decode_rows.append(row)
+            elif self.prefill_kernel:
+                prefill_entries.append(i)
+                spans.append((row, n, s))
             else:
                 prefills.append(self._prefill_span(row, n, s, tables[i], device))
             row += n
+        prefill: list[PrefillSpan] | PrefillAttention = prefills
+        if spans:
+            prefill = PrefillAttention(
+                torch.tensor(spans, dtype=torch.int64),
+                table_rows[prefill_entries],
+                num_rows=row,
+                num_heads=self.num_heads,
+                k_cache=self.kv_cache.k[0],
+            )
         decode: DecodeChunks | DecodeKernelBatch | None = None
         if decode_entries and self.decode_kernel:
             decode = self._decode_kernel_batch(decode_entries, decode_rows, start_pos, table_rows)
@@ -146,9 +169,9 @@ class CpuAttentionBackend(AttentionBackend):
         return CpuAttentionMetadata(
             slots=slots,
             num_tokens=row,
-            prefills=prefills,
+            prefills=prefill,
             decode=decode,
-            all_decode=not prefills,
+            all_decode=len(decode_rows) == row,
         )
 
     def _prefill_span(
@@ -239,10 +262,14 @@ class CpuAttentionBackend(AttentionBackend):
         decode = meta.decode
         if meta.all_decode:
             return self._attend_decodes(layer, q, decode)  # type: ignore[arg-type]
-        out = torch.empty_like(q)
-        for span in meta.prefills:
-            rows = slice(span.token_start, span.token_start + span.num_tokens)
-            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if isinstance(meta.prefills, PrefillAttention):
+            k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+            meta.prefills.run(q, k_cache, v_cache, self.scale, out)
+        else:
+            for span in meta.prefills:
+                rows = slice(span.token_start, span.token_start + span.num_tokens)
+                out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
         if decode is not None:
             decoded = self._attend_decodes(layer, q.index_select(0, decode.token_index), decode)
             out.index_copy_(0, decode.token_index, decoded)

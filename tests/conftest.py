@@ -1,0 +1,27 @@
+"""Fixtures for the tests of ``pyserve._kernels``: each test runs on every instruction set this
+CPU can run (``isa``) and with 1 and 2 threads in the kernels' pool (``threads``); both put the
+module back as they found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyserve.worker import quant
+
+KERNELS = quant.kernels()
+
+
+@pytest.fixture(params=KERNELS.supported_isas())
+def isa(request):
+    before = KERNELS.isa()
+    KERNELS.set_isa(request.param)
+    yield request.param
+    KERNELS.set_isa(before)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = KERNELS.num_threads()
+    KERNELS.set_num_threads(request.param)
+    yield request.param
+    KERNELS.set_num_threads(before)
