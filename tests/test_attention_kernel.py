@@ -44,6 +44,7 @@ def random_cache(kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
     # keys scaled up so that softmaxes are peaked, not near-uniform averages that hide mistakes
     k = (torch.randn(shape, generator=g) * 2).to(dtype)
     v = torch.randn(shape, generator=g).to(dtype)
+    k = k.transpose(2, 3).contiguous()  # the cache keeps K dimension-major within a block
     return k, v
 
 
@@ -62,7 +63,7 @@ def reference(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
     out = []
     for d, n in enumerate(contexts):
         blocks = tables[d, : -(-n // BLOCK)].long()
-        k = k_cache.index_select(1, blocks).flatten(1, 2)[:, :n].double()  # [KVH, n, dim]
+        k = k_cache.index_select(1, blocks).transpose(2, 3).flatten(1, 2)[:, :n].double()
         v = v_cache.index_select(1, blocks).flatten(1, 2)[:, :n].double()
         k = k.repeat_interleave(heads // kv_heads, dim=0)
         v = v.repeat_interleave(heads // kv_heads, dim=0)

@@ -34,12 +34,12 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
-def run_kernel(fn, *args):
+def run_kernel(fn, *args, **kwargs):
     """Calls the C++ kernel whatever layer_ops chose for this CPU."""
     saved = layer_ops.fused_kernels
     layer_ops.fused_kernels = lambda: KERNELS
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         layer_ops.fused_kernels = saved
 
@@ -66,6 +66,77 @@ def test_silu_mul_matches_torch(isa, threads, dtype, rows, width):
     got = run_kernel(layer_ops.silu_mul, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+def rope_case(rows: int, heads: int, kv_heads: int, dim: int, cache_dtype, seed: int):
+    """A qkv projection, rope tables for scattered positions, distinct random slots, caches."""
+    from pyserve.worker.kv_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    qkv[0, :dim] = 1e6  # float16 caches saturate this row's k... (q: any value)
+    qkv[0, heads * dim : (heads + 1) * dim] = 1e6
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.randint(0, 4000, (rows,), generator=g).float()[:, None] * inv_freq
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :]
+    signed_sin = torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None, :]
+    block = 16
+    cache = PagedKVCache(num_layers=1, num_blocks=rows // block + 8, block_size=block,
+                         num_kv_heads=kv_heads, head_dim=dim, dtype=cache_dtype)  # fmt: skip
+    slots = torch.randperm(cache.num_blocks * block, generator=g)[:rows]
+    return qkv, cos, signed_sin, slots, cache
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 128), (3, 1, 40)], ids=str)
+def test_rope_write_kv_is_torch_rope_then_cache_write_bit_for_bit(
+    isa, threads, cache_dtype, rows, shape
+):
+    """q rotated in place and the cache written exactly as rope.apply_rope followed by
+    PagedKVCache.write do it (HF's float32 rotation; torch's conversion and float16 clamp)."""
+    from pyserve.worker.rope import apply_rope
+
+    heads, kv_heads, dim = shape
+    qkv, cos, signed_sin, slots, cache = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+    _, _, _, _, expected = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, signed_sin)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    expected.write(0, slots, qk[:, heads:], v)
+    done = run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
+                      cache.v[0], num_heads=heads, num_kv_heads=kv_heads)  # fmt: skip
+    assert done
+    assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), qk[:, :heads])
+    assert torch.equal(cache.k[0], expected.k[0]) and torch.equal(cache.v[0], expected.v[0])
+    assert torch.isfinite(cache.k[0]).all()
+
+
+def test_rope_write_kv_checks_its_arguments():
+    qkv, cos, signed_sin, slots, cache = rope_case(8, 9, 3, 64, torch.float16, 1)
+
+    def call(**changes):
+        args = dict(qkv=qkv, cos=cos, signed_sin=signed_sin, slots=slots, k_cache=cache.k[0],
+                    v_cache=cache.v[0], num_heads=9, num_kv_heads=3)  # fmt: skip
+        args.update(changes)
+        return run_kernel(layer_ops.rope_write_kv, *[args.pop(n) for n in list(args)[:6]], **args)
+
+    assert call()
+    assert not call(qkv=qkv.double())  # not the kernel's dtype: the caller rotates with torch
+    bad = {
+        "heads": dict(num_heads=8),
+        "kv heads": dict(num_kv_heads=2),
+        "table rows": dict(cos=cos[:4], signed_sin=signed_sin[:4]),
+        "slot count": dict(slots=slots[:4]),
+        "int32 slots": dict(slots=slots.int()),
+        "v as k": dict(k_cache=cache.v[0]),
+    }
+    for what, changes in bad.items():
+        with pytest.raises(ValueError):
+            call(**changes)
+            pytest.fail(what)
+    for slot in (-1, cache.num_blocks * cache.block_size):
+        with pytest.raises(ValueError, match="out of range"):
+            call(slots=torch.full_like(slots, slot))
 
 
 def test_strided_and_batched_inputs():

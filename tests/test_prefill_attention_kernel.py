@@ -44,6 +44,7 @@ def random_case(shape, dtype, block, seed, index_dtype=torch.int64):
     cache_shape = (kv_heads, NUM_BLOCKS, block, dim)
     k_cache = (torch.randn(cache_shape, generator=g) * 2).to(dtype)  # peaked softmaxes
     v_cache = torch.randn(cache_shape, generator=g).to(dtype)
+    k_cache = k_cache.transpose(2, 3).contiguous()  # K is dimension-major within a block
     spans = layout(CHUNKS)
     width = max(-(-(s + n) // block) for s, n in CHUNKS) + 1
     tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:width] for _ in CHUNKS])
@@ -54,12 +55,12 @@ def random_case(shape, dtype, block, seed, index_dtype=torch.int64):
 
 def reference(q, k_cache, v_cache, spans, tables, scale) -> torch.Tensor:
     """float64; rows outside the spans are NaN (the kernel must leave them alone)."""
-    heads, kv_heads, block = q.shape[1], k_cache.shape[0], k_cache.shape[2]
+    heads, kv_heads, block = q.shape[1], v_cache.shape[0], v_cache.shape[2]
     out = torch.full(q.shape, float("nan"), dtype=torch.float64)
     for s, (first, rows, start) in enumerate(spans.tolist()):
         total = start + rows
         blocks = tables[s, : -(-total // block)].long()
-        k = k_cache.index_select(1, blocks).flatten(1, 2)[:, :total].double()
+        k = k_cache.index_select(1, blocks).transpose(2, 3).flatten(1, 2)[:, :total].double()
         v = v_cache.index_select(1, blocks).flatten(1, 2)[:, :total].double()
         k = k.repeat_interleave(heads // kv_heads, dim=0)  # [H, total, dim]
         v = v.repeat_interleave(heads // kv_heads, dim=0)

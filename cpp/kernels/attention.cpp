@@ -76,8 +76,9 @@ void attend(void* context, int chunk) {
   const WorkItem& item = job.items[chunk];
   const int group = job.group, dim = a.head_dim, bs = a.block_size;
 
-  thread_local std::vector<float> q, scores, acc, m, l;
+  thread_local std::vector<float> q, scores, acc, m, l, top;
   q.resize(static_cast<size_t>(group) * dim);
+  top.resize(group);
   scores.resize(static_cast<size_t>(group) * kTileTokens);
   acc.assign(static_cast<size_t>(group) * dim, 0.0f);
   m.assign(group, -std::numeric_limits<float>::infinity());
@@ -93,28 +94,36 @@ void attend(void* context, int chunk) {
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.query * a.table_stride;
 
-  // a tile's address in the K and V of this head, and its length
-  const auto tile_at = [&](int pos, int64_t& at) {
+  // a tile's block and offset, and its length (a tile never crosses a block); a block is
+  // bs·dim elements in both caches, its token t at t in K (dimension-major), at t·dim in V
+  const auto tile_at = [&](int pos, int64_t& block_at, int& offset) {
     const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
-    const int offset = pos % bs;
-    at = (block * bs + offset) * dim * element;
+    offset = pos % bs;
+    block_at = block * bs * dim * element;
     return std::min({item.end - pos, bs - offset, kTileTokens});
   };
+  const int64_t block_bytes = static_cast<int64_t>(bs) * dim * element;
   int64_t at = 0;
-  int n = tile_at(item.begin, at);
+  int offset = 0;
+  int n = tile_at(item.begin, at, offset);
   for (int pos = item.begin; pos < item.end;) {
     // blocks lie anywhere in the cache, out of the hardware prefetcher's sight: ask for the next
-    // tile's rows while this one is computed
+    // tile's block (K, whole) and rows (V) while this one is computed
     int64_t next_at = 0;
-    const int next_n = pos + n < item.end ? tile_at(pos + n, next_at) : 0;
-    for (int64_t byte = 0; byte < next_n * dim * element; byte += 64) {
-      __builtin_prefetch(k_head + next_at + byte);
-      __builtin_prefetch(v_head + next_at + byte);
+    int next_offset = 0;
+    const int next_n = pos + n < item.end ? tile_at(pos + n, next_at, next_offset) : 0;
+    if (next_n > 0) {
+      for (int64_t byte = 0; byte < block_bytes; byte += 64)
+        __builtin_prefetch(k_head + next_at + byte);
+      const int64_t v_at = next_at + next_offset * dim * element;
+      for (int64_t byte = 0; byte < next_n * dim * element; byte += 64)
+        __builtin_prefetch(v_head + v_at + byte);
     }
-    kernels.score(a.cache_dtype, q.data(), group, dim, k_head + at, n, scores.data(), kTileTokens);
+    kernels.score(a.cache_dtype, q.data(), group, dim, k_head + at + offset * element, bs, n,
+                  scores.data(), kTileTokens, top.data());
     for (int h = 0; h < group; ++h) {
       float* s = scores.data() + h * kTileTokens;
-      const float tile_max = *std::max_element(s, s + n);
+      const float tile_max = top[h];
       if (tile_max > m[h]) {  // rescale what was summed so far to the new maximum
         const float factor = std::exp(m[h] - tile_max);
         for (int i = 0; i < dim; ++i) acc[h * dim + i] *= factor;
@@ -123,10 +132,11 @@ void attend(void* context, int chunk) {
       }
       l[h] += kernels.exp_sum(s, n, m[h]);
     }
-    kernels.accumulate(a.cache_dtype, scores.data(), kTileTokens, group, dim, v_head + at, n,
-                       acc.data());
+    kernels.accumulate(a.cache_dtype, scores.data(), kTileTokens, group, dim,
+                       v_head + at + offset * dim * element, n, acc.data());
     pos += n;
     at = next_at;
+    offset = next_offset;
     n = next_n;
   }
 

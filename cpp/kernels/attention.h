@@ -3,8 +3,11 @@
 // an online softmax, work split over (request, kv head, context partition) and the partitions
 // merged at the end (flash-decoding).
 //
-// Cache layout per layer: [num_kv_heads][num_blocks][block_size][head_dim], contiguous
-// (pyserve/worker/kv_cache.py). Query head h reads kv head h / (num_heads / num_kv_heads).
+// Cache layout per layer (pyserve/worker/kv_cache.py), contiguous: V is
+// [num_kv_heads][num_blocks][block_size][head_dim], K is [num_kv_heads][num_blocks][head_dim]
+// [block_size]: within a block, one dimension of its tokens is one vector, so scoring the block's
+// tokens against a query head is FMAs of a broadcast query element with K vectors, with no
+// per-token horizontal sums. Query head h reads kv head h / (num_heads / num_kv_heads).
 #pragma once
 
 #include <cstdint>
@@ -20,8 +23,8 @@ struct DecodeAttentionArgs {
   DType q_dtype;           // also the output's
   int num_queries;         // D
   int num_heads;           // H
-  const void* k_cache;     // [num_kv_heads][num_blocks][block_size][head_dim]
-  const void* v_cache;
+  const void* k_cache;     // [num_kv_heads][num_blocks][head_dim][block_size]
+  const void* v_cache;     // [num_kv_heads][num_blocks][block_size][head_dim]
   DType cache_dtype;
   int num_kv_heads;
   int num_blocks;
@@ -44,15 +47,16 @@ void paged_decode_attention(const DecodeAttentionArgs& args);
 // The tokens per partition that `partition_tokens = 0` picks for these contexts.
 int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int threads);
 
-// One ISA's inner loops over a tile of ≤ kTileTokens consecutive cache rows of one kv head.
+// One ISA's inner loops over a tile of ≤ kTileTokens consecutive tokens of one block and kv head.
 // q: group rows of head_dim fp32 (pre-scaled); s, p: group rows of `stride` scores.
 constexpr int kTileTokens = 32;
 
 struct AttentionKernels {
   const char* name;
-  // s[h·stride + t] = q[h] · k[t]   for t < tokens, h < group
-  void (*score)(DType cache, const float* q, int group, int dim, const void* k, int tokens,
-                float* s, int stride);
+  // s[h·stride + t] = q[h] · key t, and top[h] = max_t of them, for t < tokens, h < group;
+  // element i of key t is k[i·k_stride + t] (k_stride: the block size)
+  void (*score)(DType cache, const float* q, int group, int dim, const void* k, int64_t k_stride,
+                int tokens, float* s, int stride, float* top);
   // s[t] = exp(s[t] − shift) for t < n; returns Σ s[t]
   float (*exp_sum)(float* s, int n, float shift);
   // acc[h·dim + i] += Σ_t p[h·stride + t] · v[t·dim + i]

@@ -42,64 +42,69 @@ PYSERVE_AVX2 inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// DIM > 0: head_dim known at compile time (a multiple of 8), the K row held in registers for
-// every query head of the group; DIM == 0: any head_dim, vector chunks then a scalar tail.
-template <DType T, int DIM>
-PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, int tokens, float* s,
-                           int stride) {
-  if constexpr (DIM > 0) {
-    constexpr int chunks = DIM / 8;
-    for (int t = 0; t < tokens; ++t) {
-      __m256 row[chunks];
-      for (int c = 0; c < chunks; ++c) row[c] = load8<T>(element<T>(k, t * DIM + 8 * c));
-      for (int h = 0; h < group; ++h) {
-        __m256 sum0 = _mm256_mul_ps(_mm256_loadu_ps(q + h * DIM), row[0]);
-        __m256 sum1 = _mm256_setzero_ps();
-        for (int c = 1; c < chunks; ++c) {
-          const __m256 qc = _mm256_loadu_ps(q + h * DIM + 8 * c);
-          if (c % 2)
-            sum1 = _mm256_fmadd_ps(qc, row[c], sum1);
-          else
-            sum0 = _mm256_fmadd_ps(qc, row[c], sum0);
-        }
-        s[h * stride + t] = horizontal_sum(_mm256_add_ps(sum0, sum1));
-      }
-    }
-  } else {
-    const int vector_end = dim / 8 * 8;
-    for (int t = 0; t < tokens; ++t) {
-      const int64_t row = static_cast<int64_t>(t) * dim;
-      for (int h = 0; h < group; ++h) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int i = 0; i < vector_end; i += 8)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + i), load8<T>(element<T>(k, row + i)),
-                                sum);
-        float total = horizontal_sum(sum);
-        for (int i = vector_end; i < dim; ++i)
-          total += q[h * dim + i] * load_element(T, k, row + i);
-        s[h * stride + t] = total;
-      }
-    }
+// HN query heads against 8 tokens of dimension-major K: two FMA chains a head (a broadcast
+// query element times one K vector each).
+template <DType T, int HN>
+PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int64_t k_stride,
+                                     float* s, int stride, float* top, bool first) {
+  __m256 acc[HN][2];
+  for (int h = 0; h < HN; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+  for (int i = 0; i < dim; ++i) {
+    const __m256 key = load8<T>(element<T>(k, i * k_stride));
+    for (int h = 0; h < HN; ++h)
+      acc[h][i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(q[h * dim + i]), key, acc[h][i % 2]);
+  }
+  for (int h = 0; h < HN; ++h) {
+    const __m256 sum = _mm256_add_ps(acc[h][0], acc[h][1]);
+    _mm256_storeu_ps(s + h * stride, sum);
+    __m128 most = _mm_max_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    most = _mm_max_ps(most, _mm_movehl_ps(most, most));
+    most = _mm_max_ss(most, _mm_movehdup_ps(most));
+    const float value = _mm_cvtss_f32(most);
+    top[h] = first || value > top[h] ? value : top[h];
   }
 }
 
 template <DType T>
-PYSERVE_AVX2 void score_for(const float* q, int group, int dim, const void* k, int tokens, float* s,
-                            int stride) {
-  if (dim == 64) return score_as<T, 64>(q, group, dim, k, tokens, s, stride);
-  if (dim == 128) return score_as<T, 128>(q, group, dim, k, tokens, s, stride);
-  return score_as<T, 0>(q, group, dim, k, tokens, s, stride);
+PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, int64_t k_stride,
+                           int tokens, float* s, int stride, float* top) {
+  int t0 = 0;
+  for (; t0 + 8 <= tokens; t0 += 8) {  // whole vectors of 8 tokens
+    const void* tile = element<T>(k, t0);
+    for (int h = 0; h < group; h += 3) {
+      const float* qh = q + h * dim;
+      float* sh = s + h * stride + t0;
+      switch (group - h) {
+        case 1:
+          score_heads<T, 1>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+          break;
+        case 2:
+          score_heads<T, 2>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+          break;
+        default:
+          score_heads<T, 3>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+      }
+    }
+  }
+  for (int t = t0; t < tokens; ++t) {  // the last < 8 tokens: scalar
+    for (int h = 0; h < group; ++h) {
+      float sum = 0.0f;
+      for (int i = 0; i < dim; ++i) sum += q[h * dim + i] * load_element(T, k, i * k_stride + t);
+      s[h * stride + t] = sum;
+      top[h] = t == 0 || sum > top[h] ? sum : top[h];
+    }
+  }
 }
 
-PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, const void* k, int tokens,
-                        float* s, int stride) {
+PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, const void* k,
+                        int64_t k_stride, int tokens, float* s, int stride, float* top) {
   switch (cache) {
     case DType::kFloat32:
-      return score_for<DType::kFloat32>(q, group, dim, k, tokens, s, stride);
+      return score_as<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top);
     case DType::kBFloat16:
-      return score_for<DType::kBFloat16>(q, group, dim, k, tokens, s, stride);
+      return score_as<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
     case DType::kFloat16:
-      return score_for<DType::kFloat16>(q, group, dim, k, tokens, s, stride);
+      return score_as<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
   }
 }
 

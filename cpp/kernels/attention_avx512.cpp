@@ -20,94 +20,89 @@ using avx512::exp_nonpositive;
 using avx512::lanes;
 using avx512::load;
 
-// Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree, 45 ops for
-// 16 sums (_mm512_reduce_add_ps is ~8 a sum).
-PYSERVE_AVX512 inline __m512 sums16(const __m512 (&v)[16]) {
-  __m512 pairs[8];  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i] = a, v[2i+1] = b
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  __m512 quads[4];  // per 128-bit lane: that lane's sums of v[4i], v[4i+1], v[4i+2], v[4i+3]
-  for (int i = 0; i < 4; ++i)
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xee));
-  __m512 halves[2];  // 128-bit lanes: quads[2i] lanes 0+1, 2+3, then quads[2i+1] lanes 0+1, 2+3
-  for (int i = 0; i < 2; ++i)
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
+// HN query heads against ≤ 16 tokens (`live` lanes) of dimension-major K: four independent FMA
+// chains a head (a broadcast query element times one K vector each), summed at the end. DIM > 0:
+// head_dim known at compile time (with a loop of unknown trip count GCC kept the accumulators in
+// memory, stored every iteration); DIM == 0: any head_dim.
+template <DType T, int HN, int DIM>
+PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const void* k,
+                                       int64_t k_stride, __mmask16 live, float* s, int stride,
+                                       float* top, bool first) {
+  const int dim = DIM > 0 ? DIM : runtime_dim;
+  const int whole = dim / 4 * 4;
+  __m512 acc[HN][4];
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int i = 0; i < whole; i += 4) {
+    __m512 key[4];
+    for (int c = 0; c < 4; ++c) {
+      const void* row = element<T>(k, (i + c) * k_stride);
+      key[c] = live == 0xffff ? load<T>(row) : load<T>(row, live);
+    }
+    for (int h = 0; h < HN; ++h)
+      for (int c = 0; c < 4; ++c)
+        acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i + c]), key[c], acc[h][c]);
+  }
+  __m512 sum[HN];
+  for (int h = 0; h < HN; ++h)
+    sum[h] =
+        _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
+  for (int i = whole; i < dim; ++i) {
+    const __m512 key = load<T>(element<T>(k, i * k_stride), live);
+    for (int h = 0; h < HN; ++h)
+      sum[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), key, sum[h]);
+  }
+  for (int h = 0; h < HN; ++h) {
+    _mm512_mask_storeu_ps(s + h * stride, live, sum[h]);
+    const float most = _mm512_mask_reduce_max_ps(live, sum[h]);
+    top[h] = first || most > top[h] ? most : top[h];
+  }
 }
 
-// DIM > 0: a head_dim known at compile time (a multiple of 16), the query heads in registers;
-// DIM == 0: any head_dim, masked.
 template <DType T, int DIM>
-PYSERVE_AVX512 void score_as(const float* q, int group, int dim, const void* k, int tokens,
-                             float* s, int stride) {
-  if constexpr (DIM > 0) {
-    constexpr int chunks = DIM / 16;
-    // 16 tokens a head at a time: their 16 partial-sum vectors reduce together (sums16), ~3
-    // shuffles and adds a token instead of a horizontal reduction (~8) each. The tile's K rows
-    // are read once per head; they stay in L1.
-    for (int t0 = 0; t0 < tokens; t0 += 16) {
-      const int n = tokens - t0 < 16 ? tokens - t0 : 16;
-      const void* k_tile = element<T>(k, static_cast<int64_t>(t0) * DIM);
-      for (int h = 0; h < group; ++h) {
-        __m512 query[chunks];
-        for (int c = 0; c < chunks; ++c) query[c] = _mm512_loadu_ps(q + h * DIM + 16 * c);
-        __m512 partial[16];
-        for (int i = 0; i < 16; ++i) {
-          if (i >= n) {
-            partial[i] = _mm512_setzero_ps();
-            continue;
-          }
-          __m512 sum0 = _mm512_mul_ps(query[0], load<T>(element<T>(k_tile, i * DIM)));
-          __m512 sum1 = _mm512_setzero_ps();  // two chains: half the FMA latency in a row
-          for (int c = 1; c < chunks; ++c) {
-            const __m512 key = load<T>(element<T>(k_tile, i * DIM + 16 * c));
-            if (c % 2)
-              sum1 = _mm512_fmadd_ps(query[c], key, sum1);
-            else
-              sum0 = _mm512_fmadd_ps(query[c], key, sum0);
-          }
-          partial[i] = _mm512_add_ps(sum0, sum1);
-        }
-        _mm512_mask_storeu_ps(s + h * stride + t0, lanes(n), sums16(partial));
-      }
-    }
-  } else {
-    for (int t = 0; t < tokens; ++t) {
-      const int64_t row = static_cast<int64_t>(t) * dim;
-      for (int h = 0; h < group; ++h) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < dim; i += 16) {
-          const __mmask16 live = lanes(dim - i);
-          sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, q + h * dim + i),
-                                load<T>(element<T>(k, row + i), live), sum);
-        }
-        s[h * stride + t] = _mm512_reduce_add_ps(sum);
+PYSERVE_AVX512 void score_as(const float* q, int group, int dim, const void* k, int64_t k_stride,
+                             int tokens, float* s, int stride, float* top) {
+  for (int t0 = 0; t0 < tokens; t0 += 16) {
+    const __mmask16 live = lanes(tokens - t0);
+    const void* tile = element<T>(k, t0);
+    for (int h = 0; h < group; h += 4) {
+      const float* qh = q + h * dim;
+      float* sh = s + h * stride + t0;
+      const bool first = t0 == 0;
+      switch (group - h) {
+        case 1:
+          score_heads<T, 1, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
+          break;
+        case 2:
+          score_heads<T, 2, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
+          break;
+        case 3:
+          score_heads<T, 3, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
+          break;
+        default:
+          score_heads<T, 4, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
       }
     }
   }
 }
 
 template <DType T>
-PYSERVE_AVX512 void score_for(const float* q, int group, int dim, const void* k, int tokens,
-                              float* s, int stride) {
-  if (dim == 64) return score_as<T, 64>(q, group, dim, k, tokens, s, stride);
-  if (dim == 128) return score_as<T, 128>(q, group, dim, k, tokens, s, stride);
-  return score_as<T, 0>(q, group, dim, k, tokens, s, stride);
+PYSERVE_AVX512 void score_for(const float* q, int group, int dim, const void* k, int64_t k_stride,
+                              int tokens, float* s, int stride, float* top) {
+  if (dim == 64) return score_as<T, 64>(q, group, dim, k, k_stride, tokens, s, stride, top);
+  if (dim == 128) return score_as<T, 128>(q, group, dim, k, k_stride, tokens, s, stride, top);
+  return score_as<T, 0>(q, group, dim, k, k_stride, tokens, s, stride, top);
 }
 
 PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, const void* k,
-                          int tokens, float* s, int stride) {
+                          int64_t k_stride, int tokens, float* s, int stride, float* top) {
   switch (cache) {
     case DType::kFloat32:
-      return score_for<DType::kFloat32>(q, group, dim, k, tokens, s, stride);
+      return score_for<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top);
     case DType::kBFloat16:
-      return score_for<DType::kBFloat16>(q, group, dim, k, tokens, s, stride);
+      return score_for<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
     case DType::kFloat16:
-      return score_for<DType::kFloat16>(q, group, dim, k, tokens, s, stride);
+      return score_for<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
   }
 }
 

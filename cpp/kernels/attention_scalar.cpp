@@ -1,5 +1,7 @@
 // The portable attention loops: any CPU, and the reference the vector paths follow.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "attention.h"
 #include "attention_convert.h"
@@ -7,14 +9,16 @@
 namespace pyserve_kernels {
 namespace {
 
-void score(DType cache, const float* q, int group, int dim, const void* k, int tokens, float* s,
-           int stride) {
-  for (int t = 0; t < tokens; ++t) {
-    const int64_t row = static_cast<int64_t>(t) * dim;
-    for (int h = 0; h < group; ++h) {
+void score(DType cache, const float* q, int group, int dim, const void* k, int64_t k_stride,
+           int tokens, float* s, int stride, float* top) {
+  for (int h = 0; h < group; ++h) {
+    top[h] = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < tokens; ++t) {
       float sum = 0.0f;
-      for (int i = 0; i < dim; ++i) sum += q[h * dim + i] * load_element(cache, k, row + i);
+      for (int i = 0; i < dim; ++i)
+        sum += q[h * dim + i] * load_element(cache, k, i * k_stride + t);
       s[h * stride + t] = sum;
+      top[h] = std::max(top[h], sum);
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "attention_convert.h"
 #include "dispatch.h"
@@ -59,6 +60,49 @@ void silu_mul_rows_scalar(const SiluMulArgs& a, int row0, int row1) {
   }
 }
 
+// a·b + c·d with each product and the sum rounded to float (no FMA: volatile keeps the compiler
+// from contracting), as torch's separate element-wise ops compute it
+float sum_of_products(float a, float b, float c, float d) {
+  volatile float first = a * b;
+  volatile float second = c * d;
+  return first + second;
+}
+
+float saturated(DType cache, float value) {  // float16 holds ±65504 at most
+  constexpr float kHalfMax = 65504.0f;
+  return cache == DType::kFloat16 ? std::min(kHalfMax, std::max(-kHalfMax, value)) : value;
+}
+
+void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
+  const int dim = a.head_dim, half = dim / 2, bs = a.block_size;
+  std::vector<float> rotated(dim);
+  for (int r = row0; r < row1; ++r) {
+    float* x = a.qkv + r * a.qkv_stride;
+    const float* c = a.cos + static_cast<int64_t>(r) * dim;
+    const float* sn = a.sin + static_cast<int64_t>(r) * dim;
+    const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
+    for (int h = 0; h < a.num_heads + a.num_kv_heads; ++h) {
+      float* head = x + static_cast<int64_t>(h) * dim;
+      for (int i = 0; i < dim; ++i)
+        rotated[i] = sum_of_products(head[i], c[i], head[(i + half) % dim], sn[i]);
+      if (h < a.num_heads) {
+        std::copy(rotated.begin(), rotated.end(), head);
+        continue;
+      }
+      const int64_t base = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs * dim;
+      for (int i = 0; i < dim; ++i)
+        store_element(a.cache_dtype, a.k_cache, base + i * bs + offset,
+                      saturated(a.cache_dtype, rotated[i]));
+    }
+    const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads) * dim;
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      const int64_t base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
+      for (int i = 0; i < dim; ++i)
+        store_element(a.cache_dtype, a.v_cache, base + i, saturated(a.cache_dtype, v[h * dim + i]));
+    }
+  }
+}
+
 template <class Args>
 struct RowJob {
   const Args* args;
@@ -99,7 +143,8 @@ void check_common(DType dtype, int rows, int width, int64_t in_stride, int64_t i
 }  // namespace
 
 const LayerOpKernels& scalar_layer_ops() {
-  static const LayerOpKernels table{"scalar", rms_norm_rows_scalar, silu_mul_rows_scalar};
+  static const LayerOpKernels table{"scalar", rms_norm_rows_scalar, silu_mul_rows_scalar,
+                                    rope_kv_rows_scalar};
   return table;
 }
 
@@ -109,6 +154,28 @@ void rms_norm(const RmsNormArgs& a) {
   check(a.eps >= 0.0f, "eps must be >= 0");
   if (a.rows == 0) return;
   run_rows(a, kernels_for_isa().rms_norm_rows, a.hidden);
+}
+
+void rope_write_kv(const RopeKvArgs& a) {
+  check(a.rows >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.num_blocks >= 1 &&
+            a.block_size >= 1,
+        "rows, heads and the cache geometry must be positive");
+  check(a.head_dim >= 2 && a.head_dim % 2 == 0 && a.head_dim <= kMaxRopeHeadDim,
+        "head_dim must be even, at most 1024");
+  check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
+            a.cache_dtype == DType::kFloat16,
+        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(a.qkv_stride >= static_cast<int64_t>(a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+        "the qkv row stride is shorter than a row");
+  if (a.rows == 0) return;
+  check(a.qkv != nullptr && a.cos != nullptr && a.sin != nullptr && a.slots != nullptr &&
+            a.k_cache != nullptr && a.v_cache != nullptr,
+        "null tensor address");
+  const int64_t slots = static_cast<int64_t>(a.num_blocks) * a.block_size;
+  for (int r = 0; r < a.rows; ++r)
+    check(a.slots[r] >= 0 && a.slots[r] < slots,
+          "row " + std::to_string(r) + ": slot " + std::to_string(a.slots[r]) + " is out of range");
+  run_rows(a, kernels_for_isa().rope_kv_rows, (a.num_heads + 3 * a.num_kv_heads) * a.head_dim);
 }
 
 void silu_mul(const SiluMulArgs& a) {

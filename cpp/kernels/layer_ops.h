@@ -1,4 +1,5 @@
-// Row-wise layer ops of a decoder block, fused: RMSNorm and SiLU(gate)·up. torch runs each as a
+// Row-wise layer ops of a decoder block, fused: RMSNorm, SiLU(gate)·up, and RoPE with the KV-cache
+// write. torch runs each as a
 // chain of element-wise ops (RMSNorm: pow, mean, add, rsqrt, mul, mul), every one a pass over
 // memory and a dispatch; a decode step makes ~90 of these calls, so at small batches their fixed
 // cost is a large part of a layer.
@@ -9,6 +10,11 @@
 //             rounded again (HF's `weight * hidden.to(input_dtype)`); float32: w · y.
 //   silu_mul: out = silu(gate) · up, gate and up the two halves of each row; bf16: silu rounded
 //             to bf16 before the product, as F.silu's bf16 output is.
+//   rope_write_kv (float32): the q and k heads of a fused qkv projection row rotated (rotate-half
+//             layout, x·cos + swapped(x)·signed_sin with the products and the sum each rounded,
+//             as torch's three ops and HF's apply_rotary_pos_emb are: no FMA), q in place; k and
+//             v then stored at the row's cache slot, converted to the cache's dtype (float16
+//             saturates at ±65504, as kv_cache.py's clamp): K dimension-major within a block.
 // Rows may be strided; the elements of a row are contiguous.
 #pragma once
 
@@ -40,11 +46,31 @@ struct SiluMulArgs {
   int64_t out_stride;
 };
 
+constexpr int kMaxRopeHeadDim = 1024;  // the vector loops rotate a head in a stack buffer
+
+struct RopeKvArgs {
+  float* qkv;  // [rows][(num_heads + 2·num_kv_heads)·head_dim]: q heads, k heads, v heads
+  int64_t qkv_stride;
+  int rows;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;          // even
+  const float* cos;      // [rows][head_dim]
+  const float* sin;      // [rows][head_dim], negated in the first half (signed_sin of rope.py)
+  const int64_t* slots;  // [rows]: block · block_size + offset
+  void* k_cache;         // [num_kv_heads][num_blocks][head_dim][block_size]
+  void* v_cache;         // [num_kv_heads][num_blocks][block_size][head_dim]
+  DType cache_dtype;
+  int num_blocks;
+  int block_size;
+};
+
 // Per-ISA row loops: rows [row0, row1).
 struct LayerOpKernels {
   const char* name;
   void (*rms_norm_rows)(const RmsNormArgs& a, int row0, int row1);
   void (*silu_mul_rows)(const SiluMulArgs& a, int row0, int row1);
+  void (*rope_kv_rows)(const RopeKvArgs& a, int row0, int row1);
 };
 
 const LayerOpKernels& scalar_layer_ops();
@@ -54,5 +80,6 @@ const LayerOpKernels& avx512_layer_ops();
 // there are enough elements to pay for it.
 void rms_norm(const RmsNormArgs& args);
 void silu_mul(const SiluMulArgs& args);
+void rope_write_kv(const RopeKvArgs& args);  // checks slots against the cache too
 
 }  // namespace pyserve_kernels

@@ -2,7 +2,9 @@
 #include "layer_ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "avx512_math.h"
 
@@ -70,6 +72,92 @@ PYSERVE_AVX512_MATH void silu_mul_rows_as(const SiluMulArgs& a, int row0, int ro
   }
 }
 
+// x·cos + swapped(x)·signed_sin, each product and the sum rounded (the explicit-rounding forms
+// are never contracted into an FMA)
+PYSERVE_AVX512_MATH inline __m512 rotate(__m512 x, __m512 c, __m512 swapped, __m512 sn) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_add_round_ps(_mm512_mul_round_ps(x, c, kRound),
+                             _mm512_mul_round_ps(swapped, sn, kRound), kRound);
+}
+
+template <DType C>
+PYSERVE_AVX512_MATH inline void store_cache(void* base, int64_t i, __mmask16 live, __m512 v) {
+  if constexpr (C == DType::kFloat32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(base) + i, live, v);
+  } else if constexpr (C == DType::kBFloat16) {
+    avx512::store_bf16(static_cast<uint16_t*>(base) + i, live, v);
+  } else {
+    const __m512 top = _mm512_set1_ps(65504.0f);  // float16 saturates instead of becoming inf
+    v = _mm512_max_ps(_mm512_min_ps(v, top), _mm512_sub_ps(_mm512_setzero_ps(), top));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, live,
+                             _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// One head of the row rotated into `out` (head_dim floats); half = head_dim / 2.
+PYSERVE_AVX512_MATH inline void rotate_head(const float* head, const float* c, const float* sn,
+                                            int dim, float* out) {
+  const int half = dim / 2;
+  for (int part = 0; part < 2; ++part) {  // the first half pairs with the second and back
+    const float* x = head + part * half;
+    const float* other = head + (1 - part) * half;
+    for (int i = 0; i < half; i += 16) {
+      const __mmask16 live = lanes(half - i);
+      const int at = part * half + i;
+      _mm512_mask_storeu_ps(
+          out + at, live,
+          rotate(_mm512_maskz_loadu_ps(live, x + i), _mm512_maskz_loadu_ps(live, c + at),
+                 _mm512_maskz_loadu_ps(live, other + i), _mm512_maskz_loadu_ps(live, sn + at)));
+    }
+  }
+}
+
+template <DType C>
+PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1) {
+  const int dim = a.head_dim, bs = a.block_size;
+  alignas(64) float rotated[kMaxRopeHeadDim];
+  for (int r = row0; r < row1; ++r) {
+    float* x = a.qkv + r * a.qkv_stride;
+    const float* c = a.cos + static_cast<int64_t>(r) * dim;
+    const float* sn = a.sin + static_cast<int64_t>(r) * dim;
+    const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
+    for (int h = 0; h < a.num_heads; ++h) {  // q: in place
+      float* head = x + static_cast<int64_t>(h) * dim;
+      rotate_head(head, c, sn, dim, rotated);
+      std::copy(rotated, rotated + dim, head);
+    }
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      rotate_head(x + static_cast<int64_t>(a.num_heads + h) * dim, c, sn, dim, rotated);
+      // converted as a vector, then element by element into the block: K is dimension-major,
+      // element i of this token is bs apart from i + 1
+      using Element = std::conditional_t<C == DType::kFloat32, float, uint16_t>;
+      alignas(64) Element converted[kMaxRopeHeadDim];
+      for (int i = 0; i < dim; i += 16)
+        store_cache<C>(converted, i, lanes(dim - i), _mm512_load_ps(rotated + i));
+      Element* k =
+          static_cast<Element*>(a.k_cache) + (h * int64_t{a.num_blocks} + block) * bs * dim;
+      for (int i = 0; i < dim; ++i) k[i * bs + offset] = converted[i];
+      const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads + h) * dim;
+      const int64_t v_base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
+      for (int i = 0; i < dim; i += 16) {
+        const __mmask16 live = lanes(dim - i);
+        store_cache<C>(a.v_cache, v_base + i, live, _mm512_maskz_loadu_ps(live, v + i));
+      }
+    }
+  }
+}
+
+void rope_kv_rows(const RopeKvArgs& a, int row0, int row1) {
+  switch (a.cache_dtype) {
+    case DType::kFloat32:
+      return rope_kv_rows_as<DType::kFloat32>(a, row0, row1);
+    case DType::kBFloat16:
+      return rope_kv_rows_as<DType::kBFloat16>(a, row0, row1);
+    case DType::kFloat16:
+      return rope_kv_rows_as<DType::kFloat16>(a, row0, row1);
+  }
+}
+
 void rms_norm_rows(const RmsNormArgs& a, int row0, int row1) {
   if (a.dtype == DType::kFloat32) return rms_norm_rows_as<DType::kFloat32>(a, row0, row1);
   return rms_norm_rows_as<DType::kBFloat16>(a, row0, row1);
@@ -83,7 +171,7 @@ void silu_mul_rows(const SiluMulArgs& a, int row0, int row1) {
 }  // namespace
 
 const LayerOpKernels& avx512_layer_ops() {
-  static const LayerOpKernels table{"avx512", rms_norm_rows, silu_mul_rows};
+  static const LayerOpKernels table{"avx512", rms_norm_rows, silu_mul_rows, rope_kv_rows};
   return table;
 }
 

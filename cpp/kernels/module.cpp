@@ -131,6 +131,27 @@ void silu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int wi
   pk::silu_mul(args);
 }
 
+void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
+                   int head_dim, uintptr_t cos, uintptr_t sin, uintptr_t slots, uintptr_t k_cache,
+                   uintptr_t v_cache, int cache_dtype, int num_blocks, int block_size) {
+  const pk::RopeKvArgs args{address<float>(qkv),
+                            qkv_stride,
+                            rows,
+                            num_heads,
+                            num_kv_heads,
+                            head_dim,
+                            address<const float>(cos),
+                            address<const float>(sin),
+                            address<const int64_t>(slots),
+                            address<void>(k_cache),
+                            address<void>(v_cache),
+                            static_cast<pk::DType>(cache_dtype),
+                            num_blocks,
+                            block_size};
+  py::gil_scoped_release released;
+  pk::rope_write_kv(args);
+}
+
 py::list supported_isas() {
   py::list names;
   const std::string before = pk::current_isa();
@@ -185,6 +206,12 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("silu_mul", &silu_mul, py::arg("dtype"), py::arg("input"), py::arg("input_stride"),
         py::arg("rows"), py::arg("width"), py::arg("out"), py::arg("out_stride"),
         "out = silu(input[:, :width]) * input[:, width:]");
+  m.def("rope_write_kv", &rope_write_kv, py::arg("qkv"), py::arg("qkv_stride"), py::arg("rows"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
+        py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cache_dtype"), py::arg("num_blocks"), py::arg("block_size"),
+        "RoPE on the q and k heads of float32 qkv rows (q in place), k and v stored at the rows' "
+        "cache slots");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

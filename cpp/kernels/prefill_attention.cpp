@@ -76,6 +76,7 @@ void attend(void* context, int index) {
   }
 
   const int64_t element = element_bytes(a.cache_dtype);
+  const int64_t block_elements = static_cast<int64_t>(bs) * dim;
   const int64_t head_offset = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs * dim;
   const char* k_head = static_cast<const char*>(a.k_cache) + head_offset * element;
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
@@ -86,9 +87,11 @@ void attend(void* context, int index) {
     const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
     const int offset = pos % bs;
     const int n = std::min({end - pos, bs - offset, kKeyTile});
-    const int64_t at = (block * bs + offset) * dim * element;
-    kernels.to_float(a.cache_dtype, k_head + at, static_cast<int64_t>(n) * dim, k.data());
-    kernels.to_float(a.cache_dtype, v_head + at, static_cast<int64_t>(n) * dim, v.data());
+    const int64_t block_at = block * block_elements * element;
+    kernels.keys_to_float(a.cache_dtype, k_head + block_at + offset * element, bs, dim, n,
+                          k.data());
+    kernels.to_float(a.cache_dtype, v_head + block_at + offset * dim * element,
+                     static_cast<int64_t>(n) * dim, v.data());
     for (int h = 0; h < group; ++h)
       kernels.tile(qt.data() + h * per_head, k.data(), v.data(), n, dim, first_query - pos,
                    m.data() + h * kPrefillRows, l.data() + h * kPrefillRows,
@@ -143,6 +146,12 @@ void to_float_scalar(DType type, const void* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = load_element(type, src, i);
 }
 
+void keys_to_float_scalar(DType type, const void* src, int64_t stride, int dim, int n, float* dst) {
+  for (int i = 0; i < dim; ++i)
+    for (int t = 0; t < kPrefillRows; ++t)
+      dst[i * kPrefillRows + t] = t < n ? load_element(type, src, i * stride + t) : 0.0f;
+}
+
 void load_queries_scalar(DType type, const void* q, int64_t stride, int rows, int dim, float scale,
                          float* qt) {
   for (int j = 0; j < kPrefillRows; ++j)
@@ -168,7 +177,7 @@ void tile_scalar(const float* qt, const float* k, const float* v, int tokens, in
     float top = m[j];
     for (int t = 0; t < visible; ++t) {
       float sum = 0.0f;
-      for (int i = 0; i < dim; ++i) sum += qt[i * kPrefillRows + j] * k[t * dim + i];
+      for (int i = 0; i < dim; ++i) sum += qt[i * kPrefillRows + j] * k[i * kPrefillRows + t];
       s[t] = sum;
       top = std::max(top, sum);
     }
@@ -187,8 +196,9 @@ void tile_scalar(const float* qt, const float* k, const float* v, int tokens, in
 }  // namespace
 
 const PrefillKernels& scalar_prefill() {
-  static const PrefillKernels table{"scalar", to_float_scalar, load_queries_scalar,
-                                    store_output_scalar, tile_scalar};
+  static const PrefillKernels table{
+      "scalar",   to_float_scalar, keys_to_float_scalar, load_queries_scalar, store_output_scalar,
+      tile_scalar};
   return table;
 }
 

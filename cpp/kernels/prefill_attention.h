@@ -9,7 +9,7 @@
 // group, and scores, the softmax state and the output accumulate vectorized over the 16 rows
 // (one AVX-512 register), with no horizontal reductions.
 //
-// Cache layout: as paged decode attention's (attention.h).
+// Cache layout: as paged decode attention's (attention.h): K dimension-major within a block.
 #pragma once
 
 #include <cstdint>
@@ -49,8 +49,11 @@ constexpr int kPrefillRows = 16;  // query rows of a work item: one float32 AVX-
 // One ISA's loops.
 struct PrefillKernels {
   const char* name;
-  // dst[i] = float(src[i]) for i < n
+  // dst[i] = float(src[i]) for i < n (V rows)
   void (*to_float)(DType type, const void* src, int64_t n, float* dst);
+  // dst[i·16 + t] = float(src[i·stride + t]) for i < dim, t < n ≤ 16, and 0 for t ≥ n: a K tile
+  // of the cache's dimension-major blocks, as float32 [dim][16]
+  void (*keys_to_float)(DType type, const void* src, int64_t stride, int dim, int n, float* dst);
   // qt [dim][16] = scale · the query rows, transposed: row j < rows at q + j·stride elements;
   // lanes of missing rows are 0
   void (*load_queries)(DType type, const void* q, int64_t stride, int rows, int dim, float scale,
@@ -59,7 +62,8 @@ struct PrefillKernels {
   void (*store_output)(DType type, const float* ot, const float* l, int rows, int dim, void* out,
                        int64_t stride);
   // One key tile against the 16 rows of one query head. qt [dim][16]: the rows' queries,
-  // pre-scaled, transposed; k, v [16][dim] float32 (rows ≥ tokens are ignored); row j may see
+  // pre-scaled, transposed; k [dim][16] and v [16][dim] float32 (keys ≥ tokens are ignored,
+  // finite); row j may see
   // key t only where t ≤ limit + j. The state, vectorized over the rows: m [16] running max,
   // l [16] running sum, ot [dim][16] the output so far (unnormalized, transposed).
   void (*tile)(const float* qt, const float* k, const float* v, int tokens, int dim, int limit,

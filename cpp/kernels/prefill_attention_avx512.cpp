@@ -45,6 +45,25 @@ PYSERVE_AVX512 void to_float(DType type, const void* src, int64_t n, float* dst)
   }
 }
 
+template <DType T>
+PYSERVE_AVX512 void keys_to_float_as(const void* src, int64_t stride, int dim, int n, float* dst) {
+  const __mmask16 live = lanes(n);
+  for (int i = 0; i < dim; ++i)
+    _mm512_storeu_ps(dst + i * kPrefillRows, load<T>(element<T>(src, i * stride), live));
+}
+
+PYSERVE_AVX512 void keys_to_float(DType type, const void* src, int64_t stride, int dim, int n,
+                                  float* dst) {
+  switch (type) {
+    case DType::kFloat32:
+      return keys_to_float_as<DType::kFloat32>(src, stride, dim, n, dst);
+    case DType::kBFloat16:
+      return keys_to_float_as<DType::kBFloat16>(src, stride, dim, n, dst);
+    case DType::kFloat16:
+      return keys_to_float_as<DType::kFloat16>(src, stride, dim, n, dst);
+  }
+}
+
 // r[i] lane j ← r[j] lane i.
 PYSERVE_AVX512 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
@@ -165,12 +184,13 @@ template <int DIM>
 PYSERVE_AVX512 void tile_as(const float* qt, const float* k, const float* v, int tokens,
                             int runtime_dim, int limit, float* m, float* l, float* ot) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
-  // scores of all 16 keys (rows ≥ tokens of k are finite: masked below)
+  // scores of all 16 keys (keys ≥ tokens are zeros: masked below)
   __m512 s[16];
   for (int t = 0; t < 16; ++t) s[t] = _mm512_setzero_ps();
   for (int i = 0; i < dim; ++i) {
     const __m512 q = _mm512_loadu_ps(qt + i * kPrefillRows);
-    for (int t = 0; t < 16; ++t) s[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(k[t * dim + i]), s[t]);
+    for (int t = 0; t < 16; ++t)
+      s[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(k[i * kPrefillRows + t]), s[t]);
   }
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 m_old = _mm512_loadu_ps(m);
@@ -211,7 +231,8 @@ PYSERVE_AVX512 void tile(const float* qt, const float* k, const float* v, int to
 }  // namespace
 
 const PrefillKernels& avx512_prefill() {
-  static const PrefillKernels table{"avx512", to_float, load_queries, store_output, tile};
+  static const PrefillKernels table{"avx512",     to_float,     keys_to_float,
+                                    load_queries, store_output, tile};
   return table;
 }
 

@@ -2,10 +2,11 @@
 
 Decode:
 D single-token queries, each with its own block table and context length, attend to K and V read
-in place from one layer's paged cache (``[kv_heads, num_blocks, block_size, head_dim]``, see
-kv_cache.py): no gather copy. The kernel accumulates in float32 with an online softmax and splits
-the work over (request, kv head) and, for long contexts, over partitions of the context that it
-merges at the end (cpp/kernels/attention.h).
+in place from one layer's paged cache (V ``[kv_heads, num_blocks, block_size, head_dim]``, K
+``[kv_heads, num_blocks, head_dim, block_size]``, see kv_cache.py): no gather copy. The kernel
+accumulates in float32 with an online softmax and splits the work over (request, kv head) and,
+for long contexts, over partitions of the context that it merges at the end
+(cpp/kernels/attention.h).
 
 Prefill: the chunks of several prompts ("spans" of consecutive rows), each row attending
 causally to its request's cached tokens and to the rows of its chunk up to itself, again read in
@@ -43,11 +44,17 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         if t.dtype not in DTYPE_CODES:
             raise ValueError(f"{name} dtype {t.dtype} is not float32, bfloat16 or float16")
         if t.dim() != 4 or not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be a contiguous [kv_heads, num_blocks, block_size, head_dim] tensor"
-            )
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache differ in shape or dtype")
+            raise ValueError(f"{name} must be a contiguous 4-d tensor")
+    if k_cache.shape != _k_shape(v_cache.shape) or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            "k_cache must be [kv_heads, num_blocks, head_dim, block_size] for a v_cache of "
+            "[kv_heads, num_blocks, block_size, head_dim], with the same dtype"
+        )
+
+
+def _k_shape(v_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """K's shape for a V of [kv_heads, num_blocks, block_size, head_dim] (and back)."""
+    return (*v_shape[:2], v_shape[3], v_shape[2])
 
 
 def _check_index(name: str, t: torch.Tensor, dims: int, rows: int) -> None:
@@ -67,7 +74,8 @@ class _BoundToCache:
             raise ValueError(f"{num_heads} query heads do not split into {kv_heads} kv heads")
         self.rows = rows
         self.num_heads = num_heads
-        self.geometry = tuple(k_cache.shape)  # kv_heads, num_blocks, block_size, head_dim
+        # kv_heads, num_blocks, block_size, head_dim: V's shape
+        self.geometry = _k_shape(tuple(k_cache.shape))
         self._kernels = quant.kernels()
 
     def _layer(
@@ -82,8 +90,10 @@ class _BoundToCache:
                 f"q must be {list(shape)} with contiguous heads, got shape {tuple(q.shape)} "
                 f"strides {q.stride()}"
             )
-        if k_cache.shape != self.geometry or v_cache.shape != self.geometry:
-            raise ValueError(f"the caches must be {list(self.geometry)}")
+        if k_cache.shape != _k_shape(self.geometry) or v_cache.shape != self.geometry:
+            raise ValueError(
+                f"the caches must be {list(_k_shape(self.geometry))} and {list(self.geometry)}"
+            )
         if out.shape != q.shape or out.dtype != q.dtype or out.stride()[1:] != (head_dim, 1):
             raise ValueError("out must have q's shape and dtype, with contiguous heads")
         row = self.num_heads * head_dim  # the stride of a single row does not matter
@@ -107,7 +117,7 @@ class DecodeAttention(_BoundToCache):
         _check_index("context_lens", context_lens, 1, num_queries)
         _check_index("block_tables", block_tables, 2, num_queries)
         super().__init__(num_queries, num_heads, k_cache)
-        block_size = k_cache.shape[2]
+        block_size = self.geometry[2]
         if partition_tokens < 0:
             raise ValueError(f"partition_tokens must be >= 0, not {partition_tokens}")
         if num_queries:
@@ -181,7 +191,7 @@ class PrefillAttention(_BoundToCache):
             raise ValueError("spans must be a contiguous [S, 3] tensor")
         _check_index("block_tables", block_tables, 2, spans.shape[0])
         super().__init__(num_rows, num_heads, k_cache)
-        block_size = k_cache.shape[2]
+        block_size = self.geometry[2]
         if len(spans):
             first, rows, start = spans.unbind(1)
             if int(rows.min()) < 1 or int(start.min()) < 0 or int(first.min()) < 0:
@@ -249,8 +259,8 @@ def paged_prefill_attention(
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [rows, heads, head_dim], got shape {tuple(q.shape)}")
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"q's head_dim {q.shape[2]} is not the cache's {k_cache.shape[3]}")
+    if q.shape[2] != v_cache.shape[3]:
+        raise ValueError(f"q's head_dim {q.shape[2]} is not the cache's {v_cache.shape[3]}")
     call = PrefillAttention(
         spans, block_tables, num_rows=q.shape[0], num_heads=q.shape[1], k_cache=k_cache
     )
@@ -280,8 +290,8 @@ def paged_decode_attention(
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [D, heads, head_dim], got shape {tuple(q.shape)}")
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"q's head_dim {q.shape[2]} is not the cache's {k_cache.shape[3]}")
+    if q.shape[2] != v_cache.shape[3]:
+        raise ValueError(f"q's head_dim {q.shape[2]} is not the cache's {v_cache.shape[3]}")
     if context_lens.dim() == 1 and context_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{context_lens.shape[0]} context lengths for {q.shape[0]} queries")
     call = DecodeAttention(

@@ -1,9 +1,12 @@
 """The paged KV cache: per-layer K and V tensors whose blocks are the core's block ids.
 
-Layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``. Heads come first so that
-gathering a request's blocks yields ``[heads, tokens, head_dim]`` directly — the shape attention
-multiplies — with no transpose copy; a block is ``block_size * head_dim`` contiguous values per
-head, so gathers move whole rows rather than single tokens.
+Layout per layer: V is ``[num_kv_heads, num_blocks, block_size, head_dim]`` and K is
+``[num_kv_heads, num_blocks, head_dim, block_size]``. Heads come first, so a block is
+``block_size * head_dim`` contiguous values per head and gathers move whole blocks. Within a
+block K is stored dimension-major: one dimension of the block's tokens is one vector, so the
+decode kernel scores a block's tokens against every query head of the group with plain FMAs
+(one broadcast query element times one K vector), with no per-token horizontal sums; V stays
+token-major, as the weighted sum over tokens reads it (cpp/kernels/attention.h).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        k_shape = (num_kv_heads, num_blocks, head_dim, block_size)
+        v_shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # zeros, not empty: masked-out slots are still multiplied (by a zero weight), and
         # uninitialised memory could hold NaN/inf, which 0 * inf would spread.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -53,7 +57,9 @@ class PagedKVCache:
         heads = self.num_kv_heads
         if k.dtype != self.dtype:
             k, v = self._stored(k), self._stored(v)
-        self.k[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        # K: [heads, blocks, dim, block_size]; the two index tensors (block, offset) put the token
+        # axis first: k_cache[:, blocks, :, offsets] is [T, heads, dim], as k is
+        self.k[layer][:, slots // self.block_size, :, slots % self.block_size] = k
         self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
         return k, v
 
@@ -66,10 +72,11 @@ class PagedKVCache:
         return x.to(self.dtype)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``blocks`` (int64, any shape S): each [kv_heads, *S, block_size, head_dim]."""
+        """K and V of ``blocks`` (int64, any shape S): each [kv_heads, *S, block_size, head_dim]
+        (K transposed back to token-major: a view, for the torch paths' matmuls)."""
         # index_select copies whole block rows; advanced indexing (``k[:, blocks]``) was 5x slower
         flat = blocks.reshape(-1)
         shape = (self.num_kv_heads, *blocks.shape, self.block_size, self.head_dim)
-        k = self.k[layer].index_select(1, flat).view(shape)
+        k = self.k[layer].index_select(1, flat).transpose(-1, -2).reshape(shape)
         v = self.v[layer].index_select(1, flat).view(shape)
         return k, v

@@ -1,4 +1,5 @@
-"""Fused RMSNorm and SiLU(gate)·up on `pyserve._kernels` for the CPU worker, torch elsewhere.
+"""Fused RMSNorm, SiLU(gate)·up and RoPE + KV write on `pyserve._kernels` for the CPU worker,
+torch elsewhere.
 
 torch runs RMSNorm as six element-wise ops and SwiGLU's activation as two, each a dispatch and a
 pass over memory; a decode step makes ~90 such calls, which at small batches cost as much as a
@@ -76,3 +77,53 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.data_ptr(), width,
     )  # fmt: skip
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+) -> bool:
+    """RoPE on the q and k heads of a float32 fused projection ``qkv`` [T, (heads + 2·kv_heads)
+    ·head_dim] (q rotated in place), then k and v stored at ``slots`` (int64 [T]) of one layer's
+    cache (kv_cache.py's layouts), in one pass. cos, signed_sin: float32 [T, 1, head_dim] from
+    RotaryEmbedding.cos_sin. Returns False, touching nothing, where the kernel does not apply
+    (then rotate with rope.apply_rope and write with PagedKVCache.write)."""
+    kernels = fused_kernels()
+    if (
+        kernels is None
+        or qkv.dtype != torch.float32
+        or cos.dtype != torch.float32
+        or signed_sin.dtype != torch.float32
+        or k_cache.dtype not in DTYPE_CODES
+    ):
+        return False
+    rows, width = qkv.shape
+    kv_heads, num_blocks, block_size, head_dim = v_cache.shape
+    if (
+        qkv.stride(1) != 1
+        or width != (num_heads + 2 * num_kv_heads) * head_dim
+        or kv_heads != num_kv_heads
+        or k_cache.shape != (kv_heads, num_blocks, head_dim, block_size)
+        or k_cache.dtype != v_cache.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not (cos.is_contiguous() and signed_sin.is_contiguous())
+        or cos.numel() != rows * head_dim
+        or signed_sin.shape != cos.shape
+        or slots.dtype != torch.int64
+        or slots.shape != (rows,)
+        or not slots.is_contiguous()
+    ):
+        raise ValueError("rope_write_kv: the projection, tables, slots and caches do not agree")
+    kernels.rope_write_kv(
+        qkv.data_ptr(), max(qkv.stride(0), width), rows, num_heads, num_kv_heads, head_dim,
+        cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], num_blocks, block_size,
+    )  # fmt: skip
+    return True

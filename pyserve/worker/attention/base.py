@@ -14,6 +14,7 @@ import torch
 
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
+from pyserve.worker.rope import apply_rope
 
 
 class AttentionBackend(ABC):
@@ -39,3 +40,22 @@ class AttentionBackend(ABC):
         q: [T, heads, head_dim]. Returns [T, heads, head_dim]: token t of entry i attends to its
         request's positions ``[0, start_pos[i] + t]``.
         """
+
+    def forward_qkv(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """``forward`` from a fused projection: qkv [T, (heads + 2·kv_heads)·head_dim], its q and
+        k heads not yet rotated (cos, signed_sin: RotaryEmbedding.cos_sin's). A backend may fuse
+        the rotation with the cache write; this one rotates with torch."""
+        rows, dim = qkv.shape[0], self.head_dim
+        qk_size = (self.num_heads + self.num_kv_heads) * dim
+        # q and k heads side by side: one rotation for both
+        qk = apply_rope(qkv[:, :qk_size].view(rows, -1, dim), cos, signed_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(rows, self.num_kv_heads, dim)
+        return self.forward(layer, q, k, v, metadata)

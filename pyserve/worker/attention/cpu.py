@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pyserve.worker import quant
+from pyserve.worker import layer_ops, quant
 from pyserve.worker.attention.base import AttentionBackend
 from pyserve.worker.attention_kernel import (
     DTYPE_CODES,
@@ -259,6 +259,43 @@ class CpuAttentionBackend(AttentionBackend):
         # k, v as the cache holds them: a prefill chunk attends to exactly what later chunks and
         # decodes read back, so a prompt gives the same result however it is split
         k, v = self.kv_cache.write(layer, meta.slots, k, v)
+        return self._attend(layer, q, k, v, meta)
+
+    def forward_qkv(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """With both kernels in use, one C++ pass rotates q and k and writes k, v into the cache
+        (layer_ops.rope_write_kv); the kernels then read every K/V from the cache."""
+        meta: CpuAttentionMetadata = metadata  # type: ignore[assignment]
+        if self.prefill_kernel and layer_ops.rope_write_kv(
+            qkv,
+            cos,
+            signed_sin,
+            meta.slots,
+            self.kv_cache.k[layer],
+            self.kv_cache.v[layer],
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+        ):
+            q = qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+            return self._attend(layer, q, None, None, meta)
+        return super().forward_qkv(layer, qkv, cos, signed_sin, metadata)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        meta: CpuAttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of the batch's rows, their K/V already in the cache (k, v: as stored, for
+        the torch prefill path; None when the kernels read everything from the cache)."""
         decode = meta.decode
         if meta.all_decode:
             return self._attend_decodes(layer, q, decode)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from pyserve.worker.attention.base import AttentionBackend
 from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError
 from pyserve.worker.models.config import ModelConfig
-from pyserve.worker.rope import RotaryEmbedding, apply_rope
+from pyserve.worker.rope import RotaryEmbedding
 
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -69,12 +69,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         rows = hidden.shape[0]
         qkv = self.qkv_proj(self.input_norm(hidden))
-        qk_size = self.split[0] + self.split[1]
-        # q and k heads side by side: one rotation for both
-        qk = apply_rope(qkv[:, :qk_size].view(rows, -1, self.head_dim), cos, signed_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(rows, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(self.index, q, k, v, metadata)
+        # RoPE, the KV-cache write and attention (rotation and write fused where the backend can)
+        attn = attention.forward_qkv(self.index, qkv, cos, signed_sin, metadata)
         # residual adds in place into the projections' fresh outputs: no extra allocation
         hidden = self.o_proj(attn.reshape(rows, -1)).add_(hidden)
         gate_up = self.gate_up_proj(self.post_attention_norm(hidden))
