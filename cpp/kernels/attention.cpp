@@ -22,6 +22,14 @@ constexpr int kMinPartitionTokens = 256;
 // With the automatic choice, the work is cut into about this many items per thread, so that
 // threads claiming items one at a time finish close together.
 constexpr int kItemsPerThread = 8;
+// How far ahead of the tile being computed its cache rows are prefetched, and into L2
+// (prefetcht1), not L1: the blocks lie anywhere in the cache, out of the hardware prefetcher's
+// sight, and prefetches into L1 stalled on its few fill buffers (Zen 4, 64 requests × 1024
+// tokens from DRAM, 2 threads: 5.1 ms with prefetcht0, 2.7 ms with prefetcht1; 16 and 64 tokens
+// ahead were slower than 32).
+constexpr int kPrefetchTokens = 32;
+
+inline void prefetch_to_l2(const char* address) { __builtin_prefetch(address, 0, 2); }
 
 const AttentionKernels& kernels_for_isa() {
   const std::string isa = current_isa();  // set_isa picks the attention loops too
@@ -103,22 +111,30 @@ void attend(void* context, int chunk) {
     return std::min({item.end - pos, bs - offset, kTileTokens});
   };
   const int64_t block_bytes = static_cast<int64_t>(bs) * dim * element;
+  // the tiles up to kPrefetchTokens ahead are asked for (K's whole block, V's rows) while this
+  // one is computed
+  int ahead = item.begin;
+  const auto prefetch_until = [&](int until) {
+    for (until = std::min(until, item.end); ahead < until;) {
+      int64_t block_at = 0;
+      int block_offset = 0;
+      const int tokens = tile_at(ahead, block_at, block_offset);
+      for (int64_t byte = 0; byte < block_bytes; byte += 64)
+        prefetch_to_l2(k_head + block_at + byte);
+      const int64_t v_at = block_at + block_offset * dim * element;
+      for (int64_t byte = 0; byte < tokens * dim * element; byte += 64)
+        prefetch_to_l2(v_head + v_at + byte);
+      ahead += tokens;
+    }
+  };
   int64_t at = 0;
   int offset = 0;
   int n = tile_at(item.begin, at, offset);
   for (int pos = item.begin; pos < item.end;) {
-    // blocks lie anywhere in the cache, out of the hardware prefetcher's sight: ask for the next
-    // tile's block (K, whole) and rows (V) while this one is computed
+    prefetch_until(pos + n + kPrefetchTokens);
     int64_t next_at = 0;
     int next_offset = 0;
     const int next_n = pos + n < item.end ? tile_at(pos + n, next_at, next_offset) : 0;
-    if (next_n > 0) {
-      for (int64_t byte = 0; byte < block_bytes; byte += 64)
-        __builtin_prefetch(k_head + next_at + byte);
-      const int64_t v_at = next_at + next_offset * dim * element;
-      for (int64_t byte = 0; byte < next_n * dim * element; byte += 64)
-        __builtin_prefetch(v_head + v_at + byte);
-    }
     kernels.score(a.cache_dtype, q.data(), group, dim, k_head + at + offset * element, bs, n,
                   scores.data(), kTileTokens, top.data());
     for (int h = 0; h < group; ++h) {
