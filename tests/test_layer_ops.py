@@ -58,6 +58,27 @@ def test_rms_norm_matches_hf(isa, threads, dtype, rows, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [576, 61])
+def test_rms_norm_with_residual_adds_then_normalizes(isa, threads, dtype, rows, hidden):
+    """The decoder block's residual connection fused into the next norm: residual += x in the
+    dtype (HF's `residual + hidden_states`), in place, then the norm of the sum."""
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 4).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=g) * 4).to(dtype)
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    expected_sum = residual + x
+    got = run_kernel(layer_ops.rms_norm, x, weight, 1e-5, residual)
+    assert torch.equal(residual, expected_sum)
+    torch.testing.assert_close(got, hf_rms_norm(expected_sum, weight, 1e-5), **TOLERANCE[dtype])
+    # the torch fallback (float16, which the kernels do not take) updates the residual too
+    half, half_residual = x.half(), expected_sum.half()
+    expected_half = half_residual + half
+    out = layer_ops.rms_norm(half, weight.half(), 1e-5, half_residual)
+    assert torch.equal(half_residual, expected_half) and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [1536, 45])
 def test_silu_mul_matches_torch(isa, threads, dtype, rows, width):
     g = torch.Generator().manual_seed(rows + width)

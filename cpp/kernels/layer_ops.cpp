@@ -32,15 +32,26 @@ const LayerOpKernels& kernels_for_isa() {
 
 void rms_norm_rows_scalar(const RmsNormArgs& a, int row0, int row1) {
   for (int r = row0; r < row1; ++r) {
-    const int64_t in = r * a.x_stride, out = r * a.out_stride;
+    int64_t in = r * a.x_stride;
+    const int64_t out = r * a.out_stride;
+    const void* x = a.x;
+    if (a.residual != nullptr) {  // x + residual, kept in the residual rows and normalized
+      const int64_t sum = r * a.residual_stride;
+      for (int i = 0; i < a.hidden; ++i)
+        store_element(
+            a.dtype, a.residual, sum + i,
+            load_element(a.dtype, a.x, in + i) + load_element(a.dtype, a.residual, sum + i));
+      x = a.residual;
+      in = sum;
+    }
     float squares = 0.0f;
     for (int i = 0; i < a.hidden; ++i) {
-      const float v = load_element(a.dtype, a.x, in + i);
+      const float v = load_element(a.dtype, x, in + i);
       squares += v * v;
     }
     const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(a.hidden) + a.eps);
     for (int i = 0; i < a.hidden; ++i) {
-      float y = load_element(a.dtype, a.x, in + i) * inverse;
+      float y = load_element(a.dtype, x, in + i) * inverse;
       y = rounded(a.dtype, y);  // where HF rounds to the tensor's dtype
       store_element(a.dtype, a.out, out + i, load_element(a.dtype, a.weight, i) * y);
     }
@@ -152,6 +163,8 @@ void rms_norm(const RmsNormArgs& a) {
   check_common(a.dtype, a.rows, a.hidden, a.x_stride, a.hidden, a.out_stride, a.x, a.out);
   check(a.weight != nullptr, "null weight address");
   check(a.eps >= 0.0f, "eps must be >= 0");
+  check(a.residual == nullptr || a.residual_stride >= a.hidden,
+        "the residual row stride is shorter than the row");
   if (a.rows == 0) return;
   run_rows(a, kernels_for_isa().rms_norm_rows, a.hidden);
 }

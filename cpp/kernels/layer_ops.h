@@ -7,7 +7,9 @@
 // Semantics follow Hugging Face's modules in float32 and bfloat16 (the reference the worker's
 // tests compare with):
 //   rms_norm: y = x · rsqrt(mean(x²) + eps), in float32; bf16: y rounded to bf16, then w · y
-//             rounded again (HF's `weight * hidden.to(input_dtype)`); float32: w · y.
+//             rounded again (HF's `weight * hidden.to(input_dtype)`); float32: w · y. With a
+//             residual: x ← x + residual first (rounded to the dtype, as HF's `residual +
+//             hidden_states`), stored back into the residual rows, then normalized.
 //   silu_mul: out = silu(gate) · up, gate and up the two halves of each row; bf16: silu rounded
 //             to bf16 before the product, as F.silu's bf16 output is.
 //   rope_write_kv (float32): the q and k heads of a fused qkv projection row rotated (rotate-half
@@ -34,6 +36,8 @@ struct RmsNormArgs {
   float eps;
   void* out;
   int64_t out_stride;
+  void* residual = nullptr;  // [rows][hidden], or none: updated in place to x + residual
+  int64_t residual_stride = 0;
 };
 
 struct SiluMulArgs {

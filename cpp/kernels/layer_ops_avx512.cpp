@@ -30,17 +30,32 @@ PYSERVE_AVX512_MATH inline void store(void* base, int64_t i, __mmask16 live, __m
 template <DType T>
 PYSERVE_AVX512_MATH void rms_norm_rows_as(const RmsNormArgs& a, int row0, int row1) {
   for (int r = row0; r < row1; ++r) {
-    const int64_t in = r * a.x_stride, out = r * a.out_stride;
+    int64_t in = r * a.x_stride;
+    const int64_t out = r * a.out_stride;
+    const void* x = a.x;
     __m512 squares = _mm512_setzero_ps();
-    for (int i = 0; i < a.hidden; i += 16) {
-      const __m512 v = load<T>(a.x, in + i, lanes(a.hidden - i));
-      squares = _mm512_fmadd_ps(v, v, squares);
+    if (a.residual != nullptr) {  // x + residual, kept in the residual rows and normalized
+      const int64_t sum = r * a.residual_stride;
+      for (int i = 0; i < a.hidden; i += 16) {
+        const __mmask16 live = lanes(a.hidden - i);
+        __m512 v = _mm512_add_ps(load<T>(a.x, in + i, live), load<T>(a.residual, sum + i, live));
+        if constexpr (T != DType::kFloat32) v = avx512::round_to_bf16(v);
+        store<T>(a.residual, sum + i, live, v);
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      x = a.residual;
+      in = sum;
+    } else {
+      for (int i = 0; i < a.hidden; i += 16) {
+        const __m512 v = load<T>(a.x, in + i, lanes(a.hidden - i));
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
     }
     const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(a.hidden);
     const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(mean + a.eps));
     for (int i = 0; i < a.hidden; i += 16) {
       const __mmask16 live = lanes(a.hidden - i);
-      __m512 y = _mm512_mul_ps(load<T>(a.x, in + i, live), inverse);
+      __m512 y = _mm512_mul_ps(load<T>(x, in + i, live), inverse);
       if constexpr (T != DType::kFloat32) y = avx512::round_to_bf16(y);
       store<T>(a.out, out + i, live, _mm512_mul_ps(load<T>(a.weight, i, live), y));
     }

@@ -104,7 +104,8 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
 }
 
 void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, uintptr_t weight,
-              float eps, uintptr_t out, int64_t out_stride) {
+              float eps, uintptr_t out, int64_t out_stride, uintptr_t residual,
+              int64_t residual_stride) {
   const pk::RmsNormArgs args{static_cast<pk::DType>(dtype),
                              address<const void>(x),
                              x_stride,
@@ -113,7 +114,9 @@ void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, ui
                              address<const void>(weight),
                              eps,
                              address<void>(out),
-                             out_stride};
+                             out_stride,
+                             address<void>(residual),
+                             residual_stride};
   py::gil_scoped_release released;
   pk::rms_norm(args);
 }
@@ -202,7 +205,9 @@ PYBIND11_MODULE(_kernels, m) {
         "the context tokens per work item that partition_tokens=0 picks");
   m.def("rms_norm", &rms_norm, py::arg("dtype"), py::arg("x"), py::arg("x_stride"), py::arg("rows"),
         py::arg("hidden"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("out_stride"),
-        "out = weight * x * rsqrt(mean(x^2) + eps), row by row");
+        py::arg("residual") = 0, py::arg("residual_stride") = 0,
+        "out = weight * x * rsqrt(mean(x^2) + eps), row by row; with a residual (address, 0 for "
+        "none) x + residual first, stored back into the residual");
   m.def("silu_mul", &silu_mul, py::arg("dtype"), py::arg("input"), py::arg("input_stride"),
         py::arg("rows"), py::arg("width"), py::arg("out"), py::arg("out_stride"),
         "out = silu(input[:, :width]) * input[:, width:]");

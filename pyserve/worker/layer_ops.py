@@ -48,10 +48,26 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     return flat if flat.stride(1) == 1 else flat.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight · x / sqrt(mean(x²) + eps) over the last dim, as Hugging Face's LlamaRMSNorm."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dim, as Hugging Face's LlamaRMSNorm.
+
+    With ``residual`` (x's shape and dtype, updated in place): x + residual is formed first, as
+    a decoder block's residual connection does, stored into ``residual`` and normalized, in the
+    same pass."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must have x's shape and dtype")
     flat = _as_rows(x)
-    if flat is None or weight.dtype != x.dtype or not weight.is_contiguous():
+    sums = None if residual is None else _as_rows(residual)
+    if (
+        flat is None
+        or weight.dtype != x.dtype
+        or not weight.is_contiguous()
+        or (residual is not None and (sums is None or sums.data_ptr() != residual.data_ptr()))
+    ):
+        if residual is not None:
+            x = residual.add_(x)
         return F.rms_norm(x, weight.shape, weight, eps)
     rows, hidden = flat.shape
     if weight.shape != (hidden,):
@@ -60,6 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fused_kernels().rms_norm(
         DTYPE_CODES[x.dtype], flat.data_ptr(), max(flat.stride(0), hidden), rows, hidden,
         weight.data_ptr(), eps, out.data_ptr(), hidden,
+        0 if sums is None else sums.data_ptr(), 0 if sums is None else max(sums.stride(0), hidden),
     )  # fmt: skip
     return out if x.dim() == 2 else out.view(x.shape)
 

@@ -36,9 +36,10 @@ class RMSNorm(nn.Module):
         self.weight = _weight(size, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one pass in C++ on the CPU (layer_ops.py), torch's op elsewhere
-        return layer_ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with ``residual``: residual += x (in place), then norm(residual)."""
+        # one pass in C++ on the CPU (layer_ops.py), torch's ops elsewhere
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,19 +63,27 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
         attention: AttentionBackend,
         metadata: object,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the residual connections are added
+        by the next norm, in the same pass (``RMSNorm(x, residual)``), not by separate adds.
+        ``residual`` None: ``hidden`` is the embedding, the stream's start."""
         rows = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_norm(hidden))
+        if residual is None:
+            residual = hidden
+            normed = self.input_norm(hidden)
+        else:
+            normed = self.input_norm(hidden, residual)  # residual += previous MLP output
+        qkv = self.qkv_proj(normed)
         # RoPE, the KV-cache write and attention (rotation and write fused where the backend can)
         attn = attention.forward_qkv(self.index, qkv, cos, signed_sin, metadata)
-        # residual adds in place into the projections' fresh outputs: no extra allocation
-        hidden = self.o_proj(attn.reshape(rows, -1)).add_(hidden)
-        gate_up = self.gate_up_proj(self.post_attention_norm(hidden))
-        return self.down_proj(layer_ops.silu_mul(gate_up)).add_(hidden)
+        attn = self.o_proj(attn.reshape(rows, -1))
+        gate_up = self.gate_up_proj(self.post_attention_norm(attn, residual))  # residual += attn
+        return self.down_proj(layer_ops.silu_mul(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,10 +113,13 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None  # the residual stream, a fresh tensor each layer adds into in place
         for layer in self.layers:
-            hidden = layer(hidden, cos, signed_sin, attention, metadata)
-        # the last norm and the vocabulary projection only for rows that sample
-        last = self.norm(hidden.index_select(0, sample_index))
+            hidden, residual = layer(hidden, residual, cos, signed_sin, attention, metadata)
+        # the last residual add, norm and vocabulary projection only for rows that sample
+        last = self.norm(
+            hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
+        )
         return self.lm_head(last).float()
 
     # ------------------------------------------------------------------ loading
