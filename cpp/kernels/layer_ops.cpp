@@ -79,8 +79,7 @@ float sum_of_products(float a, float b, float c, float d) {
   return first + second;
 }
 
-float saturated(DType cache, float value) {  // float16 holds ±65504 at most
-  constexpr float kHalfMax = 65504.0f;
+float saturated(DType cache, float value) {
   return cache == DType::kFloat16 ? std::min(kHalfMax, std::max(-kHalfMax, value)) : value;
 }
 
@@ -94,8 +93,10 @@ void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
     const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
     for (int h = 0; h < a.num_heads + a.num_kv_heads; ++h) {
       float* head = x + static_cast<int64_t>(h) * dim;
-      for (int i = 0; i < dim; ++i)
-        rotated[i] = sum_of_products(head[i], c[i], head[(i + half) % dim], sn[i]);
+      for (int i = 0; i < half; ++i) {  // element i pairs with i + half
+        rotated[i] = sum_of_products(head[i], c[i], head[i + half], sn[i]);
+        rotated[i + half] = sum_of_products(head[i + half], c[i + half], head[i], sn[i + half]);
+      }
       if (h < a.num_heads) {
         std::copy(rotated.begin(), rotated.end(), head);
         continue;

@@ -51,6 +51,7 @@ struct SiluMulArgs {
 };
 
 constexpr int kMaxRopeHeadDim = 1024;  // the vector loops rotate a head in a stack buffer
+constexpr float kHalfMax = 65504.0f;   // a float16 cache saturates here instead of storing inf
 
 struct RopeKvArgs {
   float* qkv;  // [rows][(num_heads + 2·num_kv_heads)·head_dim]: q heads, k heads, v heads

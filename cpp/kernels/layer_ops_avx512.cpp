@@ -2,7 +2,6 @@
 #include "layer_ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -102,28 +101,28 @@ PYSERVE_AVX512_MATH inline void store_cache(void* base, int64_t i, __mmask16 liv
   } else if constexpr (C == DType::kBFloat16) {
     avx512::store_bf16(static_cast<uint16_t*>(base) + i, live, v);
   } else {
-    const __m512 top = _mm512_set1_ps(65504.0f);  // float16 saturates instead of becoming inf
+    const __m512 top = _mm512_set1_ps(kHalfMax);
     v = _mm512_max_ps(_mm512_min_ps(v, top), _mm512_sub_ps(_mm512_setzero_ps(), top));
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, live,
                              _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
 
-// One head of the row rotated into `out` (head_dim floats); half = head_dim / 2.
+// One head of the row rotated into `out` (head_dim floats; may be `head` itself): element i of
+// the first half pairs with i + half, so each pair of loads gives both halves' results.
 PYSERVE_AVX512_MATH inline void rotate_head(const float* head, const float* c, const float* sn,
                                             int dim, float* out) {
   const int half = dim / 2;
-  for (int part = 0; part < 2; ++part) {  // the first half pairs with the second and back
-    const float* x = head + part * half;
-    const float* other = head + (1 - part) * half;
-    for (int i = 0; i < half; i += 16) {
-      const __mmask16 live = lanes(half - i);
-      const int at = part * half + i;
-      _mm512_mask_storeu_ps(
-          out + at, live,
-          rotate(_mm512_maskz_loadu_ps(live, x + i), _mm512_maskz_loadu_ps(live, c + at),
-                 _mm512_maskz_loadu_ps(live, other + i), _mm512_maskz_loadu_ps(live, sn + at)));
-    }
+  for (int i = 0; i < half; i += 16) {
+    const __mmask16 live = lanes(half - i);
+    const __m512 first = _mm512_maskz_loadu_ps(live, head + i);
+    const __m512 second = _mm512_maskz_loadu_ps(live, head + half + i);
+    _mm512_mask_storeu_ps(out + i, live,
+                          rotate(first, _mm512_maskz_loadu_ps(live, c + i), second,
+                                 _mm512_maskz_loadu_ps(live, sn + i)));
+    _mm512_mask_storeu_ps(out + half + i, live,
+                          rotate(second, _mm512_maskz_loadu_ps(live, c + half + i), first,
+                                 _mm512_maskz_loadu_ps(live, sn + half + i)));
   }
 }
 
@@ -138,8 +137,7 @@ PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1
     const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
     for (int h = 0; h < a.num_heads; ++h) {  // q: in place
       float* head = x + static_cast<int64_t>(h) * dim;
-      rotate_head(head, c, sn, dim, rotated);
-      std::copy(rotated, rotated + dim, head);
+      rotate_head(head, c, sn, dim, head);
     }
     for (int h = 0; h < a.num_kv_heads; ++h) {
       rotate_head(x + static_cast<int64_t>(a.num_heads + h) * dim, c, sn, dim, rotated);

@@ -48,13 +48,11 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.index = index
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.split = (config.q_size, config.kv_size, config.kv_size)
         hidden, inter = config.hidden_size, config.intermediate_size
         kw = {"dtype": dtype, "device": device}
         self.input_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
-        self.qkv_proj = Linear(hidden, sum(self.split), bias=config.qkv_bias, **kw)
+        qkv_size = config.q_size + 2 * config.kv_size  # q, k and v heads side by side
+        self.qkv_proj = Linear(hidden, qkv_size, bias=config.qkv_bias, **kw)
         self.o_proj = Linear(config.q_size, hidden, bias=config.o_bias, **kw)
         self.post_attention_norm = RMSNorm(hidden, config.rms_norm_eps, **kw)
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw)
