@@ -22,15 +22,6 @@ constexpr int kMinPartitionTokens = 256;
 // With the automatic choice, the work is cut into about this many items per thread, so that
 // threads claiming items one at a time finish close together.
 constexpr int kItemsPerThread = 8;
-// How far ahead of the tile being computed its cache rows are prefetched, and into L2
-// (prefetcht1), not L1: the blocks lie anywhere in the cache, out of the hardware prefetcher's
-// sight, and prefetches into L1 stalled on its few fill buffers (Zen 4, 64 requests × 1024
-// tokens from DRAM, 2 threads: 5.1 ms with prefetcht0, 2.7 ms with prefetcht1; 16 and 64 tokens
-// ahead were slower than 32).
-constexpr int kPrefetchTokens = 32;
-
-inline void prefetch_to_l2(const char* address) { __builtin_prefetch(address, 0, 2); }
-
 const AttentionKernels& kernels_for_isa() {
   const std::string isa = current_isa();  // set_isa picks the attention loops too
   if (isa == "avx512_vnni") return avx512_attention();
@@ -87,7 +78,7 @@ void attend(void* context, int chunk) {
   thread_local std::vector<float> q, scores, acc, m, l, top;
   q.resize(static_cast<size_t>(group) * dim);
   top.resize(group);
-  scores.resize(static_cast<size_t>(group) * kTileTokens);
+  scores.resize(static_cast<size_t>(group) * kChunkTokens);
   acc.assign(static_cast<size_t>(group) * dim, 0.0f);
   m.assign(group, -std::numeric_limits<float>::infinity());
   l.assign(group, 0.0f);
@@ -101,59 +92,58 @@ void attend(void* context, int chunk) {
   const char* k_head = static_cast<const char*>(a.k_cache) + head_offset * element;
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.query * a.table_stride;
-
-  // a tile's block and offset, and its length (a tile never crosses a block); a block is
-  // bs·dim elements in both caches, its token t at t in K (dimension-major), at t·dim in V
-  const auto tile_at = [&](int pos, int64_t& block_at, int& offset) {
-    const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
-    offset = pos % bs;
-    block_at = block * bs * dim * element;
-    return std::min({item.end - pos, bs - offset, kTileTokens});
-  };
   const int64_t block_bytes = static_cast<int64_t>(bs) * dim * element;
-  // the tiles up to kPrefetchTokens ahead are asked for (K's whole block, V's rows) while this
-  // one is computed
-  int ahead = item.begin;
-  const auto prefetch_until = [&](int until) {
-    for (until = std::min(until, item.end); ahead < until;) {
-      int64_t block_at = 0;
-      int block_offset = 0;
-      const int tokens = tile_at(ahead, block_at, block_offset);
-      for (int64_t byte = 0; byte < block_bytes; byte += 64)
-        prefetch_to_l2(k_head + block_at + byte);
-      const int64_t v_at = block_at + block_offset * dim * element;
-      for (int64_t byte = 0; byte < tokens * dim * element; byte += 64)
-        prefetch_to_l2(v_head + v_at + byte);
-      ahead += tokens;
+
+  // The item's tiles, a chunk at a time: a tile never crosses a block; a block is bs·dim
+  // elements in both caches, its token t at t in K (dimension-major), at t·dim in V. Each
+  // chunk's cache lines (K's whole blocks, V's rows) are prefetched while the chunk before it
+  // is computed; the first chunk's at once.
+  struct Chunk {
+    Tile tiles[kChunkTiles];
+    PrefetchSpan k_lines[kChunkTiles];
+    PrefetchSpan v_lines[kChunkTiles];
+    int count = 0;
+    int tokens = 0;
+  };
+  int pos = item.begin;
+  const auto next_chunk = [&](Chunk& chunk) {
+    chunk.count = chunk.tokens = 0;
+    while (chunk.count < kChunkTiles && pos < item.end) {
+      const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
+      const int offset = pos % bs;
+      const int tokens = std::min({item.end - pos, bs - offset, kTileTokens});
+      const char* k = k_head + block * block_bytes;
+      const char* v = v_head + block * block_bytes + offset * dim * element;
+      chunk.tiles[chunk.count] = {k + offset * element, v, tokens};
+      chunk.k_lines[chunk.count] = {k, block_bytes};
+      chunk.v_lines[chunk.count] = {v, tokens * dim * element};
+      ++chunk.count;
+      chunk.tokens += tokens;
+      pos += tokens;
     }
   };
-  int64_t at = 0;
-  int offset = 0;
-  int n = tile_at(item.begin, at, offset);
-  for (int pos = item.begin; pos < item.end;) {
-    prefetch_until(pos + n + kPrefetchTokens);
-    int64_t next_at = 0;
-    int next_offset = 0;
-    const int next_n = pos + n < item.end ? tile_at(pos + n, next_at, next_offset) : 0;
-    kernels.score(a.cache_dtype, q.data(), group, dim, k_head + at + offset * element, bs, n,
-                  scores.data(), kTileTokens, top.data());
+  Chunk chunks[2];
+  next_chunk(chunks[0]);
+  prefetch_spans(chunks[0].k_lines, chunks[0].count);
+  prefetch_spans(chunks[0].v_lines, chunks[0].count);
+  for (int c = 0; chunks[c].count > 0; c ^= 1) {
+    const Chunk& now = chunks[c];
+    Chunk& ahead = chunks[c ^ 1];
+    next_chunk(ahead);
+    kernels.score(a.cache_dtype, q.data(), group, dim, bs, now.tiles, now.count, ahead.k_lines,
+                  ahead.count, scores.data(), kChunkTokens, top.data());
     for (int h = 0; h < group; ++h) {
-      float* s = scores.data() + h * kTileTokens;
-      const float tile_max = top[h];
-      if (tile_max > m[h]) {  // rescale what was summed so far to the new maximum
-        const float factor = std::exp(m[h] - tile_max);
+      float* s = scores.data() + h * kChunkTokens;
+      if (top[h] > m[h]) {  // rescale what was summed so far to the new maximum
+        const float factor = std::exp(m[h] - top[h]);
         for (int i = 0; i < dim; ++i) acc[h * dim + i] *= factor;
         l[h] *= factor;
-        m[h] = tile_max;
+        m[h] = top[h];
       }
-      l[h] += kernels.exp_sum(s, n, m[h]);
+      l[h] += kernels.exp_sum(s, now.tokens, m[h]);
     }
-    kernels.accumulate(a.cache_dtype, scores.data(), kTileTokens, group, dim,
-                       v_head + at + offset * dim * element, n, acc.data());
-    pos += n;
-    at = next_at;
-    offset = next_offset;
-    n = next_n;
+    kernels.accumulate(a.cache_dtype, scores.data(), kChunkTokens, group, dim, now.tiles, now.count,
+                       ahead.v_lines, ahead.count, acc.data());
   }
 
   if (item.partial < 0) {

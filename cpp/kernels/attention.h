@@ -47,22 +47,49 @@ void paged_decode_attention(const DecodeAttentionArgs& args);
 // The tokens per partition that `partition_tokens = 0` picks for these contexts.
 int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int threads);
 
-// One ISA's inner loops over a tile of ≤ kTileTokens consecutive tokens of one block and kv head.
-// q: group rows of head_dim fp32 (pre-scaled); s, p: group rows of `stride` scores.
+// One ISA's inner loops over a chunk of a work item: up to kChunkTiles tiles, each ≤ kTileTokens
+// consecutive tokens of one block and kv head. A chunk is scored, softmaxed and accumulated as
+// one piece (one maximum and one exp pass per head a chunk, the sums in registers across its
+// tiles), and the loops prefetch the next chunk's cache lines into L2 while they compute, a few
+// lines an iteration: the blocks lie anywhere in the cache, out of the hardware prefetcher's
+// sight, and a burst of prefetches stalls on the core's few miss buffers.
 constexpr int kTileTokens = 32;
+constexpr int kChunkTiles = 4;
+constexpr int kChunkTokens = kTileTokens * kChunkTiles;
+
+struct Tile {
+  const void* k;  // its first token's element 0 in K: element i of token t at k[i·k_stride + t]
+  const void* v;  // its first token's row in V: element i of token t at v[t·dim + i]
+  int tokens;
+};
+
+// Cache bytes to prefetch: [begin, begin + bytes).
+struct PrefetchSpan {
+  const char* begin;
+  int64_t bytes;
+};
 
 struct AttentionKernels {
   const char* name;
-  // s[h·stride + t] = q[h] · key t, and top[h] = max_t of them, for t < tokens, h < group;
-  // element i of key t is k[i·k_stride + t] (k_stride: the block size)
-  void (*score)(DType cache, const float* q, int group, int dim, const void* k, int64_t k_stride,
-                int tokens, float* s, int stride, float* top);
+  // s[h·stride + o_j + t] = q[h] · key t of tile j, o_j the tokens of the tiles before j, for
+  // h < group; top[h] = the largest of them. Prefetches `ahead` (the next chunk's K) meanwhile.
+  void (*score)(DType cache, const float* q, int group, int dim, int64_t k_stride,
+                const Tile* tiles, int count, const PrefetchSpan* ahead, int ahead_count, float* s,
+                int stride, float* top);
   // s[t] = exp(s[t] − shift) for t < n; returns Σ s[t]
   float (*exp_sum)(float* s, int n, float shift);
-  // acc[h·dim + i] += Σ_t p[h·stride + t] · v[t·dim + i]
-  void (*accumulate)(DType cache, const float* p, int stride, int group, int dim, const void* v,
-                     int tokens, float* acc);
+  // acc[h·dim + i] += Σ_t p[h·stride + o_j + t] · (element i of V token t of tile j), over the
+  // tiles; prefetches `ahead` (the next chunk's V rows) meanwhile.
+  void (*accumulate)(DType cache, const float* p, int stride, int group, int dim, const Tile* tiles,
+                     int count, const PrefetchSpan* ahead, int ahead_count, float* acc);
 };
+
+// Prefetches whole spans into L2 at once: the portable and AVX2 loops' way.
+inline void prefetch_spans(const PrefetchSpan* spans, int count) {
+  for (int i = 0; i < count; ++i)
+    for (int64_t byte = 0; byte < spans[i].bytes; byte += 64)
+      __builtin_prefetch(spans[i].begin + byte, 0, 2);
+}
 
 const AttentionKernels& scalar_attention();
 const AttentionKernels& avx2_attention();

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <vector>
 
 #include "attention_convert.h"
 
@@ -96,8 +97,8 @@ PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, in
   }
 }
 
-PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, const void* k,
-                        int64_t k_stride, int tokens, float* s, int stride, float* top) {
+PYSERVE_AVX2 void score_tile(DType cache, const float* q, int group, int dim, const void* k,
+                             int64_t k_stride, int tokens, float* s, int stride, float* top) {
   switch (cache) {
     case DType::kFloat32:
       return score_as<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top);
@@ -183,8 +184,8 @@ PYSERVE_AVX2 void accumulate_for(const float* p, int stride, int group, int dim,
   return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc);
 }
 
-PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group, int dim,
-                             const void* v, int tokens, float* acc) {
+PYSERVE_AVX2 void accumulate_tile(DType cache, const float* p, int stride, int group, int dim,
+                                  const void* v, int tokens, float* acc) {
   switch (cache) {
     case DType::kFloat32:
       return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc);
@@ -193,6 +194,29 @@ PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group,
     case DType::kFloat16:
       return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
   }
+}
+
+// A chunk tile by tile, its prefetches issued up front.
+PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, int64_t k_stride,
+                        const Tile* tiles, int count, const PrefetchSpan* ahead, int ahead_count,
+                        float* s, int stride, float* top) {
+  prefetch_spans(ahead, ahead_count);
+  thread_local std::vector<float> most;
+  most.resize(group);
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
+    score_tile(cache, q, group, dim, tiles[j].k, k_stride, tiles[j].tokens, s + offset, stride,
+               j == 0 ? top : most.data());
+    if (j > 0)
+      for (int h = 0; h < group; ++h) top[h] = most[h] > top[h] ? most[h] : top[h];
+  }
+}
+
+PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group, int dim,
+                             const Tile* tiles, int count, const PrefetchSpan* ahead,
+                             int ahead_count, float* acc) {
+  prefetch_spans(ahead, ahead_count);
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens)
+    accumulate_tile(cache, p + offset, stride, group, dim, tiles[j].v, tiles[j].tokens, acc);
 }
 
 }  // namespace

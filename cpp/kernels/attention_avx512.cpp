@@ -6,7 +6,9 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "avx512_math.h"
 
@@ -20,14 +22,54 @@ using avx512::exp_nonpositive;
 using avx512::lanes;
 using avx512::load;
 
+// Issues the prefetches of a list of spans into L2, a few cache lines at each step of a loop, so
+// that they never pile up on the miss buffers (`lines_per_step` from the loop's step count).
+class Prefetcher {
+ public:
+  Prefetcher(const PrefetchSpan* spans, int count, int64_t steps)
+      : span_(spans), end_(spans + count) {
+    int64_t lines = 0;
+    for (int i = 0; i < count; ++i) lines += (spans[i].bytes + 63) / 64;
+    per_step_ = static_cast<int>(steps > 0 ? (lines + steps - 1) / steps : lines);
+    if (span_ < end_) {
+      at_ = span_->begin;
+      stop_ = at_ + span_->bytes;
+    }
+  }
+  static Prefetcher none() { return Prefetcher(nullptr, 0, 1); }
+  inline void step() { issue(per_step_); }
+  void finish() { issue(std::numeric_limits<int>::max()); }
+
+ private:
+  inline void issue(int n) {
+    while (n > 0 && span_ < end_) {
+      if (at_ >= stop_) {
+        if (++span_ == end_) return;
+        at_ = span_->begin;
+        stop_ = at_ + span_->bytes;
+        continue;
+      }
+      __builtin_prefetch(at_, 0, 2);
+      at_ += 64;
+      --n;
+    }
+  }
+  const PrefetchSpan* span_;
+  const PrefetchSpan* end_;
+  const char* at_ = nullptr;
+  const char* stop_ = nullptr;
+  int per_step_ = 0;
+};
+
 // HN query heads against ≤ 16 tokens (`live` lanes) of dimension-major K: four independent FMA
-// chains a head (a broadcast query element times one K vector each), summed at the end. DIM > 0:
-// head_dim known at compile time (with a loop of unknown trip count GCC kept the accumulators in
-// memory, stored every iteration); DIM == 0: any head_dim.
+// chains a head (a broadcast query element times one K vector each), summed at the end; the
+// running maxima `most` take the live lanes. DIM > 0: head_dim known at compile time (with a
+// loop of unknown trip count GCC kept the accumulators in memory, stored every iteration);
+// DIM == 0: any head_dim.
 template <DType T, int HN, int DIM>
 PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const void* k,
                                        int64_t k_stride, __mmask16 live, float* s, int stride,
-                                       float* top, bool first) {
+                                       __m512 (&most)[HN], Prefetcher& prefetch) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
   const int whole = dim / 4 * 4;
   __m512 acc[HN][4];
@@ -42,6 +84,7 @@ PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const vo
     for (int h = 0; h < HN; ++h)
       for (int c = 0; c < 4; ++c)
         acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i + c]), key[c], acc[h][c]);
+    prefetch.step();
   }
   __m512 sum[HN];
   for (int h = 0; h < HN; ++h)
@@ -54,55 +97,78 @@ PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const vo
   }
   for (int h = 0; h < HN; ++h) {
     _mm512_mask_storeu_ps(s + h * stride, live, sum[h]);
-    const float most = _mm512_mask_reduce_max_ps(live, sum[h]);
-    top[h] = first || most > top[h] ? most : top[h];
+    most[h] = _mm512_mask_max_ps(most[h], live, most[h], sum[h]);
   }
+}
+
+// HN heads over a chunk's tiles: one horizontal maximum a head at the end.
+template <DType T, int HN, int DIM>
+PYSERVE_AVX512 void score_tiles(const float* q, int dim, int64_t k_stride, const Tile* tiles,
+                                int count, float* s, int stride, float* top, Prefetcher& prefetch) {
+  __m512 most[HN];
+  for (int h = 0; h < HN; ++h) most[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens)
+    for (int t0 = 0; t0 < tiles[j].tokens; t0 += 16)
+      score_heads<T, HN, DIM>(q, dim, element<T>(tiles[j].k, t0), k_stride,
+                              lanes(tiles[j].tokens - t0), s + offset + t0, stride, most, prefetch);
+  for (int h = 0; h < HN; ++h) top[h] = _mm512_reduce_max_ps(most[h]);
 }
 
 template <DType T, int DIM>
-PYSERVE_AVX512 void score_as(const float* q, int group, int dim, const void* k, int64_t k_stride,
-                             int tokens, float* s, int stride, float* top) {
-  for (int t0 = 0; t0 < tokens; t0 += 16) {
-    const __mmask16 live = lanes(tokens - t0);
-    const void* tile = element<T>(k, t0);
-    for (int h = 0; h < group; h += 4) {
-      const float* qh = q + h * dim;
-      float* sh = s + h * stride + t0;
-      const bool first = t0 == 0;
-      switch (group - h) {
-        case 1:
-          score_heads<T, 1, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
-          break;
-        case 2:
-          score_heads<T, 2, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
-          break;
-        case 3:
-          score_heads<T, 3, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
-          break;
-        default:
-          score_heads<T, 4, DIM>(qh, dim, tile, k_stride, live, sh, stride, top + h, first);
-      }
+PYSERVE_AVX512 void score_as(const float* q, int group, int dim, int64_t k_stride,
+                             const Tile* tiles, int count, const PrefetchSpan* ahead,
+                             int ahead_count, float* s, int stride, float* top) {
+  int64_t steps = 0;
+  for (int j = 0; j < count; ++j) steps += (tiles[j].tokens + 15) / 16 * (dim / 4);
+  Prefetcher prefetch(ahead, ahead_count, steps);
+  Prefetcher idle = Prefetcher::none();
+  for (int h = 0; h < group; h += 4) {  // the first pass over the chunk prefetches
+    const float* qh = q + h * dim;
+    float* sh = s + h * stride;
+    Prefetcher& p = h == 0 ? prefetch : idle;
+    switch (group - h) {
+      case 1:
+        score_tiles<T, 1, DIM>(qh, dim, k_stride, tiles, count, sh, stride, top + h, p);
+        break;
+      case 2:
+        score_tiles<T, 2, DIM>(qh, dim, k_stride, tiles, count, sh, stride, top + h, p);
+        break;
+      case 3:
+        score_tiles<T, 3, DIM>(qh, dim, k_stride, tiles, count, sh, stride, top + h, p);
+        break;
+      default:
+        score_tiles<T, 4, DIM>(qh, dim, k_stride, tiles, count, sh, stride, top + h, p);
     }
   }
+  prefetch.finish();
 }
 
 template <DType T>
-PYSERVE_AVX512 void score_for(const float* q, int group, int dim, const void* k, int64_t k_stride,
-                              int tokens, float* s, int stride, float* top) {
-  if (dim == 64) return score_as<T, 64>(q, group, dim, k, k_stride, tokens, s, stride, top);
-  if (dim == 128) return score_as<T, 128>(q, group, dim, k, k_stride, tokens, s, stride, top);
-  return score_as<T, 0>(q, group, dim, k, k_stride, tokens, s, stride, top);
+PYSERVE_AVX512 void score_for(const float* q, int group, int dim, int64_t k_stride,
+                              const Tile* tiles, int count, const PrefetchSpan* ahead,
+                              int ahead_count, float* s, int stride, float* top) {
+  if (dim == 64)
+    return score_as<T, 64>(q, group, dim, k_stride, tiles, count, ahead, ahead_count, s, stride,
+                           top);
+  if (dim == 128)
+    return score_as<T, 128>(q, group, dim, k_stride, tiles, count, ahead, ahead_count, s, stride,
+                            top);
+  return score_as<T, 0>(q, group, dim, k_stride, tiles, count, ahead, ahead_count, s, stride, top);
 }
 
-PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, const void* k,
-                          int64_t k_stride, int tokens, float* s, int stride, float* top) {
+PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, int64_t k_stride,
+                          const Tile* tiles, int count, const PrefetchSpan* ahead, int ahead_count,
+                          float* s, int stride, float* top) {
   switch (cache) {
     case DType::kFloat32:
-      return score_for<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_for<DType::kFloat32>(q, group, dim, k_stride, tiles, count, ahead, ahead_count,
+                                        s, stride, top);
     case DType::kBFloat16:
-      return score_for<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_for<DType::kBFloat16>(q, group, dim, k_stride, tiles, count, ahead, ahead_count,
+                                         s, stride, top);
     case DType::kFloat16:
-      return score_for<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_for<DType::kFloat16>(q, group, dim, k_stride, tiles, count, ahead, ahead_count,
+                                        s, stride, top);
   }
 }
 
@@ -118,21 +184,26 @@ PYSERVE_AVX512 float exp_sum(float* s, int n, float shift) {
   return _mm512_reduce_add_ps(total);
 }
 
-// G heads of the group at a time, their sums in registers, each V row loaded and converted once
-// for all of them.
+// G heads of the group over a chunk's tiles, their sums in registers throughout, each V row
+// loaded and converted once for all of them.
 template <DType T, int DIM, int G>
-PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const void* v, int tokens,
-                                     float* acc) {
+PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* tiles, int count,
+                                     float* acc, Prefetcher& prefetch) {
   constexpr int chunks = DIM / 16;
   __m512 sum[G][chunks];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
-  for (int t = 0; t < tokens; ++t) {
-    __m512 row[chunks];
-    for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
-    for (int g = 0; g < G; ++g) {
-      const __m512 weight = _mm512_set1_ps(p[g * stride + t]);
-      for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
+    const void* v = tiles[j].v;
+    const float* pj = p + offset;
+    for (int t = 0; t < tiles[j].tokens; ++t) {
+      __m512 row[chunks];
+      for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(pj[g * stride + t]);
+        for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
+      }
+      prefetch.step();
     }
   }
   for (int g = 0; g < G; ++g)
@@ -140,57 +211,81 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const void* v, 
 }
 
 template <DType T, int DIM>
-PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
-                                  int tokens, float* acc) {
+PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim, const Tile* tiles,
+                                  int count, const PrefetchSpan* ahead, int ahead_count,
+                                  float* acc) {
+  int64_t steps = 0;
+  for (int j = 0; j < count; ++j) steps += tiles[j].tokens;
+  Prefetcher prefetch(ahead, ahead_count, steps);
   if constexpr (DIM > 0) {
+    Prefetcher idle = Prefetcher::none();
     constexpr int most = DIM <= 64 ? 4 : 2;  // sums + a row within the 32 registers
-    int h = 0;
-    for (; h + most <= group; h += most)
-      accumulate_heads<T, DIM, most>(p + h * stride, stride, v, tokens, acc + h * DIM);
-    const float* rest_p = p + h * stride;
-    float* rest_acc = acc + h * DIM;
-    switch (group - h) {
-      case 1:
-        return accumulate_heads<T, DIM, 1>(rest_p, stride, v, tokens, rest_acc);
-      case 2:
-        return accumulate_heads<T, DIM, 2>(rest_p, stride, v, tokens, rest_acc);
-      case 3:
-        return accumulate_heads<T, DIM, 3>(rest_p, stride, v, tokens, rest_acc);
-      default:
-        return;
+    for (int h = 0; h < group;) {            // the first pass over the chunk prefetches
+      const float* ph = p + h * stride;
+      float* acc_h = acc + h * DIM;
+      Prefetcher& pf = h == 0 ? prefetch : idle;
+      switch (std::min(most, group - h)) {
+        case 1:
+          accumulate_heads<T, DIM, 1>(ph, stride, tiles, count, acc_h, pf);
+          h += 1;
+          break;
+        case 2:
+          accumulate_heads<T, DIM, 2>(ph, stride, tiles, count, acc_h, pf);
+          h += 2;
+          break;
+        case 3:
+          accumulate_heads<T, DIM, 3>(ph, stride, tiles, count, acc_h, pf);
+          h += 3;
+          break;
+        default:
+          accumulate_heads<T, DIM, most>(ph, stride, tiles, count, acc_h, pf);
+          h += most;
+      }
     }
   } else {
-    for (int h = 0; h < group; ++h) {
-      for (int i = 0; i < dim; i += 16) {
-        const __mmask16 live = lanes(dim - i);
-        __m512 sum = _mm512_maskz_loadu_ps(live, acc + h * dim + i);
-        for (int t = 0; t < tokens; ++t) {
-          const __m512 weight = _mm512_set1_ps(p[h * stride + t]);
-          sum = _mm512_fmadd_ps(weight, load<T>(element<T>(v, int64_t{t} * dim + i), live), sum);
+    for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
+      const void* v = tiles[j].v;
+      for (int h = 0; h < group; ++h) {
+        const float* ph = p + h * stride + offset;
+        for (int i = 0; i < dim; i += 16) {
+          const __mmask16 live = lanes(dim - i);
+          __m512 sum = _mm512_maskz_loadu_ps(live, acc + h * dim + i);
+          for (int t = 0; t < tiles[j].tokens; ++t) {
+            const __m512 weight = _mm512_set1_ps(ph[t]);
+            sum = _mm512_fmadd_ps(weight, load<T>(element<T>(v, int64_t{t} * dim + i), live), sum);
+          }
+          _mm512_mask_storeu_ps(acc + h * dim + i, live, sum);
         }
-        _mm512_mask_storeu_ps(acc + h * dim + i, live, sum);
       }
     }
   }
+  prefetch.finish();
 }
 
 template <DType T>
-PYSERVE_AVX512 void accumulate_for(const float* p, int stride, int group, int dim, const void* v,
-                                   int tokens, float* acc) {
-  if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc);
-  if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc);
-  return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc);
+PYSERVE_AVX512 void accumulate_for(const float* p, int stride, int group, int dim,
+                                   const Tile* tiles, int count, const PrefetchSpan* ahead,
+                                   int ahead_count, float* acc) {
+  if (dim == 64)
+    return accumulate_as<T, 64>(p, stride, group, dim, tiles, count, ahead, ahead_count, acc);
+  if (dim == 128)
+    return accumulate_as<T, 128>(p, stride, group, dim, tiles, count, ahead, ahead_count, acc);
+  return accumulate_as<T, 0>(p, stride, group, dim, tiles, count, ahead, ahead_count, acc);
 }
 
 PYSERVE_AVX512 void accumulate(DType cache, const float* p, int stride, int group, int dim,
-                               const void* v, int tokens, float* acc) {
+                               const Tile* tiles, int count, const PrefetchSpan* ahead,
+                               int ahead_count, float* acc) {
   switch (cache) {
     case DType::kFloat32:
-      return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kFloat32>(p, stride, group, dim, tiles, count, ahead,
+                                             ahead_count, acc);
     case DType::kBFloat16:
-      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, tiles, count, ahead,
+                                              ahead_count, acc);
     case DType::kFloat16:
-      return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kFloat16>(p, stride, group, dim, tiles, count, ahead,
+                                             ahead_count, acc);
   }
 }
 

@@ -9,16 +9,20 @@
 namespace pyserve_kernels {
 namespace {
 
-void score(DType cache, const float* q, int group, int dim, const void* k, int64_t k_stride,
-           int tokens, float* s, int stride, float* top) {
-  for (int h = 0; h < group; ++h) {
-    top[h] = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < tokens; ++t) {
-      float sum = 0.0f;
-      for (int i = 0; i < dim; ++i)
-        sum += q[h * dim + i] * load_element(cache, k, i * k_stride + t);
-      s[h * stride + t] = sum;
-      top[h] = std::max(top[h], sum);
+void score(DType cache, const float* q, int group, int dim, int64_t k_stride, const Tile* tiles,
+           int count, const PrefetchSpan* ahead, int ahead_count, float* s, int stride,
+           float* top) {
+  prefetch_spans(ahead, ahead_count);
+  for (int h = 0; h < group; ++h) top[h] = -std::numeric_limits<float>::infinity();
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
+    for (int h = 0; h < group; ++h) {
+      for (int t = 0; t < tiles[j].tokens; ++t) {
+        float sum = 0.0f;
+        for (int i = 0; i < dim; ++i)
+          sum += q[h * dim + i] * load_element(cache, tiles[j].k, i * k_stride + t);
+        s[h * stride + offset + t] = sum;
+        top[h] = std::max(top[h], sum);
+      }
     }
   }
 }
@@ -32,13 +36,17 @@ float exp_sum(float* s, int n, float shift) {
   return sum;
 }
 
-void accumulate(DType cache, const float* p, int stride, int group, int dim, const void* v,
-                int tokens, float* acc) {
-  for (int t = 0; t < tokens; ++t) {
-    const int64_t row = static_cast<int64_t>(t) * dim;
-    for (int h = 0; h < group; ++h) {
-      const float weight = p[h * stride + t];
-      for (int i = 0; i < dim; ++i) acc[h * dim + i] += weight * load_element(cache, v, row + i);
+void accumulate(DType cache, const float* p, int stride, int group, int dim, const Tile* tiles,
+                int count, const PrefetchSpan* ahead, int ahead_count, float* acc) {
+  prefetch_spans(ahead, ahead_count);
+  for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
+    for (int t = 0; t < tiles[j].tokens; ++t) {
+      const int64_t row = static_cast<int64_t>(t) * dim;
+      for (int h = 0; h < group; ++h) {
+        const float weight = p[h * stride + offset + t];
+        for (int i = 0; i < dim; ++i)
+          acc[h * dim + i] += weight * load_element(cache, tiles[j].v, row + i);
+      }
     }
   }
 }
