@@ -25,6 +25,7 @@ from pyserve.worker import quant
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()
+MIN_EXPONENT = -100  # qgemm.h's kMinExponent
 BEST_ISA = KERNELS.isa()
 ISAS = KERNELS.supported_isas()
 
@@ -49,35 +50,55 @@ def random_input(rows: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-def reference_activations(x: torch.Tensor, group: int, bits: int):
-    """What the kernel quantizes activations to: q, s per group (float32 math, ties to even)."""
+def headroom(weight_bits: int, activation_bits: int, group: int) -> int:
+    """How many bits the largest possible |Σu·q| of a group can shift left inside int32."""
+    most = (2**weight_bits - 1) * (2 ** (activation_bits - 1) - 1) * group
+    return max(h for h in range(32) if most << h <= 2**31 - 1)
+
+
+def reference_activations(x: torch.Tensor, group: int, bits: int, weight_bits: int = 4):
+    """What the kernel quantizes activations to: q (ties to even) and s per group. int8:
+    s = max|x|/127 (float32 math). int16: s = 2^e, e the smallest exponent with
+    max|x|·2^−e ≤ 32767, raised to at least (the row's largest e) − headroom; every product is
+    then by a power of two, so exact."""
     rows, k = x.shape
     k_pad = -(-k // group) * group
     top = 127.0 if bits == 8 else 32767.0
     padded = torch.cat([x, x.new_zeros(rows, k_pad - k)], 1).view(rows, -1, group)
     amax = padded.abs().amax(-1)
-    scale = amax / top
-    # tensor / tensor: a Python number over a tensor is computed as reciprocal × number
-    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
-    q = torch.round(padded * inverse[..., None]).clamp(-top, top)
+    if bits == 8:
+        scale = amax / top
+        # tensor / tensor: a Python number over a tensor is computed as reciprocal × number
+        inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+        q = torch.round(padded * inverse[..., None]).clamp(-top, top)
+        return q.view(rows, k_pad), scale
+    e = torch.frexp(amax / top).exponent
+    e = torch.where(torch.ldexp(amax, -e) > top, e + 1, e)
+    e = torch.where(torch.ldexp(amax, 1 - e) <= top, e - 1, e)
+    e = torch.where(amax > 0, e, MIN_EXPONENT).clamp(min=MIN_EXPONENT)
+    unit = e.amax(-1, keepdim=True) - headroom(weight_bits, bits, group)
+    e = torch.maximum(e, unit)
+    scale = torch.ldexp(torch.ones_like(amax), e)
+    q = torch.round(torch.ldexp(padded, -e[..., None])).clamp(-top, top)
     return q.view(rows, k_pad), scale
 
 
-def kernel_activations(x: torch.Tensor, group: int, bits: int):
+def kernel_activations(x: torch.Tensor, group: int, bits: int, weight_bits: int = 4):
     rows, k = x.shape
     groups = -(-k // group)
     q = torch.empty(rows, groups * group, dtype=torch.int8 if bits == 8 else torch.int16)
     scale = torch.empty(rows, groups)
     total = torch.empty(rows, groups, dtype=torch.int32)
     KERNELS.quantize_activations(
-        x.data_ptr(), k, rows, k, group, bits, q.data_ptr(), scale.data_ptr(), total.data_ptr()
-    )
+        x.data_ptr(), k, rows, k, group, bits, weight_bits, q.data_ptr(), scale.data_ptr(),
+        total.data_ptr(),
+    )  # fmt: skip
     return q, scale, total
 
 
 def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 Σ_g s·(d·Σu·q + m·Σq) (+ bias), and Σ_g of the terms' magnitudes for a tolerance."""
-    q, scale = reference_activations(x, packed.group, activation_bits)
+    q, scale = reference_activations(x, packed.group, activation_bits, packed.bits)
     u, d, m = quant.unpack_weight(packed)
     rows, n = x.shape[0], packed.n
     q = q.double().view(rows, -1, packed.group)  # [rows, groups, group]
@@ -92,22 +113,49 @@ def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor
     return out, (term_d.abs() + term_m.abs()).sum(-1)
 
 
+@pytest.mark.parametrize("weight_bits", [4, 8])
 @pytest.mark.parametrize("bits", [8, 16])
-def test_activation_quantization_is_exactly_the_reference(isa, bits):
+def test_activation_quantization_is_exactly_the_reference(isa, bits, weight_bits):
     for rows, _, k in [*SHAPES, BIG_SHAPE]:
         x = random_input(rows, k, seed=k)
-        x[0, : min(k, 32)] = 0  # an all-zero group: scale 0, q 0
-        q, scale, total = kernel_activations(x, quant.GROUP, bits)
-        ref_q, ref_scale = reference_activations(x, quant.GROUP, bits)
+        x[0, : min(k, 32)] = 0  # an all-zero group: q 0
+        if k > 64:
+            x[-1, 32:64] *= 1e-4  # a group far below its row's largest: its scale is raised
+        q, scale, total = kernel_activations(x, quant.GROUP, bits, weight_bits)
+        ref_q, ref_scale = reference_activations(x, quant.GROUP, bits, weight_bits)
         assert torch.equal(q.float(), ref_q)
         assert torch.equal(scale, ref_scale)
         assert torch.equal(total, ref_q.view(rows, -1, quant.GROUP).sum(-1).int())
-        # the rounding bound the float test relies on, |x − s·q| ≤ s/2, in float64; x·(Q/max)
-        # is rounded to float32 before it is rounded to an integer: ≤ Q·2⁻²³ more, ~1% for int16
+        if bits == 16:  # powers of two, a group's raised at most to (row's largest) / 2^H
+            assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+            ratio = scale.amax(-1, keepdim=True) / scale
+            assert (ratio <= 2 ** headroom(weight_bits, bits, quant.GROUP)).all()
+        # the rounding bound the float test relies on, |x − s·q| ≤ s/2, in float64; int8 rounds
+        # x·(Q/max) to float32 before it rounds to an integer: ≤ Q·2⁻²³ more (int16's is exact)
         scale64 = ref_scale.double()
         x_hat = (ref_q.double().view(rows, -1, quant.GROUP) * scale64[..., None]).view(rows, -1)
         half_step = scale64.repeat_interleave(quant.GROUP, 1)[:, :k] / 2
-        assert ((x.double() - x_hat[:, :k]).abs() <= half_step * 1.01).all()
+        assert ((x.double() - x_hat[:, :k]).abs() <= half_step * (1 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_largest_dot_product_shifted_by_the_headroom_stays_in_int32(isa, bits, activation_bits):
+    """Group 0: every |q| at its top and every weight at its largest code, the row's largest
+    exponent; group 1 tiny: group 0's dot product is shifted by the whole headroom."""
+    top = 127 if activation_bits == 8 else 32767
+    x = torch.full((1, 64), 1e-6)
+    x[0, :32] = top * 2.0**-15  # q = top exactly at e = −15
+    w = torch.zeros(3, 64)
+    w[:, :32] = 1.0  # 8-bit: u = 255; 4-bit: u = 15 (the group's minimum is the 0 below)
+    w[:, 0] = 0.0
+    w[1, 32:] = 0.5
+    w[2] = -w[2]
+    packed = quant.quantize_weight(w, bits)
+    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    want, magnitude = exact_reference(x, packed, activation_bits)
+    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
+    assert (got[0, :2] > 0).all() and got[0, 2] < 0
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])

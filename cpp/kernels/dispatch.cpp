@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -67,15 +68,15 @@ void check_group(int group) {
 
 struct Scratch {
   std::vector<int16_t> q;  // int8 or int16 values, whichever the activations use
-  std::vector<float> scale, scaled_sum;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> shift, sum;
+  std::vector<float> scale, unit_sum, unit;
 };
 
 struct QuantizeJob {
   const KernelTable* table;
   const float* x;
   int64_t x_stride;
-  int rows, k, group, bits;
+  int rows, k, group, bits, headroom;
   Scratch* scratch;
 };
 
@@ -86,21 +87,24 @@ void quantize_chunk(void* context, int chunk) {
   const int groups = (job.k + job.group - 1) / job.group;
   const int64_t q_bytes = static_cast<int64_t>(begin) * groups * job.group * job.bits / 8;
   const int64_t g_at = static_cast<int64_t>(begin) * groups;
+  Scratch& s = *job.scratch;
   job.table->quantize_rows(
       job.x + begin * job.x_stride, job.x_stride, end - begin, job.k, job.group, job.bits,
-      reinterpret_cast<int8_t*>(job.scratch->q.data()) + q_bytes, job.scratch->scale.data() + g_at,
-      job.scratch->scaled_sum.data() + g_at, job.scratch->sum.data() + g_at);
+      job.headroom, reinterpret_cast<int8_t*>(s.q.data()) + q_bytes, s.scale.data() + g_at,
+      s.shift.data() + g_at, s.unit_sum.data() + g_at, s.sum.data() + g_at, s.unit.data() + begin);
 }
 
 void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
-                   int group, int bits, Scratch& scratch) {
+                   int group, int bits, int headroom, Scratch& scratch) {
   const int groups = (k + group - 1) / group;
   const size_t cells = static_cast<size_t>(rows) * groups;
   scratch.q.resize(cells * group);  // int16 elements: room for either width
   scratch.scale.resize(cells);
-  scratch.scaled_sum.resize(cells);
+  scratch.shift.resize(cells);
+  scratch.unit_sum.resize(cells);
   scratch.sum.resize(cells);
-  QuantizeJob job{&table, x, x_stride, rows, k, group, bits, &scratch};
+  scratch.unit.resize(rows);
+  QuantizeJob job{&table, x, x_stride, rows, k, group, bits, headroom, &scratch};
   const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
   if (rows >= kParallelQuantizeRows) {
     ThreadPool::instance().run(quantize_chunk, &job, chunks);
@@ -154,12 +158,15 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
   if (rows == 0) return;
   const KernelTable& table = kernels();
   thread_local Scratch scratch;
-  quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits, scratch);
+  quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
+                shift_headroom(w.bits, activation_bits, w.group), scratch);
   const QuantizedRows a{scratch.q.data(),
                         activation_bits,
                         scratch.scale.data(),
-                        scratch.scaled_sum.data(),
+                        scratch.shift.data(),
+                        scratch.unit_sum.data(),
                         scratch.sum.data(),
+                        scratch.unit.data(),
                         w.k_padded(),
                         w.groups()};
   const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
@@ -170,17 +177,24 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
 }
 
 void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
-                          void* q, float* scale, int32_t* sum) {
+                          int weight_bits, void* q, float* scale, int32_t* sum) {
   check(x != nullptr && q != nullptr && scale != nullptr && sum != nullptr, "null pointer");
   check(bits == 8 || bits == 16, "activation bits must be 8 or 16");
+  check(weight_bits == 8 || weight_bits == 4, "weight bits must be 8 or 4");
   check_group(group);
   check(k > 0 && rows >= 0 && x_stride >= k, "bad sizes");
   Scratch scratch;
-  quantize_into(kernels(), x, x_stride, rows, k, group, bits, scratch);
-  const size_t q_bytes = static_cast<size_t>(rows) * ((k + group - 1) / group) * group * bits / 8;
+  quantize_into(kernels(), x, x_stride, rows, k, group, bits,
+                shift_headroom(weight_bits, bits, group), scratch);
+  const int groups = (k + group - 1) / group;
+  const size_t q_bytes = static_cast<size_t>(rows) * groups * group * bits / 8;
   const auto* bytes = reinterpret_cast<const int8_t*>(scratch.q.data());
   std::copy(bytes, bytes + q_bytes, static_cast<int8_t*>(q));
-  std::copy(scratch.scale.begin(), scratch.scale.end(), scale);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(r) * groups + g;
+      scale[at] = scratch.unit[r] * scratch.scale[at];  // int16: 2^U·2^(e − U), exact
+    }
   std::copy(scratch.sum.begin(), scratch.sum.end(), sum);
 }
 

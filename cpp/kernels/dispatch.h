@@ -19,9 +19,9 @@ void set_isa(const std::string& name);
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride);
 
-// Quantizes rows as quantized_matmul does, for tests: q (int8 or int16) [rows][k_padded],
-// scale and sum [rows][groups].
+// Quantizes rows as quantized_matmul does for `weight_bits` weights, for tests: q (int8 or
+// int16) [rows][k_padded], and each group's scale 2^e and Σq [rows][groups].
 void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
-                          void* q, float* scale, int32_t* sum);
+                          int weight_bits, void* q, float* scale, int32_t* sum);
 
 }  // namespace pyserve_kernels

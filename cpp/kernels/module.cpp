@@ -36,9 +36,9 @@ void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintpt
 }
 
 void quantize_activations(uintptr_t x, int64_t x_stride, int rows, int k, int group, int bits,
-                          uintptr_t q, uintptr_t scale, uintptr_t sum) {
+                          int weight_bits, uintptr_t q, uintptr_t scale, uintptr_t sum) {
   py::gil_scoped_release released;
-  pk::quantize_activations(address<const float>(x), x_stride, rows, k, group, bits,
+  pk::quantize_activations(address<const float>(x), x_stride, rows, k, group, bits, weight_bits,
                            address<void>(q), address<float>(scale), address<int32_t>(sum));
 }
 
@@ -181,8 +181,10 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("out_stride"),
         "out[rows, n] = x[rows, k] @ W.T (+ bias); float32 addresses, bias 0 for none");
   m.def("quantize_activations", &quantize_activations, py::arg("x"), py::arg("x_stride"),
-        py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("q"),
-        py::arg("scale"), py::arg("sum"), "the per-group integer activations matmul computes with");
+        py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("weight_bits"),
+        py::arg("q"), py::arg("scale"), py::arg("sum"),
+        "the per-group integer activations and power-of-two scales matmul computes with for "
+        "weight_bits weights");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("q_token_stride"),
         py::arg("q_dtype"), py::arg("num_queries"), py::arg("num_heads"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"), py::arg("num_blocks"),

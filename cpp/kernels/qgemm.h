@@ -12,15 +12,29 @@
 //   scales [tiles][groups][32] fp16: d of the tile's 16 rows, then m of the same rows.
 // Rows past N and inputs past K are padding (u = 0, d = m = 0).
 //
-// Activations are quantized per row and group: a = s·q with s = max|a|/Q and q rounded to
-// nearest even, Q = 127 (int8, llama.cpp's Q8_1) or Q = 32767 (int16, ~256× less rounding), and
-// Σq kept beside s. A group then adds s·(d·Σu·q + m·Σq) to the output. The integer dot product
-// Σu·q takes one VNNI instruction per 16 rows and 4 inputs (`vpdpbusd`, unsigned bytes × signed
-// bytes) or 2 inputs (`vpdpwssd`, words × words); the rest is float work once per group.
+// Activations are quantized per row and group, a = s·q with q rounded to nearest even and
+// |q| ≤ Q, and Σq kept beside them. Each row sums its groups in a unit of its own:
+// - int8 (Q = 127, llama.cpp's Q8_1): s = max|a|/Q and the unit is 1; a group adds
+//   s·d·Σu·q + m·s·Σq (a multiply and two FMAs per group and row).
+// - int16 (Q = 32767, ~256× less rounding): s is a power of two, 2^e, the smallest e with
+//   max|a|·2^−e ≤ Q, raised where needed to at least U = (the row's largest e) − H, and the unit
+//   is 2^U. H is the headroom: how many bits the largest possible Σu·q of a group can be shifted
+//   left inside int32. A group adds d·(Σu·q ≪ (e − U)) + m·(Σq ≪ (e − U)), two FMAs: the
+//   multiply that a float scale takes was ~5% of this loop's time. The power of two costs up to
+//   one bit of q, and a group over 2^H times smaller than its row's largest is rounded on the
+//   coarser grid 2^U (H = 7 for 4-bit weights and groups of 32: a grid 128× finer than the
+//   largest group's).
+// The sum is multiplied by the unit once at the end. The integer dot product Σu·q takes one VNNI
+// instruction per 16 rows and 4 inputs (`vpdpbusd`, unsigned bytes × signed bytes) or 2 inputs
+// (`vpdpwssd`, words × words).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace pyserve_kernels {
 
@@ -40,25 +54,95 @@ struct PackedWeights {
   size_t group_bytes() const { return static_cast<size_t>(group) * kTileRows * bits / 8; }
 };
 
+// Exponents below this are raised to it: 2^−e and 2^(e − H) stay normal floats.
+constexpr int kMinExponent = -100;
+
+// H above: the left shift that the largest possible |Σu·q| of a group stands inside int32.
+inline int shift_headroom(int weight_bits, int activation_bits, int group) {
+  const int64_t most = ((int64_t{1} << weight_bits) - 1) *
+                       ((int64_t{1} << (activation_bits - 1)) - 1) * static_cast<int64_t>(group);
+  int headroom = 0;
+  while ((most << (headroom + 1)) <= std::numeric_limits<int32_t>::max()) ++headroom;
+  return headroom;
+}
+
+// 2^e as a float; e in [−126, 127].
+inline float power_of_two(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The smallest e with amax·2^−e ≤ top, at least kMinExponent (a zero group: kMinExponent), from
+// the bits: with amax = a·2^A and top = t·2^T (a, t in [1, 2)), e = A − T, or A − T + 1 when
+// a > t. A library frexp per group cost ~10% of a small matmul.
+inline int group_exponent(float amax, float top) {
+  if (!(amax >= std::numeric_limits<float>::min()) || !(amax <= std::numeric_limits<float>::max()))
+    return kMinExponent;  // zero, subnormal (q would round to 0 anyway), or not finite
+  uint32_t a = 0, t = 0;
+  std::memcpy(&a, &amax, sizeof a);
+  std::memcpy(&t, &top, sizeof t);
+  constexpr uint32_t mantissa = (1u << 23) - 1;
+  const int e = static_cast<int>(a >> 23) - static_cast<int>(t >> 23) +
+                ((a & mantissa) > (t & mantissa) ? 1 : 0);
+  return std::max(e, kMinExponent);
+}
+
+// One row's scales from its groups' largest magnitudes amax[g], for `bits`-bit q (U, e and H as
+// above): writes each group's s / unit, shift (e − U; 0 for int8) and 1/s
+// (`inverse`, exactly 2^−e for int16), and the row's unit (1, or 2^U; NaN when a magnitude is
+// not finite: the row's outputs are NaN then).
+inline void row_scales(const float* amax, int groups, int bits, int headroom, float* scale,
+                       int32_t* shift, float* inverse, float* unit) {
+  const float top = bits == 16 ? 32767.0f : 127.0f;
+  if (bits == 8) {  // float scales, unit 1
+    for (int g = 0; g < groups; ++g) {
+      scale[g] = amax[g] / top;
+      inverse[g] = amax[g] > 0.0f ? top / amax[g] : 0.0f;
+      shift[g] = 0;
+    }
+    *unit = 1.0f;
+    return;
+  }
+  int largest = kMinExponent;
+  bool finite = true;
+  for (int g = 0; g < groups; ++g) {
+    shift[g] = group_exponent(amax[g], top);
+    largest = std::max(largest, static_cast<int>(shift[g]));
+    finite = finite && std::isfinite(amax[g]);
+  }
+  const int exponent = largest - headroom;
+  for (int g = 0; g < groups; ++g) {
+    shift[g] = std::max(static_cast<int>(shift[g]), exponent) - exponent;
+    scale[g] = power_of_two(shift[g]);
+    inverse[g] = power_of_two(-(exponent + shift[g]));
+  }
+  *unit = finite ? power_of_two(exponent) : std::numeric_limits<float>::quiet_NaN();
+}
+
 // Rows of activations quantized per group (row-major, `groups` entries per row).
 struct QuantizedRows {
-  const void* q;            // int8_t or int16_t [rows][k_padded]
-  int bits;                 // 8 or 16: the type of q
-  const float* scale;       // [rows][groups] s
-  const float* scaled_sum;  // [rows][groups] s·Σq
-  const int32_t* sum;       // [rows][groups] Σq
+  const void* q;          // int8_t or int16_t [rows][k_padded]
+  int bits;               // 8 or 16: the type of q
+  const float* scale;     // [rows][groups] s / unit: s (int8), 2^(e − U) (int16)
+  const int32_t* shift;   // [rows][groups] e − U (int16; 0 for int8)
+  const float* unit_sum;  // [rows][groups] Σq·s / unit: the group's Σq in its row's unit
+  const int32_t* sum;     // [rows][groups] Σq
+  const float* unit;      // [rows] 1 (int8) or 2^U (int16)
   int k_padded;
   int groups;
 };
 
 // One ISA's implementation. `quantize_rows` writes `bits`-bit q (padded to whole groups with
-// zeros); `tiles` computes rows [row0, row0 + rows) of the outputs in tiles [tile0, tile1),
-// rows ≤ max_rows.
+// zeros), and the scales (for int16, with the headroom H); `tiles` computes rows [row0, row0 +
+// rows) of the outputs in tiles [tile0, tile1), rows ≤ max_rows.
 struct KernelTable {
   const char* name;
   int max_rows;
   void (*quantize_rows)(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
-                        void* q, float* scale, float* scaled_sum, int32_t* sum);
+                        int headroom, void* q, float* scale, int32_t* shift, float* unit_sum,
+                        int32_t* sum, float* unit);
   void (*tiles)(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride);
 };

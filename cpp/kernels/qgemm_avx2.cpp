@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #define PYSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -121,12 +122,17 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kHalfRows * h)));
         const __m256 m = _mm256_cvtph_ps(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTileRows + kHalfRows * h)));
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
           const int64_t at = static_cast<int64_t>(row0 + r) * groups + g;
-          const __m256 scaled =
-              _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(a.scale[at]));
-          acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
-          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.scaled_sum[at]), acc[r]);
+          if constexpr (sizeof(Q) == 2) {
+            const __m256i shifted = _mm256_sllv_epi32(dot[r], _mm256_set1_epi32(a.shift[at]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), d, acc[r]);
+          } else {
+            const __m256 scaled =
+                _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(a.scale[at]));
+            acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
+          }
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.unit_sum[at]), acc[r]);
         }
         block += group_bytes;
         sc += 2 * kTileRows;
@@ -136,8 +142,10 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
       for (int r = 0; r < R; ++r) {
         alignas(32) float lane[kHalfRows];
         _mm256_store_ps(lane, acc[r]);
+        const float unit = a.unit[row0 + r];
         float* o = out + static_cast<int64_t>(row0 + r) * out_stride + first;
-        for (int n = 0; n < count; ++n) o[n] = lane[n] + (bias ? bias[first + n] : 0.0f);
+        for (int n = 0; n < count; ++n)
+          o[n] = std::fma(lane[n], unit, bias ? bias[first + n] : 0.0f);
       }
     }
   }

@@ -7,7 +7,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
@@ -22,13 +24,18 @@ PYSERVE_AVX512 inline __m512i broadcast32(const void* p) {
 
 template <class Q>
 PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int group,
-                                     Q* q, float* scale, float* scaled_sum, int32_t* sum) {
-  constexpr int top = sizeof(Q) == 1 ? 127 : 32767;
+                                     int headroom, Q* q, float* scale, int32_t* shift,
+                                     float* unit_sum, int32_t* sum, float* unit) {
+  constexpr int top = sizeof(Q) == 2 ? 32767 : 127;
   const int groups = (k + group - 1) / group;
   const int k_padded = groups * group;
+  thread_local std::vector<float> amax, inverse;
+  amax.resize(groups);
+  inverse.resize(groups);
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
     Q* qr = q + static_cast<int64_t>(r) * k_padded;
+    const int64_t row = static_cast<int64_t>(r) * groups;
     for (int g = 0; g < groups; ++g) {
       const int begin = g * group, end = std::min(k, begin + group);
       __m512 vmax = _mm512_setzero_ps();
@@ -37,16 +44,19 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
         const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, xr + i)));
       }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const float s = amax / static_cast<float>(top);
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? static_cast<float>(top) / amax : 0.0f);
+      amax[g] = _mm512_reduce_max_ps(vmax);
+    }
+    row_scales(amax.data(), groups, 8 * sizeof(Q), headroom, scale + row, shift + row,
+               inverse.data(), unit + r);
+    for (int g = 0; g < groups; ++g) {
+      const int begin = g * group, end = std::min(k, begin + group);
+      const __m512 times = _mm512_set1_ps(inverse[g]);
       __m512i total = _mm512_setzero_si512();
       for (int i = begin; i < begin + group; i += 16) {
         const int left = std::max(0, end - i);
         const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
         // round to nearest even (the default MXCSR mode), as std::nearbyint does in the scalar path
-        __m512i qi =
-            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, xr + i), inverse));
+        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, xr + i), times));
         qi =
             _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(top)), _mm512_set1_epi32(-top));
         total = _mm512_add_epi32(total, qi);
@@ -56,20 +66,21 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + i), _mm512_cvtsepi32_epi16(qi));
       }
       const int32_t t = _mm512_reduce_add_epi32(total);
-      const int64_t at = static_cast<int64_t>(r) * groups + g;
-      scale[at] = s;
-      sum[at] = t;
-      scaled_sum[at] = s * static_cast<float>(t);
+      sum[row + g] = t;
+      unit_sum[row + g] = scale[row + g] * static_cast<float>(t);
     }
   }
 }
 
 void quantize_rows_avx512(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
-                          void* q, float* scale, float* scaled_sum, int32_t* sum) {
+                          int headroom, void* q, float* scale, int32_t* shift, float* unit_sum,
+                          int32_t* sum, float* unit) {
   if (bits == 16)
-    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int16_t*>(q), scale, scaled_sum, sum);
+    quantize_rows_as(x, x_stride, rows, k, group, headroom, static_cast<int16_t*>(q), scale, shift,
+                     unit_sum, sum, unit);
   else
-    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int8_t*>(q), scale, scaled_sum, sum);
+    quantize_rows_as(x, x_stride, rows, k, group, headroom, static_cast<int8_t*>(q), scale, shift,
+                     unit_sum, sum, unit);
 }
 
 // vpshufb patterns that widen the bytes (k0, k1) or (k2, k3) of every 32-bit lane to words.
@@ -108,12 +119,15 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   const size_t group_bytes = w.group_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const Q* qa[R];
-  const float* s[R];
-  const float* ss[R];
+  const float* scale[R];
+  const int32_t* shift[R];
+  const float* unit_sum[R];
   for (int r = 0; r < R; ++r) {
-    qa[r] = static_cast<const Q*>(a.q) + static_cast<int64_t>(row0 + r) * a.k_padded;
-    s[r] = a.scale + static_cast<int64_t>(row0 + r) * groups;
-    ss[r] = a.scaled_sum + static_cast<int64_t>(row0 + r) * groups;
+    const int64_t row = static_cast<int64_t>(row0 + r);
+    qa[r] = static_cast<const Q*>(a.q) + row * a.k_padded;
+    scale[r] = a.scale + row * groups;
+    shift[r] = a.shift + row * groups;
+    unit_sum[r] = a.unit_sum + row * groups;
   }
   for (int t = tile0; t < tile1; ++t) {
     const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
@@ -139,10 +153,16 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       const __m512 m =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(s[r][g]));
-        acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ss[r][g]), acc[r]);
+      for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
+        if constexpr (sizeof(Q) == 2) {
+          const __m512i shifted = _mm512_sllv_epi32(dot[r], _mm512_set1_epi32(shift[r][g]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, acc[r]);
+        } else {
+          const __m512 scaled =
+              _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[r][g]));
+          acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
+        }
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(unit_sum[r][g]), acc[r]);
       }
       block += group_bytes;
       sc += 2 * kTileRows;
@@ -152,7 +172,7 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
-      _mm512_mask_storeu_ps(o, live, _mm512_add_ps(acc[r], b));
+      _mm512_mask_storeu_ps(o, live, _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a.unit[row0 + r]), b));
     }
   }
 }

@@ -2,6 +2,7 @@
 // the vector paths are tested against, so it follows the same order of float operations.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "half.h"
 #include "qgemm.h"
@@ -10,41 +11,48 @@ namespace pyserve_kernels {
 namespace {
 
 template <class Q>
-void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int group, Q* q,
-                      float* scale, float* scaled_sum, int32_t* sum) {
-  const float top = static_cast<float>((1 << (8 * sizeof(Q) - 1)) - 1);  // 127 or 32767
+void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int group, int headroom,
+                      Q* q, float* scale, int32_t* shift, float* unit_sum, int32_t* sum,
+                      float* unit) {
+  const float top = sizeof(Q) == 2 ? 32767.0f : 127.0f;
   const int groups = (k + group - 1) / group;
   const int k_padded = groups * group;
+  std::vector<float> amax(groups), inverse(groups);
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
     Q* qr = q + static_cast<int64_t>(r) * k_padded;
+    const int64_t row = static_cast<int64_t>(r) * groups;
+    for (int g = 0; g < groups; ++g) {
+      amax[g] = 0.0f;
+      for (int i = g * group; i < std::min(k, (g + 1) * group); ++i)
+        amax[g] = std::max(amax[g], std::fabs(xr[i]));
+    }
+    row_scales(amax.data(), groups, 8 * sizeof(Q), headroom, scale + row, shift + row,
+               inverse.data(), unit + r);
     for (int g = 0; g < groups; ++g) {
       const int begin = g * group, end = std::min(k, begin + group);
-      float amax = 0.0f;
-      for (int i = begin; i < end; ++i) amax = std::max(amax, std::fabs(xr[i]));
-      const float s = amax / top;
-      const float inverse = amax > 0.0f ? top / amax : 0.0f;
       int32_t total = 0;
       for (int i = begin; i < begin + group; ++i) {
-        const float v = i < end ? std::nearbyint(xr[i] * inverse) : 0.0f;
+        const float v = i < end ? std::nearbyint(xr[i] * inverse[g]) : 0.0f;
         const auto qi = static_cast<int32_t>(std::clamp(v, -top, top));
         qr[i] = static_cast<Q>(qi);
         total += qi;
       }
-      const int64_t at = static_cast<int64_t>(r) * groups + g;
-      scale[at] = s;
-      sum[at] = total;
-      scaled_sum[at] = s * static_cast<float>(total);
+      sum[row + g] = total;
+      unit_sum[row + g] = scale[row + g] * static_cast<float>(total);
     }
   }
 }
 
 void quantize_rows_scalar(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
-                          void* q, float* scale, float* scaled_sum, int32_t* sum) {
+                          int headroom, void* q, float* scale, int32_t* shift, float* unit_sum,
+                          int32_t* sum, float* unit) {
   if (bits == 16)
-    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int16_t*>(q), scale, scaled_sum, sum);
+    quantize_rows_as(x, x_stride, rows, k, group, headroom, static_cast<int16_t*>(q), scale, shift,
+                     unit_sum, sum, unit);
   else
-    quantize_rows_as(x, x_stride, rows, k, group, static_cast<int8_t*>(q), scale, scaled_sum, sum);
+    quantize_rows_as(x, x_stride, rows, k, group, headroom, static_cast<int8_t*>(q), scale, shift,
+                     unit_sum, sum, unit);
 }
 
 // Unsigned weight of row n (0..15) and input i (0..group-1) inside one group's packed bytes.
@@ -65,22 +73,27 @@ void tiles_as(const PackedWeights& w, const QuantizedRows& a, int row0, int rows
     for (int r = row0; r < row0 + rows; ++r) {
       float acc[kTileRows] = {};
       for (int g = 0; g < groups; ++g) {
-        const size_t at = static_cast<size_t>(t) * groups + g;
-        const uint8_t* block = w.data + at * group_bytes;
-        const uint16_t* sc = w.scales + at * 2 * kTileRows;
+        const size_t cell = static_cast<size_t>(t) * groups + g;
+        const uint8_t* block = w.data + cell * group_bytes;
+        const uint16_t* sc = w.scales + cell * 2 * kTileRows;
         const Q* qa = q + static_cast<int64_t>(r) * a.k_padded + g * w.group;
-        const float s = a.scale[static_cast<int64_t>(r) * groups + g];
-        const float ss = a.scaled_sum[static_cast<int64_t>(r) * groups + g];
+        const int64_t at = static_cast<int64_t>(r) * groups + g;
         for (int n = 0; n < kTileRows; ++n) {
           int32_t dot = 0;
           for (int i = 0; i < w.group; ++i) dot += unpack(block, w.bits, n, i) * qa[i];
           const float d = half_to_float(sc[n]), m = half_to_float(sc[kTileRows + n]);
-          acc[n] += static_cast<float>(dot) * s * d;
-          acc[n] += m * ss;
+          if constexpr (sizeof(Q) == 2) {  // a left shift within the headroom (unsigned: defined)
+            const auto shifted = static_cast<int32_t>(static_cast<uint32_t>(dot) << a.shift[at]);
+            acc[n] = std::fma(static_cast<float>(shifted), d, acc[n]);
+          } else {
+            acc[n] = std::fma(static_cast<float>(dot) * a.scale[at], d, acc[n]);
+          }
+          acc[n] = std::fma(m, a.unit_sum[at], acc[n]);
         }
       }
       float* o = out + static_cast<int64_t>(r) * out_stride + t * kTileRows;
-      for (int n = 0; n < valid; ++n) o[n] = acc[n] + (bias ? bias[t * kTileRows + n] : 0.0f);
+      for (int n = 0; n < valid; ++n)
+        o[n] = std::fma(acc[n], a.unit[r], bias ? bias[t * kTileRows + n] : 0.0f);
     }
   }
 }
