@@ -203,14 +203,17 @@ void check_args(const DecodeAttentionArgs& a) {
   check(a.partition_tokens >= 0, "partition_tokens must be >= 0");
   for (int d = 0; d < a.num_queries; ++d) {
     const int64_t context = index_at(a.context_lens, a.context_index_bytes, d);
-    check(context >= 1 && context <= a.table_stride * a.block_size,
-          "query " + std::to_string(d) + ": context length " + std::to_string(context) +
-              " is not in [1, table width * block_size]");
+    check(context >= 1 && context <= a.table_stride * a.block_size, [&] {
+      return "query " + std::to_string(d) + ": context length " + std::to_string(context) +
+             " is not in [1, table width * block_size]";
+    });
     const int64_t blocks = (context + a.block_size - 1) / a.block_size;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t id = index_at(a.block_tables, a.table_index_bytes, d * a.table_stride + b);
-      check(id >= 0 && id < a.num_blocks,
-            "query " + std::to_string(d) + ": block id " + std::to_string(id) + " is out of range");
+      check(id >= 0 && id < a.num_blocks, [&] {
+        return "query " + std::to_string(d) + ": block id " + std::to_string(id) +
+               " is out of range";
+      });
     }
   }
 }

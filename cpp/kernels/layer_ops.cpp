@@ -187,8 +187,10 @@ void rope_write_kv(const RopeKvArgs& a) {
         "null tensor address");
   const int64_t slots = static_cast<int64_t>(a.num_blocks) * a.block_size;
   for (int r = 0; r < a.rows; ++r)
-    check(a.slots[r] >= 0 && a.slots[r] < slots,
-          "row " + std::to_string(r) + ": slot " + std::to_string(a.slots[r]) + " is out of range");
+    check(a.slots[r] >= 0 && a.slots[r] < slots, [&] {
+      return "row " + std::to_string(r) + ": slot " + std::to_string(a.slots[r]) +
+             " is out of range";
+    });
   run_rows(a, kernels_for_isa().rope_kv_rows, (a.num_heads + 3 * a.num_kv_heads) * a.head_dim);
 }
 

@@ -124,18 +124,20 @@ void check_args(const PrefillAttentionArgs& a) {
   check(a.table_stride >= 1, "table_stride must be >= 1");
   for (int s = 0; s < a.num_spans; ++s) {
     const Span span = span_at(a, s);
-    const std::string name = "span " + std::to_string(s);
-    check(span.rows >= 1 && span.start >= 0, name + ": rows must be >= 1 and start >= 0");
+    const auto name = [s] { return "span " + std::to_string(s); };
+    check(span.rows >= 1 && span.start >= 0,
+          [&] { return name() + ": rows must be >= 1 and start >= 0"; });
     check(span.first_row >= 0 && span.first_row + span.rows <= a.num_rows,
-          name + ": rows outside q");
+          [&] { return name() + ": rows outside q"; });
     const int64_t context = int64_t{span.start} + span.rows;
-    check(context <= a.table_stride * a.block_size,
-          name + ": " + std::to_string(context) + " tokens, more than its block table covers");
+    check(context <= a.table_stride * a.block_size, [&] {
+      return name() + ": " + std::to_string(context) + " tokens, more than its block table covers";
+    });
     const int64_t blocks = (context + a.block_size - 1) / a.block_size;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t id = index_at(a.block_tables, a.table_index_bytes, s * a.table_stride + b);
       check(id >= 0 && id < a.num_blocks,
-            name + ": block id " + std::to_string(id) + " is out of range");
+            [&] { return name() + ": block id " + std::to_string(id) + " is out of range"; });
     }
   }
 }
