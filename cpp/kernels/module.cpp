@@ -10,6 +10,7 @@
 #include <string>
 
 #include "attention.h"
+#include "decoder_stack.h"
 #include "dispatch.h"
 #include "layer_ops.h"
 #include "prefill_attention.h"
@@ -23,6 +24,12 @@ namespace {
 template <class T>
 T* address(uintptr_t value) {
   return reinterpret_cast<T*>(value);
+}
+
+void check_tuple(const py::tuple& t, size_t size, const char* what) {
+  if (t.size() != size)
+    throw std::invalid_argument(std::string(what) + ": expected " + std::to_string(size) +
+                                " fields, got " + std::to_string(t.size()));
 }
 
 void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintptr_t weights,
@@ -169,6 +176,49 @@ py::list supported_isas() {
   return names;
 }
 
+pk::StackLinear stack_linear(const py::tuple& t) {
+  // (weights, scales, n, k, bits, group, bias, activation_bits): QuantLinear's arguments
+  check_tuple(t, 8, "a linear layer");
+  return {{address<const uint8_t>(t[0].cast<uintptr_t>()),
+           address<const uint16_t>(t[1].cast<uintptr_t>()), t[2].cast<int>(), t[3].cast<int>(),
+           t[4].cast<int>(), t[5].cast<int>()},
+          address<const float>(t[6].cast<uintptr_t>()),
+          t[7].cast<int>()};
+}
+
+void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t post_attention_norm,
+                     const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up,
+                     const py::tuple& down, uintptr_t k_cache, uintptr_t v_cache) {
+  stack.add_layer({address<const float>(input_norm), address<const float>(post_attention_norm),
+                   stack_linear(qkv), stack_linear(o), stack_linear(gate_up), stack_linear(down),
+                   address<void>(k_cache), address<void>(v_cache)});
+}
+
+void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, uintptr_t residual,
+                   uintptr_t cos, uintptr_t sin, uintptr_t slots, uintptr_t spans, int num_spans,
+                   uintptr_t span_tables, int64_t span_table_stride, int num_decodes,
+                   uintptr_t decode_rows, uintptr_t decode_tables, int64_t decode_table_stride,
+                   uintptr_t context_lens, float scale) {
+  const pk::StackBatch batch{rows,
+                             address<float>(hidden),
+                             address<float>(residual),
+                             address<const float>(cos),
+                             address<const float>(sin),
+                             address<const int64_t>(slots),
+                             address<const int64_t>(spans),
+                             num_spans,
+                             address<const int64_t>(span_tables),
+                             span_table_stride,
+                             num_decodes,
+                             address<const int64_t>(decode_rows),
+                             address<const int64_t>(decode_tables),
+                             decode_table_stride,
+                             address<const int64_t>(context_lens),
+                             scale};
+  py::gil_scoped_release released;
+  stack.forward(batch);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -219,6 +269,29 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("cache_dtype"), py::arg("num_blocks"), py::arg("block_size"),
         "RoPE on the q and k heads of float32 qkv rows (q in place), k and v stored at the rows' "
         "cache slots");
+  py::class_<pk::DecoderStack>(m, "DecoderStack",
+                               "a Llama-family model's decoder layers run back to back in C++")
+      .def(py::init([](int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
+                       float eps, int cache_dtype, int num_blocks, int block_size) {
+             return pk::DecoderStack({hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
+                                      static_cast<pk::DType>(cache_dtype), num_blocks, block_size});
+           }),
+           py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate"), py::arg("eps"), py::arg("cache_dtype"), py::arg("num_blocks"),
+           py::arg("block_size"))
+      .def("add_layer", &stack_add_layer, py::arg("input_norm"), py::arg("post_attention_norm"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"),
+           py::arg("v_cache"),
+           "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
+           "group, bias, activation_bits)")
+      .def_property_readonly("num_layers", &pk::DecoderStack::num_layers)
+      .def("forward", &stack_forward, py::arg("rows"), py::arg("hidden"), py::arg("residual"),
+           py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("spans"), py::arg("num_spans"),
+           py::arg("span_tables"), py::arg("span_table_stride"), py::arg("num_decodes"),
+           py::arg("decode_rows"), py::arg("decode_tables"), py::arg("decode_table_stride"),
+           py::arg("context_lens"), py::arg("scale"),
+           "every layer over one batch: hidden (the embeddings) becomes the last MLP output, "
+           "residual the stream it adds to; int64 metadata, float32 rows");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

@@ -8,6 +8,7 @@ import torch
 
 from pyserve.worker.attention import create_attention_backend
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.cpu_decoder import CpuDecoderStack
 from pyserve.worker.dtypes import ACTIVATION_BITS, default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
@@ -103,6 +104,8 @@ class ModelRunner:
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
         )
+        # the decoder layers in one C++ call where every piece runs on the kernels (cpu_decoder.py)
+        self.decoder_stack = CpuDecoderStack.build(self.model, self.kv_cache, self.attention)
         self.load_seconds = time.perf_counter() - started
 
     @property
@@ -113,6 +116,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
         metadata = self.attention.prepare(batch)
+        if self.decoder_stack is not None:
+            return self.decoder_stack.forward(
+                batch.input_ids, batch.positions, batch.sample_index, metadata
+            )
         return self.model(
             batch.input_ids.to(self.device),
             batch.positions.to(self.device),

@@ -1,0 +1,150 @@
+// DecoderStack::forward: the layer loop of pyserve/worker/models/llama.py over the C++ kernels.
+#include "decoder_stack.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "arg_checks.h"
+#include "dispatch.h"
+#include "layer_ops.h"
+#include "prefill_attention.h"
+
+namespace pyserve_kernels {
+namespace {
+
+void check_linear(const StackLinear& linear, int n, int k, const char* name) {
+  const PackedWeights& w = linear.weights;
+  check(w.data != nullptr && w.scales != nullptr,
+        [&] { return std::string(name) + ": no weights"; });
+  check(w.n == n && w.k == k, [&] {
+    return std::string(name) + ": " + std::to_string(w.n) + "x" + std::to_string(w.k) +
+           " weights, expected " + std::to_string(n) + "x" + std::to_string(k);
+  });
+}
+
+// The per-forward scratch of one calling thread (the worker's forward runs on one thread).
+struct Buffers {
+  std::vector<float> normed, qkv, attn, o, gate_up, act, q_decode, out_decode;
+};
+
+void matmul(const StackLinear& linear, const float* x, int rows, float* out) {
+  const PackedWeights& w = linear.weights;
+  quantized_matmul(x, w.k, rows, linear.activation_bits, w, linear.bias, out, w.n);
+}
+
+void rms_norm_rows(const float* x, int rows, int hidden, const float* weight, float eps,
+                   float* residual, float* out) {
+  RmsNormArgs args{DType::kFloat32, x, hidden, rows, hidden, weight, eps, out, hidden};
+  args.residual = residual;
+  args.residual_stride = residual != nullptr ? hidden : 0;
+  rms_norm(args);
+}
+
+}  // namespace
+
+DecoderStack::DecoderStack(const StackShape& shape) : shape_(shape) {
+  check(shape.hidden > 0 && shape.intermediate > 0 && shape.head_dim > 0 &&
+            shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0,
+        "bad model shape");
+  check(shape.num_blocks > 0 && shape.block_size > 0, "bad cache shape");
+}
+
+void DecoderStack::add_layer(const StackLayer& layer) {
+  const StackShape& s = shape_;
+  const int q_size = s.num_heads * s.head_dim;
+  const int qkv_size = q_size + 2 * s.num_kv_heads * s.head_dim;
+  check(layer.input_norm != nullptr && layer.post_attention_norm != nullptr, "no norm weights");
+  check(layer.k_cache != nullptr && layer.v_cache != nullptr, "no cache");
+  check_linear(layer.qkv, qkv_size, s.hidden, "qkv");
+  check_linear(layer.o, s.hidden, q_size, "o");
+  check_linear(layer.gate_up, 2 * s.intermediate, s.hidden, "gate_up");
+  check_linear(layer.down, s.hidden, s.intermediate, "down");
+  layers_.push_back(layer);
+}
+
+void DecoderStack::forward(const StackBatch& b) const {
+  const StackShape& s = shape_;
+  const int rows = b.rows, hidden = s.hidden, dim = s.head_dim;
+  const int q_size = s.num_heads * dim;
+  const int qkv_size = q_size + 2 * s.num_kv_heads * dim;
+  check(rows > 0 && b.hidden != nullptr && b.residual != nullptr && b.cos != nullptr &&
+            b.sin != nullptr && b.slots != nullptr,
+        "empty batch or null address");
+  check(b.num_spans >= 0 && b.num_decodes >= 0 && b.num_decodes <= rows, "bad batch counts");
+  for (int d = 0; d < b.num_decodes; ++d)
+    check(b.decode_rows[d] >= 0 && b.decode_rows[d] < rows, "a decode row is outside the batch");
+  // decodes that are the whole batch, in order, read q and write their output in place
+  bool in_place = b.num_decodes == rows;
+  for (int d = 0; in_place && d < rows; ++d) in_place = b.decode_rows[d] == d;
+
+  thread_local Buffers buf;
+  const auto size = [rows](std::vector<float>& v, int width) {
+    v.resize(static_cast<size_t>(rows) * width);
+    return v.data();
+  };
+  float* normed = size(buf.normed, hidden);
+  float* qkv = size(buf.qkv, qkv_size);
+  float* attn = size(buf.attn, q_size);
+  float* o = size(buf.o, hidden);
+  float* gate_up = size(buf.gate_up, 2 * s.intermediate);
+  float* act = size(buf.act, s.intermediate);
+  float* q_decode = nullptr;
+  float* out_decode = nullptr;
+  if (!in_place && b.num_decodes > 0) {
+    buf.q_decode.resize(static_cast<size_t>(b.num_decodes) * q_size);
+    buf.out_decode.resize(buf.q_decode.size());
+    q_decode = buf.q_decode.data();
+    out_decode = buf.out_decode.data();
+  }
+
+  // the attention calls' arguments but for the layer's caches; decodes read q from the qkv rows
+  // in place when they are the whole batch, else from the gathered block
+  // clang-format off
+  PrefillAttentionArgs prefill{qkv, qkv_size, DType::kFloat32, rows, s.num_heads, nullptr, nullptr,
+      s.cache_dtype, s.num_kv_heads, s.num_blocks, s.block_size, dim, b.spans, b.num_spans,
+      b.span_tables, 8, b.span_table_stride, b.scale, attn, q_size};
+  DecodeAttentionArgs decode{in_place ? qkv : q_decode, in_place ? qkv_size : q_size,
+      DType::kFloat32, b.num_decodes, s.num_heads, nullptr, nullptr, s.cache_dtype, s.num_kv_heads,
+      s.num_blocks, s.block_size, dim, b.decode_tables, 8, b.decode_table_stride, b.context_lens, 8,
+      b.scale, in_place ? attn : out_decode, q_size, 0};
+  // clang-format on
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const StackLayer& layer = layers_[l];
+    if (l == 0) {  // the embeddings start the residual stream
+      std::copy(b.hidden, b.hidden + static_cast<size_t>(rows) * hidden, b.residual);
+      rms_norm_rows(b.hidden, rows, hidden, layer.input_norm, s.eps, nullptr, normed);
+    } else {  // residual += the previous MLP output, then the norm
+      rms_norm_rows(b.hidden, rows, hidden, layer.input_norm, s.eps, b.residual, normed);
+    }
+    matmul(layer.qkv, normed, rows, qkv);
+    rope_write_kv({qkv, qkv_size, rows, s.num_heads, s.num_kv_heads, dim, b.cos, b.sin, b.slots,
+                   layer.k_cache, layer.v_cache, s.cache_dtype, s.num_blocks, s.block_size});
+    if (b.num_spans > 0) {
+      prefill.k_cache = layer.k_cache;
+      prefill.v_cache = layer.v_cache;
+      paged_prefill_attention(prefill);
+    }
+    if (b.num_decodes > 0) {
+      if (!in_place)  // gather the decode rows' q, scatter their output back below
+        for (int d = 0; d < b.num_decodes; ++d)
+          std::memcpy(q_decode + static_cast<size_t>(d) * q_size, qkv + b.decode_rows[d] * qkv_size,
+                      sizeof(float) * q_size);
+      decode.k_cache = layer.k_cache;
+      decode.v_cache = layer.v_cache;
+      paged_decode_attention(decode);
+      if (!in_place)
+        for (int d = 0; d < b.num_decodes; ++d)
+          std::memcpy(attn + b.decode_rows[d] * q_size,
+                      out_decode + static_cast<size_t>(d) * q_size, sizeof(float) * q_size);
+    }
+    matmul(layer.o, attn, rows, o);
+    rms_norm_rows(o, rows, hidden, layer.post_attention_norm, s.eps, b.residual, normed);
+    matmul(layer.gate_up, normed, rows, gate_up);
+    silu_mul(
+        {DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act, s.intermediate});
+    matmul(layer.down, act, rows, b.hidden);
+  }
+}
+
+}  // namespace pyserve_kernels

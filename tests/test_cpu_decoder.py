@@ -1,0 +1,130 @@
+"""The decoder layers in one C++ call (pyserve/worker/cpu_decoder.py, cpp/kernels/decoder_stack.*).
+
+The stack makes the modules' kernel calls in their order on their values, so everything it
+returns must be the module path's bit for bit: greedy tokens and logprobs over mixed batches
+(prompt chunks after cached prefixes beside decodes, and all-decode steps), with q/k/v/o biases
+and a Qwen2-like untied head. Then: where it does not apply it is not built, and the C++ checks
+the weights it is given.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pyserve.wire.main_to_worker import SamplingParams
+from pyserve.worker import quant
+from pyserve.worker.cpu_decoder import ENV, CpuDecoderStack
+from pyserve.worker.offline import OfflineEngine
+
+STACK_RUNS = quant.kernels().isa() == "avx512_vnni"  # the prefill kernel and fused ops need it
+needs_stack = pytest.mark.skipif(not STACK_RUNS, reason="the stack needs the AVX-512 kernels")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """3 layers, head_dim 16, GQA 2, biases on q/k/v/o, an untied head; weights scaled up so
+    that logits are peaked."""
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        initializer_range=0.2,
+    )
+    directory = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+def engine(model: str, monkeypatch, stack: bool, **kw) -> OfflineEngine:
+    monkeypatch.setenv(ENV, "on" if stack else "off")
+    kw = {"quantization": "int4", "num_blocks": 96, "block_size": 8, **kw}
+    built = OfflineEngine(model, **kw)
+    assert (built.runner.decoder_stack is not None) == stack
+    return built
+
+
+@needs_stack
+def test_the_stack_is_the_module_path_bit_for_bit(tiny_model, monkeypatch):
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(40)]  # a cached prefix for half the prompts
+    prompts = [
+        (shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 60))]
+        for i in range(10)
+    ]
+    params = SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    # small chunks and 4 running: prompt chunks land beside decodes in most steps
+    kw = {"chunked_prefill_size": 24, "max_prefill_tokens": 24, "max_running_requests": 4}
+    want = engine(tiny_model, monkeypatch, False, **kw).generate(prompts, params)
+    got = engine(tiny_model, monkeypatch, True, **kw).generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+        assert a.top_logprobs == b.top_logprobs
+
+
+@needs_stack
+def test_8_bit_activations_and_a_float16_cache_agree_too(tiny_model, monkeypatch):
+    prompts = [[5, 9, 200, 17], list(range(30, 90))]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    kw = {"activation_bits": 8, "kv_cache_dtype": "float16"}
+    want = engine(tiny_model, monkeypatch, False, **kw).generate(prompts, params)
+    got = engine(tiny_model, monkeypatch, True, **kw).generate(prompts, params)
+    assert [(o.token_ids, o.logprobs) for o in want] == [(o.token_ids, o.logprobs) for o in got]
+
+
+def test_not_built_where_it_does_not_apply(tiny_model, monkeypatch):
+    monkeypatch.setenv(ENV, "off")
+    assert (
+        OfflineEngine(tiny_model, quantization="int4", num_blocks=16).runner.decoder_stack is None
+    )
+    monkeypatch.delenv(ENV)
+    # float32 weights through torch (no kernel linears), and bfloat16
+    for kw in ({"quantization": "none"}, {"quantization": "none", "dtype": "bfloat16"}):
+        assert OfflineEngine(tiny_model, num_blocks=16, **kw).runner.decoder_stack is None
+    monkeypatch.setenv("PYSERVE_ATTENTION", "torch")  # the torch attention paths
+    assert (
+        OfflineEngine(tiny_model, quantization="int4", num_blocks=16).runner.decoder_stack is None
+    )
+    monkeypatch.delenv("PYSERVE_ATTENTION")
+    runner = OfflineEngine(tiny_model, quantization="int4", num_blocks=16).runner
+    assert (runner.decoder_stack is not None) == STACK_RUNS
+    assert CpuDecoderStack.build(runner.model, runner.kv_cache, object()) is None
+
+
+def test_the_cpp_stack_checks_the_weights_it_is_given():
+    kernels = quant.kernels()
+    stack = kernels.DecoderStack(
+        hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, eps=1e-5,
+        cache_dtype=0, num_blocks=8, block_size=8,
+    )  # fmt: skip
+    packed = {
+        name: quant.quantize_weight(torch.randn(n, k), 4)
+        for name, (n, k) in {"qkv": (128, 64), "o": (64, 64), "gate_up": (192, 64)}.items()
+    }
+
+    def linear(p):
+        return (p.data.data_ptr(), p.scales.data_ptr(), p.n, p.k, p.bits, p.group, 0, 16)
+
+    norm = torch.ones(64)
+    cache = torch.zeros(2, 8, 8, 16)
+    args = [linear(packed[n]) for n in ("qkv", "o", "gate_up")]
+    with pytest.raises(ValueError, match="down: 192x64 weights, expected 64x96"):
+        stack.add_layer(norm.data_ptr(), norm.data_ptr(), *args, args[2], cache.data_ptr(),
+                        cache.data_ptr())  # fmt: skip
+    with pytest.raises(ValueError, match="expected 8 fields"):
+        stack.add_layer(norm.data_ptr(), norm.data_ptr(), *args, (1, 2), cache.data_ptr(),
+                        cache.data_ptr())  # fmt: skip
+    assert stack.num_layers == 0
