@@ -29,12 +29,21 @@ def completion(max_tokens: int, stream: bool) -> dict:
     return {**body, "ignore_eos": True, "stream": stream}
 
 
-def child(server: Server, module: str) -> int:
-    """The pid of the server's subprocess running ``python -m <module>``."""
-    for pid in child_pids(server.proc.pid):
-        if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-            return pid
-    raise AssertionError(f"no {module} process under {server.proc.pid}")
+def child(server: Server, module: str, timeout: float = 10.0) -> int:
+    """The pid of the server's subprocess running ``python -m <module>``. Waits for it: between
+    fork and exec a child still shows its parent's command line."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in child_pids(server.proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except FileNotFoundError:  # gone meanwhile
+                continue
+            if module.encode() in cmdline.split(b"\0"):
+                return pid
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {module} process under {server.proc.pid}")
+        time.sleep(0.02)
 
 
 def wait_dead(pids: list[int], timeout: float) -> float:

@@ -192,6 +192,22 @@ def test_matmul_is_within_the_rounding_bound_of_float(isa, bits, activation_bits
         assert ((got - x @ w.T).abs() <= bound + slack).all()
 
 
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, activation_bits):
+    """A non-finite activation shows in its own row's outputs (NaN), never as finite garbage,
+    and the other rows are what they are without it."""
+    rows, n, k = 4, 40, 100
+    packed = quant.quantize_weight(random_weight(n, k, seed=3), bits)
+    x = random_input(rows, k, seed=3)
+    want = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    x[1, 70] = float("nan")  # in the first vector of its group: the next vector max dropped it
+    x[2, 5] = float("inf")
+    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    assert got[1:3].isnan().all()
+    assert torch.equal(got[[0, 3]], want[[0, 3]])
+
+
 def test_the_isas_agree():
     rows, n, k = 6, 200, 300
     x, w = random_input(rows, k, seed=7), random_weight(n, k, seed=7)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #define PYSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -39,12 +40,15 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
     for (int g = 0; g < groups; ++g) {
       const int begin = g * group, end = std::min(k, begin + group);
       __m512 vmax = _mm512_setzero_ps();
+      __mmask16 nan = 0;  // vmaxps drops NaNs: they are looked for beside it
       for (int i = begin; i < end; i += 16) {
         const int left = end - i;
         const __mmask16 live = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, xr + i)));
+        const __m512 v = _mm512_maskz_loadu_ps(live, xr + i);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       }
-      amax[g] = _mm512_reduce_max_ps(vmax);
+      amax[g] = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
     }
     row_scales(amax.data(), groups, 8 * sizeof(Q), headroom, scale + row, shift + row,
                inverse.data(), unit + r);

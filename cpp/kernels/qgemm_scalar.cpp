@@ -2,6 +2,7 @@
 // the vector paths are tested against, so it follows the same order of float operations.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "half.h"
@@ -24,8 +25,9 @@ void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int gro
     const int64_t row = static_cast<int64_t>(r) * groups;
     for (int g = 0; g < groups; ++g) {
       amax[g] = 0.0f;
-      for (int i = g * group; i < std::min(k, (g + 1) * group); ++i)
-        amax[g] = std::max(amax[g], std::fabs(xr[i]));
+      for (int i = g * group; i < std::min(k, (g + 1) * group); ++i)  // a NaN sticks
+        amax[g] = std::isnan(xr[i]) || std::isnan(amax[g]) ? std::numeric_limits<float>::quiet_NaN()
+                                                           : std::max(amax[g], std::fabs(xr[i]));
     }
     row_scales(amax.data(), groups, 8 * sizeof(Q), headroom, scale + row, shift + row,
                inverse.data(), unit + r);
@@ -33,7 +35,8 @@ void quantize_rows_as(const float* x, int64_t x_stride, int rows, int k, int gro
       const int begin = g * group, end = std::min(k, begin + group);
       int32_t total = 0;
       for (int i = begin; i < begin + group; ++i) {
-        const float v = i < end ? std::nearbyint(xr[i] * inverse[g]) : 0.0f;
+        float v = i < end ? std::nearbyint(xr[i] * inverse[g]) : 0.0f;
+        if (std::isnan(v)) v = 0.0f;  // its row's outputs are NaN through the scale anyway
         const auto qi = static_cast<int32_t>(std::clamp(v, -top, top));
         qr[i] = static_cast<Q>(qi);
         total += qi;
