@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "arg_checks.h"
 #include "attention.h"
 #include "decoder_stack.h"
 #include "dispatch.h"
@@ -24,12 +25,6 @@ namespace {
 template <class T>
 T* address(uintptr_t value) {
   return reinterpret_cast<T*>(value);
-}
-
-void check_tuple(const py::tuple& t, size_t size, const char* what) {
-  if (t.size() != size)
-    throw std::invalid_argument(std::string(what) + ": expected " + std::to_string(size) +
-                                " fields, got " + std::to_string(t.size()));
 }
 
 void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintptr_t weights,
@@ -178,7 +173,8 @@ py::list supported_isas() {
 
 pk::StackLinear stack_linear(const py::tuple& t) {
   // (weights, scales, n, k, bits, group, bias, activation_bits): QuantLinear's arguments
-  check_tuple(t, 8, "a linear layer");
+  pk::check(t.size() == 8,
+            [&] { return "a linear layer: expected 8 fields, got " + std::to_string(t.size()); });
   return {{address<const uint8_t>(t[0].cast<uintptr_t>()),
            address<const uint16_t>(t[1].cast<uintptr_t>()), t[2].cast<int>(), t[3].cast<int>(),
            t[4].cast<int>(), t[5].cast<int>()},

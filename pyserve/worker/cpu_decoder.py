@@ -5,7 +5,8 @@ module call, argument checks and a fresh output tensor; at batch 32 that Python 
 decode step, time in which the kernels' second thread waits. The stack runs the same kernel
 calls, in the same order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the
 logits are bit for bit the modules' (tested). Python keeps the embedding lookup, the per-forward
-metadata (the attention backend's ``prepare``), the final norm and the output projection.
+metadata (the attention backend's ``prepare``), the final norm and the output projection: the
+model's forward (models/llama.py) calls ``run`` in place of its layer loop.
 
 It applies where every piece already runs on the kernels: a float32 Llama-family model whose
 linear layers are all kernel-backed ``QuantLinear`` (int4/int8, the default GGUF), the CPU
@@ -19,7 +20,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from pyserve.worker import layer_ops, quant
 from pyserve.worker.attention.cpu import (
@@ -39,7 +39,7 @@ def _linear(module: torch.nn.Module) -> tuple[int, ...] | None:
     """The stack's arguments for a kernel-backed linear layer at every batch size, else None."""
     if not isinstance(module, quant.QuantLinear) or module.max_kernel_rows is not None:
         return None
-    return (*module._weight_args, module.activation_bits)
+    return (*module.weight_args, module.activation_bits)
 
 
 def _float32_vector(t: torch.Tensor, size: int) -> bool:
@@ -47,11 +47,10 @@ def _float32_vector(t: torch.Tensor, size: int) -> bool:
 
 
 class CpuDecoderStack:
-    """The C++ stack of one model, its cache and attention backend; build() says whether it
-    applies."""
+    """The C++ stack of one model, its cache and attention backend; ``build`` says whether it
+    applies, and the model's forward calls ``run`` in place of its layer loop."""
 
-    def __init__(self, model: LlamaForCausalLM, stack: object, attention: CpuAttentionBackend):
-        self.model = model
+    def __init__(self, stack: object, attention: CpuAttentionBackend):
         self.attention = attention
         self._stack = stack
 
@@ -91,7 +90,7 @@ class CpuDecoderStack:
                 kv_cache.k[i].data_ptr(),
                 kv_cache.v[i].data_ptr(),
             )
-        return cls(model, stack, attention)  # type: ignore[arg-type]
+        return cls(stack, attention)  # type: ignore[arg-type]
 
     @staticmethod
     def _unsupported(model: object, kv_cache: PagedKVCache, attention: object) -> str | None:
@@ -123,26 +122,24 @@ class CpuDecoderStack:
                 return "a cache tensor is not contiguous"
         return None
 
-    def forward(
+    def run(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        sample_index: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
         metadata: CpuAttentionMetadata,
-    ) -> torch.Tensor:
-        """float32 logits [S, vocab] for the rows in ``sample_index``, as the model's forward."""
-        model = self.model
-        hidden = F.embedding(input_ids, model.embed_tokens).contiguous()
-        cos, signed_sin = model.rotary.cos_sin(positions, torch.float32)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the embeddings ``hidden`` (float32 [T, hidden], overwritten):
+        (the last layer's MLP output, the residual stream it adds to), as the layer loop of
+        LlamaForCausalLM.forward returns them."""
+        hidden = hidden.contiguous()
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
         residual = torch.empty_like(hidden)
         slots = metadata.slots.contiguous()
         prefill = metadata.prefills
         spans = tables = None
         if isinstance(prefill, PrefillAttention) and len(prefill.spans):
-            spans, tables = prefill.spans, prefill.block_tables
-            if tables.dtype != torch.int64:
-                tables = tables.long()
+            spans, tables = prefill.spans, prefill.block_tables.long()
         decode = metadata.decode
         decode_rows = decode_tables = contexts = None
         if decode is not None:
@@ -161,7 +158,4 @@ class CpuDecoderStack:
             0 if contexts is None else contexts.data_ptr(),
             self.attention.scale,
         )  # fmt: skip
-        last = model.norm(
-            hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
-        )
-        return model.lm_head(last).float()
+        return hidden, residual

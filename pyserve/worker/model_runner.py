@@ -105,8 +105,13 @@ class ModelRunner:
             head_dim=self.config.head_dim,
         )
         # the decoder layers in one C++ call where every piece runs on the kernels (cpu_decoder.py)
-        self.decoder_stack = CpuDecoderStack.build(self.model, self.kv_cache, self.attention)
+        self.model.decoder_stack = CpuDecoderStack.build(self.model, self.kv_cache, self.attention)
         self.load_seconds = time.perf_counter() - started
+
+    @property
+    def decoder_stack(self) -> CpuDecoderStack | None:
+        """The C++ decoder layers the model runs, or None (its modules)."""
+        return self.model.decoder_stack
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -116,10 +121,6 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
         metadata = self.attention.prepare(batch)
-        if self.decoder_stack is not None:
-            return self.decoder_stack.forward(
-                batch.input_ids, batch.positions, batch.sample_index, metadata
-            )
         return self.model(
             batch.input_ids.to(self.device),
             batch.positions.to(self.device),

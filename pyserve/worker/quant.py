@@ -284,7 +284,9 @@ class QuantLinear(nn.Module):
         # everything about the weight is fixed here, x is made float32 and contiguous below.
         self._matmul = kernels().matmul  # fails here, not in a forward, if the module is missing
         packed = self.packed
-        self._weight_args = (
+        # the kernel's weight arguments (addresses, sizes, bias), for forward() and for callers
+        # that run the kernel themselves (cpu_decoder.py's decoder stack)
+        self.weight_args = (
             packed.data.data_ptr(), packed.scales.data_ptr(), packed.n, packed.k,
             packed.bits, packed.group,
             0 if self._bias32 is None else self._bias32.data_ptr(),
@@ -305,7 +307,7 @@ class QuantLinear(nn.Module):
             flat = flat.contiguous()
         out = torch.empty(rows, n)
         self._matmul(
-            flat.data_ptr(), k, rows, self.activation_bits, *self._weight_args, out.data_ptr(), n
+            flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args, out.data_ptr(), n
         )
         if x.dtype != torch.float32:
             out = out.to(x.dtype)

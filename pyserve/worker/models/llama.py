@@ -10,6 +10,7 @@ The batch is flat: [T, ...] rows from every request, no padding.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from pyserve.worker.cpu_decoder import CpuDecoderStack
 
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -99,6 +103,9 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, weight=tied, **kw)
         self.rotary = RotaryEmbedding(config, device)
+        # all decoder layers in one C++ call, set by the model runner where it applies
+        # (cpu_decoder.py); None: the layers' modules
+        self.decoder_stack: CpuDecoderStack | None = None
 
     def forward(
         self,
@@ -111,9 +118,12 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, signed_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        residual = None  # the residual stream, a fresh tensor each layer adds into in place
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, signed_sin, attention, metadata)
+        if self.decoder_stack is not None:
+            hidden, residual = self.decoder_stack.run(hidden, cos, signed_sin, metadata)
+        else:
+            residual = None  # the residual stream, a fresh tensor each layer adds into in place
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos, signed_sin, attention, metadata)
         # the last residual add, norm and vocabulary projection only for rows that sample
         last = self.norm(
             hidden.index_select(0, sample_index), residual.index_select(0, sample_index)
