@@ -23,6 +23,12 @@ PYSERVE_AVX512 inline __m512i broadcast32(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The first n lanes (all 16 from n = 16 on, none for n <= 0).
+inline __mmask16 first_lanes(int n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff)
+                 : static_cast<__mmask16>((1u << std::max(n, 0)) - 1);
+}
+
 // out[g] = op over the 16 lanes of v[g], for 16 vectors at once: four levels of shuffles that
 // pair halves, then quads, then lanes, ~3 instructions a vector against ~8 for a reduction each.
 template <class Op>
@@ -56,10 +62,7 @@ struct AddEpi32 {  // int32 lanes carried in float registers
 // qgemm.h's row_scales, 16 groups a vector, with the same integer and float operations.
 PYSERVE_AVX512 void row_scales_avx512(const float* amax, int groups, int bits, int headroom,
                                       float* scale, int32_t* shift, float* inverse, float* unit) {
-  auto live = [groups](int g) {
-    return groups - g >= 16 ? static_cast<__mmask16>(0xffff)
-                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
-  };
+  auto live = [groups](int g) { return first_lanes(groups - g); };
   if (bits == 8) {  // float scales, unit 1
     const __m512 top = _mm512_set1_ps(127.0f);
     for (int g = 0; g < groups; g += 16) {
@@ -129,10 +132,7 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
   inverse.resize(groups);
   float* const most_of = amax.data();  // not thread_local lookups inside the loops
   float* const times_of = inverse.data();
-  auto live_inputs = [k](int i) {
-    const int left = std::max(0, k - i);
-    return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-  };
+  auto live_inputs = [k](int i) { return first_lanes(k - i); };
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
     Q* qr = q + static_cast<int64_t>(r) * k_padded;
@@ -155,8 +155,7 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
       const __m512 most =
           _mm512_mask_blend_ps(nan_groups, reduce16(vmax, MaxPs{}),
                                _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-      const int n = std::min(16, groups - g0);
-      _mm512_mask_storeu_ps(most_of + g0, static_cast<__mmask16>((1u << n) - 1), most);
+      _mm512_mask_storeu_ps(most_of + g0, first_lanes(groups - g0), most);
     }
     row_scales_avx512(most_of, groups, 8 * sizeof(Q), headroom, scale + row, shift + row, times_of,
                       unit + r);
@@ -184,8 +183,7 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
         totals[j] = _mm512_castsi512_ps(total);
       }
       const __m512i sums = _mm512_castps_si512(reduce16(totals, AddEpi32{}));
-      const int n = std::min(16, groups - g0);
-      const auto live = static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 live = first_lanes(groups - g0);
       _mm512_mask_storeu_epi32(sum + row + g0, live, sums);
       _mm512_mask_storeu_ps(
           unit_sum + row + g0, live,
@@ -289,8 +287,7 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
       block += group_bytes;
       sc += 2 * kTileRows;
     }
-    const int valid = std::min(kTileRows, w.n - t * kTileRows);
-    const __mmask16 live = valid == kTileRows ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 live = first_lanes(w.n - t * kTileRows);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
