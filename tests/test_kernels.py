@@ -116,11 +116,14 @@ def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor
 @pytest.mark.parametrize("weight_bits", [4, 8])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_activation_quantization_is_exactly_the_reference(isa, bits, weight_bits):
-    for rows, _, k in [*SHAPES, BIG_SHAPE]:
+    # k = 1100: 35 groups, the AVX-512 quantizer's panels of 16 groups twice and a partial third
+    for rows, _, k in [*SHAPES, BIG_SHAPE, (3, 1, 1100)]:
         x = random_input(rows, k, seed=k)
         x[0, : min(k, 32)] = 0  # an all-zero group: q 0
         if k > 64:
             x[-1, 32:64] *= 1e-4  # a group far below its row's largest: its scale is raised
+        if k > 1056:
+            x[1, 1024:1056] = 0  # in the third panel
         q, scale, total = kernel_activations(x, quant.GROUP, bits, weight_bits)
         ref_q, ref_scale = reference_activations(x, quant.GROUP, bits, weight_bits)
         assert torch.equal(q.float(), ref_q)
@@ -194,14 +197,15 @@ def test_matmul_is_within_the_rounding_bound_of_float(isa, bits, activation_bits
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, activation_bits):
+@pytest.mark.parametrize("k", [100, 1100])
+def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, activation_bits, k):
     """A non-finite activation shows in its own row's outputs (NaN), never as finite garbage,
-    and the other rows are what they are without it."""
-    rows, n, k = 4, 40, 100
+    and the other rows are what they are without it (k = 1100: past the first 16 groups)."""
+    rows, n = 4, 40
     packed = quant.quantize_weight(random_weight(n, k, seed=3), bits)
     x = random_input(rows, k, seed=3)
     want = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
-    x[1, 70] = float("nan")  # in the first vector of its group: the next vector max dropped it
+    x[1, k - 30] = float("nan")  # in the first vector of its group: the next vector max drops it
     x[2, 5] = float("inf")
     got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
     assert got[1:3].isnan().all()
