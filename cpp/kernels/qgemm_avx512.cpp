@@ -130,7 +130,8 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
   thread_local std::vector<float> amax, inverse;
   amax.resize(groups);
   inverse.resize(groups);
-  float* const most_of = amax.data();  // not thread_local lookups inside the loops
+  // plain pointers: each read of a thread_local inside the loops was a __tls_get_addr call
+  float* const most_of = amax.data();
   float* const times_of = inverse.data();
   auto live_inputs = [k](int i) { return first_lanes(k - i); };
   for (int r = 0; r < rows; ++r) {
