@@ -87,9 +87,12 @@ PYSERVE_AVX512 void row_scales_avx512(const float* amax, int groups, int bits, i
   for (int g = 0; g < groups; g += 16) {  // group_exponent, then the row's largest
     const __m512 a = _mm512_maskz_loadu_ps(live(g), amax + g);
     const __m512i ai = _mm512_castps_si512(a);
+    // ordered: false for NaN and ±inf (and true for the zeros loaded past the last group)
+    const __mmask16 finite_here =
+        _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
     const __mmask16 normal =
         _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_GE_OQ) &
-        _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
+        finite_here;
     const __mmask16 rounds_up =
         _mm512_cmpgt_epi32_mask(_mm512_and_si512(ai, mantissa), top_mantissa);
     __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(ai, 23), top_exponent);
@@ -97,11 +100,7 @@ PYSERVE_AVX512 void row_scales_avx512(const float* amax, int groups, int bits, i
     e = _mm512_mask_max_epi32(lowest, normal, e, lowest);
     _mm512_mask_storeu_epi32(shift + g, live(g), e);
     largest = _mm512_mask_max_epi32(largest, live(g), largest, e);
-    // not finite: NaN (unordered) or ±inf
-    finite &= static_cast<__mmask16>(
-        ~(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) |
-          _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_GT_OQ)) |
-        ~live(g));
+    finite &= finite_here;
   }
   const int exponent = _mm512_reduce_max_epi32(largest) - headroom;
   const __m512i base = _mm512_set1_epi32(exponent);
