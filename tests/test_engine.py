@@ -104,7 +104,7 @@ async def collect(stream) -> list:
     return [chunk async for chunk in stream]
 
 
-async def wait_idle(engine: Engine, timeout: float = 15.0) -> dict:
+async def wait_idle(engine: Engine, timeout: float = 60.0) -> dict:
     """The core's stats once nothing is queued, running or in flight."""
     deadline = time.monotonic() + timeout
     while True:

@@ -14,7 +14,7 @@ import random
 
 import aiohttp
 import pytest
-from http_testlib import kv_idle, metrics, running_server, tiny_model, wait_for_metrics
+from http_testlib import kv_idle, running_server, tiny_model, wait_for_metrics
 
 SURVIVORS = 16
 SURVIVOR_TOKENS = 24
@@ -96,6 +96,11 @@ async def cut_off(session: aiohttp.ClientSession, url: str, i: int, rng: random.
     resp.close()
 
 
+async def one_more_request(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await generate(session, url, survivor_body(0, False))
+
+
 def test_disconnect_storm_leaves_survivors_exact_and_every_account_at_rest(server):
     url = server.url
     rng = random.Random(SEED)
@@ -115,8 +120,6 @@ def test_disconnect_storm_leaves_survivors_exact_and_every_account_at_rest(serve
         return alone, together[:SURVIVORS]
 
     alone, together = asyncio.run(scenario())
-    # The server checks itself once idle for a second after this spell of work: not yet.
-    checks = metrics(url)["pyserve_idle_checks_total"]
     for i, (a, t) in enumerate(zip(alone, together, strict=True)):
         ours, theirs = t["output_ids"], a["output_ids"]
         assert len(ours) == len(theirs) == SURVIVOR_TOKENS, (i, t)
@@ -126,10 +129,15 @@ def test_disconnect_storm_leaves_survivors_exact_and_every_account_at_rest(serve
                 assert top[-1] - top[-2] < 1e-3, f"survivor {i} diverges at token {k}"
                 break
 
-    after = wait_for_metrics(url, at_rest, timeout=15)
+    after = wait_for_metrics(url, at_rest)
     # The storm's requests were aborted, not run to their 2000 tokens.
     assert after["pyserve_generation_tokens_total"] < CANCELLED * 2000 / 4
-    after = wait_for_metrics(url, lambda m: m["pyserve_idle_checks_total"] > checks, timeout=10)
+    # The server checks itself once idle for a second after each spell of work. The storm's
+    # check may have run already, or not yet: one more request makes a spell whose check
+    # surely comes after the storm, over the accounts it left.
+    checks = after["pyserve_idle_checks_total"]
+    asyncio.run(one_more_request(url))
+    after = wait_for_metrics(url, lambda m: m["pyserve_idle_checks_total"] > checks)
     assert after["pyserve_idle_check_failures_total"] == 0
     log = server.log()
     assert "idle accounting check failed" not in log

@@ -19,9 +19,7 @@ def test_the_idle_check_logs_an_error_when_a_kv_block_goes_missing(tmp_path_fact
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         status, _, _ = request(server.url + "/v1/completions", body)
         assert status == 200  # the server still serves; it says what is wrong
-        after = wait_for_metrics(
-            server.url, lambda m: m["pyserve_idle_checks_total"] >= 1, timeout=10
-        )
+        after = wait_for_metrics(server.url, lambda m: m["pyserve_idle_checks_total"] >= 1)
         assert after["pyserve_idle_check_failures_total"] == 1
         # 64 blocks: one is neither free nor cached, and the core's invariants say whose it is not
         line = next(line for line in server.lines if "idle accounting check failed" in line)

@@ -1,7 +1,9 @@
 """KV pressure through a real `pyserve run`: a KV pool far too small for the batch. Sixteen
 concurrent greedy requests all complete, each equal to the same request run alone (with the
 whole pool to itself), because the core retracts running requests and recomputes them later;
-/metrics counts the retractions, and the pool is whole again afterwards."""
+/metrics counts the retractions, and the pool is whole again afterwards. The worker's steps are
+held (a test hook) until all sixteen have reached the core, so that they really run together
+however the machine schedules the client."""
 
 from __future__ import annotations
 
@@ -11,17 +13,25 @@ import aiohttp
 import pytest
 from http_testlib import kv_idle, metrics, running_server, tiny_model, wait_for_metrics
 
+from pyserve.worker.hooks_for_tests import HOLD_STEPS
+
 REQUESTS = 16
 NEW_TOKENS = 48
 KV_TOKENS = 320  # 20 blocks of 16: about five of the sixteen requests fit at once
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def hold(tmp_path_factory):
+    """While this file exists, the server's worker holds each step before running it."""
+    return tmp_path_factory.mktemp("kv-pressure") / "hold-steps"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, hold):
     model = tiny_model(tmp_path_factory.getbasetemp())
     args = ["--model", str(model), "--dtype", "float32", "--kv-cache-tokens", str(KV_TOKENS)]
     args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
-    with running_server(args) as server:
+    with running_server(args, env={HOLD_STEPS: str(hold)}) as server:
         yield server
 
 
@@ -42,15 +52,23 @@ async def generate(session: aiohttp.ClientSession, url: str, i: int) -> dict:
         return await resp.json()
 
 
-def test_a_pool_too_small_for_the_batch_retracts_and_every_output_stays_exact(server):
+def test_a_pool_too_small_for_the_batch_retracts_and_every_output_stays_exact(server, hold):
     url = server.url
+
+    def all_in_the_core(m: dict[str, float]) -> bool:
+        return m["pyserve_requests_running"] + m["pyserve_requests_waiting"] == REQUESTS
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
             alone = [await generate(session, url, i) for i in range(REQUESTS)]
             assert metrics(url)["pyserve_retractions_total"] == 0  # one at a time fits
-            together = await asyncio.gather(*(generate(session, url, i) for i in range(REQUESTS)))
-        return alone, together
+            hold.touch()
+            try:
+                together = [asyncio.create_task(generate(session, url, i)) for i in range(REQUESTS)]
+                await asyncio.to_thread(wait_for_metrics, url, all_in_the_core)
+            finally:
+                hold.unlink()
+            return alone, await asyncio.gather(*together)
 
     alone, together = asyncio.run(scenario())
     for i, (a, t) in enumerate(zip(alone, together, strict=True)):

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import aiohttp
@@ -23,9 +22,12 @@ from http_testlib import (
     wait_for_metrics,
 )
 
+from pyserve.worker.hooks_for_tests import HOLD_LOADING, STEP_DELAY_S
+
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BASE_ARGS = ["--dtype", "float32", "--kv-cache-tokens", "32768", "--torch-threads", "1"]
+HANG_GUARD_S = 60.0  # only against a hang: the waits below end on what the server does
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +76,8 @@ def test_api_key_body_cap_and_queue_limit(model_dir):
                 waiting = asyncio.create_task(
                     session.post(url + "/v1/completions", json=completion(2))
                 )
-                await asyncio.to_thread(
-                    wait_for_metrics, url, lambda m: m["pyserve_requests_waiting"] == 1, 5, AUTH
-                )
+                one_waiting = lambda m: m["pyserve_requests_waiting"] == 1  # noqa: E731
+                await asyncio.to_thread(wait_for_metrics, url, one_waiting, headers=AUTH)
                 refused = await session.post(url + "/v1/completions", json=completion(2))
                 assert refused.status == 429 and refused.headers["Retry-After"]
                 assert (await refused.json())["error"]["code"] == "queue_full"
@@ -88,8 +89,16 @@ def test_api_key_body_cap_and_queue_limit(model_dir):
         wait_for_metrics(url, kv_idle, headers=AUTH)
 
 
-def test_sigterm_refuses_new_work_finishes_in_flight_work_and_exits_0(model_dir):
-    server = Server(["--model", str(model_dir), *BASE_ARGS, "--shutdown-timeout", "4"])
+# Each worker step sleeps this long first, so that the long request needs at least
+# 15000 x 10 ms = 150 s, far past --shutdown-timeout, however fast the machine; the short one's
+# 40 steps need 0.4 s and its compute, far within it.
+STEP_DELAY = "0.01"
+SHUTDOWN_TIMEOUT = "8"
+
+
+def test_sigterm_refuses_new_work_finishes_in_flight_work_and_exits_0(model_dir, monkeypatch):
+    monkeypatch.setenv(STEP_DELAY_S, STEP_DELAY)  # the server inherits it
+    server = Server(["--model", str(model_dir), *BASE_ARGS, "--shutdown-timeout", SHUTDOWN_TIMEOUT])
     url = server.url
     children = child_pids(server.proc.pid)
     assert len(children) >= 2  # the worker and the detokenizer
@@ -101,17 +110,20 @@ def test_sigterm_refuses_new_work_finishes_in_flight_work_and_exits_0(model_dir)
             await short.content.readuntil(b"\n\n")
             await long.content.readuntil(b"\n\n")
             server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
+            while True:  # until the server has taken the signal
+                health = await session.get(url + "/health")
+                if (await health.json())["status"] != "ok":
+                    break
+                await asyncio.sleep(0.02)
+            assert health.status == 503 and (await health.json())["status"] == "shutting_down"
             refused = await session.post(url + "/v1/completions", json=completion(2))
             assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"
-            health = await session.get(url + "/health")
-            assert health.status == 503 and (await health.json())["status"] == "shutting_down"
             return await short.read(), await long.read()
 
     try:
-        short, long = asyncio.run(scenario())
+        short, long = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
     finally:
-        code = server.stop(timeout=30)
+        code = server.stop(timeout=HANG_GUARD_S)
     assert code == 0, server.log()
     # the short request finished normally; the long one outlived --shutdown-timeout
     assert sse_events(short)[-1]["choices"][0]["finish_reason"] == "length"
@@ -119,13 +131,21 @@ def test_sigterm_refuses_new_work_finishes_in_flight_work_and_exits_0(model_dir)
     assert not any(alive(pid) for pid in children), "a subprocess outlived the server"
 
 
-def test_503_while_loading_and_a_killed_worker_fails_streams_and_exits_1(model_dir):
+def test_503_while_loading_and_a_killed_worker_fails_streams_and_exits_1(
+    model_dir, tmp_path, monkeypatch
+):
+    hold = tmp_path / "hold-loading"
+    hold.touch()  # the worker waits before loading the model while this file exists
+    monkeypatch.setenv(HOLD_LOADING, str(hold))  # the server inherits it
     server = Server(["--model", str(model_dir), *BASE_ARGS], wait_ready=False)
     url = server.url
-    status, _, raw = request(url + "/health")  # the worker takes seconds to import torch
-    assert status == 503 and json.loads(raw) == {"status": "loading"}
-    status, _, raw = request(url + "/v1/completions", completion(2))
-    assert status == 503 and json.loads(raw)["error"]["code"] == "server_not_ready"
+    try:
+        status, _, raw = request(url + "/health")
+        assert status == 503 and json.loads(raw) == {"status": "loading"}
+        status, _, raw = request(url + "/v1/completions", completion(2))
+        assert status == 503 and json.loads(raw)["error"]["code"] == "server_not_ready"
+    finally:
+        hold.unlink()
     server.wait_ready()
     assert request(url + "/health")[0] == 200
     worker = next(
@@ -139,16 +159,13 @@ def test_503_while_loading_and_a_killed_worker_fails_streams_and_exits_1(model_d
             resp = await session.post(url + "/v1/completions", json=completion(15000, True))
             await resp.content.readuntil(b"\n\n")
             os.kill(worker, signal.SIGKILL)
-            started = time.monotonic()
-            raw = await resp.read()
-            return raw, time.monotonic() - started
+            return await resp.read()  # ends on the kill, long before its 15000 tokens
 
     try:
-        raw, elapsed = asyncio.run(scenario())
-        assert elapsed < 5
+        raw = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
         error = sse_events(raw)[-1]["error"]
         assert error["type"] == "server_error" and "worker" in error["message"]
-        server.proc.wait(15)
+        server.proc.wait(HANG_GUARD_S)
     finally:
         code = server.stop()
     assert code == 1, server.log()

@@ -265,7 +265,7 @@ def test_the_worker_exits_when_its_parent_dies(ipc_dir: str, tiny_model: Path) -
         assert not _is_gone(worker_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # only against a hang
         while not _is_gone(worker_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _is_gone(worker_pid), "the worker outlived its parent"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 import time
 import traceback
@@ -26,15 +25,12 @@ import zmq
 from pyserve.lifecycle import die_with_parent
 from pyserve.wire import main_to_worker as inp
 from pyserve.wire import worker_to_detok as out
+from pyserve.worker.hooks_for_tests import WorkerTestHooks
 
 if TYPE_CHECKING:
     from pyserve.worker.executor import StepExecutor
 
 log = logging.getLogger("pyserve.worker")
-
-# Tests only: the worker sleeps this many seconds inside its first Step, so that a test can see
-# main's step watchdog (pyserve/engine/step_watch.py) fire and clear. Never set it anywhere else.
-TEST_HOOK_STALL_STEP_S = "PYSERVE_TEST_HOOK_STALL_WORKER_STEP_S"
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,11 +65,13 @@ def run(config: WorkerConfig) -> int:
     pull.bind(config.in_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(config.out_addr)
+    hooks = WorkerTestHooks()
     try:
+        hooks.before_loading()
         executor = _load(config, push)
         if executor is None:
             return 1
-        _serve(executor, pull, push)
+        _serve(executor, pull, push, hooks)
         return 0
     finally:
         pull.close(linger=0)
@@ -137,13 +135,12 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
     return executor
 
 
-def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
+def _serve(
+    executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket, hooks: WorkerTestHooks
+) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
     busy_seconds, steps = 0.0, 0  # running totals, carried on every StepTokens
-    stall_s = float(os.environ.get(TEST_HOOK_STALL_STEP_S) or 0)
-    if stall_s > 0:
-        log.warning("test hook %s: the first step will stall %g s", TEST_HOOK_STALL_STEP_S, stall_s)
     while True:
         # take everything already queued before blocking again
         frames = [pull.recv()]
@@ -160,9 +157,7 @@ def _serve(executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket) -> None:
                 log.error("dropped a malformed message: %s", e)
                 continue
             if isinstance(msg, inp.Step):
-                if stall_s > 0:
-                    time.sleep(stall_s)
-                    stall_s = 0.0
+                hooks.before_step()
                 replies = _run_step(executor, msg)
                 steps += 1
                 tokens = replies[-1]  # the StepTokens comes last
