@@ -5,9 +5,9 @@ blocks) for B single-token requests whose contexts all have the same length, the
 scattered at random over the cache. Per case, round-robin so that a busy machine slows both
 alike, it times
 
-- ``torch``: CpuAttentionBackend's torch decode (index_select gather of every request's blocks,
+- ``torch``: the torch reference backend's decode (index_select gather of every request's blocks,
   batched matmuls, softmax / split softmax), its per-forward metadata built outside the timing;
-- ``kernel``: the same backend's kernel call (K and V read in place, online softmax);
+- ``kernel``: the CPU kernels backend's call (K and V read in place, online softmax);
 - ``write``: the KV write of the batch's new tokens (PagedKVCache.write), for scale.
 
 and reports the median per call (µs) and the torch/kernel ratio. ``--clock cpu`` counts this
@@ -31,9 +31,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_kernels.py
 import torch
 
 from pyserve.worker import quant
-from pyserve.worker.attention.cpu import CpuAttentionBackend
+from pyserve.worker.backends import AttentionLayer, attention_backend
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.kv_cache import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -58,20 +57,22 @@ def measure(
     batch: int, context: int, dtype: torch.dtype, cache_dtype: torch.dtype, rounds: int, clock
 ) -> dict[str, float]:
     num_blocks = batch * -(-context // BLOCK) + 8
-    cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=BLOCK,
-                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=cache_dtype)  # fmt: skip
+    kw = {"heads": HEADS, "kv_heads": KV_HEADS, "dim": HEAD_DIM, "num_layers": 1}
+    kw.update(num_blocks=num_blocks, block_size=BLOCK, dtype=cache_dtype)
+    torch_path = attention_backend("torch", **kw)
+    kernel_path = attention_backend("cpu-kernels", **kw)
+    cache = kernel_path.kv_cache
     for t in cache.k + cache.v:
         t.normal_()
-    kw = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
-    torch_path = CpuAttentionBackend(cache, decode_kernel=False, **kw)
-    kernel_path = CpuAttentionBackend(cache, decode_kernel=True, **kw)
+    torch_path.kv_cache = cache
     fb = decode_batch(batch, context, num_blocks, seed=batch + context)
     torch_meta, kernel_meta = torch_path.prepare(fb), kernel_path.prepare(fb)
     q = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM).to(dtype)[:, :HEADS]  # strided, as live
     k = torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype)
     scale = HEAD_DIM**-0.5
+    layer = AttentionLayer(0, HEADS, KV_HEADS, HEAD_DIM, scale)
     calls = {
-        "torch": lambda: torch_path._decode(0, q, torch_meta.decode),
+        "torch": lambda: torch_path._decode(layer, q, torch_meta.decode),
         "kernel": lambda: kernel_meta.decode.call.run(q, cache.k[0], cache.v[0], scale),
         "write": lambda: cache.write(0, kernel_meta.slots, k, k),
     }

@@ -41,6 +41,7 @@ from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.linear import Linear
 from pyserve.worker.model_runner import DTYPES, ModelRunner
 from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.settings import WorkerSettings
 
 BLOCK_SIZE = 16
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -298,13 +299,15 @@ def main() -> None:
         tokens_each = args.prompt_len + args.decode_steps + 2
         need = max(batches) * -(-max(tokens_each, args.prefill_len) // BLOCK_SIZE)
         runner = ModelRunner(
-            args.model,
-            dtype=dtype_name,
-            num_blocks=need,
-            block_size=BLOCK_SIZE,
-            quantization=quantization,
-            activation_bits=bits,
-            kv_cache_dtype=args.kv_cache_dtype,
+            WorkerSettings(
+                model=args.model,
+                dtype=dtype_name,
+                num_blocks=need,
+                block_size=BLOCK_SIZE,
+                quantization=quantization,
+                activation_bits=bits,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
         )
         config = runner.config
         kv = runner.kv_cache_dtype_name

@@ -26,6 +26,7 @@ from pyserve.http.app import create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.state import ServerState
 from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
+from pyserve.worker.settings import BACKEND_NAMES
 
 log = logging.getLogger("pyserve")
 
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(ACTIVATION_BITS),
         help="what int8/int4 layers round activations to; 8: llama.cpp's numerics, faster "
         "prefill and batched decode, less accurate",
+    )
+    add(
+        "--backend",
+        default="auto",
+        choices=list(BACKEND_NAMES),
+        help="how the worker computes: auto (the CPU kernels where this CPU has AVX2 or "
+        "AVX-512, the torch reference elsewhere), cpu-kernels, or torch (the reference, any "
+        "device); the startup log and /server_info say which ran and why",
     )
     add(
         "--kv-cache-dtype",
@@ -133,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         activation_bits=args.activation_bits,
+        backend=args.backend,
         block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_running_requests=args.max_running_requests,

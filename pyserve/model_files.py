@@ -260,11 +260,27 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:
 
 
 def _convert_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
+    """transformers' tokenizer for the file (BPE or SentencePiece vocabularies, with the file's
+    BOS/EOS rules), and the family's chat template where the file carries none."""
     from transformers import AutoTokenizer
 
     p = Path(gguf_path)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    if not getattr(tok, "chat_template", None):
+        template = default_chat_template(read_gguf_metadata(gguf_path).get("general.architecture"))
+        if template:
+            tok.chat_template = template
     tok.save_pretrained(out_dir)
+
+
+def default_chat_template(architecture: object) -> str | None:
+    """The built-in chat template of a GGUF architecture's family, if it has one."""
+    from pyserve.worker.models.registry import UnsupportedArchitecture, family_for_gguf
+
+    try:
+        return family_for_gguf(architecture).default_chat_template
+    except UnsupportedArchitecture:
+        return None
 
 
 if __name__ == "__main__":  # python -m pyserve.model_files GGUF OUT_DIR (used by tokenizer_dir)

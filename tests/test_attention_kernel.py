@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 from worker_testlib import assert_attention_close as assert_close
-from worker_testlib import paged_batch
+from worker_testlib import attention_backend, paged_batch
 
 from pyserve.worker import quant
 from pyserve.worker.attention_kernel import (
@@ -24,7 +24,6 @@ from pyserve.worker.attention_kernel import (
     PrefillAttention,
     paged_decode_attention,
 )
-from pyserve.worker.kv_cache import PagedKVCache
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()
@@ -145,9 +144,10 @@ def test_same_bits_whatever_the_thread_count():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_backend_kernel_and_torch_paths_agree(dtype):
     """A mixed batch (prefills, a prefill after a prefix, decodes short and long) through the CPU
-    backend with the kernels and with the torch path (split softmax forced): same outputs, the
+    kernels backend and through the torch reference (split softmax forced): same outputs, the
     same cache writes."""
-    from pyserve.worker.attention.cpu import CpuAttentionBackend, DecodeKernelBatch
+    from pyserve.worker.backends import AttentionLayer
+    from pyserve.worker.backends.cpu_kernels import DecodeKernelBatch
 
     heads, kv_heads, dim, block = 9, 3, 64, 16
     shapes = [(300, 1), (0, 20), (40, 5), (0, 1), (1100, 1), (17, 1)]  # (start_pos, num_tokens)
@@ -157,22 +157,23 @@ def test_backend_kernel_and_torch_paths_agree(dtype):
     q, k, v = (
         torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
     )
+    layer = AttentionLayer(0, heads, kv_heads, dim, dim**-0.5)
     outs, caches = [], []
-    for use_kernel in (True, False):
-        cache = PagedKVCache(num_layers=1, num_blocks=200, block_size=block,
-                             num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)  # fmt: skip
+    for kind in ("cpu-kernels", "torch"):
+        backend = attention_backend(
+            kind, heads=heads, kv_heads=kv_heads, dim=dim, num_layers=1, num_blocks=200,
+            block_size=block, dtype=dtype, max_chunk_tokens=64,
+        )  # fmt: skip
+        cache = backend.kv_cache
         init = torch.Generator().manual_seed(4)
         for t in cache.k + cache.v:
             t.copy_(torch.randn(t.shape, generator=init))
-        backend = CpuAttentionBackend(cache, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                                      max_chunk_tokens=64, decode_kernel=use_kernel)  # fmt: skip
         meta = backend.prepare(batch)
-        assert isinstance(meta.decode, DecodeKernelBatch) == use_kernel
-        # the prefill kernel where its AVX-512 loops run
-        assert isinstance(meta.prefills, PrefillAttention) == (
-            use_kernel and BEST_ISA == "avx512_vnni"
-        )
-        outs.append(backend.forward(0, q, k, v, meta))
+        if kind == "cpu-kernels":
+            assert isinstance(meta.decode, DecodeKernelBatch)
+            # the prefill kernel where its AVX-512 loops run
+            assert isinstance(meta.prefill, PrefillAttention) == (BEST_ISA == "avx512_vnni")
+        outs.append(backend.attend_qkv(layer, q, k, v, meta))
         caches.append((cache.k[0].clone(), cache.v[0].clone()))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (outs[0].float() - outs[1].float()).abs().max() < tol

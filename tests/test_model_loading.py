@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
+from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.loading import ModelLoadError
@@ -65,7 +65,7 @@ def hf_logits(model, prompt: list[int] = PROMPT) -> torch.Tensor:
 
 
 def runner(path, **kw) -> ModelRunner:
-    return ModelRunner(str(path), num_blocks=kw.pop("num_blocks", 16), block_size=4, **kw)
+    return load_runner(str(path), num_blocks=kw.pop("num_blocks", 16), block_size=4, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +362,7 @@ def smol_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smollm2_ours() -> ModelRunner:
-    return ModelRunner(None, num_blocks=64, block_size=16)
+    return load_runner(None, num_blocks=64, block_size=16)
 
 
 def test_default_smollm2_matches_hf(smollm2_hf, smollm2_ours, smol_prompts):
@@ -390,7 +390,7 @@ def test_default_smollm2_matches_hf(smollm2_hf, smollm2_ours, smol_prompts):
 def test_default_smollm2_bfloat16(smollm2_ours, smol_prompts):
     """bf16 runs the default model and agrees with fp32 wherever fp32 is decisive."""
     fp32 = smollm2_ours
-    bf16 = ModelRunner(None, dtype="bfloat16", num_blocks=64, block_size=16)
+    bf16 = load_runner(None, dtype="bfloat16", num_blocks=64, block_size=16)
     prompt = smol_prompts[0] + smol_prompts[1]
     a, b = prefill_logits(fp32, prompt), prefill_logits(bf16, prompt)
     assert torch.isfinite(b).all()

@@ -21,6 +21,7 @@ from pyserve.worker.loading.gguf import ggml_type_bits, quantization_hint
 from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.offline import OfflineEngine
 from pyserve.worker.quant import QuantLinear
+from pyserve.worker.settings import WorkerSettings
 
 # SmolLM2's tokens for its chat template around "What is the capital of France?", for
 # "def fibonacci(n):" and for "The history of the Roman Empire".
@@ -222,4 +223,4 @@ def test_8_bit_activations_are_llama_cpp_close(default_model_outputs):
 
 def test_explicit_quantization_off_the_cpu_fails_before_loading():
     with pytest.raises(ValueError, match="CPU only"):
-        ModelRunner(None, quantization="int4", device="meta", num_blocks=4, block_size=16)
+        ModelRunner(WorkerSettings(quantization="int4", device="meta", num_blocks=4, block_size=16))

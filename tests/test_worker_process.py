@@ -27,6 +27,7 @@ from pyserve.wire import main_to_worker as to_worker
 from pyserve.wire import worker_to_detok as from_worker
 from pyserve.wire.main_to_worker import NewRequest, SamplingParams, step_from_plan
 from pyserve.worker.process import WorkerConfig
+from pyserve.worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 4
@@ -42,9 +43,7 @@ class Ring:
         self.config = WorkerConfig(
             in_addr=f"ipc://{directory}/worker",
             out_addr=f"ipc://{directory}/detok",
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK,
-            model=model,
+            settings=WorkerSettings(model=model, num_blocks=NUM_BLOCKS, block_size=BLOCK),
             parent_pid=parent_pid,
             log_level="warning",
             torch_threads=1,

@@ -9,10 +9,20 @@ import pytest
 import torch
 from tiny_models import random_llama
 
+from pyserve.worker.backends import attention_backend  # noqa: F401 (for the attention tests)
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.model_runner import ModelRunner
+from pyserve.worker.settings import WorkerSettings
 
 TINY_VOCAB = 512
 TINY_EOS = 2
+
+
+def load_runner(model: str | None, **settings) -> ModelRunner:
+    """A ModelRunner over ``WorkerSettings(model=model, **settings)``; ``backend_options``
+    (a dict) goes to the backend (e.g. ``max_chunk_tokens``)."""
+    options = settings.pop("backend_options", {})
+    return ModelRunner(WorkerSettings(model=model, **settings), **options)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,6 +11,7 @@ from pyserve.worker.dtypes import (  # torch-free
     resolve_kv_cache_dtype,
     resolve_quantization,
 )
+from pyserve.worker.settings import WorkerSettings  # torch-free
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Default KV pool: 1 GiB of K/V. For SmolLM2-135M (30 layers × 3 KV heads × 64 dims) that is
@@ -38,6 +39,8 @@ class EngineConfig:
     # over the same weights) or 8 (llama.cpp's Q8_1: matmuls ~1.6x faster from ~8 rows on,
     # logprobs off by up to ~1; benchmarks/RESULTS.md). No effect without quantization.
     activation_bits: int = 16
+    # How the worker computes: auto | cpu-kernels | torch (pyserve/worker/backends/__init__.py)
+    backend: str = "auto"
     block_size: int = 16
     # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
     kv_cache_tokens: int | None = None
@@ -101,6 +104,22 @@ class EngineConfig:
             tokens = self.kv_cache_bytes // per_token
         return max(1, math.ceil(tokens / self.block_size))
 
+    def worker_settings(self, model_path: str | None, num_blocks: int) -> WorkerSettings:
+        """What the worker loads and how it runs it (checked before any process starts)."""
+        return WorkerSettings(
+            model=model_path,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            dtype=self.resolved_dtype(),
+            kv_cache_dtype=self.resolved_kv_cache_dtype(),
+            quantization=self.quantization,
+            activation_bits=self.activation_bits,
+            device=self.device,
+            backend=self.backend,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before any process starts."""
         self.resolved_kv_cache_dtype()  # checks dtype too
@@ -118,5 +137,6 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
+        self.worker_settings(self.model, 1).validate()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")

@@ -125,11 +125,14 @@ class Engine:
             await self._teardown()
             raise
         log.info(
-            "engine ready: %s in %s on %s, KV pool %d blocks × %d tokens (%s), quantization %s, "
-            "model loaded in %.1f s",
+            "engine ready: %s (%s) in %s on %s (backend %s: %s), KV pool %d blocks × %d tokens "
+            "(%s), quantization %s, model loaded in %.1f s",
             self.model_name,
+            self._ready.architecture,
             self._ready.dtype,
             self._ready.device,
+            self._ready.backend,
+            self._ready.backend_reason,
             self._ready.num_blocks,
             self._ready.block_size,
             self._ready.kv_cache_dtype,
@@ -159,19 +162,10 @@ class Engine:
             WorkerConfig(
                 in_addr=addresses.worker_in,
                 out_addr=addresses.detok_in,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                model=model_path,
-                dtype=config.resolved_dtype(),
-                kv_cache_dtype=config.resolved_kv_cache_dtype(),
-                activation_bits=config.activation_bits,
-                device=config.device,
-                quantization=config.quantization,
-                max_model_len=config.max_model_len,
+                settings=config.worker_settings(model_path, num_blocks),
                 parent_pid=os.getpid(),
                 log_level=config.log_level,
                 torch_threads=config.torch_threads,
-                seed=config.seed,
             ),
         )
 
@@ -385,6 +379,14 @@ class Engine:
             },
             # what the worker runs its linear layers in (config.quantization may say auto)
             "quantization": ready.quantization if ready is not None else None,
+            # the family that runs, what it computes, and what computes it (backend, kernels)
+            "architecture": ready.architecture if ready is not None else None,
+            "model_features": ready.features if ready is not None else [],
+            "backend": {
+                "name": ready.backend if ready is not None else None,
+                "reason": ready.backend_reason if ready is not None else None,
+                "kernels": ready.kernels if ready is not None else {},
+            },
             "prefill_budget": dict(
                 zip(
                     ("max_prefill_tokens", "chunked_prefill_size"),

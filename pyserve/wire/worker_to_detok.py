@@ -65,6 +65,11 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     kv_cache_bytes: int = 0
     quantization: str = "none"  # the linear layers' precision: none, int8 or int4
     kv_cache_dtype: str = ""  # what K and V are stored in ("": the model's dtype)
+    architecture: str = ""  # the model family that runs
+    features: list[str] = []  # what the model computes beyond a plain Llama block
+    backend: str = ""  # what computes it, and why it was chosen
+    backend_reason: str = ""
+    kernels: dict[str, str] = {}  # op → what computes it
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -37,6 +37,15 @@ def kernel_available() -> bool:
     return True
 
 
+def attention_features() -> frozenset[str]:
+    """What the compiled attention kernels compute beyond plain causal attention: "window"
+    (a sliding window over the last W positions) and "softcap" (scores → cap·tanh(s / cap)),
+    as the module declares them (``pyserve._kernels.ATTENTION_FEATURES``)."""
+    if not kernel_available():
+        return frozenset()
+    return frozenset(getattr(quant.kernels(), "ATTENTION_FEATURES", ()))
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device.type != "cpu":

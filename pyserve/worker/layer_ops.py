@@ -7,13 +7,12 @@ layer's matmuls. The kernels (cpp/kernels/layer_ops.h) do each in one pass with 
 arithmetic as Hugging Face's modules: float32 sums, and in bfloat16 the same roundings.
 
 They run for float32 and bfloat16 CPU tensors, on CPUs with AVX-512 (elsewhere torch's ops are
-as fast as a scalar loop). ``PYSERVE_LAYER_OPS=torch`` forces torch.
+as fast as a scalar loop). The CPU kernels backend calls them (``--backend torch`` never does).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,6 @@ import torch.nn.functional as F
 from pyserve.worker import quant
 from pyserve.worker.attention_kernel import DTYPE_CODES
 
-ENV = "PYSERVE_LAYER_OPS"  # "torch": never the fused kernels
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (codes: attention_kernel's)
 
 
@@ -30,13 +28,33 @@ def fused_kernels():
     """The compiled module when the fused ops should run here, else None. Looked up at the
     first call, not at import: quant.kernels() sizes the kernels' thread pool from torch's
     thread count, which the worker (or a benchmark) sets after importing the model."""
-    if os.environ.get(ENV, "").lower() == "torch":
-        return None
     try:
         module = quant.kernels()
     except ImportError:
         return None
     return module if module.isa() == "avx512_vnni" else None
+
+
+def fused_activations() -> frozenset[str]:
+    """Gated activations besides SiLU that the fused kernels compute here (e.g. "gelu_tanh"),
+    as the module declares them (``pyserve._kernels.GATED_ACTIVATIONS``)."""
+    kernels = fused_kernels()
+    return frozenset(getattr(kernels, "GATED_ACTIVATIONS", ())) if kernels else frozenset()
+
+
+def rope_features() -> frozenset[str]:
+    """What the fused rope + KV write does beyond rotating whole heads: "qk_norm" (an RMSNorm
+    of each q and k head first) and "partial" (rotating a head's first dims only), as the
+    module declares them (``pyserve._kernels.ROPE_FEATURES``)."""
+    kernels = fused_kernels()
+    return frozenset(getattr(kernels, "ROPE_FEATURES", ())) if kernels else frozenset()
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) · up for the activations of ``fused_activations`` (and silu)."""
+    if activation == "silu":
+        return silu_mul(gate_up)
+    raise ValueError(f"no fused kernel for the activation {activation!r}")
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ import numpy as np
 from pyserve.wire.main_to_worker import NewRequest, SamplingParams, step_from_plan
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
 from pyserve.worker.executor import Runner, StepExecutor
+from pyserve.worker.settings import WorkerSettings
 
 _FINISH_REASONS = {FINISH_LENGTH: "length"}  # anything else non-zero is "stop"
 
@@ -47,11 +48,13 @@ class OfflineEngine:
         model: str | None = None,
         *,
         runner: Runner | None = None,
+        settings: WorkerSettings | None = None,
         dtype: str = "float32",
         device: str = "cpu",
         quantization: str = "none",
         kv_cache_dtype: str | None = None,
         activation_bits: int = 16,
+        backend: str = "auto",
         num_blocks: int = 1024,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -67,20 +70,25 @@ class OfflineEngine:
     ) -> None:
         from pyserve._core import Planner
 
+        if settings is None:
+            settings = WorkerSettings(
+                model=model,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                quantization=quantization,
+                activation_bits=activation_bits,
+                device=device,
+                backend=backend,
+                max_model_len=max_model_len,
+                seed=seed,
+            )
+        num_blocks, block_size, device = settings.num_blocks, settings.block_size, settings.device
         if runner is None:
             from pyserve.worker.model_runner import ModelRunner
 
-            runner = ModelRunner(
-                model,
-                dtype=dtype,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                device=device,
-                max_model_len=max_model_len,
-                quantization=quantization,
-                kv_cache_dtype=kv_cache_dtype,
-                activation_bits=activation_bits,
-            )
+            runner = ModelRunner(settings)
         self.runner = runner
         config = runner.config
         self.executor = StepExecutor(
@@ -88,7 +96,7 @@ class OfflineEngine:
             block_size=block_size,
             eos_token_ids=list(config.eos_token_ids),
             device=device,
-            seed=seed,
+            seed=settings.seed,
         )
         self.planner = Planner(
             num_blocks,

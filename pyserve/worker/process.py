@@ -26,6 +26,7 @@ from pyserve.lifecycle import die_with_parent
 from pyserve.wire import main_to_worker as inp
 from pyserve.wire import worker_to_detok as out
 from pyserve.worker.hooks_for_tests import WorkerTestHooks
+from pyserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from pyserve.worker.executor import StepExecutor
@@ -36,19 +37,10 @@ log = logging.getLogger("pyserve.worker")
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     in_addr: str  # ZMQ PULL from main, bound here
     out_addr: str  # ZMQ PUSH to the detokenizer, connected
-    num_blocks: int
-    block_size: int = 16
-    model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
-    dtype: str = "float32"
-    kv_cache_dtype: str | None = None  # None: the model's dtype
-    activation_bits: int = 16  # quantized layers' activations: 16 or 8 (llama.cpp's Q8_1)
-    device: str = "cpu"
-    quantization: str = "none"  # none | int8 | int4 | auto (ModelRunner resolves auto)
-    max_model_len: int | None = None
+    settings: WorkerSettings  # what to load and how to run it
     parent_pid: int = 0  # 0: do not watch the parent
     log_level: str = "info"
     torch_threads: int | None = None  # None: torch's default
-    seed: int | None = None  # seeds the draws of requests that bring no seed of their own
 
 
 def run(config: WorkerConfig) -> int:
@@ -90,27 +82,19 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
         from pyserve.worker.executor import StepExecutor
         from pyserve.worker.model_runner import ModelRunner
 
-        runner = ModelRunner(
-            config.model,
-            dtype=config.dtype,
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            device=config.device,
-            max_model_len=config.max_model_len,
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            activation_bits=config.activation_bits,
-        )
+        settings = config.settings
+        runner = ModelRunner(settings)
         executor = StepExecutor(
             runner,
-            block_size=config.block_size,
+            block_size=settings.block_size,
             eos_token_ids=list(runner.config.eos_token_ids),
-            device=config.device,
-            seed=config.seed,
+            device=settings.device,
+            seed=settings.seed,
         )
     except Exception as e:
         log.debug("load failed:\n%s", traceback.format_exc())
-        message = f"the worker could not load the model {config.model or '(default)'}: {e}"
+        model = config.settings.model or "(default)"
+        message = f"the worker could not load the model {model}: {e}"
         log.error("%s", message)
         push.send(out.encoder.encode(out.WorkerError(message=message)))
         return None
@@ -121,15 +105,21 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
     # middle of a step (~90 ms on the default model, on this 2-core machine).
     gc.collect()
     gc.freeze()
+    backend = runner.backend.info()
     ready = out.WorkerReady(
-        num_blocks=config.num_blocks,
-        block_size=config.block_size,
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
         dtype=runner.dtype_name,
-        device=config.device,
+        device=config.settings.device,
         quantization=runner.quantization,
         kv_cache_dtype=runner.kv_cache_dtype_name,
         load_seconds=load_seconds,
         kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)),
+        architecture=runner.config.architecture,
+        features=runner.config.features(),
+        backend=backend.name,
+        backend_reason=backend.reason,
+        kernels=backend.kernels,
     )
     push.send(out.encoder.encode(ready))
     return executor

@@ -1,9 +1,11 @@
-"""GGUF files (llama.cpp): metadata → ModelConfig, tensors dequantized to float32 at load.
+"""GGUF files (llama.cpp): metadata → the family's ModelConfig, tensors dequantized to float32.
 
-llama.cpp's converter reorders the rows of every Llama q/k projection so that each head's
-rotary pairs are adjacent (its rope rotates pairs (2i, 2i+1)); Hugging Face checkpoints pair
-``i`` with ``i + head_dim/2``. We undo that reordering here so one rope layout serves both formats.
-Qwen2 GGUFs are not reordered (llama.cpp uses the "rotate half" rope for them).
+Each family (pyserve/worker/models/) names its block tensors and says what llama.cpp's converter
+changed: it reorders the rows of every Llama q/k projection so that each head's rotary pairs are
+adjacent (its rope rotates pairs (2i, 2i+1)), where Hugging Face checkpoints pair ``i`` with
+``i + head_dim/2``, and we undo that here so one rope layout serves both formats (the other
+families use llama.cpp's "rotate half" rope and are not reordered); it stores Gemma's norm
+weights as 1 + w.
 """
 
 from __future__ import annotations
@@ -17,28 +19,17 @@ import torch
 from pyserve.model_files import ModelSource
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError
 from pyserve.worker.models.config import ModelConfig
-
-# GGUF architecture → ours. Mistral GGUFs say "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
+from pyserve.worker.rope import check_rope
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_PER_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-ROPE_FREQS = "rope_freqs.weight"
+# Small tensors that describe the rope rather than hold weights: read into the metadata.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _plain_view_reader(path: str):
@@ -66,12 +57,14 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
     except Exception as e:  # a truncated or foreign file fails in many ways inside gguf/numpy
         problem = f"{type(e).__name__}: {e}"
         raise ModelLoadError(f"{path}: not a readable GGUF file ({problem})") from None
-    config = _read_config(reader, source)
+    family, config = _read_config(reader, source)
     return Checkpoint(
         path=path,
         config=config,
-        tensors=lambda: _iter_tensors(reader, config, path),
+        family=family,
+        tensors=lambda: _iter_tensors(reader, family, config, path),
         quantization_hint=quantization_hint(reader.tensors),
+        norms_include_offset=family.gguf_norms_include_offset,
     )
 
 
@@ -118,92 +111,73 @@ def _field(reader, key: str, default: object = None) -> object:
     return field.contents()
 
 
-def _read_config(reader, source: ModelSource) -> ModelConfig:
+def _metadata(reader) -> dict:
+    """Every scalar and short metadata field, the vocabulary size, and the rope tensors' values
+    (``_tensor:<name>``): what a family reads its config from."""
+    fields: dict = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in _TOKEN_ID_KEYS:
+            continue
+        fields[key] = field.contents()
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        fields["_vocab_size"] = len(tokens.data)
+    for tensor in reader.tensors:
+        if tensor.name in ROPE_TENSORS:
+            values = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+            fields[f"_tensor:{tensor.name}"] = tuple(float(x) for x in values)
+    return fields
+
+
+_TOKEN_ID_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.bos_token_id",
+)
+
+
+def _read_config(reader, source: ModelSource) -> tuple[Family, ModelConfig]:
     path = source.path
-    gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {gguf_arch!r} is not supported "
-            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
-        )
-
-    def arch_field(key: str, default: object = None) -> object:
-        return _field(reader, f"{gguf_arch}.{key}", default)
-
+    try:
+        family = family_for_gguf(_field(reader, "general.architecture"))
+    except UnsupportedArchitecture as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     names = {t.name for t in reader.tensors}
     try:
-        heads = int(arch_field("attention.head_count"))
-        hidden = int(arch_field("embedding_length"))
-        vocab = arch_field("vocab_size")
-        if vocab is None:
-            vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-        rope_scaling = None
-        scaling_type = arch_field("rope.scaling.type", "none")
-        if scaling_type == "linear":
-            factor = float(arch_field("rope.scaling.factor"))
-            rope_scaling = {"rope_type": "linear", "factor": factor}
-        elif scaling_type not in ("none", None):
-            raise ModelLoadError(f"{path}: rope scaling {scaling_type!r} is not supported")
+        fields = _metadata(reader)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        eos = [int(_field(reader, k)) for k in eos_keys if k in reader.fields]
-        bos = _field(reader, "tokenizer.ggml.bos_token_id")
-        freq_factors = None
-        if ROPE_FREQS in names:  # llama3 rope scaling, stored as per-frequency divisors
-            tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
-            freq_factors = tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32))
-        return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[gguf_arch],
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(arch_field("feed_forward_length")),
-            num_layers=int(arch_field("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(arch_field("attention.head_count_kv") or heads),
-            head_dim=int(arch_field("attention.key_length") or hidden // heads),
-            rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(arch_field("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            rope_freq_factors=freq_factors,
-            context_length=int(arch_field("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in names,
-            qkv_bias="blk.0.attn_q.bias" in names,
-            o_bias="blk.0.attn_output.bias" in names,
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=int(bos) if bos is not None else None,
-            name=source.name,
+        eos = tuple(dict.fromkeys(int(fields[k]) for k in eos_keys if k in fields))
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        config = family.config_from_gguf(
+            fields, names, source.name, eos, int(bos) if bos is not None else None
         )
+        for layer in config.layers:
+            check_rope(layer.rope)
+        return family, config
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ModelLoadError):
-            raise
         raise ModelLoadError(f"{path}: missing or invalid GGUF metadata ({e!r})") from None
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: Family) -> str | None:
     """The Hugging Face name of a GGUF tensor; None for tensors that are not weights."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _PER_LAYER:
+    if match and match.group(2) in family.gguf_layer_parts:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_PER_LAYER[part]}.{kind}"
+        return f"model.layers.{layer}.{family.gguf_layer_parts[part]}.{kind}"
     return None
 
 
-def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's q/k row order: per head, rows (j, a) back to (a, j), a ∈ {0, 1}."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(weight.shape)
-
-
-def _iter_tensors(reader, config: ModelConfig, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(
+    reader, family: Family, config: ModelConfig, path: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import dequantize
 
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            continue  # already in config.rope_freq_factors
-        name = hf_name(tensor.name)
+        if tensor.name in ROPE_TENSORS:
+            continue  # already in the config's rope tables
+        name = hf_name(tensor.name, family)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
@@ -214,10 +188,6 @@ def _iter_tensors(reader, config: ModelConfig, path: str) -> Iterator[tuple[str,
                 f"{path}: cannot decode tensor {tensor.name!r} "
                 f"({tensor.tensor_type.name}): {type(e).__name__}: {e}"
             ) from None
-        if config.architecture == "llama":
-            if ".q_proj." in name:
-                values = unpermute_rope_rows(values, config.num_heads)
-            elif ".k_proj." in name:
-                values = unpermute_rope_rows(values, config.num_kv_heads)
+        values = family.gguf_transform(name, values, config)
         # F32 tensors are read-only views of the file: copy those; dequantized ones are fresh
         yield name, torch.from_numpy(np.require(values, np.float32, ["C", "W"]))

@@ -1,17 +1,51 @@
-"""ModelConfig: the shape of a Llama-family decoder, whichever file format it came from."""
+"""ModelConfig: what a decoder-only model computes, whichever family and file format it came from.
+
+A family (pyserve/worker/models/<family>.py) reads its checkpoint's metadata into this
+description; the shared layers (models/decoder.py) and the backends run what it says, and a fast
+path that cannot run some of it refuses at start. Everything that changes the model's output is
+here: nothing is inferred later from the family's name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Architectures the Llama module runs: all are pre-norm decoders with RMSNorm, RoPE, GQA and a
-# SwiGLU MLP; they differ only in biases, rope scaling and sliding windows.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One rotary table: the layers that share it rotate q and k by the same angles."""
+
+    theta: float
+    rotary_dim: int  # leading dims of a head that rotate (partial rotary: < head_dim), even
+    # None, or Hugging Face's rope_parameters without rope_theta: {"rope_type": "linear" |
+    # "llama3" | "yarn" | "longrope", ...}
+    scaling: dict | None = field(default=None, hash=False, compare=True)
+    # GGUF llama3 files carry per-frequency divisors instead of the scaling parameters
+    freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+    # the context the rope scaling is relative to (yarn, longrope); None: not scaled
+    max_position_embeddings: int | None = None
+
+    def key(self) -> tuple:
+        """Equal for tables that give the same angles (they are computed once)."""
+        scaling = tuple(sorted((k, repr(v)) for k, v in (self.scaling or {}).items()))
+        return (
+            self.theta,
+            self.rotary_dim,
+            scaling,
+            self.freq_factors,
+            self.max_position_embeddings,
+        )
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    rope: RopeConfig
+    sliding_window: int | None = None  # attends to the last W positions (itself included)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # the family's registered name (models/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -20,19 +54,34 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     context_length: int  # positions the model was trained for (max_position_embeddings)
     tie_word_embeddings: bool
+    layers: tuple[LayerConfig, ...]
     qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
-    # None, or {"rope_type": "linear"|"llama3", ...} in Hugging Face's rope_parameters form
-    rope_scaling: dict | None = None
-    sliding_window: int | None = None  # Mistral: attention window; we cap the context at it
+    # Every RMSNorm scales by (offset + w): 1 for Gemma's (1 + w). The loaders store offset + w,
+    # so the norms compute w'·x̂ whatever the family.
+    norm_offset: float = 0.0
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Norms after attention and around the MLP as well (Gemma 2/3): x + norm(attn(norm(x))),
+    # then x + norm(mlp(norm(x)))
+    sandwich_norms: bool = False
+    activation: str = "silu"  # the MLP's gate: silu | gelu_tanh
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores → cap·tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits → cap·tanh(logits / cap) (Gemma 2)
+    embedding_scale: float | None = None  # embeddings × this (Gemma: √hidden, in the dtype)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     name: str = ""
-    # GGUF llama3 models carry per-frequency divisors instead of rope_scaling parameters
-    rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"{len(self.layers)} layer descriptions for {self.num_layers} layers")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})"
+            )
 
     @property
     def q_size(self) -> int:
@@ -43,11 +92,55 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    @property
     def max_model_len(self) -> int:
-        """The longest sequence this model computes exactly like its reference implementation."""
-        if self.sliding_window:
-            return min(self.context_length, self.sliding_window)
+        """The longest sequence this model computes (sliding windows are real windows)."""
         return self.context_length
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    def features(self) -> list[str]:
+        """What this model computes beyond a plain Llama block, for logs and /server_info."""
+        found = []
+        windows = sorted({w for layer in self.layers if (w := layer.sliding_window)})
+        if windows:
+            local = sum(1 for layer in self.layers if layer.sliding_window)
+            found.append(f"sliding window {'/'.join(map(str, windows))} on {local} layers")
+        tables = {layer.rope.key() for layer in self.layers}
+        if len(tables) > 1:
+            found.append(f"{len(tables)} rope tables")
+        for rope in {layer.rope.key(): layer.rope for layer in self.layers}.values():
+            if rope.scaling:
+                found.append(f"rope {rope.scaling['rope_type']}")
+            if rope.freq_factors:
+                found.append("rope frequency factors")
+            if rope.rotary_dim != self.head_dim:
+                found.append(f"partial rotary {rope.rotary_dim}/{self.head_dim}")
+        flags = {
+            "qkv bias": self.qkv_bias,
+            "o bias": self.o_bias,
+            "q/k norm": self.qk_norm,
+            "sandwich norms": self.sandwich_norms,
+            f"norm offset {self.norm_offset:g}": self.norm_offset != 0,
+            f"activation {self.activation}": self.activation != "silu",
+            f"attention scale {self.scale:.4g}": self.attention_scale is not None,
+            f"attention softcap {self.attn_softcap}": self.attn_softcap is not None,
+            f"final softcap {self.final_softcap}": self.final_softcap is not None,
+            f"embedding scale {self.embedding_scale or 0:.4g}": self.embedding_scale is not None,
+            "tied embeddings": self.tie_word_embeddings,
+        }
+        return found + [name for name, on in flags.items() if on]
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def uniform_layers(
+    num_layers: int, rope: RopeConfig, sliding_window: int | None = None
+) -> tuple[LayerConfig, ...]:
+    """Every layer alike (most families)."""
+    return tuple(LayerConfig(rope, sliding_window) for _ in range(num_layers))

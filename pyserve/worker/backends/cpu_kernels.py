@@ -1,0 +1,325 @@
+"""The CPU kernels backend: `pyserve._kernels` (AVX-512 VNNI / AVX2 / portable loops) for
+attention over the paged cache, the fused layer ops and, where every piece of the model runs on
+them, all decoder layers in one C++ call (cpu_stack.py).
+
+``KernelPlan`` is the one place that decides what runs on the kernels, from the machine (the
+kernels' instruction set) and the model's description: per layer, whether its attention and its
+rope + KV write run on the kernels, and whether the whole stack does. What the kernels cannot
+compute for a layer (a feature they lack) runs on the torch reference's ops (torch_ref.py), so
+the model computed is always the one loaded.
+
+Attention on the kernels reads K and V in place from the cache through each request's block
+table, with no gather copy and one pass of online softmax: all prefill chunks of the batch in one
+call (AVX-512 only: its portable loops are slower than SDPA), then all decodes in another.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pyserve.worker import layer_ops, quant
+from pyserve.worker.attention_kernel import (
+    DTYPE_CODES,
+    DecodeAttention,
+    PrefillAttention,
+    attention_features,
+    kernel_available,
+)
+from pyserve.worker.backends.base import AttentionLayer, BackendInfo, QKNorm
+from pyserve.worker.backends.cpu_stack import CpuDecoderStack
+from pyserve.worker.backends.torch_ref import (
+    EntrySplit,
+    TorchAttentionMetadata,
+    TorchBackend,
+    check_batch,
+    table_rows_and_slots,
+)
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.models.config import ModelConfig
+
+log = logging.getLogger("pyserve.worker")
+
+
+@dataclass
+class LayerPlan:
+    attention: str  # "kernels" or "torch: <why>"
+    rope_kv: str  # "fused" (rope + KV write in one kernel pass) or "torch: <why>"
+
+    @property
+    def attention_on_kernels(self) -> bool:
+        return self.attention == "kernels"
+
+    @property
+    def fused_rope(self) -> bool:
+        return self.rope_kv == "fused"
+
+
+@dataclass
+class KernelPlan:
+    isa: str
+    decode_attention: bool  # the decode kernel (any ISA)
+    prefill_attention: bool  # the prefill kernel (AVX-512 VNNI)
+    fused_ops: bool  # fused RMSNorm, SiLU·up, rope + KV write (AVX-512 VNNI)
+    activation: str  # "kernels" or "torch: <why>"
+    layers: list[LayerPlan] = field(default_factory=list)
+    stack: str = "not built"  # "on", or why not
+
+    @classmethod
+    def decide(cls, config: ModelConfig, cache_dtype: torch.dtype) -> KernelPlan:
+        isa = quant.kernels().isa() if kernel_available() else "none"
+        decode = kernel_available() and cache_dtype in DTYPE_CODES
+        prefill = decode and isa == "avx512_vnni"
+        fused = layer_ops.fused_kernels() is not None
+        features = attention_features()
+        if not fused:
+            activation = "torch: the fused layer ops need AVX-512"
+        elif config.activation == "silu" or config.activation in layer_ops.fused_activations():
+            activation = "kernels"
+        else:
+            activation = f"torch: no {config.activation} kernel"
+        plan = cls(isa, decode, prefill, fused, activation)
+        for layer in config.layers:
+            missing = []
+            if layer.sliding_window and "window" not in features:
+                missing.append("sliding window")
+            if config.attn_softcap is not None and "softcap" not in features:
+                missing.append("softcap")
+            if not decode:
+                attention = "torch: no attention kernel for this cache"
+            elif missing:
+                attention = f"torch: the kernels have no {' or '.join(missing)}"
+            else:
+                attention = "kernels"
+            rope_missing = []
+            if config.qk_norm and "qk_norm" not in layer_ops.rope_features():
+                rope_missing.append("q/k norm")
+            if (
+                layer.rope.rotary_dim != config.head_dim
+                and "partial" not in layer_ops.rope_features()
+            ):
+                rope_missing.append("partial rotary")
+            if not (fused and prefill and attention == "kernels"):
+                rope_kv = "torch: rope + KV write is fused only with both attention kernels"
+            elif rope_missing:
+                rope_kv = f"torch: the fused rope has no {' or '.join(rope_missing)}"
+            else:
+                rope_kv = "fused"
+            plan.layers.append(LayerPlan(attention, rope_kv))
+        return plan
+
+    def summary(self) -> dict[str, str]:
+        def per_layer(values: list[str]) -> str:
+            counts: dict[str, int] = {}
+            for v in values:
+                counts[v] = counts.get(v, 0) + 1
+            if len(counts) == 1:
+                return next(iter(counts))
+            return "; ".join(f"{n} layers {v}" for v, n in counts.items())
+
+        return {
+            "isa": self.isa,
+            "attention": per_layer([p.attention for p in self.layers]),
+            "prefill_attention": "kernels" if self.prefill_attention else "torch (SDPA)",
+            "rope_kv": per_layer([p.rope_kv for p in self.layers]),
+            "rms_norm": "kernels" if self.fused_ops else "torch",
+            "gated_activation": self.activation,
+            "decoder_stack": self.stack,
+        }
+
+
+@dataclass
+class DecodeKernelBatch:
+    token_index: torch.Tensor  # int64 [D]: batch rows of the single-token entries
+    call: DecodeAttention  # their block tables and context lengths, checked once per forward
+
+
+@dataclass
+class CpuKernelsMetadata:
+    batch: ForwardBatch
+    slots: torch.Tensor  # int64 [T]: cache slot of each new token
+    num_tokens: int
+    all_decode: bool
+    prefill: PrefillAttention | None  # the kernel's call for every prefill chunk, if it runs
+    decode: DecodeKernelBatch | None
+    torch: TorchAttentionMetadata | None = None  # built on first use by a torch layer
+
+
+class CpuKernelsBackend(TorchBackend):
+    name = "cpu-kernels"
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        reason: str,
+        *,
+        use_stack: bool = True,  # False: the layer loop (tests compare the two)
+        **kw,
+    ) -> None:
+        super().__init__(config, device, reason, **kw)
+        self.plan: KernelPlan | None = None
+        self.stack: CpuDecoderStack | None = None
+        self.use_stack = use_stack
+
+    def allocate_kv_cache(self, num_blocks, block_size, dtype):
+        cache = super().allocate_kv_cache(num_blocks, block_size, dtype)
+        self.plan = KernelPlan.decide(self.config, dtype)
+        return cache
+
+    def prepare_model(self, model) -> None:
+        assert self.plan is not None and self.kv_cache is not None
+        self.stack, why = (
+            (None, "off")
+            if not self.use_stack
+            else CpuDecoderStack.build(model, self.kv_cache, self.plan)
+        )
+        self.plan.stack = "on" if self.stack is not None else f"off: {why}"
+        log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
+
+    def info(self) -> BackendInfo:
+        kernels = self.plan.summary() if self.plan else {}
+        return BackendInfo(self.name, self.reason, kernels)
+
+    # ------------------------------------------------------------------ metadata, once per forward
+
+    def prepare(self, batch: ForwardBatch) -> CpuKernelsMetadata:
+        assert self.kv_cache is not None and self.plan is not None
+        plan, cache = self.plan, self.kv_cache
+        check_batch(batch, cache.block_size)
+        table_rows, slots = table_rows_and_slots(batch, cache.block_size, cache.k[0].device)
+        split = EntrySplit.of(batch)
+        row, spans, decode_entries = split.num_rows, split.spans, split.decode_entries
+        prefill = decode = None
+        if spans and plan.prefill_attention:
+            prefill = PrefillAttention(
+                torch.tensor(spans, dtype=torch.int64),
+                table_rows[split.prefill_entries],
+                num_rows=row,
+                num_heads=self.config.num_heads,
+                k_cache=cache.k[0],
+            )
+        if decode_entries and plan.decode_attention:
+            tables = (
+                table_rows if len(decode_entries) == len(table_rows) else table_rows[decode_entries]
+            )
+            contexts = torch.tensor(
+                [batch.start_pos[e] + 1 for e in decode_entries], dtype=torch.int64
+            )
+            call = DecodeAttention(
+                tables, contexts, num_heads=self.config.num_heads, k_cache=cache.k[0]
+            )
+            rows = torch.tensor(split.decode_rows, dtype=torch.int64)
+            decode = DecodeKernelBatch(rows, call)
+        all_decode = len(split.decode_rows) == row
+        return CpuKernelsMetadata(batch, slots, row, all_decode, prefill, decode)
+
+    def _torch_metadata(self, meta: CpuKernelsMetadata) -> TorchAttentionMetadata:
+        if meta.torch is None:
+            meta.torch = super().prepare(meta.batch)
+        return meta.torch
+
+    def run_layers(self, model, hidden, ropes, metadata):
+        if self.stack is not None:
+            cos, sin = ropes[0]
+            return self.stack.run(hidden, cos, sin, metadata, self.config.scale)
+        return super().run_layers(model, hidden, ropes, metadata)
+
+    # ------------------------------------------------------------------ ops
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return layer_ops.rms_norm(x, weight, eps, residual)  # torch's ops where it cannot run
+
+    def gated_activation(self, gate_up, activation):
+        if activation == "silu":
+            return layer_ops.silu_mul(gate_up)
+        if activation in layer_ops.fused_activations():
+            return layer_ops.gated_activation(gate_up, activation)
+        return super().gated_activation(gate_up, activation)
+
+    def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
+        meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]
+        plan = self.plan.layers[layer.index]  # type: ignore[union-attr]
+        if plan.fused_rope and self._fused_rope(layer, qkv, cos, signed_sin, meta, qk_norm):
+            heads, dim = layer.num_heads, layer.head_dim
+            q = qkv[:, : heads * dim].view(-1, heads, dim)
+            return self._attend_kernels(layer, q, None, None, meta).reshape(q.shape[0], -1)
+        return super().attention(layer, qkv, cos, signed_sin, metadata, qk_norm)
+
+    def attend_qkv(self, layer, q, k, v, metadata):
+        meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]
+        if not self.plan.layers[layer.index].attention_on_kernels:  # type: ignore[union-attr]
+            return super().attend_qkv(layer, q, k, v, self._torch_metadata(meta))
+        k, v = self.kv_cache.write(layer.index, meta.slots, k, v)  # type: ignore[union-attr]
+        return self._attend_kernels(layer, q, k, v, meta)
+
+    def _fused_rope(
+        self,
+        layer: AttentionLayer,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        meta: CpuKernelsMetadata,
+        qk_norm: QKNorm | None,
+    ) -> bool:
+        cache = self.kv_cache
+        assert cache is not None
+        extra = {}
+        if qk_norm is not None:
+            extra = {"q_norm": qk_norm.q_weight, "k_norm": qk_norm.k_weight, "eps": qk_norm.eps}
+        return layer_ops.rope_write_kv(
+            qkv,
+            cos,
+            signed_sin,
+            meta.slots,
+            cache.k[layer.index],
+            cache.v[layer.index],
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            **extra,
+        )
+
+    def _attend_kernels(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        meta: CpuKernelsMetadata,
+    ) -> torch.Tensor:
+        """Attention of the batch's rows, their K/V already in the cache (k, v: as stored, for
+        the torch prefill path; None when the kernels read everything from the cache)."""
+        cache = self.kv_cache
+        assert cache is not None
+        k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
+        options = _kernel_options(layer)
+        decode = meta.decode
+        if meta.all_decode and decode is not None:
+            return decode.call.run(q, k_cache, v_cache, layer.scale, **options)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.prefill is not None:
+            meta.prefill.run(q, k_cache, v_cache, layer.scale, out, **options)
+        elif not meta.all_decode:  # prefill rows on the torch path (no prefill kernel here)
+            assert k is not None and v is not None
+            torch_meta = self._torch_metadata(meta)
+            for span in torch_meta.prefills:
+                rows = slice(span.token_start, span.token_start + span.num_tokens)
+                out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
+        if decode is not None:
+            rows_q = q.index_select(0, decode.token_index)
+            decoded = decode.call.run(rows_q, k_cache, v_cache, layer.scale, **options)
+            out.index_copy_(0, decode.token_index, decoded)
+        return out
+
+
+def _kernel_options(layer: AttentionLayer) -> dict:
+    """The attention kernels' keyword arguments for a layer's window and softcap (only passed
+    when set, so kernels without those features are never asked for them)."""
+    options: dict = {}
+    if layer.sliding_window:
+        options["window"] = layer.sliding_window
+    if layer.softcap is not None:
+        options["softcap"] = layer.softcap
+    return options

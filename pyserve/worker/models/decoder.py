@@ -1,0 +1,174 @@
+"""The decoder shared by every family, over the paged KV cache: it computes what the ModelConfig
+describes and calls only backend ops (pyserve/worker/backends/base.py).
+
+A block: norm → attention (fused q/k/v projection; q/k norm, RoPE from the layer's table, the
+layer's window, scale and soft-cap, inside the backend) → [norm] → residual → norm → gated MLP
+(fused gate/up projection; SiLU or GELU-tanh) → [norm] → residual; the bracketed norms are
+Gemma's "sandwich". The residual connections are added by the next norm in the same pass
+(``rms_norm(x, residual)``). Weights are stored [out, in] as in the checkpoints; q/k/v and
+gate/up are concatenated at load so each block runs 4 matmuls instead of 7. The batch is flat:
+[T, ...] rows from every request, no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyserve.worker.backends.base import AttentionLayer, Backend, QKNorm
+from pyserve.worker.linear import Linear
+from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.rope import RotaryTable
+
+
+def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """weight · x̂ (the loaders fold a family's (offset + w) into ``weight``)."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _weight(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """norm(x), or with ``residual``: residual += x (in place), then norm(residual)."""
+        return backend.rms_norm(x, self.weight, self.eps, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        rope_table: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.index = index
+        self.rope_table = rope_table  # which of the model's rope tables this layer rotates with
+        self.attn = AttentionLayer.of(config, index)
+        self.activation = config.activation
+        hidden, inter, eps = config.hidden_size, config.intermediate_size, config.rms_norm_eps
+        kw = {"dtype": dtype, "device": device}
+        self.attn_norm = RMSNorm(hidden, eps, **kw)
+        qkv_size = config.q_size + 2 * config.kv_size  # q, k and v heads side by side
+        self.qkv_proj = Linear(hidden, qkv_size, bias=config.qkv_bias, **kw)
+        self.q_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
+        self.o_proj = Linear(config.q_size, hidden, bias=config.o_bias, **kw)
+        sandwich = config.sandwich_norms
+        self.attn_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
+        self.mlp_norm = RMSNorm(hidden, eps, **kw)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw)
+        self.down_proj = Linear(inter, hidden, bias=False, **kw)
+        self.mlp_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
+
+    def qk_norm(self) -> QKNorm | None:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        backend: Backend,
+        metadata: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it). ``residual`` None: ``hidden`` is
+        the embedding, the stream's start."""
+        if residual is None:
+            residual = hidden
+            normed = self.attn_norm(hidden, backend)
+        else:
+            normed = self.attn_norm(hidden, backend, residual)  # residual += previous MLP output
+        qkv = self.qkv_proj(normed)
+        attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm())
+        attn = self.o_proj(attn)
+        if self.attn_out_norm is not None:
+            attn = self.attn_out_norm(attn, backend)
+        gate_up = self.gate_up_proj(self.mlp_norm(attn, backend, residual))  # residual += attn
+        out = self.down_proj(backend.gated_activation(gate_up, self.activation))
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm(out, backend)
+        return out, residual
+
+
+class CausalLM(nn.Module):
+    """Embedding → decoder layers → final norm → vocabulary projection, for any family."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,  # the served context (longrope's table choice)
+    ):
+        super().__init__()
+        self.config = config
+        kw = {"dtype": dtype, "device": device}
+        context = max_model_len or config.context_length
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
+        tables: dict[tuple, int] = {}
+        for layer in config.layers:
+            tables.setdefault(layer.rope.key(), len(tables))
+        ropes = {layer.rope.key(): layer.rope for layer in config.layers}
+        self.rotary = [RotaryTable(ropes[key], config.head_dim, device, context) for key in tables]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tables[layer.rope.key()], **kw)
+            for i, layer in enumerate(config.layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, weight=tied, **kw)
+        self.embedding_scale = (
+            None
+            if config.embedding_scale is None
+            else torch.tensor(config.embedding_scale, dtype=torch.float32).to(dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sample_index: torch.Tensor,
+        backend: Backend,
+        metadata: object,
+    ) -> torch.Tensor:
+        """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
+        ropes = [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
+        hidden, residual = backend.run_layers(self, hidden, ropes, metadata)
+        # the last residual add, norm and vocabulary projection only for rows that sample
+        last = self.norm(
+            hidden.index_select(0, sample_index), backend, residual.index_select(0, sample_index)
+        )
+        logits = self.lm_head(last).float()
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def pack_weights(self) -> int:
+        """Prepacks every projection for the CPU GEMM (after loading); returns how many packed."""
+        # Only plain Linear modules: quantized ones (pyserve.worker.quant) hold packed weights.
+        tied = self.config.tie_word_embeddings
+        packed = sum(
+            m.pack() for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head
+        )
+        if isinstance(self.lm_head, Linear):
+            packed += self.lm_head.pack(keep_weight=tied)
+        return packed

@@ -1,0 +1,62 @@
+"""WorkerSettings: what the worker loads and how it runs it, in one object from the engine (or
+an embedder, a test, a benchmark) to the model runner. Torch-free, so the main process builds it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pyserve.worker.dtypes import (
+    ACTIVATION_BITS,
+    DTYPE_NAMES,
+    QUANTIZATION_NAMES,
+    resolve_quantization,
+)
+
+# How the worker computes: auto (the fastest this machine and model allow, decided once at
+# start: pyserve/worker/backends/__init__.py), the CPU kernels, or the torch reference.
+BACKEND_NAMES = ("auto", "cpu-kernels", "torch")
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
+    num_blocks: int = 1024  # KV pool size, in blocks (the core's BlockAllocator has as many)
+    block_size: int = 16
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    kv_cache_dtype: str | None = None  # None: the model's dtype
+    quantization: str = "none"  # none | int8 | int4 | auto (the runner resolves auto)
+    activation_bits: int = 16  # quantized layers' activations: 16 or 8 (llama.cpp's Q8_1)
+    device: str = "cpu"
+    backend: str = "auto"
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int | None = None  # seeds the draws of requests that bring no seed of their own
+
+    def validate(self) -> None:
+        """Raises ValueError on settings that cannot work, before anything loads."""
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not supported (auto, {', '.join(DTYPE_NAMES)})"
+            )
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported "
+                f"({', '.join(DTYPE_NAMES)})"
+            )
+        if self.activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits must be 8 or 16, not {self.activation_bits}")
+        if self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}; "
+                f"got {self.quantization!r}"
+            )
+        resolve_quantization(self.quantization, self.device, None)  # int4/int8 off the CPU
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"backend must be one of {', '.join(BACKEND_NAMES)}; got {self.backend!r}"
+            )
+        if self.backend == "cpu-kernels" and not self.device.startswith("cpu"):
+            raise ValueError(f"backend cpu-kernels runs on the CPU only (device {self.device!r})")
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} and block_size={self.block_size} must be >= 1"
+            )

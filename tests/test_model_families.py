@@ -1,0 +1,217 @@
+"""Every registered family against Hugging Face transformers, in float32 with quantization off
+and a float32 cache: greedy tokens equal (but at HF's own near-ties) and logprobs within 1e-4.
+
+Each family's tiny random-weight model comes from transformers' own config class with the
+family's features switched on: sliding windows shorter than the prompts (so that decodes attend
+through them), soft-capping, q/k norms, per-layer rope tables, rope scaling (yarn, longrope,
+linear, llama3), partial rotary. It runs mixed batches (prefill chunks beside decodes, a prefix
+cached by another request), on the default backend (the CPU kernels where they apply, the
+reference's ops where they do not) and on the torch reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hf_parity import (
+    BLOCK_SIZE,
+    VOCAB,
+    Driver,
+    assert_all_match,
+    hf_greedy,
+    make_prompts,
+    make_tiny_model,
+    prefix_hits,
+)
+from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
+
+WINDOW = 8  # shorter than most prompts (up to 40 tokens) and than every decode (48 more)
+
+FAMILIES = {
+    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "qwen3-qk-norm-window": (
+        "qwen3",
+        {
+            "head_dim": 16,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 1,  # layers 1 and 2 windowed, layer 0 global
+        },
+    ),
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,  # low enough to bend the random model's scores
+            "final_logit_softcapping": 15.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3": (
+        "gemma3",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # longrope's table is chosen from the served context (pyserve/worker/rope.py, RotaryTable):
+    # the long one with a served context past the original (prompts past it too, so that HF,
+    # which switches per sequence, uses it throughout) ...
+    "phi3-longrope-long-partial-window": (
+        "phi3",
+        {
+            "sliding_window": WINDOW,
+            "original_max_position_embeddings": 32,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": [1.0 + 0.5 * i for i in range(4)],
+                "short_factor": [1.0 + 0.1 * i for i in range(4)],
+            },
+            "partial_rotary_factor": 0.5,
+            "pad_token_id": 0,
+        },
+    ),
+    # ... and the short one within it
+    "phi3-longrope-short": (
+        "phi3",
+        {
+            "original_max_position_embeddings": 256,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            },
+            "pad_token_id": 0,
+        },
+    ),
+    "llama3-tied": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+}
+
+
+# the served context of each family's runner: the model's own unless set
+SERVED_CONTEXT = {"phi3-longrope-short": 256}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    kind, overrides = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_model(directory, kind, seed=17, **overrides)
+    prompts = make_prompts(seed=4)
+    if "longrope-long" in request.param:  # past the original context from the first token
+        rng = random.Random(8)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(33)] + p for p in prompts]
+    # HF picks longrope's table from the batch's longest sequence: one prompt at a time
+    refs = hf_greedy(model, prompts, one_by_one=kind == "phi3")
+    return request.param, directory, model, prompts, refs
+
+
+def exact_runner(family, backend: str = "auto"):
+    name, directory, *_ = family
+    return load_runner(
+        str(directory), num_blocks=1024, block_size=BLOCK_SIZE, quantization="none",
+        kv_cache_dtype="float32", backend=backend, max_model_len=SERVED_CONTEXT.get(name),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_mixed_batches_match_hf(family, backend):
+    name, _, _, prompts, refs = family
+    runner = exact_runner(family, backend)
+    features = runner.config.features()
+    if "window" in name:
+        assert any(f.startswith("sliding window") for f in features), features
+    driver = Driver(runner)
+    seqs = [driver.new_seq(p) for p in prompts]
+    # the first half prefills, then decodes beside the second half's prefill chunks
+    driver.step([(s, s.pending) for s in seqs[:4]])
+    rng = random.Random(9)
+    while any(s.computed < s.prompt_len for s in seqs[4:]):
+        entries = [(s, 1) for s in seqs[:4]]
+        for s in seqs[4:]:
+            if s.computed < s.prompt_len:
+                entries.append((s, rng.randint(1, s.pending)))
+        driver.step(entries)
+    driver.run_decodes(seqs)
+    assert_all_match(seqs, refs)
+
+
+def test_a_cached_prefix_gives_what_a_cold_prompt_gives(family):
+    """A request whose first blocks another request wrote (a prefix-cache hit) matches HF."""
+    _, _, _, prompts, refs = family
+    runner = exact_runner(family)
+    driver = Driver(runner)
+    seqs = prefix_hits(driver, prompts, seed=3, decode=0)
+    driver.step([(s, s.pending) for s in seqs])
+    driver.run_decodes(seqs)
+    assert_all_match(seqs, refs)
+
+
+def test_each_family_says_what_it_runs(family):
+    name = family[0]
+    runner = exact_runner(family)
+    info = runner.backend.info()
+    assert info.name in ("cpu-kernels", "torch") and info.reason
+    expected = {
+        "gemma2": ["sandwich norms", "activation gelu_tanh", "attention softcap 3.0"],
+        "gemma3": ["q/k norm", "2 rope tables", "sandwich norms"],
+        "qwen3": ["q/k norm", "qkv bias"],
+        "phi3": ["rope longrope"],
+        "qwen2": ["rope yarn", "qkv bias"],
+    }.get(name.split("-")[0], [])
+    if "partial" in name:
+        expected.append("partial rotary 8/16")
+    if runner.config.tie_word_embeddings:  # one matrix for the embedding and the head
+        assert runner.model.lm_head.weight is runner.model.embed_tokens
+    for feature in expected:
+        assert feature in runner.config.features(), (feature, runner.config.features())
+
+
+def test_an_unregistered_architecture_fails_naming_the_supported_ones(tmp_path):
+    import json
+
+    import transformers
+
+    from pyserve.worker.loading import ModelLoadError
+
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as raised:
+        load_runner(str(tmp_path))
+    message = str(raised.value)
+    assert "architecture 'gpt2' is not supported" in message
+    for name in ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3"):
+        assert name in message
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
