@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import llama_cpp_row_order
 from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.batch import ForwardBatch
@@ -206,12 +207,6 @@ def test_missing_weight(saved_tiny, tmp_path):
 
 
 # ---------------------------------------------------------------------------- GGUF
-
-
-def llama_cpp_row_order(weight: np.ndarray, heads: int) -> np.ndarray:
-    """The q/k row order llama.cpp's converter writes: each head's rotary halves interleaved."""
-    half = weight.shape[0] // heads // 2
-    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_gguf(model, path: Path, arch: str = "llama") -> dict[str, torch.Tensor]:

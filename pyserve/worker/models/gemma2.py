@@ -34,9 +34,17 @@ SANDWICH_PARTS = {
 }
 
 
-def gguf_swa_layers(count: int, pattern: int) -> list[bool]:
-    """llama.cpp's sliding-window pattern: within each run of ``pattern`` layers, all but the
-    last attend through the window."""
+def gguf_swa_layers(fields: dict, arch: str, count: int, pattern: int) -> list[bool]:
+    """Which layers attend through the window: the file's ``sliding_window_pattern`` (a period,
+    or a flag per layer) where it has one, else llama.cpp's period ``pattern`` (within each run
+    of that many layers, all but the last)."""
+    given = gguf_field(fields, arch, "attention.sliding_window_pattern")
+    if isinstance(given, (list, tuple)):
+        if len(given) != count:
+            raise ValueError(f"sliding_window_pattern has {len(given)} flags for {count} layers")
+        return [bool(flag) for flag in given]
+    if given:
+        pattern = int(given)
     return [layer % pattern < pattern - 1 for layer in range(count)]
 
 
@@ -67,19 +75,20 @@ class Gemma2(Family):
     def gguf_layers(self, fields, arch, shape) -> tuple[LayerConfig, ...]:
         rope = gguf_rope(fields, arch, shape["head_dim"])
         window = int(gguf_field(fields, arch, "attention.sliding_window", 4096))
-        swa = gguf_swa_layers(shape["num_layers"], self.gguf_swa_pattern)
+        swa = gguf_swa_layers(fields, arch, shape["num_layers"], self.gguf_swa_pattern)
         return tuple(LayerConfig(rope, window if s else None) for s in swa)
 
     def gguf_features(self, fields, arch, shape) -> dict:
-        # GGUF files carry no query_pre_attn_scalar: llama.cpp scales by head_dim^-0.5, except
-        # for the 27B models, whose scalar is hidden / heads
+        # GGUF files carry no query_pre_attn_scalar: an attention.scale if they have one, else
+        # llama.cpp's rule: head_dim^-0.5, but (hidden / heads)^-0.5 for the 27B models
         big = shape["num_layers"] == self.gguf_big_layers
-        scale = (shape["hidden_size"] / shape["num_heads"]) if big else shape["head_dim"]
+        scalar = (shape["hidden_size"] / shape["num_heads"]) if big else shape["head_dim"]
+        scale = float(gguf_field(fields, arch, "attention.scale", scalar**-0.5))
         return {
             "norm_offset": 1.0,
             "sandwich_norms": True,
             "activation": "gelu_tanh",
-            "attention_scale": scale**-0.5,
+            "attention_scale": scale,
             # llama.cpp's defaults where the file has no value
             "attn_softcap": _cap(gguf_field(fields, arch, "attn_logit_softcapping", 50.0)),
             "final_softcap": _cap(gguf_field(fields, arch, "final_logit_softcapping", 30.0)),

@@ -9,7 +9,7 @@ from pyserve.worker.models.config import LayerConfig, RopeConfig
 from pyserve.worker.models.gemma2 import Gemma2, gguf_swa_layers
 from pyserve.worker.models.registry import register
 
-GGUF_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's, for the sliding-window layers
+GGUF_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's, for the sliding-window layers, unless the file says
 
 
 @register
@@ -30,13 +30,14 @@ class Gemma3(Gemma2):
 
     def gguf_layers(self, fields, arch, shape) -> tuple[LayerConfig, ...]:
         global_rope = gguf_rope(fields, arch, shape["head_dim"])
+        local_base = gguf_field(fields, arch, "rope.freq_base_swa", GGUF_LOCAL_ROPE_BASE)
         local_rope = RopeConfig(
-            theta=GGUF_LOCAL_ROPE_BASE,
+            theta=float(local_base),
             rotary_dim=global_rope.rotary_dim,
             max_position_embeddings=global_rope.max_position_embeddings,
         )
         window = int(gguf_field(fields, arch, "attention.sliding_window", 4096))
-        swa = gguf_swa_layers(shape["num_layers"], self.gguf_swa_pattern)
+        swa = gguf_swa_layers(fields, arch, shape["num_layers"], self.gguf_swa_pattern)
         return tuple(
             LayerConfig(local_rope, window) if s else LayerConfig(global_rope) for s in swa
         )

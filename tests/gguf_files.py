@@ -1,0 +1,161 @@
+"""Tiny Hugging Face models written as GGUF files the way llama.cpp's converter
+(convert_hf_to_gguf.py) writes them, with the ``gguf`` package's writer: its metadata keys per
+architecture, its tensor names, Llama's q/k row permutation, Gemma's norms stored as 1 + w, and
+Phi-3's fused projections. Tensors are F32, so that a loader's result can be held to HF's logits.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+ARCH = {  # HF model_type → GGUF general.architecture
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
+
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: one tensor, gate then up
+    "mlp.down_proj": "ffn_down",
+}
+_GEMMA_PARTS = {
+    **_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def llama_cpp_row_order(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The q/k row order llama.cpp's converter writes: each head's rotary halves interleaved."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_factors(base: float, dim: int, rope: dict) -> np.ndarray:
+    """Llama 3.1's rope scaling as the converter stores it: a divisor per frequency."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def write_gguf(model, path: Path) -> Path:
+    """Writes the HF causal LM ``model`` (a tiny one: F32 tensors) at ``path``."""
+    import gguf
+
+    cfg = model.config
+    model_type = cfg.model_type
+    arch = ARCH[model_type]
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_eos_token_id(2)
+    writer.add_bos_token_id(1)
+    rope = cfg.rope_parameters
+    if model_type == "gemma3_text":
+        rope = rope["full_attention"]
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    extra: dict[str, np.ndarray] = {}
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if getattr(cfg, "sliding_window", None) and model_type != "qwen3":
+        writer.add_sliding_window(int(cfg.sliding_window))
+    if model_type in ("gemma2", "gemma3_text") and cfg.query_pre_attn_scalar != head_dim:
+        # the converter leaves the scale out for the shapes llama.cpp knows; a tiny model's
+        # query_pre_attn_scalar is none of those
+        writer.add_attention_scale(float(cfg.query_pre_attn_scalar) ** -0.5)
+    if kind == "llama3":
+        extra["rope_freqs.weight"] = llama3_rope_factors(float(rope["rope_theta"]), head_dim, rope)
+    if model_type == "gemma3_text":
+        local = cfg.rope_parameters["sliding_attention"]["rope_theta"]
+        writer.add_rope_freq_base_swa(float(local))
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    if model_type == "phi3":
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary)
+        if kind == "longrope":
+            original = int(rope["original_max_position_embeddings"])
+            scale = cfg.max_position_embeddings / original
+            factor = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+            writer.add_rope_scaling_attn_factors(factor)
+            writer.add_rope_scaling_orig_ctx_len(original)
+            extra["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+            extra["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
+    gemma = model_type in ("gemma2", "gemma3_text")
+    parts = _GEMMA_PARTS if gemma else _PARTS
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers.") :].split(".", 1)
+            part, kind_ = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{parts[part]}.{kind_}"
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        else:
+            gguf_name = _TOP[name]
+        array = tensor.detach().float().numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1.0  # the converter stores Gemma's (1 + w)
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_row_order(array, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_row_order(array, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name, array)
+    for gguf_name, array in extra.items():
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
