@@ -73,8 +73,10 @@ def llama3_rope_factors(base: float, dim: int, rope: dict) -> np.ndarray:
     return np.asarray(factors, dtype=np.float32)
 
 
-def write_gguf(model, path: Path) -> Path:
-    """Writes the HF causal LM ``model`` (a tiny one: F32 tensors) at ``path``."""
+def write_gguf(model, path: Path, matrix_type=None) -> dict:
+    """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
+    ``matrix_type`` (a gguf.GGMLQuantizationType). Returns the state dict as the file holds it
+    (in HF's layout, after any quantization), for an exact reference."""
     import gguf
 
     cfg = model.config
@@ -135,6 +137,7 @@ def write_gguf(model, path: Path) -> Path:
             extra["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     gemma = model_type in ("gemma2", "gemma3_text")
     parts = _GEMMA_PARTS if gemma else _PARTS
+    stored = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
@@ -145,17 +148,25 @@ def write_gguf(model, path: Path) -> Path:
         else:
             gguf_name = _TOP[name]
         array = tensor.detach().float().numpy().copy()
+        if matrix_type is not None and array.ndim == 2:  # what a reader will get back
+            array = gguf.quants.dequantize(gguf.quants.quantize(array, matrix_type), matrix_type)
+        stored[name] = array.copy()
         if gemma and name.endswith("norm.weight"):
             array = array + 1.0  # the converter stores Gemma's (1 + w)
         if arch == "llama" and ".q_proj." in name:
             array = llama_cpp_row_order(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_row_order(array, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name, array)
+        if matrix_type is not None and array.ndim == 2:
+            writer.add_tensor(
+                gguf_name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type
+            )
+        else:
+            writer.add_tensor(gguf_name, array)
     for gguf_name, array in extra.items():
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return stored

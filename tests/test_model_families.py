@@ -192,7 +192,8 @@ def test_the_same_model_as_a_gguf_gives_the_same_output(family, tmp_path):
     name, _, model, prompts, refs = family
     if name in NOT_IN_GGUF:
         pytest.skip("a GGUF cannot describe this model's windows")
-    path = write_gguf(model, tmp_path / f"{name}.gguf")
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(model, path)
     runner = load_runner(
         str(path), num_blocks=1024, block_size=BLOCK_SIZE, quantization="none",
         kv_cache_dtype="float32", max_model_len=SERVED_CONTEXT.get(name),

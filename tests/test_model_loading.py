@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import llama_cpp_row_order
+from gguf_files import write_gguf
 from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.batch import ForwardBatch
@@ -209,69 +209,13 @@ def test_missing_weight(saved_tiny, tmp_path):
 # ---------------------------------------------------------------------------- GGUF
 
 
-def write_tiny_gguf(model, path: Path, arch: str = "llama") -> dict[str, torch.Tensor]:
+def write_tiny_gguf(model, path: Path) -> dict[str, torch.Tensor]:
     """Writes ``model`` as llama.cpp would (Q8_0 matrices, F32 norms, permuted q/k); returns
     the state dict as the file stores it after quantization, for an exact reference."""
     import gguf
 
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_eos_token_id(2)
-    writer.add_bos_token_id(1)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    parts = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    stored = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers.") :].split(".", 1)
-            part, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
-        else:
-            gguf_name = names[name]
-        array = tensor.numpy().astype(np.float32)
-        if array.ndim == 2:  # quantize matrices; keep what a reader will get back
-            array = gguf.quants.dequantize(
-                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                gguf.GGMLQuantizationType.Q8_0,
-            )
-        stored[name] = torch.from_numpy(array.copy())
-        if ".q_proj." in name:
-            array = llama_cpp_row_order(array, cfg.num_attention_heads)
-        elif ".k_proj." in name:
-            array = llama_cpp_row_order(array, cfg.num_key_value_heads)
-        if array.ndim == 2:
-            quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+    stored = write_gguf(model, path, gguf.GGMLQuantizationType.Q8_0)
+    return {name: torch.from_numpy(array) for name, array in stored.items()}
 
 
 @pytest.fixture(scope="module")
