@@ -41,20 +41,40 @@ ARCHITECTURE = {
 }
 
 
+# transformers' config and model classes by family (random_model's ``family``)
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def random_llama(vocab_size: int, max_position_embeddings: int, seed: int, **overrides: Any):
     """A transformers LlamaForCausalLM (eval mode) with seeded random weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return random_model("llama", vocab_size, max_position_embeddings, seed, **overrides)
 
+
+def random_model(
+    family: str, vocab_size: int, max_position_embeddings: int, seed: int, **overrides: Any
+):
+    """A transformers causal LM of ``family`` (eval mode) with seeded random weights, in the
+    tiny shape above (and ``overrides``)."""
+    import torch
+    import transformers
+
+    config_name, model_name = FAMILY_CLASSES[family]
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         **{**ARCHITECTURE, **overrides},
     )
-    model = LlamaForCausalLM(config).eval()
+    model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(LOGIT_SCALE)
+        if config.tie_word_embeddings:
+            model.model.embed_tokens.weight.mul_(LOGIT_SCALE**0.5)
+        else:
+            model.lm_head.weight.mul_(LOGIT_SCALE)
     return model
 
 
@@ -66,6 +86,8 @@ def build_tiny_smollm(
     texts: Sequence[str] = (),
     max_new_tokens: int = 0,
     vocab_size: int = SMOLLM2_VOCAB,
+    family: str = "llama",
+    overrides: dict | None = None,
 ) -> Path:
     """Saves the SmolLM2-vocabulary model in ``directory`` (from a subprocess) and writes
     ``references.json``: for each text, its prompt ids, HF's greedy output of
@@ -73,6 +95,7 @@ def build_tiny_smollm(
 
     A ``vocab_size`` below SmolLM2's keeps only its first ids (still decoded by its tokenizer):
     the output projection then costs next to nothing, which the overhead benchmark wants.
+    ``family`` (FAMILY_CLASSES) and ``overrides`` choose another architecture of the same size.
     """
     spec = {
         "vocab_size": vocab_size,
@@ -81,6 +104,8 @@ def build_tiny_smollm(
         "max_position_embeddings": max_position_embeddings,
         "texts": list(texts),
         "max_new_tokens": max_new_tokens,
+        "family": family,
+        "overrides": overrides or {},
     }
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
@@ -100,7 +125,13 @@ def _build_tiny_smollm_here(spec: dict) -> None:
 
     torch.set_num_threads(2)
     out = Path(spec["directory"])
-    model = random_llama(spec["vocab_size"], spec["max_position_embeddings"], spec["seed"])
+    model = random_model(
+        spec["family"],
+        spec["vocab_size"],
+        spec["max_position_embeddings"],
+        spec["seed"],
+        **spec["overrides"],
+    )
     model.save_pretrained(out)
     source = resolve_model(None)
     for f in tokenizer_dir(source).iterdir():

@@ -1,0 +1,108 @@
+"""Qwen3 and Gemma 3 through a real `pyserve run`: tiny random-weight models with SmolLM2's
+vocabulary and tokenizer (so text prompts and chat templates work) and the family's features on
+(q/k norms; Gemma's sliding windows shorter than the prompts, (1 + w) norms, sandwich norms,
+GELU-tanh, two rope tables). Prompts are prefilled in small chunks; a prompt whose prefix the
+cache holds gives the same tokens as the same prompt cold, and both equal Hugging Face's greedy
+output on the same weights (K/V in float32, so that the only differences are HF's own near-ties).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from http_testlib import (
+    REFERENCE_NEW_TOKENS,
+    REFERENCE_PROMPTS,
+    check_against_reference,
+    references,
+    request,
+    running_server,
+)
+from tiny_models import build_tiny_smollm
+
+WINDOW = 6  # tokens: shorter than the prompts below and than their continuations
+FAMILIES = {
+    "qwen3": {"head_dim": 16},
+    "gemma3": {
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    },
+}
+LONG_PROMPTS = [p + " and then, after a long while, it went on" for p in REFERENCE_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def server(request, tmp_path_factory):
+    family = request.param
+    directory = tmp_path_factory.mktemp(f"http-{family}")
+    build_tiny_smollm(
+        directory,
+        seed=77,
+        max_position_embeddings=1024,
+        texts=LONG_PROMPTS,
+        max_new_tokens=REFERENCE_NEW_TOKENS,
+        family=family,
+        overrides=FAMILIES[family],
+    )
+    args = ["--model", str(directory), "--dtype", "float32", "--kv-cache-dtype", "float32"]
+    args += ["--chunked-prefill-size", "8", "--max-prefill-tokens", "8", "--block-size", "4"]
+    args += ["--torch-threads", "1"]
+    with running_server(args) as server:
+        server.refs = references(directory)
+        server.family = family
+        yield server
+
+
+def generate(url: str, ids: list[int]) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": REFERENCE_NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+    status, _, raw = request(url + "/generate", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_the_server_names_the_family_and_its_backend(server):
+    status, _, raw = request(server.url + "/server_info")
+    assert status == 200
+    info = json.loads(raw)
+    assert info["architecture"] == server.family
+    assert "q/k norm" in info["model_features"]
+    if server.family == "gemma3":
+        assert any(f.startswith(f"sliding window {WINDOW}") for f in info["model_features"])
+    assert info["backend"]["name"] in ("cpu-kernels", "torch") and info["backend"]["reason"]
+
+
+def test_cold_and_cached_prompts_give_hf_tokens(server):
+    url = server.url
+    assert request(url + "/flush_cache", {})[0] == 200
+    for ref in server.refs:
+        cold = generate(url, ref["prompt"])
+        warm = generate(url, ref["prompt"])  # its prompt's blocks are in the cache now
+        assert warm["meta_info"]["cached_tokens"] > 0, warm["meta_info"]
+        assert warm["output_ids"] == cold["output_ids"]
+        check_against_reference(cold["output_ids"], ref, f"{server.family}: {ref['text']!r}")
+
+
+def test_a_shared_prefix_from_another_request_gives_hf_tokens(server):
+    """The first prompt's blocks serve a second, longer prompt that starts with it."""
+    url = server.url
+    assert request(url + "/flush_cache", {})[0] == 200
+    first, second = server.refs[1], server.refs[0]
+    generate(url, first["prompt"][:-1])
+    shared = generate(url, first["prompt"])
+    assert shared["meta_info"]["cached_tokens"] > 0
+    check_against_reference(shared["output_ids"], first, server.family)
+    check_against_reference(generate(url, second["prompt"])["output_ids"], second, server.family)
