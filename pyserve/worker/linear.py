@@ -6,14 +6,12 @@ purpose) made the SmolLM2 layer matmuls 1.2x (batch 64) to 1.9x (batch 1) faster
 benchmark machine. Only half-precision weights are packed: in fp32 the packed kernel sums in
 another order, which moved SmolLM2's logprobs up to 8e-5 from transformers' (1e-4 is the bar the
 float32 tests hold), and fp32 is the path kept exact. The ops are torch internals, so packing is
-probed once per dtype and falls back to ``F.linear`` if they are missing or disagree;
-``PYSERVE_PACK_WEIGHTS=0`` turns it off.
+probed once per dtype and falls back to ``F.linear`` if they are missing or disagree.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +66,7 @@ class Linear(nn.Module):
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether prepacked oneDNN linear runs here for ``dtype`` and agrees with F.linear."""
-    if dtype == torch.float32 or os.environ.get("PYSERVE_PACK_WEIGHTS", "1") == "0":
+    if dtype == torch.float32:
         return False
     try:
         if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
