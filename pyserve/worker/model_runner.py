@@ -51,10 +51,10 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.dtype_name = dtype
         self.kv_cache_dtype_name = settings.kv_cache_dtype or dtype
-        self.config: ModelConfig = checkpoint.config
         self.family = checkpoint.family
-        limit = self.config.max_model_len
+        limit = checkpoint.config.max_model_len
         self.max_model_len = min(limit, settings.max_model_len) if settings.max_model_len else limit
+        self.config: ModelConfig = checkpoint.config.served(self.max_model_len)
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks
         self.backend: Backend = select_backend(

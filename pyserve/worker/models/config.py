@@ -8,7 +8,7 @@ here: nothing is inferred later from the family's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,17 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """The longest sequence this model computes (sliding windows are real windows)."""
         return self.context_length
+
+    def served(self, max_model_len: int) -> ModelConfig:
+        """This model as served up to ``max_model_len`` tokens: a window that long or longer
+        never hides a position, so those layers attend to everything (and need no window)."""
+        layers = tuple(
+            replace(layer, sliding_window=None)
+            if layer.sliding_window and layer.sliding_window >= max_model_len
+            else layer
+            for layer in self.layers
+        )
+        return self if layers == self.layers else replace(self, layers=layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
