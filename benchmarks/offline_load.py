@@ -76,6 +76,44 @@ class StepLog:
         }
 
 
+def load_prompts(engine: OfflineEngine, requests: int, prompt_len: int) -> list[list[int]]:
+    """The load's prompts: random token ids of the model's vocabulary (seeded)."""
+    rng = random.Random(0)
+    vocab = engine.executor.runner.config.vocab_size
+    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+
+
+def run_load(
+    engine: OfflineEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    repeats: int,
+    quiet: bool = False,
+) -> list[dict]:
+    """Runs the prompts ``repeats`` times (after a warm-up): per run, output tok/s, the wall
+    time and where the forward time went (StepLog)."""
+    runner = engine.executor.runner
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    runs = []
+    for i in range(repeats):
+        log = StepLog(engine)
+        started = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        wall = time.perf_counter() - started
+        del runner.forward  # the class's method again
+        generated = sum(len(o.token_ids) for o in outputs)
+        run = {"wall_s": wall, "output_tokens_per_s": generated / wall, "steps": log.summary()}
+        runs.append(run)
+        kinds = ", ".join(
+            f"{kind} {v['seconds']:.1f} s ({v['tokens_per_s']:.0f} tok/s)"
+            for kind, v in run["steps"].items()
+        )
+        if not quiet:
+            print(f"run {i + 1}: {generated / wall:.1f} output tok/s, {wall:.1f} s; {kinds}")
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -116,28 +154,8 @@ def main() -> None:
         f"{args.activation_bits}-bit, K/V {runner.kv_cache_dtype_name}, prefill budget {budget} "
         f"(chunks of {chunk})"
     )
-    rng = random.Random(0)
-    vocab = runner.config.vocab_size
-    prompts = [
-        [rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
-    ]
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    runs = []
-    for i in range(args.repeats):
-        log = StepLog(engine)
-        started = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        wall = time.perf_counter() - started
-        del runner.forward  # the class's method again
-        generated = sum(len(o.token_ids) for o in outputs)
-        run = {"wall_s": wall, "output_tokens_per_s": generated / wall, "steps": log.summary()}
-        runs.append(run)
-        kinds = ", ".join(
-            f"{kind} {v['seconds']:.1f} s ({v['tokens_per_s']:.0f} tok/s)"
-            for kind, v in run["steps"].items()
-        )
-        print(f"run {i + 1}: {generated / wall:.1f} output tok/s, {wall:.1f} s; {kinds}")
+    prompts = load_prompts(engine, args.requests, args.prompt_len)
+    runs = run_load(engine, prompts, args.output_len, args.repeats)
     median = statistics.median(r["output_tokens_per_s"] for r in runs)
     print(f"median: {median:.1f} output tok/s over {len(runs)} runs")
     if args.json:
