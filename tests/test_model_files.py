@@ -87,3 +87,55 @@ def test_tokenizer_cache_is_reused(tmp_path, monkeypatch):
     assert list((tmp_path / "tokenizers").iterdir())
     second = load_tokenizer(source)
     assert first.encode("hello world") == second.encode("hello world")
+
+
+def write_sentencepiece_gguf(path, arch: str = "gemma3") -> list[str]:
+    """A GGUF whose vocabulary is SentencePiece's (tokenizer.ggml.model "llama", as Gemma's):
+    byte fallback tokens, a few pieces with scores, <bos>/<eos>, and no chat template."""
+    import gguf
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    pieces += [f"<0x{b:02X}>" for b in range(256)]
+    # each word a chain of merges from its letters, with and without the word-start mark
+    words = ["▁", *"helowrd"]
+    for word in ("hello", "world"):
+        words += [word[:n] for n in range(2, 6)] + ["▁" + word[:n] for n in range(1, 6)]
+    pieces += words
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    scores = [0.0] * 262 + [-float(i) for i in range(len(words))]
+    writer.add_token_scores(scores)
+    types = [gguf.TokenType.CONTROL] * 6 + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * len(words)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return pieces
+
+
+def test_a_sentencepiece_gguf_gets_its_bos_rule_and_its_familys_chat_template(
+    tmp_path, monkeypatch
+):
+    """Gemma GGUFs keep a SentencePiece vocabulary and often no chat template: the tokenizer
+    comes from the file (BOS added, as llama.cpp does for SentencePiece), the template from the
+    family (pyserve/worker/models/gemma2.py)."""
+    monkeypatch.setenv("PYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-gemma.gguf"
+    pieces = write_sentencepiece_gguf(path)
+    tok = load_tokenizer(resolve_model(str(path)))
+    ids = tok.encode("hello world")
+    assert ids[0] == 2, ids  # <bos>
+    assert [pieces[i].lstrip("▁") for i in ids[1:]] == ["hello", "world"]  # whole pieces
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    assert tok.eos_token_id == 1
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
