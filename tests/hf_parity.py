@@ -223,4 +223,3 @@ def prefix_hits(driver: Driver, prompts: list[list[int]], seed: int, decode: int
             driver.run_decodes([earlier], steps=decode)
         seqs.append(driver.new_seq(prompt, prefix_from=earlier, cached=shared))
     return seqs
-

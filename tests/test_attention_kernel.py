@@ -56,17 +56,21 @@ def random_tables(contexts: list[int], seed: int, dtype=torch.int32) -> torch.Te
     )
 
 
-def reference(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
-    """float64: gather each request's first `context` tokens, repeat kv heads, plain softmax."""
+def reference(q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.0) -> torch.Tensor:
+    """float64: gather each request's first `context` tokens (with a window, the last `window`
+    of them), repeat kv heads, soft-cap the scores if asked, plain softmax."""
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = []
     for d, n in enumerate(contexts):
+        first = max(0, n - window) if window else 0
         blocks = tables[d, : -(-n // BLOCK)].long()
-        k = k_cache.index_select(1, blocks).transpose(2, 3).flatten(1, 2)[:, :n].double()
-        v = v_cache.index_select(1, blocks).flatten(1, 2)[:, :n].double()
+        k = k_cache.index_select(1, blocks).transpose(2, 3).flatten(1, 2)[:, first:n].double()
+        v = v_cache.index_select(1, blocks).flatten(1, 2)[:, first:n].double()
         k = k.repeat_interleave(heads // kv_heads, dim=0)
         v = v.repeat_interleave(heads // kv_heads, dim=0)
-        scores = (k @ q[d].double()[:, :, None])[..., 0] * scale  # [H, n]
+        scores = (k @ q[d].double()[:, :, None])[..., 0] * scale  # [H, n - first]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])
     return torch.stack(out)
 
@@ -222,3 +226,162 @@ def test_bad_arguments_raise_value_error():
     call_once = DecodeAttention(tables, lens, num_heads=heads, k_cache=k_cache)
     with pytest.raises(ValueError):  # a layer whose cache has another geometry
         call_once.run(q, k_cache[:, :10].contiguous(), v_cache[:, :10].contiguous(), 0.125)
+
+
+# ------------------------------------------------------------------ sliding window and soft-cap
+
+# (window, softcap) against CONTEXTS (1 … 1999): windows shorter than every context but the
+# first, as long as a block, mid-block, equal to one context (700), longer than all; the cap alone
+# (strong and mild) and with a window
+EXTRAS = [(1, 0.0), (16, 0.0), (37, 0.0), (700, 0.0), (4096, 0.0), (0, 2.0), (0, 30.0), (100, 2.0)]
+EXTRA_SHAPES = [(64, 9, 3), (128, 4, 4), (40, 3, 1)]
+
+
+@functools.cache
+def extras_reference(dtype, shape, window, softcap):
+    q, k_cache, v_cache, tables, _, _ = reference_case(dtype, shape)
+    return reference(q, k_cache, v_cache, tables, CONTEXTS, shape[0] ** -0.5, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", EXTRA_SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
+def test_window_and_softcap_match_reference(isa, dtype, shape):
+    dim = shape[0]
+    q, k_cache, v_cache, tables, lens, plain = reference_case(dtype, shape)
+    for window, softcap in EXTRAS:
+        expected = extras_reference(dtype, shape, window, softcap)
+        if window < 700:  # the feature changes the answer well beyond the tolerance
+            assert (expected - plain).abs().max() > 0.05
+        # 0: the kernel's split (of the window's tokens); 32 and 96: partitions inside windows
+        for partition in (0, 32, 96):
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5,
+                                         partition_tokens=partition, window=window,
+                                         softcap=softcap)  # fmt: skip
+            what = f"{isa} {dtype} window={window} softcap={softcap} partition={partition}"
+            assert_close(out, expected, dtype, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_reads_nothing_before_it_and_counts_its_first_position(isa, threads, dtype):
+    """Every position before a request's window holds NaN in K and V (any read of one would show),
+    the window's first position a V of 50 (leaving it out would show); windows start mid-block
+    and cross partitions. Requests own disjoint blocks, so the poison is theirs alone."""
+    dim, heads, kv_heads, num_blocks = 64, 9, 3, 300
+    contexts = [700, 1999, 33, 257, 90]
+    g = torch.Generator().manual_seed(21)
+    widths = [-(-n // BLOCK) for n in contexts]
+    ids = torch.randperm(num_blocks, generator=g)[: sum(widths)].split(widths)
+    tables = torch.stack([torch.cat((i, i.new_zeros(max(widths) - len(i)))) for i in ids])
+    lens = torch.tensor(contexts)
+    q = torch.randn(len(contexts), heads, dim, generator=g).to(dtype)
+    for window in (100, 250, 33):
+        k = torch.randn(kv_heads, num_blocks, BLOCK, dim, generator=g) * 2
+        v = torch.randn(kv_heads, num_blocks, BLOCK, dim, generator=g)
+        for d, n in enumerate(contexts):
+            first = max(0, n - window)
+            for pos in range(first + 1):
+                block, slot = int(tables[d, pos // BLOCK]), pos % BLOCK
+                if pos < first:
+                    k[:, block, slot] = v[:, block, slot] = float("nan")
+                else:
+                    v[:, block, slot] = 50.0
+        k_cache, v_cache = k.to(dtype).transpose(2, 3).contiguous(), v.to(dtype)
+        expected = reference(q, k_cache, v_cache, tables, contexts, 0.125, window)
+        shorter = reference(q, k_cache, v_cache, tables, contexts, 0.125, window - 1)
+        cut = lens >= window  # the requests whose window leaves a position out
+        assert ((expected - shorter).abs().amax((1, 2))[cut] > 0.05).all()
+        for partition in (0, 48, 96):
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                         partition_tokens=partition, window=window)  # fmt: skip
+            assert_close(out, expected, dtype, f"{isa} window={window} partition={partition}")
+
+
+def test_window_and_softcap_same_bits_whatever_the_thread_count():
+    dim, heads, kv_heads = 64, 9, 3
+    k_cache, v_cache = random_cache(kv_heads, dim, torch.float32, 8)
+    contexts = [1999, 5, 300, 1024, 77, 640]
+    q = torch.randn(len(contexts), heads, dim, generator=torch.Generator().manual_seed(8))
+    tables, lens = random_tables(contexts, 8), torch.tensor(contexts)
+    results = []
+    try:
+        for n in (1, 2, 3):
+            KERNELS.set_num_threads(n)
+            results.append(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                                  partition_tokens=128, window=500,
+                                                  softcap=3.0))  # fmt: skip
+    finally:
+        KERNELS.set_num_threads(THREADS)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got − exact| in units of the float32 spacing at the exactly rounded value."""
+    rounded = exact.float()
+    spacing = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"))) - rounded.abs()).double()
+    return (got.double() - exact).abs() / spacing
+
+
+def tanh_inputs() -> torch.Tensor:
+    """float32 values over tanh's whole range: dense around 0 and the 0.625 switch between the
+    loops' two formulas, log-spaced magnitudes from 1e-30 to 1e4, both signs, exact zeros."""
+    g = torch.Generator().manual_seed(5)
+    dense = torch.linspace(-12.0, 12.0, 400_001)
+    switch = torch.linspace(0.6, 0.65, 100_001)
+    magnitudes = torch.logspace(-30, 4, 300_001)
+    spread = torch.randn(200_000, generator=g) * 3
+    x = torch.cat((dense, switch, magnitudes, spread, torch.tensor([0.0, -0.0, 0.625])))
+    return torch.cat((x, -x)).float()
+
+
+def test_softcap_tanh_within_one_and_a_half_ulp(isa):
+    """The loops' tanh (through the soft-cap with cap 1, which multiplies by 1) against float64
+    torch.tanh: at most 1.5 ulp (the vector loops measured ≤ 1.46 over every float32 in
+    [1e-30, 30]; the scalar ones round double's), zero at zero and ±1 far out."""
+    x = tanh_inputs()
+    y = x.clone()
+    top = KERNELS.attention_softcap(y.data_ptr(), y.numel(), 1.0)
+    exact = torch.tanh(x.double())
+    err = ulps(y, exact)
+    assert err.max() <= 1.5, f"{isa}: {err.max():.2f} ulp at x = {x[err.argmax()]:.9g}"
+    assert top == y.max() == 1.0
+    assert (y[x == 0] == 0).all() and (y[x.abs() > 10].abs() == 1).all()
+    # cap · tanh(s · (1 / cap)): 1 / cap, the argument and the product rounded too (measured
+    # ≤ 3.2 ulp)
+    for cap in (30.0, 0.5, 7.3):
+        y = x.clone()
+        top = KERNELS.attention_softcap(y.data_ptr(), y.numel(), cap)
+        err = ulps(y, cap * torch.tanh(x.double() / cap))
+        assert err.max() <= 3.5, f"{isa} cap {cap}: {err.max():.2f} ulp"
+        assert top == y.max()
+    # short inputs take the loops' tails
+    for n in (1, 5, 15, 17):
+        y = x[:n].clone()
+        assert KERNELS.attention_softcap(y.data_ptr(), n, 1.0) == y.max()
+        assert ulps(y, torch.tanh(x[:n].double())).max() <= 1.5
+
+
+def test_window_and_softcap_bad_values_raise_value_error():
+    dim, heads, kv_heads = 64, 6, 2
+    k_cache, v_cache = random_cache(kv_heads, dim, torch.float32, 9)
+    q = torch.randn(2, heads, dim)
+    tables, lens = random_tables([5, 40], 9), torch.tensor([5, 40])
+    call = DecodeAttention(tables, lens, num_heads=heads, k_cache=k_cache)
+    for bad in (dict(window=-1), dict(softcap=-1.0), dict(softcap=float("nan")),
+                dict(softcap=float("inf"))):  # fmt: skip
+        with pytest.raises(ValueError):
+            paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, **bad)
+        with pytest.raises(ValueError):
+            call.run(q, k_cache, v_cache, 0.125, **bad)
+    with pytest.raises(ValueError, match="window"):  # the C++ checks as well
+        KERNELS.paged_decode_attention(
+            q.data_ptr(), heads * dim, 0, 2, heads, k_cache.data_ptr(), v_cache.data_ptr(), 0,
+            kv_heads, NUM_BLOCKS, BLOCK, dim, tables.data_ptr(), 4, tables.shape[1],
+            lens.data_ptr(), 8, 0.125, q.data_ptr(), heads * dim, 0, window=-1,
+        )  # fmt: skip
+    # with a window, block ids before it are never read, so they need not be valid
+    poisoned = tables.clone()
+    poisoned[1, :2] = -1  # positions 0..31 of the 40-token request: before a window of 8
+    out = paged_decode_attention(q, k_cache, v_cache, poisoned, lens, 0.125, window=8)
+    assert_close(out, reference(q, k_cache, v_cache, tables, [5, 40], 0.125, 8), torch.float32, "")
+    with pytest.raises(ValueError, match="block id"):
+        paged_decode_attention(q, k_cache, v_cache, poisoned, lens, 0.125, window=9)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SiLU·up (pyserve._kernels via worker/layer_ops.py).
+"""Fused RMSNorm, SiLU·up and GELU-tanh·up (pyserve._kernels via worker/layer_ops.py).
 
 Against Hugging Face's arithmetic written out in torch (LlamaRMSNorm: float32 mean of squares,
 rsqrt, the bf16 roundings; SwiGLU: F.silu(gate) * up), on every instruction set this CPU runs
@@ -200,3 +200,289 @@ def test_bad_arguments_raise_value_error():
         KERNELS.silu_mul(0, x.data_ptr(), 4, 2, 4, x.data_ptr(), 4)
     with pytest.raises(ValueError, match="eps"):
         KERNELS.rms_norm(0, x.data_ptr(), 8, 2, 8, x.data_ptr(), -1.0, x.data_ptr(), 8)
+
+
+# ------------------------------------------------------------------ GELU (tanh) · up
+
+
+def gelu_tanh_exact(x: torch.Tensor) -> torch.Tensor:
+    """float64 gelu_tanh as x·sigmoid(2u), u = √(2/π)·(x + 0.044715·x³): the function of
+    F.gelu(approximate="tanh"), whose own 0.5·x·(1 + tanh(u)) loses every digit to the
+    cancellation below x ≈ −4 even in float64 (checked where it does not)."""
+    x = x.double()
+    exact = x / (1 + torch.exp(-2 * (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)))
+    torch_form = F.gelu(x, approximate="tanh")
+    fine = (x > -3) & (x != 0)
+    assert ((torch_form - exact).abs() <= 1e-13 * exact.abs())[fine].all()
+    return exact
+
+
+def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    rounded = exact.float().abs()
+    spacing = (torch.nextafter(rounded, torch.tensor(float("inf"))) - rounded).double()
+    return (got.double() - exact).abs() / spacing
+
+
+def gelu_gates(n: int, seed: int) -> torch.Tensor:
+    """Gates over the whole range: normal ones, a dense sweep of [-12, 12], exp's ends and
+    beyond (|x| 1e4, 1e30), zeros, infinities."""
+    g = torch.Generator().manual_seed(seed)
+    sweep = torch.linspace(-12, 12, n)
+    special = torch.tensor([0.0, -0.0, 1e4, -1e4, 1e30, -1e30, float("inf"), -9.9, 9.9])
+    return torch.cat((torch.randn(n, generator=g) * 4, sweep, special))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [1536, 45])
+def test_gelu_tanh_mul_float32_within_4_ulp(isa, threads, rows, width):
+    """float32 against the float64 function: the activation within 4 ulp (measured: 3.8 on the
+    AVX-512 loops, which compute exp as float32; 0.5 on the scalar ones, which round double's)
+    down to x = −9.9, where gelu is 1e-37; the product with up rounded once more. torch's own
+    float32 op is within 3.1 ulp for x ≥ −1 and off by up to |x|·2^-24 (all digits, below −4)
+    under it: the kernel is as close to torch as that."""
+    g = torch.Generator().manual_seed(rows * width)
+    gates = gelu_gates(rows * width, rows + width)[: rows * width].view(rows, width)
+    up = torch.randn(rows, width, generator=g)
+    gate_up = torch.cat((gates, up), 1)
+    ones = torch.cat((gates, torch.ones_like(up)), 1)
+    act = run_kernel(layer_ops.gelu_tanh_mul, ones)
+    exact = gelu_tanh_exact(gates)
+    measurable = exact.abs() > 1e-36
+    assert ulps(act, exact)[measurable].max() <= 4.0
+    assert (act[~measurable].abs() <= 1e-36).all()
+    out = run_kernel(layer_ops.gelu_tanh_mul, gate_up)
+    assert torch.equal(out, act * up)  # one rounding: the product
+    reference = F.gelu(gates, approximate="tanh")
+    torch_error = (reference.double() - exact).abs()
+    assert ((act.double() - reference.double()).abs()
+            <= 4 * torch_error + 5e-7 * exact.abs() + 1e-36).all()  # fmt: skip
+    assert (torch_error <= gates.double().abs() * 2**-24 + 4e-7 * exact.abs()).all()
+
+
+def test_gelu_tanh_mul_special_values(isa):
+    gates = torch.tensor([0.0, -0.0, 1e4, -1e4, 1e30, -1e30, float("inf"), float("nan"), -20.0])
+    act = run_kernel(layer_ops.gelu_tanh_mul, torch.cat((gates, torch.ones(9)))[None])[0]
+    assert torch.equal(act[:7], torch.tensor([0.0, 0.0, 1e4, 0.0, 1e30, 0.0, float("inf")]))
+    assert act[7].isnan() and act[8] == 0
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [1536, 45])
+def test_gelu_tanh_mul_bfloat16_is_torchs(isa, threads, rows, width):
+    """bf16: F.gelu(gate, approximate="tanh") * up, bit for bit, wherever the bf16 rounding of the
+    activation is determined: every value within both float32 results' error bounds (the
+    kernel's 4 ulp, torch's 4 ulp + |x|·2^-24) rounds to the same bf16: all but ~1 in 1000
+    from x = −2 up; further down torch's cancellation error nears and then exceeds a bf16 step."""
+    g = torch.Generator().manual_seed(rows + 3 * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 3).to(torch.bfloat16)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, -30.0, 30.0, -5.0, 1e30])  # width ≥ 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = run_kernel(layer_ops.gelu_tanh_mul, gate_up)
+    expected = F.gelu(gate, approximate="tanh") * up
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    exact = gelu_tanh_exact(gate)
+    bound = 8 * exact.abs() * 2**-24 + gate.double().abs() * 2**-24 + 1e-37
+    determined = (exact - bound).float().bfloat16() == (exact + bound).float().bfloat16()
+    determined |= gate == 0
+    accurate = gate > -2  # where torch's error is below a bf16 step by 2^-9 or more
+    assert (~determined[accurate]).sum() <= max(1, accurate.sum() // 200)
+    assert torch.equal(got[determined], expected[determined])
+    # elsewhere the activation is one bf16 step from torch's, or within torch's error bound
+    act = run_kernel(layer_ops.gelu_tanh_mul, torch.cat((gate, torch.ones_like(up)), 1))
+    step = F.gelu(gate, approximate="tanh").float() - act.float()
+    assert (step.abs() <= act.float().abs() * 2**-7 + gate.float().abs() * 2**-23 + 1e-37).all()
+
+
+def test_gated_activation_dispatches_and_falls_back():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2 * 40, generator=g)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(run_kernel(layer_ops.gated_activation, x, "silu"),
+                       run_kernel(layer_ops.silu_mul, x))  # fmt: skip
+    assert torch.equal(run_kernel(layer_ops.gated_activation, x, "gelu_tanh"),
+                       run_kernel(layer_ops.gelu_tanh_mul, x))  # fmt: skip
+    assert "gelu_tanh" in KERNELS.GATED_ACTIVATIONS
+    # torch where the kernel does not apply (float16); 3-D inputs keep their shape
+    half = x.half()
+    torch.testing.assert_close(run_kernel(layer_ops.gelu_tanh_mul, half),
+                               F.gelu(half[:, :40], approximate="tanh") * half[:, 40:])  # fmt: skip
+    batched = torch.randn(2, 3, 2 * 16)
+    assert run_kernel(layer_ops.gelu_tanh_mul, batched).shape == (2, 3, 16)
+    assert run_kernel(layer_ops.gelu_tanh_mul, torch.empty(0, 64)).shape == (0, 32)
+    with pytest.raises(ValueError, match="activation"):
+        layer_ops.gated_activation(x, "relu")
+    torch.testing.assert_close(run_kernel(layer_ops.gated_activation, x, "gelu_tanh"),
+                               F.gelu(gate, approximate="tanh") * up)  # fmt: skip
+
+
+# ------------------------------------------------------------------ rope + KV: q/k norm, partial
+
+
+def rope_tables(rows: int, rotary: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [rows, 1, rotary] for scattered positions, as RotaryTable.cos_sin."""
+    g = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
+    freqs = torch.randint(0, 4000, (rows,), generator=g).float()[:, None] * inv_freq
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :]
+    return cos, torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None, :]
+
+
+def torch_rope_write(qkv, cos, signed_sin, slots, cache, heads, kv_heads, norms, eps):
+    """The torch path: F.rms_norm per head (Qwen3's q_norm / k_norm), rope.apply_rope (partial
+    where cos is narrower than a head), PagedKVCache.write. Returns the rotated q."""
+    from pyserve.worker.rope import apply_rope
+
+    rows, dim = qkv.shape[0], cache.head_dim
+    q = qkv[:, : heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    if norms is not None:
+        q, k = (F.rms_norm(x, (dim,), w, eps) for x, w in zip((q, k), norms, strict=True))
+    q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+    cache.write(0, slots, k, v)
+    return q
+
+
+ROPE_SHAPES = [(9, 3, 64), (4, 4, 128), (3, 1, 40)]
+
+
+def rotary_dims_for(dim: int) -> list[int]:
+    return [dim // 2, dim // 4 * 2 - 2, 2] if dim > 40 else [dim // 2, 18, 2]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rope_write_kv_partial_rotary_is_torchs_bit_for_bit(isa, threads, cache_dtype, rows, shape):
+    """Only a head's first rotary_dim dims rotate (rotate-half within them), the rest pass
+    through: q and the cache exactly as rope.apply_rope's partial rotary and PagedKVCache.write
+    leave them."""
+    heads, kv_heads, dim = shape
+    for rotary in rotary_dims_for(dim):
+        qkv, _, _, slots, cache = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+        _, _, _, _, expected = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+        cos, signed_sin = rope_tables(rows, rotary, rows + rotary)
+        q = torch_rope_write(qkv, cos, signed_sin, slots, expected, heads, kv_heads, None, 0.0)
+        done = run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
+                          cache.v[0], num_heads=heads, num_kv_heads=kv_heads)  # fmt: skip
+        assert done
+        assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), q), f"{rotary=}"
+        assert torch.equal(cache.k[0], expected.k[0]) and torch.equal(cache.v[0], expected.v[0])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rope_write_kv_with_qk_norm_matches_torch(isa, threads, cache_dtype, rows, shape):
+    """Each q and k head RMS-normalized (float32, F.rms_norm per head) before the rotation, full
+    and partial rotary: within float32 rounding of the torch path (the norm's sum of squares is
+    added in another order), the cache within one step of its dtype where that rounding moves a
+    value across a rounding edge (rarely); v untouched."""
+    heads, kv_heads, dim = shape
+    g = torch.Generator().manual_seed(rows + dim)
+    norms = tuple(torch.randn(dim, generator=g) * 0.5 + 1 for _ in range(2))
+    step = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}[cache_dtype]
+    for rotary in (dim, dim // 2):
+        qkv, _, _, slots, cache = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+        _, _, _, _, expected = rope_case(rows, heads, kv_heads, dim, cache_dtype, rows)
+        cos, signed_sin = rope_tables(rows, rotary, rows)
+        v = qkv[:, (heads + kv_heads) * dim :].clone()
+        q = torch_rope_write(qkv, cos, signed_sin, slots, expected, heads, kv_heads, norms, 1e-6)
+        done = run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
+                          cache.v[0], num_heads=heads, num_kv_heads=kv_heads, q_norm=norms[0],
+                          k_norm=norms[1], eps=1e-6)  # fmt: skip
+        assert done
+        got_q = qkv[:, : heads * dim].view(rows, heads, dim)
+        torch.testing.assert_close(got_q, q, rtol=1e-6, atol=2e-6)
+        assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v)
+        for got, want in ((cache.k[0], expected.k[0]), (cache.v[0], expected.v[0])):
+            got, want = got.float(), want.float()
+            assert ((got - want).abs() <= want.abs() * (step * 2 + 1e-6) + 2e-6).all()
+            if step:  # a float32 difference of an ulp or two seldom changes a rounded value
+                written = want != 0
+                assert (got != want)[written].sum() <= 1 + written.sum() // 500
+        assert torch.equal(cache.v[0], expected.v[0])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rope_write_kv_with_an_exact_norm_is_torchs_bit_for_bit(isa, cache_dtype, shape):
+    """Heads of ±2^e (e per head) and eps 0: mean(x²) = 4^e and its rsqrt 2^-e are exact in any
+    order, so the normalized heads are ±w exactly on both paths and everything after (the
+    rotation, full and partial, and the cache) must match bit for bit."""
+    heads, kv_heads, dim = shape
+    rows = 33
+    g = torch.Generator().manual_seed(dim)
+    norms = tuple(torch.randn(dim, generator=g) for _ in range(2))
+    for rotary in (dim, dim // 2):
+        qkv, _, _, slots, cache = rope_case(rows, heads, kv_heads, dim, cache_dtype, 7)
+        _, _, _, _, expected = rope_case(rows, heads, kv_heads, dim, cache_dtype, 7)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim)
+        exponents = torch.randint(-6, 7, (rows, heads + kv_heads, 1), generator=g).float()
+        signs = torch.randint(0, 2, qk.shape, generator=g).float() * 2 - 1
+        qk.copy_(signs * 2**exponents)
+        cos, signed_sin = rope_tables(rows, rotary, 3)
+        q = torch_rope_write(qkv, cos, signed_sin, slots, expected, heads, kv_heads, norms, 0.0)
+        assert run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
+                          cache.v[0], num_heads=heads, num_kv_heads=kv_heads, q_norm=norms[0],
+                          k_norm=norms[1], eps=0.0)  # fmt: skip
+        assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), q)
+        assert torch.equal(cache.k[0], expected.k[0]) and torch.equal(cache.v[0], expected.v[0])
+
+
+def test_rope_write_kv_norm_of_q_or_k_alone():
+    """q_norm without k_norm (and back): only those heads are normalized."""
+    heads, kv_heads, dim, rows = 4, 2, 64, 5
+    w = torch.randn(dim, generator=torch.Generator().manual_seed(1))
+    for which in (0, 1):
+        qkv, cos, signed_sin, slots, cache = rope_case(rows, heads, kv_heads, dim, torch.float32, 2)
+        _, _, _, _, expected = rope_case(rows, heads, kv_heads, dim, torch.float32, 2)
+        q = qkv[:, : heads * dim].view(rows, heads, dim)
+        k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+        if which == 0:
+            q_ref, k_ref = F.rms_norm(q, (dim,), w, 1e-5), k
+        else:
+            q_ref, k_ref = q, F.rms_norm(k, (dim,), w, 1e-5)
+        from pyserve.worker.rope import apply_rope
+
+        q_ref, k_ref = apply_rope(q_ref, cos, signed_sin), apply_rope(k_ref, cos, signed_sin)
+        expected.write(0, slots, k_ref, qkv[:, (heads + kv_heads) * dim :].view(rows, -1, dim))
+        kw = {"q_norm" if which == 0 else "k_norm": w}
+        assert run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
+                          cache.v[0], num_heads=heads, num_kv_heads=kv_heads, eps=1e-5,
+                          **kw)  # fmt: skip
+        torch.testing.assert_close(qkv[:, : heads * dim].view(rows, heads, dim), q_ref,
+                                   rtol=1e-6, atol=2e-6)  # fmt: skip
+        torch.testing.assert_close(cache.k[0], expected.k[0], rtol=1e-6, atol=2e-6)
+
+
+def test_rope_write_kv_checks_norms_and_rotary_dim():
+    qkv, cos, signed_sin, slots, cache = rope_case(8, 9, 3, 64, torch.float16, 1)
+    w = torch.ones(64)
+
+    def call(**changes):
+        args = dict(cos=cos, signed_sin=signed_sin, num_heads=9, num_kv_heads=3)
+        args.update(changes)
+        return run_kernel(layer_ops.rope_write_kv, qkv, args.pop("cos"), args.pop("signed_sin"),
+                          slots, cache.k[0], cache.v[0], **args)  # fmt: skip
+
+    assert call(q_norm=w, k_norm=w)
+    assert not call(q_norm=w.double(), k_norm=w.double())  # not the kernel's: torch's ops
+    for what, changes in {
+        "norm length": dict(q_norm=torch.ones(32), k_norm=w),
+        "odd rotary": dict(cos=cos[..., :31], signed_sin=signed_sin[..., :31]),
+        "rotary wider than a head": dict(cos=torch.cat((cos, cos), -1),
+                                         signed_sin=torch.cat((signed_sin, signed_sin), -1)),
+        "sin narrower than cos": dict(signed_sin=signed_sin[..., :32].contiguous()),
+        "negative eps": dict(q_norm=w, k_norm=w, eps=-1.0),
+        "nan eps": dict(q_norm=w, k_norm=w, eps=float("nan")),
+    }.items():  # fmt: skip
+        with pytest.raises(ValueError):
+            call(**changes)
+            pytest.fail(what)
+    with pytest.raises(ValueError, match="rotary_dim"):  # the C++ checks too
+        KERNELS.rope_write_kv(qkv.data_ptr(), qkv.shape[1], 8, 9, 3, 64, cos.data_ptr(),
+                              signed_sin.data_ptr(), slots.data_ptr(), cache.k[0].data_ptr(),
+                              cache.v[0].data_ptr(), 2, cache.num_blocks, cache.block_size,
+                              rotary_dim=66)  # fmt: skip
+    assert set(KERNELS.ROPE_FEATURES) == {"qk_norm", "partial"}

@@ -53,8 +53,10 @@ def random_case(shape, dtype, block, seed, index_dtype=torch.int64):
     return q, k_cache, v_cache, spans, tables.to(index_dtype)
 
 
-def reference(q, k_cache, v_cache, spans, tables, scale) -> torch.Tensor:
-    """float64; rows outside the spans are NaN (the kernel must leave them alone)."""
+def reference(q, k_cache, v_cache, spans, tables, scale, window=0, softcap=0.0) -> torch.Tensor:
+    """float64; rows outside the spans are NaN (the kernel must leave them alone). With a window
+    row i of a span sees the last `window` positions up to its own, start + i; with a softcap
+    the scores are capped before the mask."""
     heads, kv_heads, block = q.shape[1], v_cache.shape[0], v_cache.shape[2]
     out = torch.full(q.shape, float("nan"), dtype=torch.float64)
     for s, (first, rows, start) in enumerate(spans.tolist()):
@@ -66,9 +68,14 @@ def reference(q, k_cache, v_cache, spans, tables, scale) -> torch.Tensor:
         v = v.repeat_interleave(heads // kv_heads, dim=0)
         qs = q[first : first + rows].double().transpose(0, 1)  # [H, rows, dim]
         scores = qs @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = torch.ones(rows, total, dtype=torch.bool).tril(diagonal=start)
+        if window:  # key j, row i: j > start + i - window
+            visible &= torch.ones(rows, total, dtype=torch.bool).triu(diagonal=start - window + 1)
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[first : first + rows] = (scores.softmax(-1) @ v).transpose(0, 1)
+        # (the V rows nobody sees may hold NaN: 0 · NaN would spread it)
+        out[first : first + rows] = (scores.softmax(-1) @ v.nan_to_num()).transpose(0, 1)
     return out
 
 
@@ -161,3 +168,99 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError):  # a layer whose cache has another geometry
         call_once.run(q, k_cache[:, :10].contiguous(), v_cache[:, :10].contiguous(), 0.125,
                       torch.empty_like(q))  # fmt: skip
+
+
+# ------------------------------------------------------------------ sliding window and soft-cap
+
+# (window, softcap) against CHUNKS (starts 0 … 300, up to 305 positions): a window of one
+# position, shorter than a 16-row work item, a block, mid-block, longer than some chunks and
+# than all; the cap alone and with a window
+EXTRAS = [(1, 0.0), (7, 0.0), (16, 0.0), (40, 0.0), (100, 0.0), (1000, 0.0), (0, 2.0), (50, 2.0)]
+EXTRA_SHAPES = [(64, 9, 3), (128, 4, 4), (40, 3, 1)]
+
+
+@functools.cache
+def extras_reference(dtype, shape, block, window, softcap):
+    q, k_cache, v_cache, spans, tables, _ = reference_case(dtype, shape, block)
+    return reference(q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, window, softcap)
+
+
+@pytest.mark.parametrize("block", [16, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", EXTRA_SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
+def test_window_and_softcap_match_reference(isa, dtype, shape, block):
+    q, k_cache, v_cache, spans, tables, plain = reference_case(dtype, shape, block)
+    rows = ~plain[:, 0, 0].isnan()
+    for window, softcap in EXTRAS:
+        expected = extras_reference(dtype, shape, block, window, softcap)
+        if window < 300:  # the feature changes the answer well beyond the tolerance
+            assert (expected[rows] - plain[rows]).abs().max() > 0.05
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        paged_prefill_attention(q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, out=out,
+                                window=window, softcap=softcap)  # fmt: skip
+        assert out[~rows].isnan().all(), "a row outside the chunks was written"
+        assert_close(out, expected, dtype, f"{isa} {dtype} block={block} {window=} {softcap=}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_reads_nothing_before_it_and_counts_its_first_position(isa, threads, dtype):
+    """Chunks after cached prefixes: the positions before their first row's window hold NaN in K
+    and V (any read of one would show, masked or not), and V is 50 at the first position of every
+    row's window, which a window one short would leave out. Chunks own disjoint blocks."""
+    dim, heads, kv_heads, block, num_blocks = 64, 9, 3, 16, 200
+    chunks = [(300, 40), (130, 1), (21, 17), (0, 50), (77, 33)]  # (start, rows)
+    spans = layout(chunks)
+    g = torch.Generator().manual_seed(31)
+    widths = [-(-(s + n) // block) for s, n in chunks]
+    ids = torch.randperm(num_blocks, generator=g)[: sum(widths)].split(widths)
+    tables = torch.stack([torch.cat((i, i.new_zeros(max(widths) - len(i)))) for i in ids])
+    num_rows = int((spans[:, 0] + spans[:, 1]).max())
+    q = torch.randn(num_rows, heads, dim, generator=g).to(dtype)
+    for window in (20, 64, 33):
+        k = torch.randn(kv_heads, num_blocks, block, dim, generator=g) * 2
+        v = torch.randn(kv_heads, num_blocks, block, dim, generator=g)
+        for c, (start, rows) in enumerate(chunks):
+            for pos in range(start + rows):
+                b, slot = int(tables[c, pos // block]), pos % block
+                if pos < start - window + 1:
+                    k[:, b, slot] = v[:, b, slot] = float("nan")
+                elif pos <= start + rows - window:  # some row's first position
+                    v[:, b, slot] = 50.0
+        k_cache, v_cache = k.to(dtype).transpose(2, 3).contiguous(), v.to(dtype)
+        expected = reference(q, k_cache, v_cache, spans, tables, 0.125, window)
+        shorter = reference(q, k_cache, v_cache, spans, tables, 0.125, window - 1)
+        assert ((expected - shorter).abs().amax((1, 2)) > 0.05).sum() > num_rows // 2
+        out = paged_prefill_attention(q, k_cache, v_cache, spans, tables, 0.125, window=window)
+        assert_close(out, expected, dtype, f"{isa} {window=}")
+
+
+def test_chunked_with_a_window_is_the_whole_prompt():
+    """A prompt in chunks (each after the ones before, read back from the cache) gives the same
+    bits as in one call, window and cap on."""
+    q, k_cache, v_cache, _, tables = random_case((64, 9, 3), torch.float32, 16, 17)
+    whole = torch.tensor([[0, 200, 0]])
+    pieces = torch.tensor([[0, 37, 0], [37, 100, 37], [137, 63, 137]])
+    options = dict(window=50, softcap=5.0)
+    one = paged_prefill_attention(q, k_cache, v_cache, whole, tables[:1], 0.125, **options)
+    parts = paged_prefill_attention(q, k_cache, v_cache, pieces, tables[:1].expand(3, -1)
+                                    .contiguous(), 0.125, **options)  # fmt: skip
+    assert torch.equal(one[:200], parts[:200])
+
+
+def test_window_and_softcap_bad_values_raise_value_error():
+    q, k_cache, v_cache, spans, tables = random_case((64, 6, 2), torch.float32, 16, 13)
+    call = PrefillAttention(spans, tables, num_rows=q.shape[0], num_heads=6, k_cache=k_cache)
+    for bad in (dict(window=-1), dict(softcap=-1.0), dict(softcap=float("nan")),
+                dict(softcap=float("inf"))):  # fmt: skip
+        with pytest.raises(ValueError):
+            paged_prefill_attention(q, k_cache, v_cache, spans, tables, 0.125, **bad)
+        with pytest.raises(ValueError):
+            call.run(q, k_cache, v_cache, 0.125, torch.empty_like(q), **bad)
+    # with a window, block ids before every row's window are never read: they need not be valid
+    span, table = torch.tensor([[0, 10, 70]]), tables[:1].clone()
+    table[0, :3] = -1  # positions 0..47; the first row (position 70) sees 61..70
+    out = paged_prefill_attention(q, k_cache, v_cache, span, table, 0.125, window=10)
+    expected = reference(q, k_cache, v_cache, span, tables[:1], 0.125, 10)
+    assert_close(out, expected, torch.float32, "")
+    with pytest.raises(ValueError, match="block id"):
+        paged_prefill_attention(q, k_cache, v_cache, span, table, 0.125, window=30)

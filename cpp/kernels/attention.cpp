@@ -56,6 +56,11 @@ struct Job {
 
 int64_t partial_floats(int group, int dim) { return static_cast<int64_t>(group) * (dim + 2); }
 
+// The first position a query with this context sees.
+int64_t first_visible(const DecodeAttentionArgs& a, int64_t context) {
+  return a.window > 0 ? std::max<int64_t>(0, context - a.window) : 0;
+}
+
 void write_output(const DecodeAttentionArgs& a, const WorkItem& item, int group, const float* acc,
                   const float* l) {
   const int dim = a.head_dim;
@@ -132,6 +137,9 @@ void attend(void* context, int chunk) {
     next_chunk(ahead);
     kernels.score(a.cache_dtype, q.data(), group, dim, bs, now.tiles, now.count, ahead.k_lines,
                   ahead.count, scores.data(), kChunkTokens, top.data());
+    if (a.softcap > 0.0f)
+      for (int h = 0; h < group; ++h)
+        top[h] = kernels.softcap(scores.data() + h * kChunkTokens, now.tokens, a.softcap);
     for (int h = 0; h < group; ++h) {
       float* s = scores.data() + h * kChunkTokens;
       if (top[h] > m[h]) {  // rescale what was summed so far to the new maximum
@@ -201,6 +209,8 @@ void check_args(const DecodeAttentionArgs& a) {
   check(a.q_token_stride >= row && a.out_token_stride >= row, "a token stride is too short");
   check(a.table_stride >= 1, "table_stride must be >= 1");
   check(a.partition_tokens >= 0, "partition_tokens must be >= 0");
+  check(a.window >= 0, "window must be >= 0");
+  check(std::isfinite(a.softcap) && a.softcap >= 0.0f, "softcap must be finite and >= 0");
   for (int d = 0; d < a.num_queries; ++d) {
     const int64_t context = index_at(a.context_lens, a.context_index_bytes, d);
     check(context >= 1 && context <= a.table_stride * a.block_size, [&] {
@@ -208,7 +218,7 @@ void check_args(const DecodeAttentionArgs& a) {
              " is not in [1, table width * block_size]";
     });
     const int64_t blocks = (context + a.block_size - 1) / a.block_size;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = first_visible(a, context) / a.block_size; b < blocks; ++b) {
       const int64_t id = index_at(a.block_tables, a.table_index_bytes, d * a.table_stride + b);
       check(id >= 0 && id < a.num_blocks, [&] {
         return "query " + std::to_string(d) + ": block id " + std::to_string(id) +
@@ -230,13 +240,17 @@ int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int th
                                             std::numeric_limits<int>::max()));
 }
 
+float attention_softcap(float* s, int n, float cap) { return kernels_for_isa().softcap(s, n, cap); }
+
 void paged_decode_attention(const DecodeAttentionArgs& args) {
   check_args(args);
   if (args.num_queries == 0) return;
   ThreadPool& pool = ThreadPool::instance();
   int64_t total = 0;
-  for (int d = 0; d < args.num_queries; ++d)
-    total += index_at(args.context_lens, args.context_index_bytes, d);
+  for (int d = 0; d < args.num_queries; ++d) {
+    const int64_t context = index_at(args.context_lens, args.context_index_bytes, d);
+    total += context - first_visible(args, context);
+  }
   const int partition = args.partition_tokens > 0
                             ? args.partition_tokens
                             : auto_partition_tokens(total, args.num_kv_heads, pool.size());
@@ -249,11 +263,12 @@ void paged_decode_attention(const DecodeAttentionArgs& args) {
   int64_t num_partials = 0;
   for (int d = 0; d < args.num_queries; ++d) {
     const auto context = static_cast<int>(index_at(args.context_lens, args.context_index_bytes, d));
-    const int parts = static_cast<int>((context + int64_t{partition} - 1) / partition);
+    const auto first = static_cast<int>(first_visible(args, context));
+    const int parts = static_cast<int>((context - first + int64_t{partition} - 1) / partition);
     for (int g = 0; g < args.num_kv_heads; ++g) {
       if (parts > 1) merges.push_back({static_cast<int>(items.size()), parts});
       for (int p = 0; p < parts; ++p) {
-        const int begin = static_cast<int>(int64_t{p} * partition);
+        const int begin = static_cast<int>(first + int64_t{p} * partition);
         const int end = static_cast<int>(std::min<int64_t>(context, int64_t{begin} + partition));
         items.push_back({d, g, begin, end, parts > 1 ? num_partials++ : -1});
       }

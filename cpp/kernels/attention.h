@@ -1,7 +1,8 @@
 // Paged decode attention for the CPU worker: D single-token queries, each attending to its own
 // request's K/V read in place from the paged cache (no gather copy), GQA, fp32 accumulation with
 // an online softmax, work split over (request, kv head, context partition) and the partitions
-// merged at the end (flash-decoding).
+// merged at the end (flash-decoding). Optionally a sliding window (only its blocks are read) and
+// soft-capped scores.
 //
 // Cache layout per layer (pyserve/worker/kv_cache.py), contiguous: V is
 // [num_kv_heads][num_blocks][block_size][head_dim], K is [num_kv_heads][num_blocks][head_dim]
@@ -39,10 +40,18 @@ struct DecodeAttentionArgs {
   void* out;  // [num_queries][num_heads][head_dim], q_dtype
   int64_t out_token_stride;
   int partition_tokens;  // context tokens per work item; 0: chosen from the load and threads
+  // A query at position p = context − 1 sees positions [max(0, p − window + 1), p] (the last
+  // `window`, Hugging Face's sliding window), 0: all; the blocks before are never read.
+  int window = 0;
+  // Each score s (scale · q·k) becomes softcap · tanh(s / softcap) before the softmax; 0: none.
+  float softcap = 0.0f;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the output.
 void paged_decode_attention(const DecodeAttentionArgs& args);
+
+// s[i] = cap · tanh(s[i] / cap) for i < n with the current ISA's loops; returns the largest.
+float attention_softcap(float* s, int n, float cap);
 
 // The tokens per partition that `partition_tokens = 0` picks for these contexts.
 int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int threads);
@@ -78,6 +87,8 @@ struct AttentionKernels {
                 int stride, float* top);
   // s[t] = exp(s[t] − shift) for t < n; returns Σ s[t]
   float (*exp_sum)(float* s, int n, float shift);
+  // s[t] = cap · tanh(s[t] / cap) for t < n (n ≥ 1); returns the largest
+  float (*softcap)(float* s, int n, float cap);
   // acc[h·dim + i] += Σ_t p[h·stride + o_j + t] · (element i of V token t of tile j), over the
   // tiles; prefetches `ahead` (the next chunk's V rows) meanwhile.
   void (*accumulate)(DType cache, const float* p, int stride, int group, int dim, const Tile* tiles,

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "attention_convert.h"
@@ -144,6 +145,45 @@ PYSERVE_AVX2 float exp_sum(float* s, int n, float shift) {
   return sum;
 }
 
+// tanh as avx512::tanh computes it (avx512_math.h), 8 lanes.
+PYSERVE_AVX2 inline __m256 tanh8(__m256 x) {
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 magnitude = _mm256_andnot_ps(sign, x);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(magnitude, _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(one, e)));
+  large = _mm256_or_ps(large, _mm256_and_ps(sign, x));
+  const __m256 near_zero = _mm256_cmp_ps(magnitude, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(large, small, near_zero);
+}
+
+PYSERVE_AVX2 float softcap(float* s, int n, float cap) {
+  const float inverse = 1.0f / cap;
+  const __m256 c = _mm256_set1_ps(cap), scale = _mm256_set1_ps(inverse);
+  __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 capped = _mm256_mul_ps(c, tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + t), scale)));
+    _mm256_storeu_ps(s + t, capped);
+    most = _mm256_max_ps(most, capped);
+  }
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  for (; t < n; ++t) {  // the last < 8 scores: scalar
+    s[t] = cap * tanh_float(s[t] * inverse);
+    top = s[t] > top ? s[t] : top;
+  }
+  return top;
+}
+
 template <DType T, int DIM>
 PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
                                 int tokens, float* acc) {
@@ -222,7 +262,7 @@ PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group,
 }  // namespace
 
 const AttentionKernels& avx2_attention() {
-  static const AttentionKernels table{"avx2", score, exp_sum, accumulate};
+  static const AttentionKernels table{"avx2", score, exp_sum, softcap, accumulate};
   return table;
 }
 

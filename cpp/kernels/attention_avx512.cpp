@@ -184,6 +184,19 @@ PYSERVE_AVX512 float exp_sum(float* s, int n, float shift) {
   return _mm512_reduce_add_ps(total);
 }
 
+PYSERVE_AVX512 float softcap(float* s, int n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap), inverse = _mm512_set1_ps(1.0f / cap);
+  __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int t = 0; t < n; t += 16) {
+    const __mmask16 live = lanes(n - t);
+    const __m512 capped =
+        _mm512_mul_ps(c, avx512::tanh(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), inverse)));
+    _mm512_mask_storeu_ps(s + t, live, capped);
+    most = _mm512_mask_max_ps(most, live, most, capped);
+  }
+  return _mm512_reduce_max_ps(most);
+}
+
 // G heads of the group over a chunk's tiles, their sums in registers throughout, each V row
 // loaded and converted once for all of them.
 template <DType T, int DIM, int G>
@@ -292,7 +305,7 @@ PYSERVE_AVX512 void accumulate(DType cache, const float* p, int stride, int grou
 }  // namespace
 
 const AttentionKernels& avx512_attention() {
-  static const AttentionKernels table{"avx512", score, exp_sum, accumulate};
+  static const AttentionKernels table{"avx512", score, exp_sum, softcap, accumulate};
   return table;
 }
 

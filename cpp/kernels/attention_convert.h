@@ -1,7 +1,8 @@
 // Scalar element conversions for the attention kernel: bf16 and fp16 to and from float, rounding
-// to nearest even as torch does (fp16 → float itself is half.h's).
+// to nearest even as torch does (fp16 → float itself is half.h's); the scalar loops' tanh.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -75,5 +76,9 @@ inline void store_element(DType type, void* base, int64_t i, float value) {
 }
 
 inline int element_bytes(DType type) { return type == DType::kFloat32 ? 4 : 2; }
+
+// tanh rounded from double: the float tanhf of glibc is off by up to ~2 ulp, more than the
+// vector loops' (avx512_math.h)
+inline float tanh_float(float x) { return static_cast<float>(std::tanh(static_cast<double>(x))); }
 
 }  // namespace pyserve_kernels

@@ -36,6 +36,16 @@ float exp_sum(float* s, int n, float shift) {
   return sum;
 }
 
+float softcap(float* s, int n, float cap) {
+  const float inverse = 1.0f / cap;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) {
+    s[t] = cap * tanh_float(s[t] * inverse);
+    top = std::max(top, s[t]);
+  }
+  return top;
+}
+
 void accumulate(DType cache, const float* p, int stride, int group, int dim, const Tile* tiles,
                 int count, const PrefetchSpan* ahead, int ahead_count, float* acc) {
   prefetch_spans(ahead, ahead_count);
@@ -54,7 +64,7 @@ void accumulate(DType cache, const float* p, int stride, int group, int dim, con
 }  // namespace
 
 const AttentionKernels& scalar_attention() {
-  static const AttentionKernels table{"scalar", score, exp_sum, accumulate};
+  static const AttentionKernels table{"scalar", score, exp_sum, softcap, accumulate};
   return table;
 }
 

@@ -58,15 +58,24 @@ void rms_norm_rows_scalar(const RmsNormArgs& a, int row0, int row1) {
   }
 }
 
+// gelu_tanh(x) = x·sigmoid(z), z = 2·√(2/π)·(x + 0.044715·x³), in double (the vector loops
+// compute z in double too: an error in z is an error in exp(−z), growing with |z|)
+float gelu_tanh(float gate) {
+  const double x = gate;
+  const double z = x * (kGeluZ + kGeluZCubed * x * x);
+  return static_cast<float>(x / (1.0 + std::exp(-z)));
+}
+
 void silu_mul_rows_scalar(const SiluMulArgs& a, int row0, int row1) {
+  const bool gelu = a.activation == GatedActivation::kGeluTanh;
   for (int r = row0; r < row1; ++r) {
     const int64_t in = r * a.input_stride, out = r * a.out_stride;
     for (int i = 0; i < a.width; ++i) {
       const float gate = load_element(a.dtype, a.input, in + i);
-      float silu = gate / (1.0f + std::exp(-gate));
-      silu = rounded(a.dtype, silu);
+      float act = gelu ? gelu_tanh(gate) : gate / (1.0f + std::exp(-gate));
+      act = rounded(a.dtype, act);
       store_element(a.dtype, a.out, out + i,
-                    silu * load_element(a.dtype, a.input, in + a.width + i));
+                    act * load_element(a.dtype, a.input, in + a.width + i));
     }
   }
 }
@@ -83,22 +92,36 @@ float saturated(DType cache, float value) {
   return cache == DType::kFloat16 ? std::min(kHalfMax, std::max(-kHalfMax, value)) : value;
 }
 
+// out = w · (x · rsqrt(mean(x²) + eps)) over one head
+void norm_head(const float* x, const float* w, int dim, float eps, float* out) {
+  float squares = 0.0f;
+  for (int i = 0; i < dim; ++i) squares += x[i] * x[i];
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  for (int i = 0; i < dim; ++i) out[i] = w[i] * (x[i] * inverse);
+}
+
 void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
-  const int dim = a.head_dim, half = dim / 2, bs = a.block_size;
-  std::vector<float> rotated(dim);
+  const int dim = a.head_dim, rotary = rotary_dims(a), half = rotary / 2, bs = a.block_size;
+  std::vector<float> rotated(dim), normed(dim);
   for (int r = row0; r < row1; ++r) {
     float* x = a.qkv + r * a.qkv_stride;
-    const float* c = a.cos + static_cast<int64_t>(r) * dim;
-    const float* sn = a.sin + static_cast<int64_t>(r) * dim;
+    const float* c = a.cos + static_cast<int64_t>(r) * rotary;
+    const float* sn = a.sin + static_cast<int64_t>(r) * rotary;
     const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
     for (int h = 0; h < a.num_heads + a.num_kv_heads; ++h) {
-      float* head = x + static_cast<int64_t>(h) * dim;
+      const float* head = x + static_cast<int64_t>(h) * dim;
+      const float* weight = h < a.num_heads ? a.q_norm : a.k_norm;
+      if (weight != nullptr) {
+        norm_head(head, weight, dim, a.norm_eps, normed.data());
+        head = normed.data();
+      }
       for (int i = 0; i < half; ++i) {  // element i pairs with i + half
         rotated[i] = sum_of_products(head[i], c[i], head[i + half], sn[i]);
         rotated[i + half] = sum_of_products(head[i + half], c[i + half], head[i], sn[i + half]);
       }
+      std::copy(head + rotary, head + dim, rotated.begin() + rotary);
       if (h < a.num_heads) {
-        std::copy(rotated.begin(), rotated.end(), head);
+        std::copy(rotated.begin(), rotated.end(), x + static_cast<int64_t>(h) * dim);
         continue;
       }
       const int64_t base = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs * dim;
@@ -181,6 +204,10 @@ void rope_write_kv(const RopeKvArgs& a) {
         "cache dtype codes: 0 float32, 1 bfloat16, 2 float16");
   check(a.qkv_stride >= static_cast<int64_t>(a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
         "the qkv row stride is shorter than a row");
+  check(a.rotary_dim == 0 ||
+            (a.rotary_dim >= 2 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.head_dim),
+        "rotary_dim must be 0 (all) or even, in [2, head_dim]");
+  check(std::isfinite(a.norm_eps) && a.norm_eps >= 0.0f, "eps must be finite and >= 0");
   if (a.rows == 0) return;
   check(a.qkv != nullptr && a.cos != nullptr && a.sin != nullptr && a.slots != nullptr &&
             a.k_cache != nullptr && a.v_cache != nullptr,
@@ -197,6 +224,8 @@ void rope_write_kv(const RopeKvArgs& a) {
 void silu_mul(const SiluMulArgs& a) {
   check_common(a.dtype, a.rows, a.width, a.input_stride, 2 * static_cast<int64_t>(a.width),
                a.out_stride, a.input, a.out);
+  check(a.activation == GatedActivation::kSilu || a.activation == GatedActivation::kGeluTanh,
+        "unknown gated activation");
   if (a.rows == 0) return;
   run_rows(a, kernels_for_isa().silu_mul_rows, a.width);
 }

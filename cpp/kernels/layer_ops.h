@@ -10,13 +10,18 @@
 //             rounded again (HF's `weight * hidden.to(input_dtype)`); float32: w · y. With a
 //             residual: x ← x + residual first (rounded to the dtype, as HF's `residual +
 //             hidden_states`), stored back into the residual rows, then normalized.
-//   silu_mul: out = silu(gate) · up, gate and up the two halves of each row; bf16: silu rounded
-//             to bf16 before the product, as F.silu's bf16 output is.
+//   silu_mul: out = act(gate) · up, gate and up the two halves of each row, act SiLU or GELU's
+//             tanh approximation (F.gelu(approximate="tanh"), Gemma's MLP); bf16: act rounded to
+//             bf16 before the product, as F.silu's and F.gelu's bf16 outputs are.
 //   rope_write_kv (float32): the q and k heads of a fused qkv projection row rotated (rotate-half
 //             layout, x·cos + swapped(x)·signed_sin with the products and the sum each rounded,
 //             as torch's three ops and HF's apply_rotary_pos_emb are: no FMA), q in place; k and
 //             v then stored at the row's cache slot, converted to the cache's dtype (float16
 //             saturates at ±65504, as kv_cache.py's clamp): K dimension-major within a block.
+//             Optionally each q and k head is RMS-normalized first (Qwen3's q_norm / k_norm:
+//             w · (x · rsqrt(mean(x²) + eps)), two roundings, as HF's Qwen3RMSNorm in float32),
+//             and only a head's first rotary_dim dims rotate (rotate-half within them, HF's
+//             partial rotary), the rest passing through.
 // Rows may be strided; the elements of a row are contiguous.
 #pragma once
 
@@ -40,6 +45,14 @@ struct RmsNormArgs {
   int64_t residual_stride = 0;
 };
 
+// The activation of a gated MLP's gate.
+enum class GatedActivation : int {
+  kSilu = 0,
+  // 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), computed as x·sigmoid(2·that tanh's argument),
+  // the same function without 1 + tanh's cancellation for negative x
+  kGeluTanh = 1,
+};
+
 struct SiluMulArgs {
   DType dtype;        // float32 or bfloat16
   const void* input;  // [rows][2·width]: gate, then up
@@ -48,7 +61,12 @@ struct SiluMulArgs {
   int width;
   void* out;  // [rows][width]
   int64_t out_stride;
+  GatedActivation activation = GatedActivation::kSilu;
 };
+
+// gelu_tanh's z = x·(kGeluZ + kGeluZCubed·x²): 2·√(2/π) and that times 0.044715
+constexpr double kGeluZ = 1.5957691216057308;
+constexpr double kGeluZCubed = 0.07135481627260025;
 
 constexpr int kMaxRopeHeadDim = 1024;  // the vector loops rotate a head in a stack buffer
 constexpr float kHalfMax = 65504.0f;   // a float16 cache saturates here instead of storing inf
@@ -60,15 +78,25 @@ struct RopeKvArgs {
   int num_heads;
   int num_kv_heads;
   int head_dim;          // even
-  const float* cos;      // [rows][head_dim]
-  const float* sin;      // [rows][head_dim], negated in the first half (signed_sin of rope.py)
+  const float* cos;      // [rows][rotary_dim]
+  const float* sin;      // [rows][rotary_dim], negated in the first half (signed_sin of rope.py)
   const int64_t* slots;  // [rows]: block · block_size + offset
   void* k_cache;         // [num_kv_heads][num_blocks][head_dim][block_size]
   void* v_cache;         // [num_kv_heads][num_blocks][block_size][head_dim]
   DType cache_dtype;
   int num_blocks;
   int block_size;
+  // The dims of a head that rotate, the first ones (even; 0: all head_dim); i pairs with
+  // i + rotary_dim / 2, and dims from rotary_dim on pass through.
+  int rotary_dim = 0;
+  // [head_dim] float32 RMSNorm weights of every q head and every k head, applied before the
+  // rotation (v untouched); null: no norm.
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float norm_eps = 1e-6f;
 };
+
+inline int rotary_dims(const RopeKvArgs& a) { return a.rotary_dim > 0 ? a.rotary_dim : a.head_dim; }
 
 // Per-ISA row loops: rows [row0, row1).
 struct LayerOpKernels {
@@ -84,7 +112,7 @@ const LayerOpKernels& avx512_layer_ops();
 // Check their arguments (std::invalid_argument), then split the rows over the thread pool when
 // there are enough elements to pay for it.
 void rms_norm(const RmsNormArgs& args);
-void silu_mul(const SiluMulArgs& args);
+void silu_mul(const SiluMulArgs& args);      // args.activation(gate) · up
 void rope_write_kv(const RopeKvArgs& args);  // checks slots against the cache too
 
 }  // namespace pyserve_kernels

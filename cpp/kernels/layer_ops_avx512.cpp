@@ -61,27 +61,74 @@ PYSERVE_AVX512_MATH void rms_norm_rows_as(const RmsNormArgs& a, int row0, int ro
   }
 }
 
-template <DType T>
-PYSERVE_AVX512_MATH void silu_mul_rows_as(const SiluMulArgs& a, int row0, int row1) {
+PYSERVE_AVX512_MATH inline __m512 silu(__m512 gate) {
   const __m512 one = _mm512_set1_ps(1.0f);
+  // sigmoid(g) = 1 / (1 + e) for g ≥ 0 and e / (1 + e) below, e = exp(−|g|) ≤ 1: no overflow
+  const __m512 e = avx512::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+  // 1 / (1 + e) by rcp14 and one Newton step (relative error ~1e-7): a division is ~4x slower
+  const __m512 denominator = _mm512_add_ps(one, e);
+  __m512 reciprocal = _mm512_rcp14_ps(denominator);
+  reciprocal =
+      _mm512_mul_ps(reciprocal, _mm512_fnmadd_ps(denominator, reciprocal, _mm512_set1_ps(2.0f)));
+  return _mm512_mul_ps(gate, _mm512_mul_ps(numerator, reciprocal));
+}
+
+// z = x·(kGeluZ + kGeluZCubed·x²) for 8 lanes, in double
+PYSERVE_AVX512_MATH inline __m512d gelu_z(__m256 x) {
+  const __m512d xd = _mm512_cvtps_pd(x);
+  const __m512d square = _mm512_mul_pd(xd, xd);
+  return _mm512_mul_pd(
+      xd, _mm512_fmadd_pd(_mm512_set1_pd(kGeluZCubed), square, _mm512_set1_pd(kGeluZ)));
+}
+
+// 16 floats from two halves of 8
+PYSERVE_AVX512_MATH inline __m512 join(__m256 low, __m256 high) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+
+// gelu_tanh(x) = x·sigmoid(z) as the scalar loop's (layer_ops.cpp). z in double, then as floats
+// z_hi + z_lo, so that exp(−|z|) = exp(−|z_hi|)·(1 ∓ z_lo) keeps its float precision out to
+// |z| = 87 (with z in float, an ulp of z is |z| ulps of exp(−|z|)); past it (x < −9.9) the
+// result is −0 instead of |x|·1e-38 or less.
+PYSERVE_AVX512_MATH inline __m512 gelu_tanh(__m512 x) {
+  const __m256 x_low = _mm512_castps512_ps256(x);
+  const __m256 x_high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m512d z_low = gelu_z(x_low), z_high = gelu_z(x_high);
+  const __m256 hi_low = _mm512_cvtpd_ps(z_low), hi_high = _mm512_cvtpd_ps(z_high);
+  const __m256 lo_low = _mm512_cvtpd_ps(_mm512_sub_pd(z_low, _mm512_cvtps_pd(hi_low)));
+  const __m256 lo_high = _mm512_cvtpd_ps(_mm512_sub_pd(z_high, _mm512_cvtps_pd(hi_high)));
+  const __m512 hi = join(hi_low, hi_high), lo = join(lo_low, lo_high);
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  const __mmask16 negative = _mm512_cmp_ps_mask(hi, zero, _CMP_LT_OQ);
+  // −|z| = −|z_hi| − sign(z_hi)·z_lo
+  const __m512 minus_lo = _mm512_mask_blend_ps(negative, _mm512_sub_ps(zero, lo), lo);
+  const __m512 magnitude = _mm512_abs_ps(hi);
+  __m512 e = avx512::exp_nonpositive(_mm512_sub_ps(zero, magnitude));
+  e = _mm512_fmadd_ps(e, minus_lo, e);
+  // past exp's clamp (z_lo is NaN for an infinite z): e ≤ 1.6e-38, taken as 0
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(87.0f), _CMP_GE_OQ), zero);
+  // sigmoid(z) = 1 / (1 + e) for z ≥ 0 and e / (1 + e) below: no overflow
+  const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+  return _mm512_div_ps(_mm512_mul_ps(x, numerator), _mm512_add_ps(one, e));
+}
+
+template <DType T, GatedActivation A>
+PYSERVE_AVX512_MATH void gated_mul_rows_as(const SiluMulArgs& a, int row0, int row1) {
   for (int r = row0; r < row1; ++r) {
     const int64_t in = r * a.input_stride, out = r * a.out_stride;
     for (int i = 0; i < a.width; i += 16) {
       const __mmask16 live = lanes(a.width - i);
       const __m512 gate = load<T>(a.input, in + i, live);
-      // sigmoid(g) = 1 / (1 + e) for g ≥ 0 and e / (1 + e) below, e = exp(−|g|) ≤ 1: no overflow
-      const __m512 e =
-          avx512::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
-      const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
-      const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
-      // 1 / (1 + e) by rcp14 and one Newton step (relative error ~1e-7): a division is ~4x slower
-      const __m512 denominator = _mm512_add_ps(one, e);
-      __m512 reciprocal = _mm512_rcp14_ps(denominator);
-      reciprocal = _mm512_mul_ps(reciprocal,
-                                 _mm512_fnmadd_ps(denominator, reciprocal, _mm512_set1_ps(2.0f)));
-      __m512 silu = _mm512_mul_ps(gate, _mm512_mul_ps(numerator, reciprocal));
-      if constexpr (T != DType::kFloat32) silu = avx512::round_to_bf16(silu);
-      store<T>(a.out, out + i, live, _mm512_mul_ps(silu, load<T>(a.input, in + a.width + i, live)));
+      __m512 act;
+      if constexpr (A == GatedActivation::kSilu)
+        act = silu(gate);
+      else
+        act = gelu_tanh(gate);
+      if constexpr (T != DType::kFloat32) act = avx512::round_to_bf16(act);
+      store<T>(a.out, out + i, live, _mm512_mul_ps(act, load<T>(a.input, in + a.width + i, live)));
     }
   }
 }
@@ -108,11 +155,12 @@ PYSERVE_AVX512_MATH inline void store_cache(void* base, int64_t i, __mmask16 liv
   }
 }
 
-// One head of the row rotated into `out` (head_dim floats; may be `head` itself): element i of
-// the first half pairs with i + half, so each pair of loads gives both halves' results.
+// The first `rotary` dims of one head of the row rotated into `out` (may be `head` itself):
+// element i of the first half pairs with i + half, so each pair of loads gives both halves'
+// results.
 PYSERVE_AVX512_MATH inline void rotate_head(const float* head, const float* c, const float* sn,
-                                            int dim, float* out) {
-  const int half = dim / 2;
+                                            int rotary, float* out) {
+  const int half = rotary / 2;
   for (int i = 0; i < half; i += 16) {
     const __mmask16 live = lanes(half - i);
     const __m512 first = _mm512_maskz_loadu_ps(live, head + i);
@@ -126,21 +174,65 @@ PYSERVE_AVX512_MATH inline void rotate_head(const float* head, const float* c, c
   }
 }
 
-template <DType C>
+// out[i] = from[i] for i in [begin, end)
+PYSERVE_AVX512_MATH inline void copy_dims(const float* from, int begin, int end, float* out) {
+  for (int i = begin; i < end; i += 16) {
+    const __mmask16 live = lanes(end - i);
+    _mm512_mask_storeu_ps(out + i, live, _mm512_maskz_loadu_ps(live, from + i));
+  }
+}
+
+// out = w · (x · rsqrt(mean(x²) + eps)) over one head, as the scalar loop (two roundings)
+PYSERVE_AVX512_MATH inline void norm_head(const float* x, const float* w, int dim, float eps,
+                                          float* out) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int i = 0; i < dim; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(lanes(dim - i), x + i);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
+  const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (int i = 0; i < dim; i += 16) {
+    const __mmask16 live = lanes(dim - i);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inverse);
+    _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w + i), y));
+  }
+}
+
+// EXTRAS: the q/k norm and partial rotary (as the arguments say); without, the whole-head rotation
+// compiles as it did before them.
+template <DType C, bool EXTRAS>
 PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1) {
-  const int dim = a.head_dim, bs = a.block_size;
+  const int dim = a.head_dim, rotary = EXTRAS ? rotary_dims(a) : dim, bs = a.block_size;
   alignas(64) float rotated[kMaxRopeHeadDim];
+  alignas(64) float normed[EXTRAS ? kMaxRopeHeadDim : 1];
   for (int r = row0; r < row1; ++r) {
     float* x = a.qkv + r * a.qkv_stride;
-    const float* c = a.cos + static_cast<int64_t>(r) * dim;
-    const float* sn = a.sin + static_cast<int64_t>(r) * dim;
+    const float* c = a.cos + static_cast<int64_t>(r) * rotary;
+    const float* sn = a.sin + static_cast<int64_t>(r) * rotary;
     const int64_t block = a.slots[r] / bs, offset = a.slots[r] % bs;
     for (int h = 0; h < a.num_heads; ++h) {  // q: in place
       float* head = x + static_cast<int64_t>(h) * dim;
-      rotate_head(head, c, sn, dim, head);
+      const float* from = head;
+      if constexpr (EXTRAS) {
+        if (a.q_norm != nullptr) {
+          norm_head(head, a.q_norm, dim, a.norm_eps, normed);
+          from = normed;
+          copy_dims(normed, rotary, dim, head);
+        }
+      }
+      rotate_head(from, c, sn, rotary, head);
     }
     for (int h = 0; h < a.num_kv_heads; ++h) {
-      rotate_head(x + static_cast<int64_t>(a.num_heads + h) * dim, c, sn, dim, rotated);
+      const float* from = x + static_cast<int64_t>(a.num_heads + h) * dim;
+      if constexpr (EXTRAS) {
+        if (a.k_norm != nullptr) {
+          norm_head(from, a.k_norm, dim, a.norm_eps, normed);
+          from = normed;
+        }
+      }
+      rotate_head(from, c, sn, rotary, rotated);
+      if constexpr (EXTRAS) copy_dims(from, rotary, dim, rotated);
       // converted as a vector, then element by element into the block: K is dimension-major,
       // element i of this token is bs apart from i + 1
       using Element = std::conditional_t<C == DType::kFloat32, float, uint16_t>;
@@ -160,15 +252,22 @@ PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1
   }
 }
 
-void rope_kv_rows(const RopeKvArgs& a, int row0, int row1) {
+template <bool EXTRAS>
+void rope_kv_rows_for(const RopeKvArgs& a, int row0, int row1) {
   switch (a.cache_dtype) {
     case DType::kFloat32:
-      return rope_kv_rows_as<DType::kFloat32>(a, row0, row1);
+      return rope_kv_rows_as<DType::kFloat32, EXTRAS>(a, row0, row1);
     case DType::kBFloat16:
-      return rope_kv_rows_as<DType::kBFloat16>(a, row0, row1);
+      return rope_kv_rows_as<DType::kBFloat16, EXTRAS>(a, row0, row1);
     case DType::kFloat16:
-      return rope_kv_rows_as<DType::kFloat16>(a, row0, row1);
+      return rope_kv_rows_as<DType::kFloat16, EXTRAS>(a, row0, row1);
   }
+}
+
+void rope_kv_rows(const RopeKvArgs& a, int row0, int row1) {
+  if (a.q_norm != nullptr || a.k_norm != nullptr || rotary_dims(a) != a.head_dim)
+    return rope_kv_rows_for<true>(a, row0, row1);
+  return rope_kv_rows_for<false>(a, row0, row1);
 }
 
 void rms_norm_rows(const RmsNormArgs& a, int row0, int row1) {
@@ -177,8 +276,13 @@ void rms_norm_rows(const RmsNormArgs& a, int row0, int row1) {
 }
 
 void silu_mul_rows(const SiluMulArgs& a, int row0, int row1) {
-  if (a.dtype == DType::kFloat32) return silu_mul_rows_as<DType::kFloat32>(a, row0, row1);
-  return silu_mul_rows_as<DType::kBFloat16>(a, row0, row1);
+  constexpr auto kSilu = GatedActivation::kSilu, kGelu = GatedActivation::kGeluTanh;
+  const bool f32 = a.dtype == DType::kFloat32;
+  if (a.activation == kGelu)
+    return f32 ? gated_mul_rows_as<DType::kFloat32, kGelu>(a, row0, row1)
+               : gated_mul_rows_as<DType::kBFloat16, kGelu>(a, row0, row1);
+  return f32 ? gated_mul_rows_as<DType::kFloat32, kSilu>(a, row0, row1)
+             : gated_mul_rows_as<DType::kBFloat16, kSilu>(a, row0, row1);
 }
 
 }  // namespace

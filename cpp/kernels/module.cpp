@@ -49,7 +49,8 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                             int num_kv_heads, int num_blocks, int block_size, int head_dim,
                             uintptr_t block_tables, int table_index_bytes, int64_t table_stride,
                             uintptr_t context_lens, int context_index_bytes, float scale,
-                            uintptr_t out, int64_t out_token_stride, int partition_tokens) {
+                            uintptr_t out, int64_t out_token_stride, int partition_tokens,
+                            int window, float softcap) {
   const pk::DecodeAttentionArgs args{address<const void>(q),
                                      q_token_stride,
                                      static_cast<pk::DType>(q_dtype),
@@ -70,7 +71,9 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      scale,
                                      address<void>(out),
                                      out_token_stride,
-                                     partition_tokens};
+                                     partition_tokens,
+                                     window,
+                                     softcap};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
 }
@@ -80,7 +83,7 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                              int num_kv_heads, int num_blocks, int block_size, int head_dim,
                              uintptr_t spans, int num_spans, uintptr_t block_tables,
                              int table_index_bytes, int64_t table_stride, float scale,
-                             uintptr_t out, int64_t out_token_stride) {
+                             uintptr_t out, int64_t out_token_stride, int window, float softcap) {
   const pk::PrefillAttentionArgs args{address<const void>(q),
                                       q_token_stride,
                                       static_cast<pk::DType>(q_dtype),
@@ -100,9 +103,18 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                                       table_stride,
                                       scale,
                                       address<void>(out),
-                                      out_token_stride};
+                                      out_token_stride,
+                                      window,
+                                      softcap};
   py::gil_scoped_release released;
   pk::paged_prefill_attention(args);
+}
+
+// The attention loops' soft-cap of the current ISA over n float32 values in place; returns the
+// largest (for tests of its tanh).
+float attention_softcap(uintptr_t values, int n, float cap) {
+  pk::check(n >= 1 && cap > 0.0f, "n must be >= 1 and cap > 0");
+  return pk::attention_softcap(address<float>(values), n, cap);
 }
 
 void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, uintptr_t weight,
@@ -136,9 +148,24 @@ void silu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int wi
   pk::silu_mul(args);
 }
 
+void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width,
+                   uintptr_t out, int64_t out_stride) {
+  const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
+                             address<const void>(input),
+                             input_stride,
+                             rows,
+                             width,
+                             address<void>(out),
+                             out_stride,
+                             pk::GatedActivation::kGeluTanh};
+  py::gil_scoped_release released;
+  pk::silu_mul(args);
+}
+
 void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
                    int head_dim, uintptr_t cos, uintptr_t sin, uintptr_t slots, uintptr_t k_cache,
-                   uintptr_t v_cache, int cache_dtype, int num_blocks, int block_size) {
+                   uintptr_t v_cache, int cache_dtype, int num_blocks, int block_size,
+                   int rotary_dim, uintptr_t q_norm, uintptr_t k_norm, float eps) {
   const pk::RopeKvArgs args{address<float>(qkv),
                             qkv_stride,
                             rows,
@@ -152,7 +179,11 @@ void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, i
                             address<void>(v_cache),
                             static_cast<pk::DType>(cache_dtype),
                             num_blocks,
-                            block_size};
+                            block_size,
+                            rotary_dim,
+                            address<const float>(q_norm),
+                            address<const float>(k_norm),
+                            eps};
   py::gil_scoped_release released;
   pk::rope_write_kv(args);
 }
@@ -237,17 +268,25 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("block_size"), py::arg("head_dim"), py::arg("block_tables"),
         py::arg("table_index_bytes"), py::arg("table_stride"), py::arg("context_lens"),
         py::arg("context_index_bytes"), py::arg("scale"), py::arg("out"),
-        py::arg("out_token_stride"), py::arg("partition_tokens"),
+        py::arg("out_token_stride"), py::arg("partition_tokens"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0f,
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
-        "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself");
+        "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself; window > 0: the "
+        "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap)");
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"),
         py::arg("q_token_stride"), py::arg("q_dtype"), py::arg("num_rows"), py::arg("num_heads"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"),
         py::arg("num_blocks"), py::arg("block_size"), py::arg("head_dim"), py::arg("spans"),
         py::arg("num_spans"), py::arg("block_tables"), py::arg("table_index_bytes"),
         py::arg("table_stride"), py::arg("scale"), py::arg("out"), py::arg("out_token_stride"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0f,
         "causal attention of prompt chunks (spans: int64 [num_spans, 3] of first row, rows, "
-        "cached tokens before them) over the paged KV cache, read in place");
+        "cached tokens before them) over the paged KV cache, read in place; window and softcap "
+        "as paged_decode_attention's");
+  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap");
+  m.def("attention_softcap", &attention_softcap, py::arg("values"), py::arg("n"), py::arg("cap"),
+        "values[i] = cap * tanh(values[i] / cap) in place over n float32 values, with the "
+        "current ISA's attention loops; returns the largest");
   m.def("attention_partition_tokens", &pk::auto_partition_tokens, py::arg("total_context_tokens"),
         py::arg("num_kv_heads"), py::arg("threads"),
         "the context tokens per work item that partition_tokens=0 picks");
@@ -259,12 +298,23 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("silu_mul", &silu_mul, py::arg("dtype"), py::arg("input"), py::arg("input_stride"),
         py::arg("rows"), py::arg("width"), py::arg("out"), py::arg("out_stride"),
         "out = silu(input[:, :width]) * input[:, width:]");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, py::arg("dtype"), py::arg("input"),
+        py::arg("input_stride"), py::arg("rows"), py::arg("width"), py::arg("out"),
+        py::arg("out_stride"),
+        "out = gelu_tanh(input[:, :width]) * input[:, width:], gelu_tanh as "
+        "torch.nn.functional.gelu(approximate='tanh')");
+  m.attr("GATED_ACTIVATIONS") = py::make_tuple("gelu_tanh");
   m.def("rope_write_kv", &rope_write_kv, py::arg("qkv"), py::arg("qkv_stride"), py::arg("rows"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
         py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cache_dtype"), py::arg("num_blocks"), py::arg("block_size"),
+        py::arg("rotary_dim") = 0, py::arg("q_norm") = 0, py::arg("k_norm") = 0,
+        py::arg("eps") = 1e-6f,
         "RoPE on the q and k heads of float32 qkv rows (q in place), k and v stored at the rows' "
-        "cache slots");
+        "cache slots; rotary_dim > 0 rotates each head's first rotary_dim dims only (cos and sin "
+        "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
+        "none) RMS-normalize each q / k head with eps first");
+  m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
                                "a Llama-family model's decoder layers run back to back in C++")
       .def(py::init([](int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,

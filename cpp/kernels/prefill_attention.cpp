@@ -34,6 +34,11 @@ Span span_at(const PrefillAttentionArgs& a, int s) {
   return {row[0], static_cast<int>(row[1]), static_cast<int>(row[2])};
 }
 
+// The first key a row at this position sees.
+int first_key(const PrefillAttentionArgs& a, int position) {
+  return a.window > 0 ? std::max(0, position - a.window + 1) : 0;
+}
+
 // Rows [row0, row0 + rows) of one span against one kv head's cache, all query heads of its group.
 struct WorkItem {
   int span;
@@ -82,8 +87,9 @@ void attend(void* context, int index) {
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.span * a.table_stride;
   const int first_query = span.start + item.row0;  // the first row's own position
-  const int end = first_query + rows;              // keys [0, end) are visible to some row
-  for (int pos = 0; pos < end;) {
+  const int end = first_query + rows;              // keys [begin, end) are visible to some row
+  const int begin = first_key(a, first_query);
+  for (int pos = begin; pos < end;) {
     const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
     const int offset = pos % bs;
     const int n = std::min({end - pos, bs - offset, kKeyTile});
@@ -94,7 +100,7 @@ void attend(void* context, int index) {
                      static_cast<int64_t>(n) * dim, v.data());
     for (int h = 0; h < group; ++h)
       kernels.tile(qt.data() + h * per_head, k.data(), v.data(), n, dim, first_query - pos,
-                   m.data() + h * kPrefillRows, l.data() + h * kPrefillRows,
+                   a.window, a.softcap, m.data() + h * kPrefillRows, l.data() + h * kPrefillRows,
                    ot.data() + h * per_head);
     pos += n;
   }
@@ -122,6 +128,8 @@ void check_args(const PrefillAttentionArgs& a) {
   const int64_t row = static_cast<int64_t>(a.num_heads) * a.head_dim;
   check(a.q_token_stride >= row && a.out_token_stride >= row, "a token stride is too short");
   check(a.table_stride >= 1, "table_stride must be >= 1");
+  check(a.window >= 0, "window must be >= 0");
+  check(std::isfinite(a.softcap) && a.softcap >= 0.0f, "softcap must be finite and >= 0");
   for (int s = 0; s < a.num_spans; ++s) {
     const Span span = span_at(a, s);
     const auto name = [s] { return "span " + std::to_string(s); };
@@ -134,7 +142,7 @@ void check_args(const PrefillAttentionArgs& a) {
       return name() + ": " + std::to_string(context) + " tokens, more than its block table covers";
     });
     const int64_t blocks = (context + a.block_size - 1) / a.block_size;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = first_key(a, span.start) / a.block_size; b < blocks; ++b) {
       const int64_t id = index_at(a.block_tables, a.table_index_bytes, s * a.table_stride + b);
       check(id >= 0 && id < a.num_blocks,
             [&] { return name() + ": block id " + std::to_string(id) + " is out of range"; });
@@ -171,15 +179,18 @@ void store_output_scalar(DType type, const float* ot, const float* l, int rows, 
 }
 
 void tile_scalar(const float* qt, const float* k, const float* v, int tokens, int dim, int limit,
-                 float* m, float* l, float* ot) {
+                 int window, float softcap, float* m, float* l, float* ot) {
+  const float inverse_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   for (int j = 0; j < kPrefillRows; ++j) {
-    const int visible = std::min(tokens, limit + j + 1);  // keys [0, visible) of this tile
-    if (visible <= 0) continue;
+    const int visible = std::min(tokens, limit + j + 1);  // keys [first, visible) of this tile
+    const int first = window > 0 ? std::max(0, limit + j - window + 1) : 0;
+    if (visible <= first) continue;
     float s[kPrefillRows];
     float top = m[j];
-    for (int t = 0; t < visible; ++t) {
+    for (int t = first; t < visible; ++t) {
       float sum = 0.0f;
       for (int i = 0; i < dim; ++i) sum += qt[i * kPrefillRows + j] * k[i * kPrefillRows + t];
+      if (softcap > 0.0f) sum = softcap * tanh_float(sum * inverse_cap);
       s[t] = sum;
       top = std::max(top, sum);
     }
@@ -187,7 +198,7 @@ void tile_scalar(const float* qt, const float* k, const float* v, int tokens, in
     m[j] = top;
     l[j] *= factor;
     for (int i = 0; i < dim; ++i) ot[i * kPrefillRows + j] *= factor;
-    for (int t = 0; t < visible; ++t) {
+    for (int t = first; t < visible; ++t) {
       const float p = std::exp(s[t] - top);
       l[j] += p;
       for (int i = 0; i < dim; ++i) ot[i * kPrefillRows + j] += p * v[t * dim + i];
@@ -217,7 +228,8 @@ void paged_prefill_attention(const PrefillAttentionArgs& args) {
   // The longest items first (an item's cost grows with the keys it sees), so the threads that
   // claim them one at a time finish close together.
   const auto keys = [&](const WorkItem& item) {
-    return span_at(args, item.span).start + item.row0;
+    const int first_query = span_at(args, item.span).start + item.row0;
+    return first_query - first_key(args, first_query);
   };
   std::stable_sort(items.begin(), items.end(),
                    [&](const WorkItem& x, const WorkItem& y) { return keys(x) > keys(y); });

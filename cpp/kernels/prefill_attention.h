@@ -1,7 +1,8 @@
 // Paged prefill attention for the CPU worker: the chunks of several prompts (spans), each row
 // attending causally to its request's cached tokens plus the chunk's own rows before it, with K
 // and V read in place from the paged cache (written before the call, so a chunk sees exactly
-// what later chunks and decodes read back). GQA, fp32 accumulation, online softmax.
+// what later chunks and decodes read back). GQA, fp32 accumulation, online softmax; optionally a
+// sliding window and soft-capped scores.
 //
 // Unlike decode, many query rows share every K/V row here, so the loops are a small GEMM: a work
 // item is (span, kv head, 16 consecutive rows); its queries are held transposed ([dim][16] per
@@ -39,6 +40,11 @@ struct PrefillAttentionArgs {
   float scale;
   void* out;  // [num_rows][num_heads][head_dim] in q_dtype; rows outside the spans untouched
   int64_t out_token_stride;
+  // Row i of a span, at position p = start + i, sees positions [max(0, p − window + 1), p]
+  // (Hugging Face's sliding window), 0: all; key tiles before every row's window are skipped.
+  int window = 0;
+  // Each score s (scale · q·k) becomes softcap · tanh(s / softcap) before the softmax; 0: none.
+  float softcap = 0.0f;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the spans' rows.
@@ -63,11 +69,12 @@ struct PrefillKernels {
                        int64_t stride);
   // One key tile against the 16 rows of one query head. qt [dim][16]: the rows' queries,
   // pre-scaled, transposed; k [dim][16] and v [16][dim] float32 (keys ≥ tokens are ignored,
-  // finite); row j may see
-  // key t only where t ≤ limit + j. The state, vectorized over the rows: m [16] running max,
-  // l [16] running sum, ot [dim][16] the output so far (unnormalized, transposed).
+  // finite); row j may see key t only where t ≤ limit + j, and with a window > 0 only where
+  // t > limit + j − window; softcap > 0 caps the scores (PrefillAttentionArgs). The state,
+  // vectorized over the rows: m [16] running max, l [16] running sum, ot [dim][16] the output
+  // so far (unnormalized, transposed).
   void (*tile)(const float* qt, const float* k, const float* v, int tokens, int dim, int limit,
-               float* m, float* l, float* ot);
+               int window, float softcap, float* m, float* l, float* ot);
 };
 
 const PrefillKernels& scalar_prefill();

@@ -160,6 +160,16 @@ inline __mmask16 rows_seeing(int t, int limit) {
   return static_cast<__mmask16>(0xffffu << first);
 }
 
+// The rows within the window of key t: row j where t > limit + j − window, i.e. j < t − limit +
+// window (all rows without a window).
+inline __mmask16 rows_within(int t, int limit, int window) {
+  if (window <= 0) return static_cast<__mmask16>(0xffff);
+  const int end = t - limit + window;
+  if (end >= 16) return static_cast<__mmask16>(0xffff);
+  if (end <= 0) return 0;
+  return static_cast<__mmask16>((1u << end) - 1u);
+}
+
 // ot[d0 + i] = ot[d0 + i]·factor + Σ_t p[t]·v[t][d0 + i] for i < W: W output vectors in
 // registers, independent FMA chains (the token loop stays outside: with it inside, one chain of
 // dependent FMAs would wait on each other's latency).
@@ -179,10 +189,12 @@ PYSERVE_AVX512 inline void accumulate(const float* p, const float* v, int tokens
 }
 
 // DIM > 0: head_dim known at compile time (a multiple of 16): every K/V element's address is a
-// constant offset from one register. DIM == 0: any head_dim.
-template <int DIM>
+// constant offset from one register. DIM == 0: any head_dim. EXTRAS: the window and softcap
+// (runtime values) apply; without, plain causal attention compiles as it did before them.
+template <int DIM, bool EXTRAS>
 PYSERVE_AVX512 void tile_as(const float* qt, const float* k, const float* v, int tokens,
-                            int runtime_dim, int limit, float* m, float* l, float* ot) {
+                            int runtime_dim, int limit, int window, float softcap, float* m,
+                            float* l, float* ot) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
   // scores of all 16 keys (keys ≥ tokens are zeros: masked below)
   __m512 s[16];
@@ -192,12 +204,20 @@ PYSERVE_AVX512 void tile_as(const float* qt, const float* k, const float* v, int
     for (int t = 0; t < 16; ++t)
       s[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(k[i * kPrefillRows + t]), s[t]);
   }
+  if constexpr (EXTRAS) {
+    if (softcap > 0.0f) {
+      const __m512 cap = _mm512_set1_ps(softcap), inverse = _mm512_set1_ps(1.0f / softcap);
+      for (int t = 0; t < 16; ++t)  // keys ≥ tokens too: constant indices keep s in registers
+        s[t] = _mm512_mul_ps(cap, avx512::tanh(_mm512_mul_ps(s[t], inverse)));
+    }
+  }
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 m_old = _mm512_loadu_ps(m);
   __m512 top = m_old;
   __mmask16 seen[16];
   for (int t = 0; t < 16; ++t) {
     seen[t] = t < tokens ? rows_seeing(t, limit) : 0;
+    if constexpr (EXTRAS) seen[t] &= rows_within(t, limit, window);
     top = _mm512_mask_max_ps(top, seen[t], top, s[t]);
   }
   // rows that have seen nothing yet keep m = -inf; they shift by 0 so no inf - inf appears
@@ -221,11 +241,21 @@ PYSERVE_AVX512 void tile_as(const float* qt, const float* k, const float* v, int
   }
 }
 
+template <bool EXTRAS>
+PYSERVE_AVX512 void tile_for(const float* qt, const float* k, const float* v, int tokens, int dim,
+                             int limit, int window, float softcap, float* m, float* l, float* ot) {
+  if (dim == 64)
+    return tile_as<64, EXTRAS>(qt, k, v, tokens, dim, limit, window, softcap, m, l, ot);
+  if (dim == 128)
+    return tile_as<128, EXTRAS>(qt, k, v, tokens, dim, limit, window, softcap, m, l, ot);
+  return tile_as<0, EXTRAS>(qt, k, v, tokens, dim, limit, window, softcap, m, l, ot);
+}
+
 PYSERVE_AVX512 void tile(const float* qt, const float* k, const float* v, int tokens, int dim,
-                         int limit, float* m, float* l, float* ot) {
-  if (dim == 64) return tile_as<64>(qt, k, v, tokens, dim, limit, m, l, ot);
-  if (dim == 128) return tile_as<128>(qt, k, v, tokens, dim, limit, m, l, ot);
-  return tile_as<0>(qt, k, v, tokens, dim, limit, m, l, ot);
+                         int limit, int window, float softcap, float* m, float* l, float* ot) {
+  if (window > 0 || softcap > 0.0f)
+    return tile_for<true>(qt, k, v, tokens, dim, limit, window, softcap, m, l, ot);
+  return tile_for<false>(qt, k, v, tokens, dim, limit, window, softcap, m, l, ot);
 }
 
 }  // namespace

@@ -12,6 +12,11 @@ Prefill: the chunks of several prompts ("spans" of consecutive rows), each row a
 causally to its request's cached tokens and to the rows of its chunk up to itself, again read in
 place from the cache, which holds the chunk's own K/V already (cpp/kernels/prefill_attention.h).
 
+Both take a sliding ``window`` (a query at position p sees positions p - window + 1 .. p, as
+Hugging Face's sliding-window layers; 0: all) and a logit ``softcap`` (each scaled score s becomes
+softcap · tanh(s / softcap) before the softmax, as Gemma 2's; 0: none). With a window, decode
+reads only the window's blocks.
+
 ``paged_decode_attention`` and ``paged_prefill_attention`` check everything the kernels rely on
 and raise ValueError. The CPU backend checks the cache and the tables once per forward and calls
 ``DecodeAttention.run`` / ``PrefillAttention.run`` per layer, which only check the query's
@@ -19,6 +24,8 @@ layout.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,6 +51,13 @@ def attention_features() -> frozenset[str]:
     if not kernel_available():
         return frozenset()
     return frozenset(getattr(quant.kernels(), "ATTENTION_FEATURES", ()))
+
+
+def _check_options(window: int, softcap: float) -> None:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), not {window}")
+    if not (softcap >= 0 and math.isfinite(softcap)):  # NaN fails the comparison
+        raise ValueError(f"softcap must be finite and >= 0 (0: none), not {softcap}")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -145,8 +159,14 @@ class DecodeAttention(_BoundToCache):
         v_cache: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """q [D, heads, head_dim] (rows may be strided) → out of q's shape and dtype."""
+        """q [D, heads, head_dim] (rows may be strided) → out of q's shape and dtype; each query
+        sees its context's last ``window`` positions (0: all), scores soft-capped at ``softcap``
+        (0: none)."""
+        _check_options(window, softcap)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
@@ -173,6 +193,8 @@ class DecodeAttention(_BoundToCache):
             out.data_ptr(),
             out_stride,
             self.partition_tokens,
+            window,
+            softcap,
         )
         return out
 
@@ -219,9 +241,15 @@ class PrefillAttention(_BoundToCache):
         v_cache: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [rows, heads, head_dim] (rows may be strided) → the spans' rows of ``out`` (q's
-        shape and dtype, contiguous heads); other rows of ``out`` are left as they are."""
+        shape and dtype, contiguous heads); other rows of ``out`` are left as they are. Each row
+        sees the last ``window`` positions up to its own (0: all), scores soft-capped at
+        ``softcap`` (0: none)."""
+        _check_options(window, softcap)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
         kv_heads, num_blocks, block_size, head_dim = self.geometry
         self._kernels.paged_prefill_attention(
@@ -245,6 +273,8 @@ class PrefillAttention(_BoundToCache):
             scale,
             out.data_ptr(),
             out_stride,
+            window,
+            softcap,
         )
         return out
 
@@ -258,10 +288,13 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache (which already holds their K/V):
     row ``first + i`` of span (first, rows, start) sees its request's tokens [0, start + i]
-    through ``block_tables[span]``; query head h reads kv head h // (heads // kv_heads).
+    through ``block_tables[span]``, with a ``window`` only the last ``window`` of them, scores
+    soft-capped at ``softcap`` (0: none); query head h reads kv head h // (heads // kv_heads).
     Returns ``out`` ([rows, heads, head_dim] in q's dtype; new and zeroed when None), written at
     the spans' rows.
     """
@@ -275,7 +308,7 @@ def paged_prefill_attention(
     )
     if out is None:
         out = torch.zeros(q.shape, dtype=q.dtype)
-    return call.run(q, k_cache, v_cache, scale, out)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap)
 
 
 def paged_decode_attention(
@@ -288,10 +321,14 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     partition_tokens: int = 0,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of q [D, heads, head_dim] (one token per request) over each request's first
-    ``context_lens[d]`` cached tokens, found through ``block_tables[d]``; query head h reads kv
-    head h // (heads // kv_heads). Returns [D, heads, head_dim] in q's dtype.
+    ``context_lens[d]`` cached tokens, found through ``block_tables[d]``, with a ``window`` only
+    the last ``window`` of them (the blocks before are not read), scores soft-capped at
+    ``softcap`` (0: none); query head h reads kv head h // (heads // kv_heads). Returns
+    [D, heads, head_dim] in q's dtype.
 
     block_tables: int32/int64 [D, width]; context_lens: int32/int64 [D]. ``partition_tokens``
     forces the context split (0: the kernel picks it from the load and its thread count).
@@ -310,13 +347,14 @@ def paged_decode_attention(
         k_cache=k_cache,
         partition_tokens=partition_tokens,
     )
-    return call.run(q, k_cache, v_cache, scale, out)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap)
 
 
 __all__ = [
     "DTYPE_CODES",
     "DecodeAttention",
     "PrefillAttention",
+    "attention_features",
     "kernel_available",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -1,5 +1,5 @@
-"""Fused RMSNorm, SiLU(gate)·up and RoPE + KV write on `pyserve._kernels` for the CPU worker,
-torch elsewhere.
+"""Fused RMSNorm, SiLU(gate)·up / GELU-tanh(gate)·up and RoPE (with q/k norm and partial rotary)
++ KV write on `pyserve._kernels` for the CPU worker, torch elsewhere.
 
 torch runs RMSNorm as six element-wise ops and SwiGLU's activation as two, each a dispatch and a
 pass over memory; a decode step makes ~90 such calls, which at small batches cost as much as a
@@ -13,6 +13,7 @@ as fast as a scalar loop). The CPU kernels backend calls them (``--backend torch
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +52,12 @@ def rope_features() -> frozenset[str]:
 
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) · up for the activations of ``fused_activations`` (and silu)."""
+    """act(gate) · up for the activations of ``fused_activations`` (and silu); torch's ops
+    where the kernels do not apply."""
     if activation == "silu":
         return silu_mul(gate_up)
+    if activation == "gelu_tanh":
+        return gelu_tanh_mul(gate_up)
     raise ValueError(f"no fused kernel for the activation {activation!r}")
 
 
@@ -114,6 +118,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) · up for gate_up = [..., 2·width] holding gate then up (Gemma's MLP), with
+    gelu_tanh torch's F.gelu(approximate="tanh"): in bfloat16 the activation rounded to bf16
+    before the product, as torch's ops round it. The kernel evaluates the same function as
+    x·sigmoid(2·inner) (no cancellation for negative x), to a few float32 ulps."""
+    flat = _as_rows(gate_up)
+    if flat is None or flat.shape[1] % 2 or "gelu_tanh" not in fused_activations():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    rows, width = flat.shape[0], flat.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype)
+    fused_kernels().gelu_tanh_mul(
+        DTYPE_CODES[gate_up.dtype], flat.data_ptr(), max(flat.stride(0), 2 * width), rows, width,
+        out.data_ptr(), width,
+    )  # fmt: skip
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -124,23 +146,39 @@ def rope_write_kv(
     *,
     num_heads: int,
     num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> bool:
     """RoPE on the q and k heads of a float32 fused projection ``qkv`` [T, (heads + 2·kv_heads)
     ·head_dim] (q rotated in place), then k and v stored at ``slots`` (int64 [T]) of one layer's
-    cache (kv_cache.py's layouts), in one pass. cos, signed_sin: float32 [T, 1, head_dim] from
-    RotaryEmbedding.cos_sin. Returns False, touching nothing, where the kernel does not apply
-    (then rotate with rope.apply_rope and write with PagedKVCache.write)."""
+    cache (kv_cache.py's layouts), in one pass. cos, signed_sin: float32 [T, 1, rotary_dim] from
+    RotaryTable.cos_sin; with rotary_dim < head_dim only each head's first rotary_dim dims
+    rotate (rope.apply_rope's partial rotary). q_norm, k_norm: float32 [head_dim] weights of a
+    per-head RMSNorm (eps) of every q and k head before the rotation (Qwen3's), each optional.
+    Returns False, touching nothing, where the kernel does not apply (then normalize with
+    F.rms_norm, rotate with rope.apply_rope and write with PagedKVCache.write)."""
     kernels = fused_kernels()
+    norms = [w for w in (q_norm, k_norm) if w is not None]
+    needs = {"qk_norm"} if norms else set()
     if (
         kernels is None
         or qkv.dtype != torch.float32
         or cos.dtype != torch.float32
         or signed_sin.dtype != torch.float32
         or k_cache.dtype not in DTYPE_CODES
+        or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
     ):
         return False
     rows, width = qkv.shape
     kv_heads, num_blocks, block_size, head_dim = v_cache.shape
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"rope_write_kv: eps must be finite and >= 0, not {eps}")
+    rotary_dim = cos.shape[-1] if cos.dim() else 0
+    if rotary_dim != head_dim:
+        needs.add("partial")
+    if not needs <= rope_features():
+        return False
     if (
         qkv.stride(1) != 1
         or width != (num_heads + 2 * num_kv_heads) * head_dim
@@ -149,8 +187,10 @@ def rope_write_kv(
         or k_cache.dtype != v_cache.dtype
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or not (cos.is_contiguous() and signed_sin.is_contiguous())
-        or cos.numel() != rows * head_dim
+        or not (2 <= rotary_dim <= head_dim and rotary_dim % 2 == 0)
+        or cos.numel() != rows * rotary_dim
         or signed_sin.shape != cos.shape
+        or any(w.shape != (head_dim,) or not w.is_contiguous() for w in norms)
         or slots.dtype != torch.int64
         or slots.shape != (rows,)
         or not slots.is_contiguous()
@@ -160,5 +200,24 @@ def rope_write_kv(
         qkv.data_ptr(), max(qkv.stride(0), width), rows, num_heads, num_kv_heads, head_dim,
         cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], num_blocks, block_size,
+        **_rope_options(rotary_dim, head_dim, q_norm, k_norm, eps),
     )  # fmt: skip
     return True
+
+
+def _rope_options(
+    rotary_dim: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> dict:
+    """The kernel's keywords for partial rotary and the q/k norm, only those in use (a module
+    without the features takes the plain call)."""
+    options: dict = {}
+    if rotary_dim != head_dim:
+        options["rotary_dim"] = rotary_dim
+    if q_norm is not None or k_norm is not None:
+        options.update(eps=eps, q_norm=0 if q_norm is None else q_norm.data_ptr(),
+                       k_norm=0 if k_norm is None else k_norm.data_ptr())  # fmt: skip
+    return options

@@ -52,7 +52,7 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
     }
     missing = [name for name, present in beyond_llama.items() if present]
     if missing:
-        return f"it has no {', '.join(missing)}"
+        return f"the stack does not compute {', '.join(missing)}"
     if not (plan.decode_attention and plan.prefill_attention):
         return "the attention kernels are not in use"
     if not plan.fused_ops:
