@@ -135,21 +135,10 @@ void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, ui
   pk::rms_norm(args);
 }
 
-void silu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width, uintptr_t out,
-              int64_t out_stride) {
-  const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
-                             address<const void>(input),
-                             input_stride,
-                             rows,
-                             width,
-                             address<void>(out),
-                             out_stride};
-  py::gil_scoped_release released;
-  pk::silu_mul(args);
-}
-
-void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width,
-                   uintptr_t out, int64_t out_stride) {
+// act(gate) · up over rows of [gate | up]
+void gated_activation(pk::GatedActivation activation, int dtype, uintptr_t input,
+                      int64_t input_stride, int rows, int width, uintptr_t out,
+                      int64_t out_stride) {
   const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
                              address<const void>(input),
                              input_stride,
@@ -157,9 +146,21 @@ void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, i
                              width,
                              address<void>(out),
                              out_stride,
-                             pk::GatedActivation::kGeluTanh};
+                             activation};
   py::gil_scoped_release released;
   pk::silu_mul(args);
+}
+
+void silu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width, uintptr_t out,
+              int64_t out_stride) {
+  gated_activation(pk::GatedActivation::kSilu, dtype, input, input_stride, rows, width, out,
+                   out_stride);
+}
+
+void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width,
+                   uintptr_t out, int64_t out_stride) {
+  gated_activation(pk::GatedActivation::kGeluTanh, dtype, input, input_stride, rows, width, out,
+                   out_stride);
 }
 
 void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
