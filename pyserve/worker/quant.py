@@ -285,7 +285,7 @@ class QuantLinear(nn.Module):
         self._matmul = kernels().matmul  # fails here, not in a forward, if the module is missing
         packed = self.packed
         # the kernel's weight arguments (addresses, sizes, bias), for forward() and for callers
-        # that run the kernel themselves (cpu_decoder.py's decoder stack)
+        # that run the kernel themselves (backends/cpu_stack.py's decoder stack)
         self.weight_args = (
             packed.data.data_ptr(), packed.scales.data_ptr(), packed.n, packed.k,
             packed.bits, packed.group,
