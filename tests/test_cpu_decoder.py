@@ -4,22 +4,28 @@ cpp/kernels/decoder_stack.*).
 The stack makes the modules' kernel calls in their order on their values, so everything it
 returns must be the module path's bit for bit: greedy tokens and logprobs over mixed batches
 (prompt chunks after cached prefixes beside decodes, and all-decode steps), with q/k/v/o biases
-and a Qwen2-like untied head. Then: where it does not apply it is not built, and the C++ checks
-the weights it is given.
+and a Qwen2-like untied head, and for every family of test_model_families.py with its features
+on (q/k norms, sandwich norms, GELU-tanh, sliding windows, soft-caps, several rope tables,
+partial rotary), with float32 and float16 caches. Then: where it does not apply it is not built,
+saying why, and the C++ checks the weights and tables it is given.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
+from hf_parity import make_tiny_model
+from test_model_families import FAMILIES, SERVED_CONTEXT
 from tiny_models import random_llama
 from worker_testlib import load_runner
 
 from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker import quant
-from pyserve.worker.backends.cpu_stack import CpuDecoderStack
+from pyserve.worker.backends.cpu_kernels import LayerPlan
+from pyserve.worker.backends.cpu_stack import CpuDecoderStack, unsupported
 from pyserve.worker.offline import OfflineEngine
 
 STACK_RUNS = quant.kernels().isa() == "avx512_vnni"  # the prefill kernel and fused ops need it
@@ -39,7 +45,9 @@ def tiny_model(tmp_path_factory) -> str:
     return str(directory)
 
 
-WORKER_SETTINGS = ("quantization", "activation_bits", "kv_cache_dtype", "dtype", "backend")
+WORKER_SETTINGS = (
+    "quantization", "activation_bits", "kv_cache_dtype", "dtype", "backend", "max_model_len",
+)  # fmt: skip
 
 
 def engine(model: str, stack: bool, **kw) -> OfflineEngine:
@@ -56,25 +64,52 @@ def engine(model: str, stack: bool, **kw) -> OfflineEngine:
     return built
 
 
-@needs_stack
-def test_the_stack_is_the_module_path_bit_for_bit(tiny_model):
+def assert_stack_matches_layer_loop(model: str, num_prompts: int = 10, **kw) -> None:
+    """Greedy tokens, logprobs and top logprobs of the stack and of the layer loop, equal, over
+    mixed batches: small chunks and 4 running put prompt chunks (half of them after a cached
+    prefix) beside decodes in most steps, and the tail decodes alone."""
     rng = random.Random(0)
     shared = [rng.randrange(256) for _ in range(40)]  # a cached prefix for half the prompts
     prompts = [
         (shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 60))]
-        for i in range(10)
+        for i in range(num_prompts)
     ]
     params = SamplingParams(
         max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
     )
-    # small chunks and 4 running: prompt chunks land beside decodes in most steps
-    kw = {"chunked_prefill_size": 24, "max_prefill_tokens": 24, "max_running_requests": 4}
-    want = engine(tiny_model, False, **kw).generate(prompts, params)
-    got = engine(tiny_model, True, **kw).generate(prompts, params)
+    kw = {"chunked_prefill_size": 24, "max_prefill_tokens": 24, "max_running_requests": 4, **kw}
+    want = engine(model, False, **kw).generate(prompts, params)
+    stack = engine(model, True, **kw)
+    assert stack.runner.backend.info().kernels["decoder_stack"] == "on"
+    got = stack.generate(prompts, params)
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
         assert a.top_logprobs == b.top_logprobs
+
+
+@needs_stack
+def test_the_stack_is_the_module_path_bit_for_bit(tiny_model):
+    assert_stack_matches_layer_loop(tiny_model)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory) -> tuple[str, str]:
+    """(name, directory) of test_model_families' tiny model of each family, features on."""
+    kind, overrides = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(directory, kind, seed=17, **overrides)
+    return request.param, str(directory)
+
+
+@needs_stack
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+def test_every_family_on_the_stack_is_its_layer_loop_bit_for_bit(family_model, cache):
+    name, directory = family_model
+    served = SERVED_CONTEXT.get(name)
+    assert_stack_matches_layer_loop(
+        directory, num_prompts=8, kv_cache_dtype=cache, max_model_len=served
+    )
 
 
 @needs_stack
@@ -106,23 +141,35 @@ def test_not_built_where_it_does_not_apply(tiny_model):
     assert (built is not None) == STACK_RUNS, why
 
 
-def test_a_model_beyond_the_stack_is_refused_and_runs_its_layers(tmp_path):
-    """A Qwen3 (q/k norms) is the Llama block plus a norm the stack does not compute: the stack
-    refuses it, saying so, instead of running a Llama."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
-    runner = load_runner(str(tmp_path), num_blocks=16, quantization="int4")
+def test_what_the_stack_cannot_run_is_refused_saying_why_and_runs_its_layers(tiny_model):
+    """A bfloat16 model (int4 linears on the kernels, but the stack computes in float32): not
+    built, the reason in the backend's info, and the layer loop generates."""
+    runner = load_runner(tiny_model, num_blocks=16, quantization="int4", dtype="bfloat16")
     why = runner.backend.info().kernels.get("decoder_stack", "")
-    assert runner.decoder_stack is None and "q/k norm" in why, why
+    assert runner.decoder_stack is None, why
+    assert why == "off: the model runs in torch.bfloat16, the stack in float32", why
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    (out,) = OfflineEngine(runner=runner, num_blocks=16).generate([[5, 9, 200, 17]], params)
+    assert len(out.token_ids) == 4
 
 
-def test_the_cpp_stack_checks_the_weights_it_is_given():
+@needs_stack
+def test_a_layer_off_the_kernels_or_another_eps_is_refused(tiny_model):
+    """What the plan runs on torch for one layer, and norms with different eps (the stack has
+    one eps), are refused with the layer and the reason."""
+    runner = load_runner(tiny_model, num_blocks=16, quantization="int4")
+    model, cache, plan = runner.model, runner.kv_cache, runner.backend.plan
+    assert unsupported(model, cache, plan) is None
+    layers = list(plan.layers)
+    torch_layer = replace(plan, layers=[*layers[:1], LayerPlan("torch: why", "fused"), *layers[2:]])
+    assert unsupported(model, cache, torch_layer) == "layer 1: attention on torch: why"
+    unfused = replace(plan, layers=[*layers[:2], LayerPlan("kernels", "torch: why")])
+    assert unsupported(model, cache, unfused) == "layer 2: rope + KV write on torch: why"
+    model.layers[1].mlp_norm.eps = 1e-3
+    assert unsupported(model, cache, plan) == "the norms' eps differ"
+
+
+def test_the_cpp_stack_checks_the_weights_and_tables_it_is_given():
     kernels = quant.kernels()
     stack = kernels.DecoderStack(
         hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, eps=1e-5,
@@ -130,13 +177,15 @@ def test_the_cpp_stack_checks_the_weights_it_is_given():
     )  # fmt: skip
     packed = {
         name: quant.quantize_weight(torch.randn(n, k), 4)
-        for name, (n, k) in {"qkv": (128, 64), "o": (64, 64), "gate_up": (192, 64)}.items()
-    }
+        for name, (n, k) in {
+            "qkv": (128, 64), "o": (64, 64), "gate_up": (192, 64), "down": (64, 96)
+        }.items()
+    }  # fmt: skip
 
     def linear(p):
         return (p.data.data_ptr(), p.scales.data_ptr(), p.n, p.k, p.bits, p.group, 0, 16)
 
-    norm = torch.ones(64)
+    norm, head_norm = torch.ones(64), torch.ones(16)
     cache = torch.zeros(2, 8, 8, 16)
     args = [linear(packed[n]) for n in ("qkv", "o", "gate_up")]
     with pytest.raises(ValueError, match="down: 192x64 weights, expected 64x96"):
@@ -145,4 +194,53 @@ def test_the_cpp_stack_checks_the_weights_it_is_given():
     with pytest.raises(ValueError, match="expected 8 fields"):
         stack.add_layer(norm.data_ptr(), norm.data_ptr(), *args, (1, 2), cache.data_ptr(),
                         cache.data_ptr())  # fmt: skip
+    layer = (norm.data_ptr(), norm.data_ptr(), *args, linear(packed["down"]), cache.data_ptr(),
+             cache.data_ptr())  # fmt: skip
+    with pytest.raises(ValueError, match="a q_norm without a k_norm"):
+        stack.add_layer(*layer, q_norm=head_norm.data_ptr())
+    with pytest.raises(ValueError, match="a q_norm without a k_norm, or a k_norm without"):
+        stack.add_layer(*layer, k_norm=head_norm.data_ptr())
+    with pytest.raises(ValueError, match="rope table 1 of 1: out of range"):
+        stack.add_layer(*layer, rope_table=1)
+    with pytest.raises(ValueError, match="rope table -1 of 1: out of range"):
+        stack.add_layer(*layer, rope_table=-1)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        stack.add_layer(*layer, window=-1)
     assert stack.num_layers == 0
+    stack.add_layer(*layer, q_norm=head_norm.data_ptr(), k_norm=head_norm.data_ptr(), window=4)
+    assert stack.num_layers == 1 and stack.num_rope_tables == 1
+
+    # the model-wide arguments: each rope table's rotary dims, the activation, the soft-cap
+    shape = {
+        "hidden": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate": 96,
+        "eps": 1e-5, "cache_dtype": 0, "num_blocks": 8, "block_size": 8,
+    }  # fmt: skip
+    two_tables = kernels.DecoderStack(**shape, activation="gelu_tanh", rotary_dims=[16, 8])
+    assert two_tables.num_rope_tables == 2
+    two_tables.add_layer(*layer, rope_table=1)
+    with pytest.raises(ValueError, match="rope table 2 of 2: out of range"):
+        two_tables.add_layer(*layer, rope_table=2)
+    for dims, match in (([18], "rotary_dim 18 must be even"), ([16, 7], "rope table 1: rotary")):
+        with pytest.raises(ValueError, match=match):
+            kernels.DecoderStack(**shape, rotary_dims=dims)
+    with pytest.raises(ValueError, match="activation relu: silu or gelu_tanh"):
+        kernels.DecoderStack(**shape, activation="relu")
+    with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
+        kernels.DecoderStack(**shape, softcap=-1.0)
+
+    # a forward must bring one cos and one sin per table (checked before anything is read)
+    hidden, residual = torch.zeros(1, 64), torch.zeros(1, 64)
+    slots, rope = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 16)
+
+    def forward(cos, sin):
+        two_tables.forward(
+            1, hidden.data_ptr(), residual.data_ptr(), cos, sin, slots.data_ptr(),
+            0, 0, 0, 0, 0, 0, 0, 0, 0, 0.25,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="1 rope tables, the stack has 2"):
+        forward([rope.data_ptr()], [rope.data_ptr()])
+    with pytest.raises(ValueError, match="as many sin tables as cos tables"):
+        forward([rope.data_ptr()] * 2, [rope.data_ptr()])
+    with pytest.raises(ValueError, match="a rope table's null address"):
+        forward([rope.data_ptr(), 0], [rope.data_ptr()] * 2)

@@ -1,7 +1,9 @@
-// DecoderStack::forward: the layer loop of pyserve/worker/models/llama.py over the C++ kernels.
+// DecoderStack::forward: DecoderLayer.forward's loop (pyserve/worker/models/decoder.py) over the
+// C++ kernels, as the CPU kernels backend (pyserve/worker/backends/cpu_kernels.py) calls them.
 #include "decoder_stack.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -48,6 +50,20 @@ DecoderStack::DecoderStack(const StackShape& shape) : shape_(shape) {
             shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0,
         "bad model shape");
   check(shape.num_blocks > 0 && shape.block_size > 0, "bad cache shape");
+  check(std::isfinite(shape.eps) && shape.eps >= 0.0f, "eps must be finite and >= 0");
+  check(
+      shape.activation == GatedActivation::kSilu || shape.activation == GatedActivation::kGeluTanh,
+      "unknown gated activation");
+  check(std::isfinite(shape.softcap) && shape.softcap >= 0.0f,
+        "softcap must be finite and >= 0 (0: none)");
+  if (shape_.rotary_dims.empty()) shape_.rotary_dims.push_back(shape.head_dim);
+  for (size_t t = 0; t < shape_.rotary_dims.size(); ++t) {
+    const int dim = shape_.rotary_dims[t];
+    check(dim >= 2 && dim % 2 == 0 && dim <= shape.head_dim, [&] {
+      return "rope table " + std::to_string(t) + ": rotary_dim " + std::to_string(dim) +
+             " must be even, in [2, head_dim " + std::to_string(shape.head_dim) + "]";
+    });
+  }
 }
 
 void DecoderStack::add_layer(const StackLayer& layer) {
@@ -56,6 +72,13 @@ void DecoderStack::add_layer(const StackLayer& layer) {
   const int qkv_size = q_size + 2 * s.num_kv_heads * s.head_dim;
   check(layer.input_norm != nullptr && layer.post_attention_norm != nullptr, "no norm weights");
   check(layer.k_cache != nullptr && layer.v_cache != nullptr, "no cache");
+  check((layer.q_norm == nullptr) == (layer.k_norm == nullptr),
+        "a q_norm without a k_norm, or a k_norm without a q_norm: both or neither");
+  check(layer.rope_table >= 0 && layer.rope_table < num_rope_tables(), [&] {
+    return "rope table " + std::to_string(layer.rope_table) + " of " +
+           std::to_string(num_rope_tables()) + ": out of range";
+  });
+  check(layer.window >= 0, "window must be >= 0 (0: none)");
   check_linear(layer.qkv, qkv_size, s.hidden, "qkv");
   check_linear(layer.o, s.hidden, q_size, "o");
   check_linear(layer.gate_up, 2 * s.intermediate, s.hidden, "gate_up");
@@ -71,6 +94,12 @@ void DecoderStack::forward(const StackBatch& b) const {
   check(rows > 0 && b.hidden != nullptr && b.residual != nullptr && b.cos != nullptr &&
             b.sin != nullptr && b.slots != nullptr,
         "empty batch or null address");
+  check(b.num_rope_tables == num_rope_tables(), [&] {
+    return std::to_string(b.num_rope_tables) + " rope tables, the stack has " +
+           std::to_string(num_rope_tables());
+  });
+  for (int t = 0; t < b.num_rope_tables; ++t)
+    check(b.cos[t] != nullptr && b.sin[t] != nullptr, "a rope table's null address");
   check(b.num_spans >= 0 && b.num_decodes >= 0 && b.num_decodes <= rows, "bad batch counts");
   for (int d = 0; d < b.num_decodes; ++d)
     check(b.decode_rows[d] >= 0 && b.decode_rows[d] < rows, "a decode row is outside the batch");
@@ -103,11 +132,15 @@ void DecoderStack::forward(const StackBatch& b) const {
   // clang-format off
   PrefillAttentionArgs prefill{qkv, qkv_size, DType::kFloat32, rows, s.num_heads, nullptr, nullptr,
       s.cache_dtype, s.num_kv_heads, s.num_blocks, s.block_size, dim, b.spans, b.num_spans,
-      b.span_tables, 8, b.span_table_stride, b.scale, attn, q_size};
+      b.span_tables, 8, b.span_table_stride, b.scale, attn, q_size, 0, s.softcap};
   DecodeAttentionArgs decode{in_place ? qkv : q_decode, in_place ? qkv_size : q_size,
       DType::kFloat32, b.num_decodes, s.num_heads, nullptr, nullptr, s.cache_dtype, s.num_kv_heads,
       s.num_blocks, s.block_size, dim, b.decode_tables, 8, b.decode_table_stride, b.context_lens, 8,
-      b.scale, in_place ? attn : out_decode, q_size, 0};
+      b.scale, in_place ? attn : out_decode, q_size, 0, 0, s.softcap};
+  // and rope + KV write's but for the layer's table, norms and caches
+  RopeKvArgs rope{qkv, qkv_size, rows, s.num_heads, s.num_kv_heads, dim, nullptr, nullptr, b.slots,
+      nullptr, nullptr, s.cache_dtype, s.num_blocks, s.block_size};
+  rope.norm_eps = s.eps;
   // clang-format on
   for (size_t l = 0; l < layers_.size(); ++l) {
     const StackLayer& layer = layers_[l];
@@ -118,11 +151,19 @@ void DecoderStack::forward(const StackBatch& b) const {
       rms_norm_rows(b.hidden, rows, hidden, layer.input_norm, s.eps, b.residual, normed);
     }
     matmul(layer.qkv, normed, rows, qkv);
-    rope_write_kv({qkv, qkv_size, rows, s.num_heads, s.num_kv_heads, dim, b.cos, b.sin, b.slots,
-                   layer.k_cache, layer.v_cache, s.cache_dtype, s.num_blocks, s.block_size});
+    const int rotary_dim = s.rotary_dims[layer.rope_table];
+    rope.cos = b.cos[layer.rope_table];
+    rope.sin = b.sin[layer.rope_table];
+    rope.rotary_dim = rotary_dim == dim ? 0 : rotary_dim;
+    rope.q_norm = layer.q_norm;
+    rope.k_norm = layer.k_norm;
+    rope.k_cache = layer.k_cache;
+    rope.v_cache = layer.v_cache;
+    rope_write_kv(rope);
     if (b.num_spans > 0) {
       prefill.k_cache = layer.k_cache;
       prefill.v_cache = layer.v_cache;
+      prefill.window = layer.window;
       paged_prefill_attention(prefill);
     }
     if (b.num_decodes > 0) {
@@ -132,6 +173,7 @@ void DecoderStack::forward(const StackBatch& b) const {
                       sizeof(float) * q_size);
       decode.k_cache = layer.k_cache;
       decode.v_cache = layer.v_cache;
+      decode.window = layer.window;
       paged_decode_attention(decode);
       if (!in_place)
         for (int d = 0; d < b.num_decodes; ++d)
@@ -139,11 +181,24 @@ void DecoderStack::forward(const StackBatch& b) const {
                       out_decode + static_cast<size_t>(d) * q_size, sizeof(float) * q_size);
     }
     matmul(layer.o, attn, rows, o);
-    rms_norm_rows(o, rows, hidden, layer.post_attention_norm, s.eps, b.residual, normed);
-    matmul(layer.gate_up, normed, rows, gate_up);
-    silu_mul(
-        {DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act, s.intermediate});
-    matmul(layer.down, act, rows, b.hidden);
+    // residual += the attention's output (with a sandwich, normalized first), then the norm
+    float* mlp_in = normed;
+    if (layer.attn_out_norm != nullptr) {
+      rms_norm_rows(o, rows, hidden, layer.attn_out_norm, s.eps, nullptr, normed);
+      rms_norm_rows(normed, rows, hidden, layer.post_attention_norm, s.eps, b.residual, o);
+      mlp_in = o;
+    } else {
+      rms_norm_rows(o, rows, hidden, layer.post_attention_norm, s.eps, b.residual, normed);
+    }
+    matmul(layer.gate_up, mlp_in, rows, gate_up);
+    silu_mul({DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act,
+              s.intermediate, s.activation});
+    if (layer.mlp_out_norm != nullptr) {  // the down projection into o (free now), normalized
+      matmul(layer.down, act, rows, o);
+      rms_norm_rows(o, rows, hidden, layer.mlp_out_norm, s.eps, nullptr, b.hidden);
+    } else {
+      matmul(layer.down, act, rows, b.hidden);
+    }
   }
 }
 

@@ -1,19 +1,23 @@
-// The decoder layers of a Llama-family model run back to back in C++ on the CPU kernels: per
-// layer RMSNorm (adding the residual), the fused qkv matmul, RoPE + KV write, paged prefill and
-// decode attention, the o matmul, RMSNorm (adding the residual), the gate/up matmul, SiLU·up and
-// the down matmul: the same calls, in the same order and on the same buffers' values, as the
-// Python modules make (pyserve/worker/models/llama.py), so the results are bit for bit theirs.
-// What it removes is Python between the ~9 calls a layer (module calls, argument checks, tensor
-// allocations: ~9% of a batch-32 decode step's time, when the kernels' thread pool waits).
+// The decoder layers of a model run back to back in C++ on the CPU kernels: per layer RMSNorm
+// (adding the residual), the fused qkv matmul, RoPE + KV write (with the layer's rope table and,
+// if the model has them, per-head q/k norms), paged prefill and decode attention (the layer's
+// sliding window, the model's soft-cap), the o matmul, [RMSNorm], RMSNorm (adding the residual),
+// the gate/up matmul, the gated activation (SiLU or GELU-tanh), the down matmul, [RMSNorm]; the
+// bracketed norms are Gemma's sandwich. These are the calls, in the same order and on the same
+// buffers' values, that the Python layer loop makes (DecoderLayer.forward in
+// pyserve/worker/models/decoder.py over the CPU kernels backend), so the results are bit for bit
+// its. What it removes is Python between the ~9 calls a layer (module calls, argument checks,
+// tensor allocations: ~9% of a batch-32 decode step's time, when the kernels' thread pool waits).
 //
 // The stack holds pointers into tensors that Python owns (packed weights, norms, caches); the
-// Python side (pyserve/worker/cpu_decoder.py) keeps them alive and checks every shape once.
+// Python side (pyserve/worker/backends/cpu_stack.py) keeps them alive and checks every shape once.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "attention.h"
+#include "layer_ops.h"
 #include "qgemm.h"
 
 namespace pyserve_kernels {
@@ -30,6 +34,15 @@ struct StackLayer {
   StackLinear qkv, o, gate_up, down;
   void* k_cache;  // this layer's, [num_kv_heads][num_blocks][head_dim][block_size]
   void* v_cache;  // [num_kv_heads][num_blocks][block_size][head_dim]
+  // [head_dim] each, both or neither: RMSNorm of every q and k head before RoPE (Qwen3, Gemma 3)
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  // [hidden] each, or none: the o projection's output normalized (no residual) before it joins
+  // the residual stream, and the down projection's likewise (Gemma 2/3's sandwich)
+  const float* attn_out_norm = nullptr;
+  const float* mlp_out_norm = nullptr;
+  int rope_table = 0;  // which of the forward's cos/sin tables this layer rotates with
+  int window = 0;      // attends to the last `window` positions (itself included); 0: all
 };
 
 struct StackShape {
@@ -38,19 +51,26 @@ struct StackShape {
   int num_kv_heads;
   int head_dim;
   int intermediate;
-  float eps;
+  float eps;  // every norm's, the q/k norms' included
   DType cache_dtype;
   int num_blocks;
   int block_size;
+  GatedActivation activation = GatedActivation::kSilu;
+  float softcap = 0.0f;  // attention scores → softcap · tanh(s / softcap); 0: none
+  // The rope tables' rotated dims (each even, in [2, head_dim]; < head_dim: partial rotary),
+  // one per table: the forward receives each table's cos and sin, [T][rotary_dims[i]].
+  std::vector<int> rotary_dims;
 };
 
 // One forward's rows (T of them) and attention metadata; all float32 / int64.
 struct StackBatch {
   int rows;
-  float* hidden;         // [T][hidden]: in, the embeddings; out, the last layer's MLP output
-  float* residual;       // [T][hidden]: out, the residual stream the last MLP output adds to
-  const float* cos;      // [T][head_dim]
-  const float* sin;      // [T][head_dim], negated in the first half (rope.py's signed_sin)
+  float* hidden;    // [T][hidden]: in, the embeddings; out, the last layer's MLP output
+  float* residual;  // [T][hidden]: out, the residual stream the last MLP output adds to
+  // per rope table (num_rope_tables of them, as the shape's rotary_dims): [T][rotary_dim] each
+  const float* const* cos;
+  const float* const* sin;  // negated in the first half of the rotated dims (rope.py's signed_sin)
+  int num_rope_tables;
   const int64_t* slots;  // [T]: each row's cache slot
   const int64_t* spans;  // [num_spans][3]: prompt chunks (first row, rows, cached tokens before)
   int num_spans;
@@ -66,9 +86,10 @@ struct StackBatch {
 
 class DecoderStack {
  public:
-  explicit DecoderStack(const StackShape& shape);
+  explicit DecoderStack(const StackShape& shape);  // no rotary_dims: one table of head_dim
   void add_layer(const StackLayer& layer);
   int num_layers() const { return static_cast<int>(layers_.size()); }
+  int num_rope_tables() const { return static_cast<int>(shape_.rotary_dims.size()); }
   // Runs every layer over the batch (std::invalid_argument on inconsistent arguments).
   void forward(const StackBatch& batch) const;
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "arg_checks.h"
 #include "attention.h"
@@ -214,24 +215,75 @@ pk::StackLinear stack_linear(const py::tuple& t) {
           t[7].cast<int>()};
 }
 
+pk::GatedActivation gated_activation_named(const std::string& name) {
+  if (name == "silu") return pk::GatedActivation::kSilu;
+  if (name == "gelu_tanh") return pk::GatedActivation::kGeluTanh;
+  throw std::invalid_argument("activation " + name + ": silu or gelu_tanh");
+}
+
+pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int head_dim,
+                            int intermediate, float eps, int cache_dtype, int num_blocks,
+                            int block_size, const std::string& activation, float softcap,
+                            const py::sequence& rotary_dims) {
+  pk::StackShape shape{hidden,
+                       num_heads,
+                       num_kv_heads,
+                       head_dim,
+                       intermediate,
+                       eps,
+                       static_cast<pk::DType>(cache_dtype),
+                       num_blocks,
+                       block_size,
+                       gated_activation_named(activation),
+                       softcap,
+                       {}};
+  for (auto dim : rotary_dims) shape.rotary_dims.push_back(dim.cast<int>());
+  return pk::DecoderStack(shape);
+}
+
 void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t post_attention_norm,
                      const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up,
-                     const py::tuple& down, uintptr_t k_cache, uintptr_t v_cache) {
-  stack.add_layer({address<const float>(input_norm), address<const float>(post_attention_norm),
-                   stack_linear(qkv), stack_linear(o), stack_linear(gate_up), stack_linear(down),
-                   address<void>(k_cache), address<void>(v_cache)});
+                     const py::tuple& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
+                     uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
+                     int rope_table, int window) {
+  pk::StackLayer layer{address<const float>(input_norm),
+                       address<const float>(post_attention_norm),
+                       stack_linear(qkv),
+                       stack_linear(o),
+                       stack_linear(gate_up),
+                       stack_linear(down),
+                       address<void>(k_cache),
+                       address<void>(v_cache)};
+  layer.q_norm = address<const float>(q_norm);
+  layer.k_norm = address<const float>(k_norm);
+  layer.attn_out_norm = address<const float>(attn_out_norm);
+  layer.mlp_out_norm = address<const float>(mlp_out_norm);
+  layer.rope_table = rope_table;
+  layer.window = window;
+  stack.add_layer(layer);
+}
+
+// A sequence of float32 addresses (one per rope table) as pointers
+void table_addresses(const py::sequence& values, std::vector<const float*>& out) {
+  out.clear();
+  for (auto value : values) out.push_back(address<const float>(value.cast<uintptr_t>()));
 }
 
 void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, uintptr_t residual,
-                   uintptr_t cos, uintptr_t sin, uintptr_t slots, uintptr_t spans, int num_spans,
-                   uintptr_t span_tables, int64_t span_table_stride, int num_decodes,
-                   uintptr_t decode_rows, uintptr_t decode_tables, int64_t decode_table_stride,
-                   uintptr_t context_lens, float scale) {
+                   const py::sequence& cos, const py::sequence& sin, uintptr_t slots,
+                   uintptr_t spans, int num_spans, uintptr_t span_tables, int64_t span_table_stride,
+                   int num_decodes, uintptr_t decode_rows, uintptr_t decode_tables,
+                   int64_t decode_table_stride, uintptr_t context_lens, float scale) {
+  thread_local std::vector<const float*> cos_tables, sin_tables;
+  table_addresses(cos, cos_tables);
+  table_addresses(sin, sin_tables);
+  pk::check(cos_tables.size() == sin_tables.size(), "as many sin tables as cos tables");
   const pk::StackBatch batch{rows,
                              address<float>(hidden),
                              address<float>(residual),
-                             address<const float>(cos),
-                             address<const float>(sin),
+                             cos_tables.data(),
+                             sin_tables.data(),
+                             static_cast<int>(cos_tables.size()),
                              address<const int64_t>(slots),
                              address<const int64_t>(spans),
                              num_spans,
@@ -317,28 +369,35 @@ PYBIND11_MODULE(_kernels, m) {
         "none) RMS-normalize each q / k head with eps first");
   m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
-                               "a Llama-family model's decoder layers run back to back in C++")
-      .def(py::init([](int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
-                       float eps, int cache_dtype, int num_blocks, int block_size) {
-             return pk::DecoderStack({hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
-                                      static_cast<pk::DType>(cache_dtype), num_blocks, block_size});
-           }),
-           py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate"), py::arg("eps"), py::arg("cache_dtype"), py::arg("num_blocks"),
-           py::arg("block_size"))
+                               "a decoder-only model's layers run back to back in C++")
+      .def(py::init(&make_stack), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("cache_dtype"),
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("activation") = "silu",
+           py::arg("softcap") = 0.0f, py::arg("rotary_dims") = py::tuple(),
+           "eps: every norm's; activation: silu or gelu_tanh; softcap > 0: attention scores -> "
+           "softcap * tanh(score / softcap); rotary_dims: each rope table's rotated dims (even, "
+           "<= head_dim), empty: one table of head_dim")
       .def("add_layer", &stack_add_layer, py::arg("input_norm"), py::arg("post_attention_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"),
-           py::arg("v_cache"),
+           py::arg("v_cache"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
+           py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
+           py::arg("window") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
-           "group, bias, activation_bits)")
+           "group, bias, activation_bits); q_norm and k_norm (both or neither, 0 for none): "
+           "float32 [head_dim] per-head norms before RoPE; attn_out_norm, mlp_out_norm (0 for "
+           "none): float32 [hidden] norms of the o and down projections' outputs; rope_table: "
+           "the index of the forward's cos/sin this layer rotates with; window > 0: attends to "
+           "the last `window` positions")
       .def_property_readonly("num_layers", &pk::DecoderStack::num_layers)
+      .def_property_readonly("num_rope_tables", &pk::DecoderStack::num_rope_tables)
       .def("forward", &stack_forward, py::arg("rows"), py::arg("hidden"), py::arg("residual"),
            py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("spans"), py::arg("num_spans"),
            py::arg("span_tables"), py::arg("span_table_stride"), py::arg("num_decodes"),
            py::arg("decode_rows"), py::arg("decode_tables"), py::arg("decode_table_stride"),
            py::arg("context_lens"), py::arg("scale"),
            "every layer over one batch: hidden (the embeddings) becomes the last MLP output, "
-           "residual the stream it adds to; int64 metadata, float32 rows");
+           "residual the stream it adds to; cos and sin: sequences of addresses, one per rope "
+           "table (float32 [rows, rotary_dim]); int64 metadata, float32 rows");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

@@ -223,8 +223,7 @@ class CpuKernelsBackend(TorchBackend):
 
     def run_layers(self, model, hidden, ropes, metadata):
         if self.stack is not None:
-            cos, sin = ropes[0]
-            return self.stack.run(hidden, cos, sin, metadata, self.config.scale)
+            return self.stack.run(hidden, ropes, metadata, self.config.scale)
         return super().run_layers(model, hidden, ropes, metadata)
 
     # ------------------------------------------------------------------ ops

@@ -4,8 +4,11 @@ A forward through the layer modules makes ~9 kernel calls a layer, each behind a
 argument checks and a fresh output tensor; at batch 32 that Python is ~9% of a decode step, time
 in which the kernels' second thread waits. The stack runs the same kernel calls, in the same
 order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the logits are bit for bit
-the layer loop's (tested). Python keeps the embedding lookup, the per-forward metadata, the final
-norm and the output projection.
+the layer loop's (tested). It runs every feature the layer loop runs on the kernels: q/k norms,
+Gemma's sandwich norms, SiLU or GELU-tanh, per-layer sliding windows, the attention soft-cap, and
+several rope tables (partial rotary too), each layer rotating with its own. Python keeps the
+embedding lookup (and its scale), the rope tables' cos/sin, the per-forward metadata, the final
+norm, the output projection and its soft-cap.
 
 ``build`` reads the model's description (models/config.py) and the backend's kernel plan, and
 refuses, saying why, any model whose layers compute something the stack does not: then the layer
@@ -38,41 +41,67 @@ def _float32_vector(t: torch.Tensor, size: int) -> bool:
     return t.dtype == torch.float32 and t.shape == (size,) and t.is_contiguous()
 
 
+def _address(norm: torch.nn.Module | None) -> int:
+    return 0 if norm is None else norm.weight.data_ptr()
+
+
+# the gated activations the stack computes (cpp/kernels/module.cpp, DecoderStack's activation)
+STACK_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> str | None:
-    """Why the stack cannot run this model exactly, or None."""
+    """Why the stack cannot run this model exactly as the layer loop does, or None."""
     cfg = model.config
-    beyond_llama = {
-        "q/k norm": cfg.qk_norm,
-        "sandwich norms": cfg.sandwich_norms,
-        f"activation {cfg.activation}": cfg.activation != "silu",
-        "attention softcap": cfg.attn_softcap is not None,
-        "sliding windows": any(layer.sliding_window for layer in cfg.layers),
-        "several rope tables": len({layer.rope.key() for layer in cfg.layers}) > 1,
-        "partial rotary": any(layer.rope.rotary_dim != cfg.head_dim for layer in cfg.layers),
-    }
-    missing = [name for name, present in beyond_llama.items() if present]
-    if missing:
-        return f"the stack does not compute {', '.join(missing)}"
     if not (plan.decode_attention and plan.prefill_attention):
         return "the attention kernels are not in use"
     if not plan.fused_ops:
         return "the fused layer ops are not in use"
+    if plan.activation != "kernels" or cfg.activation not in STACK_ACTIVATIONS:
+        return f"the {cfg.activation} activation runs on {plan.activation}"
     if model.embed_tokens.dtype != torch.float32:
         return f"the model runs in {model.embed_tokens.dtype}, the stack in float32"
     if kv_cache.k[0].dtype not in DTYPE_CODES:
         return f"a {kv_cache.k[0].dtype} cache"
-    if len(kv_cache.k) != len(model.layers):
-        return "the cache has another number of layers"
-    eps = {model.layers[0].attn_norm.eps}
+    if len(kv_cache.k) != len(model.layers) or len(plan.layers) != len(model.layers):
+        return "the cache or the kernel plan has another number of layers"
+    tables = model.rotary
+    if not tables or any(
+        not (2 <= t.rotary_dim <= cfg.head_dim and t.rotary_dim % 2 == 0) for t in tables
+    ):
+        return "a rope table's rotary dims are not even in [2, head_dim]"
+    first = model.layers[0]
+    eps, softcap = first.attn_norm.eps, first.attn.softcap
     for i, layer in enumerate(model.layers):
+        layer_plan = plan.layers[i]
+        if not layer_plan.attention_on_kernels:
+            return f"layer {i}: attention on {layer_plan.attention}"
+        if not layer_plan.fused_rope:
+            return f"layer {i}: rope + KV write on {layer_plan.rope_kv}"
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         if any(_linear(m) is None for m in linears):
             return f"layer {i}: a linear layer is not on the kernels at every batch size"
-        norms = (layer.attn_norm, layer.mlp_norm)
-        if not all(_float32_vector(n.weight, cfg.hidden_size) for n in norms):
+        hidden_norms = [layer.attn_norm, layer.mlp_norm]
+        hidden_norms += [n for n in (layer.attn_out_norm, layer.mlp_out_norm) if n is not None]
+        if not all(_float32_vector(n.weight, cfg.hidden_size) for n in hidden_norms):
             return f"layer {i}: norm weights are not float32 [hidden]"
-        if len({n.eps for n in norms} | eps) != 1:
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return f"layer {i}: a q norm without a k norm, or a k norm without a q norm"
+        head_norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
+        if not all(_float32_vector(n.weight, cfg.head_dim) for n in head_norms):
+            return f"layer {i}: q/k norm weights are not float32 [head_dim]"
+        if {n.eps for n in hidden_norms + head_norms} != {eps}:
             return "the norms' eps differ"
+        if not 0 <= layer.rope_table < len(tables):
+            return f"layer {i}: no rope table {layer.rope_table}"
+        attn = layer.attn
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        ):
+            return f"layer {i}: attention heads unlike the model's"
+        if attn.scale != cfg.scale or attn.softcap != softcap:
+            return "the layers' attention scales or soft-caps differ"
         if not (kv_cache.k[i].is_contiguous() and kv_cache.v[i].is_contiguous()):
             return "a cache tensor is not contiguous"
     return None
@@ -82,8 +111,9 @@ class CpuDecoderStack:
     """The C++ stack of one model and its cache; the backend calls ``run`` in place of the
     layer loop."""
 
-    def __init__(self, stack: object) -> None:
+    def __init__(self, stack: object, rotary_dims: list[int]) -> None:
         self._stack = stack
+        self._rotary_dims = rotary_dims  # each rope table's, for checking the tables given
 
     @classmethod
     def build(
@@ -105,6 +135,9 @@ class CpuDecoderStack:
             cache_dtype=DTYPE_CODES[kv_cache.k[0].dtype],
             num_blocks=num_blocks,
             block_size=block_size,
+            activation=cfg.activation,
+            softcap=model.layers[0].attn.softcap or 0.0,
+            rotary_dims=[table.rotary_dim for table in model.rotary],
         )
         for i, layer in enumerate(model.layers):
             stack.add_layer(
@@ -116,22 +149,40 @@ class CpuDecoderStack:
                 _linear(layer.down_proj),
                 kv_cache.k[i].data_ptr(),
                 kv_cache.v[i].data_ptr(),
+                q_norm=_address(layer.q_norm),
+                k_norm=_address(layer.k_norm),
+                attn_out_norm=_address(layer.attn_out_norm),
+                mlp_out_norm=_address(layer.mlp_out_norm),
+                rope_table=layer.rope_table,
+                window=layer.attn.sliding_window or 0,
             )
-        return cls(stack), ""
+        return cls(stack, [table.rotary_dim for table in model.rotary]), ""
 
     def run(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: CpuKernelsMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the embeddings ``hidden`` (float32 [T, hidden], overwritten):
         (the last layer's MLP output, the residual stream it adds to), as the layer loop
-        returns them."""
+        returns them. ``ropes``: every rope table's (cos, signed_sin) for the batch's positions
+        (float32 [T, 1, rotary_dim] each, RotaryTable.cos_sin), in the model's table order."""
         hidden = hidden.contiguous()
-        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        rows = hidden.shape[0]
+        if len(ropes) != len(self._rotary_dims):
+            raise ValueError(f"{len(ropes)} rope tables for a stack of {len(self._rotary_dims)}")
+        # contiguous copies (where they are not already) stay alive until the forward returns
+        rope_tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
+        for (cos, signed_sin), dim in zip(rope_tables, self._rotary_dims, strict=True):
+            if not (
+                cos.dtype == signed_sin.dtype == torch.float32
+                and cos.numel() == signed_sin.numel() == rows * dim
+            ):
+                raise ValueError(f"a rope table is not float32 [{rows}, {dim}]")
+        cos_addresses = [cos.data_ptr() for cos, _ in rope_tables]
+        sin_addresses = [sin.data_ptr() for _, sin in rope_tables]
         residual = torch.empty_like(hidden)
         slots = metadata.slots.contiguous()
         prefill = metadata.prefill
@@ -144,8 +195,8 @@ class CpuDecoderStack:
             decode_rows, decode_tables = decode.token_index, decode.call.block_tables.long()
             contexts = decode.call.context_lens.long()
         self._stack.forward(
-            hidden.shape[0], hidden.data_ptr(), residual.data_ptr(),
-            cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+            rows, hidden.data_ptr(), residual.data_ptr(),
+            cos_addresses, sin_addresses, slots.data_ptr(),
             0 if spans is None else spans.data_ptr(), 0 if spans is None else spans.shape[0],
             0 if tables is None else tables.data_ptr(), 0 if tables is None else tables.shape[1],
             0 if decode_rows is None else decode_rows.shape[0],
