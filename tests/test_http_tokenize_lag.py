@@ -1,8 +1,9 @@
 """Tokenization must not block the event loop: while 8 chat requests with ~8k-token prompts are
 templated and tokenized, the server's own event-loop lag probe (/metrics,
-``pyserve_event_loop_lag_seconds``) records no stall of 50 ms or more, the probe ran throughout
-the scenario (its probes' intervals and lags add up to the scenario's own elapsed time, so a
-probe that stopped or a loop that froze cannot pass as "no stall"), and /health keeps answering.
+``pyserve_event_loop_lag_seconds``) records no stall of 50 ms or more, and /health keeps
+answering. A loop that froze delays the probe's sleep, which records the freeze as its lag when
+it wakes; so the verdict waits until the probe has completed two more sleeps after the scenario
+(the one under way at its end, and one after): a probe that died cannot pass as "no stall".
 Nothing is judged by how long the scenario took. A real `pyserve run` on the tiny model, so that
 compute does not dominate; the prompts share their long part and run one at a time, so that the
 prefix cache spares all but one of the long prefills (the tokenization of all 8 still happens at
@@ -18,12 +19,12 @@ import aiohttp
 import pytest
 from http_testlib import request, running_server, tiny_model
 
-from pyserve.http.loop_lag import INTERVAL_S
 from pyserve.model_files import load_tokenizer, resolve_model
 
 PROMPT_TOKENS = 8000
 REQUESTS = 8
 LAG = "pyserve_event_loop_lag_seconds"
+HANG_GUARD_S = 120.0  # only against a hang
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,10 @@ def long_prompt(tokens: int) -> str:
 
 
 def lag_histogram(url: str) -> dict[str, float]:
-    """Cumulative bucket counts of the loop-lag histogram by upper bound, and its "sum"."""
+    """Cumulative bucket counts of the loop-lag histogram, by upper bound."""
     _, _, raw = request(url + "/metrics")
-    text = raw.decode()
     pattern = rf'^{LAG}_bucket{{le="([^"]+)"}} ([0-9.e+-]+)$'
-    found = {le: float(n) for le, n in re.findall(pattern, text, re.MULTILINE)}
-    found["sum"] = float(re.search(rf"^{LAG}_sum ([0-9.e+-]+)$", text, re.MULTILINE).group(1))
-    return found
+    return {le: float(n) for le, n in re.findall(pattern, raw.decode(), re.MULTILINE)}
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(model_dir):
@@ -58,7 +56,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop(model_dir):
     with running_server(args) as server:
         url = server.url
 
-        async def scenario() -> tuple[list[float], list[dict], float]:
+        async def scenario() -> tuple[list[float], list[dict]]:
             health: list[float] = []
             done = asyncio.Event()
 
@@ -77,29 +75,26 @@ def test_long_prompts_are_tokenized_off_the_event_loop(model_dir):
                     assert resp.status == 200, await resp.text()
                     return await resp.json()
 
-            guard = aiohttp.ClientTimeout(total=120)  # only against a hang
+            guard = aiohttp.ClientTimeout(total=HANG_GUARD_S)
             async with aiohttp.ClientSession(timeout=guard) as session:
-                started = time.perf_counter()
                 poller = asyncio.create_task(poll_health(session))
                 outputs = await asyncio.gather(*(chat(session, i) for i in range(REQUESTS)))
                 done.set()
                 await poller
-                elapsed = time.perf_counter() - started
-            return health, outputs, elapsed
+            return health, outputs
 
         before = lag_histogram(url)
-        health, outputs, elapsed = asyncio.run(scenario())
+        health, outputs = asyncio.run(scenario())
+        ended = lag_histogram(url)["+Inf"]
         after = lag_histogram(url)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while after["+Inf"] < ended + 2:  # the probe lives on, past the scenario
+            assert time.monotonic() < deadline, "the lag probe stopped"
+            time.sleep(0.05)
+            after = lag_histogram(url)
 
     assert all(o["usage"]["prompt_tokens"] > PROMPT_TOKENS for o in outputs)
     probes = after["+Inf"] - before["+Inf"]
     stalls = probes - (after["0.05"] - before["0.05"])
     assert stalls == 0, f"{stalls:.0f} of {probes:.0f} loop-lag probes were 50 ms late or more"
-    # Each probe is a sleep of INTERVAL_S that woke up its lag late, one after the other, from
-    # before the scenario to after it: together they span the scenario, less at most the two
-    # probes cut by its ends (each under INTERVAL_S + 50 ms, since none stalled).
-    probed = probes * INTERVAL_S + (after["sum"] - before["sum"])
-    assert probed >= elapsed - 2 * (INTERVAL_S + 0.05), (
-        f"the lag probe ran for {probed:.2f} s of the scenario's {elapsed:.2f} s"
-    )
     assert health, "/health was never answered"  # each answer was a 200 (poll_health)
