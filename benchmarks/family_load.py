@@ -25,9 +25,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_worker.py: before torch loads
 
 import torch
-from offline_load import load_prompts, run_load
+from offline_load import load_engine, load_prompts, run_load
 
-from pyserve.engine.config import EngineConfig
 from pyserve.worker.offline import OfflineEngine
 
 HERE = Path(__file__).resolve().parent
@@ -108,22 +107,12 @@ def main() -> None:
     families = args.families.split(",")
     if "llama" not in families:
         families.insert(0, "llama")  # the baseline
-    config = EngineConfig(device="cpu")
-    budget, chunk = config.resolved_prefill_budget()
-    per_request = -(-(args.prompt_len + args.output_len + 1) // 16)
     results = {}
     for family in families:
         directory = build(family, args.cache)
-        engine = OfflineEngine(
-            str(directory),
-            dtype="float32",
-            quantization=args.quantization,
-            kv_cache_dtype=config.resolved_kv_cache_dtype(),
-            num_blocks=args.concurrency * per_request + 64,
-            block_size=16,
-            max_running_requests=args.concurrency,
-            max_prefill_tokens=budget,
-            chunked_prefill_size=chunk,
+        tokens_each = args.prompt_len + args.output_len
+        engine = load_engine(
+            str(directory), args.concurrency, tokens_each, quantization=args.quantization
         )
         info = engine.executor.runner.backend.info()
         prompts = load_prompts(engine, args.requests, args.prompt_len)

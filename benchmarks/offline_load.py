@@ -76,6 +76,35 @@ class StepLog:
         }
 
 
+def load_engine(
+    model: str | None,
+    concurrency: int,
+    tokens_each: int,
+    *,
+    quantization: str = "auto",
+    activation_bits: int = 16,
+    kv_cache_dtype: str = "auto",
+) -> OfflineEngine:
+    """An OfflineEngine with the server's CPU defaults (dtype, K/V dtype, prefill budget and
+    chunk) for ``concurrency`` requests of up to ``tokens_each`` tokens at once."""
+    config = EngineConfig(device="cpu", kv_cache_dtype=kv_cache_dtype)
+    budget, chunk = config.resolved_prefill_budget()
+    per_request = -(-(tokens_each + 1) // 16)
+    engine = OfflineEngine(
+        model,
+        dtype=config.resolved_dtype(),
+        quantization=quantization,
+        activation_bits=activation_bits,
+        kv_cache_dtype=config.resolved_kv_cache_dtype(),
+        num_blocks=concurrency * per_request + 64,
+        block_size=16,
+        max_running_requests=concurrency,
+        max_prefill_tokens=budget,
+        chunked_prefill_size=chunk,
+    )
+    return engine
+
+
 def load_prompts(engine: OfflineEngine, requests: int, prompt_len: int) -> list[list[int]]:
     """The load's prompts: random token ids of the model's vocabulary (seeded)."""
     rng = random.Random(0)
@@ -132,21 +161,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(device="cpu", kv_cache_dtype=args.kv_cache_dtype)
-    budget, chunk = config.resolved_prefill_budget()
-    per_request = -(-(args.prompt_len + args.output_len + 1) // 16)
-    engine = OfflineEngine(
+    engine = load_engine(
         args.model,
-        dtype=config.resolved_dtype(),
+        args.concurrency,
+        args.prompt_len + args.output_len,
         quantization=args.quantization,
         activation_bits=args.activation_bits,
-        kv_cache_dtype=config.resolved_kv_cache_dtype(),
-        num_blocks=args.concurrency * per_request + 64,
-        block_size=16,
-        max_running_requests=args.concurrency,
-        max_prefill_tokens=budget,
-        chunked_prefill_size=chunk,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+    budget, chunk = EngineConfig(device="cpu").resolved_prefill_budget()
     runner = engine.executor.runner
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 from worker_testlib import assert_attention_close as assert_close
-from worker_testlib import attention_backend, paged_batch
+from worker_testlib import paged_batch
 
 from pyserve.worker import quant
 from pyserve.worker.attention_kernel import (
@@ -24,6 +24,7 @@ from pyserve.worker.attention_kernel import (
     PrefillAttention,
     paged_decode_attention,
 )
+from pyserve.worker.backends import attention_backend
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()

@@ -25,11 +25,12 @@ from hf_parity import (
     prefix_hits,
 )
 from worker_testlib import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    attention_backend,
     load_runner,
     one_torch_thread,
     paged_batch,
 )
+
+from pyserve.worker.backends import attention_backend
 
 # ---------------------------------------------------------------------------- fixtures
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from tiny_models import random_llama
 
-from pyserve.worker.backends import attention_backend  # noqa: F401 (for the attention tests)
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.settings import WorkerSettings

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 from pyserve.model_files import ModelInfo
 from pyserve.worker.dtypes import (  # torch-free
-    ACTIVATION_BITS,
     resolve_kv_cache_dtype,
-    resolve_quantization,
 )
 from pyserve.worker.settings import WorkerSettings  # torch-free
 
@@ -123,20 +121,17 @@ class EngineConfig:
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before any process starts."""
         self.resolved_kv_cache_dtype()  # checks dtype too
-        # an unknown name, or int4/int8 off the CPU
-        resolve_quantization(self.quantization, self.device, None)
         positive = ("block_size", "max_running_requests", "max_prefill_tokens")
         positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
+        # what the worker checks too (quantization, activation bits, backend): checked here first
         self.worker_settings(self.model, 1).validate()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")

@@ -52,7 +52,7 @@ class ModelRunner:
         self.dtype_name = dtype
         self.kv_cache_dtype_name = settings.kv_cache_dtype or dtype
         self.family = checkpoint.family
-        limit = checkpoint.config.max_model_len
+        limit = checkpoint.config.context_length  # sliding windows are real windows
         self.max_model_len = min(limit, settings.max_model_len) if settings.max_model_len else limit
         self.config: ModelConfig = checkpoint.config.served(self.max_model_len)
         self.block_size = settings.block_size

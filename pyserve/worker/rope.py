@@ -150,16 +150,13 @@ class RotaryTable:
     wherever a request's length and the served context lie on the same side of the original.
     """
 
-    def __init__(
-        self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu", context: int = 0
-    ):
+    def __init__(self, rope: RopeConfig, device: torch.device | str = "cpu", context: int = 0):
         inv_freq, self.attention_factor = inverse_frequencies(rope)
         long = long_inverse_frequencies(rope)
         original = int((rope.scaling or {}).get("original_max_position_embeddings") or 0)
         self.long = long is not None and context > original
         self.inv_freq = (long if self.long else inv_freq).to(device)  # type: ignore[union-attr]
         self.rotary_dim = rope.rotary_dim
-        self.head_dim = head_dim
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

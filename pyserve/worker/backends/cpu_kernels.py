@@ -232,11 +232,7 @@ class CpuKernelsBackend(TorchBackend):
         return layer_ops.rms_norm(x, weight, eps, residual)  # torch's ops where it cannot run
 
     def gated_activation(self, gate_up, activation):
-        if activation == "silu":
-            return layer_ops.silu_mul(gate_up)
-        if activation in layer_ops.fused_activations():
-            return layer_ops.gated_activation(gate_up, activation)
-        return super().gated_activation(gate_up, activation)
+        return layer_ops.gated_activation(gate_up, activation)  # torch's ops where it cannot run
 
     def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
         meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]
@@ -265,9 +261,6 @@ class CpuKernelsBackend(TorchBackend):
     ) -> bool:
         cache = self.kv_cache
         assert cache is not None
-        extra = {}
-        if qk_norm is not None:
-            extra = {"q_norm": qk_norm.q_weight, "k_norm": qk_norm.k_weight, "eps": qk_norm.eps}
         return layer_ops.rope_write_kv(
             qkv,
             cos,
@@ -277,7 +270,9 @@ class CpuKernelsBackend(TorchBackend):
             cache.v[layer.index],
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
-            **extra,
+            q_norm=None if qk_norm is None else qk_norm.q_weight,
+            k_norm=None if qk_norm is None else qk_norm.k_weight,
+            eps=1e-6 if qk_norm is None else qk_norm.eps,
         )
 
     def _attend_kernels(
@@ -293,13 +288,14 @@ class CpuKernelsBackend(TorchBackend):
         cache = self.kv_cache
         assert cache is not None
         k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
-        options = _kernel_options(layer)
+        # the plan runs a layer with a window or a cap here only where the kernels compute them
+        window, softcap = layer.sliding_window or 0, layer.softcap or 0.0
         decode = meta.decode
         if meta.all_decode and decode is not None:
-            return decode.call.run(q, k_cache, v_cache, layer.scale, **options)
+            return decode.call.run(q, k_cache, v_cache, layer.scale, window=window, softcap=softcap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.prefill is not None:
-            meta.prefill.run(q, k_cache, v_cache, layer.scale, out, **options)
+            meta.prefill.run(q, k_cache, v_cache, layer.scale, out, window=window, softcap=softcap)
         elif not meta.all_decode:  # prefill rows on the torch path (no prefill kernel here)
             assert k is not None and v is not None
             torch_meta = self._torch_metadata(meta)
@@ -308,17 +304,8 @@ class CpuKernelsBackend(TorchBackend):
                 out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
         if decode is not None:
             rows_q = q.index_select(0, decode.token_index)
-            decoded = decode.call.run(rows_q, k_cache, v_cache, layer.scale, **options)
+            decoded = decode.call.run(
+                rows_q, k_cache, v_cache, layer.scale, window=window, softcap=softcap
+            )
             out.index_copy_(0, decode.token_index, decoded)
         return out
-
-
-def _kernel_options(layer: AttentionLayer) -> dict:
-    """The attention kernels' keyword arguments for a layer's window and softcap (only passed
-    when set, so kernels without those features are never asked for them)."""
-    options: dict = {}
-    if layer.sliding_window:
-        options["window"] = layer.sliding_window
-    if layer.softcap is not None:
-        options["softcap"] = layer.softcap
-    return options

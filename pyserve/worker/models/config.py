@@ -95,11 +95,6 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence this model computes (sliding windows are real windows)."""
-        return self.context_length
-
     def served(self, max_model_len: int) -> ModelConfig:
         """This model as served up to ``max_model_len`` tokens: a window that long or longer
         never hides a position, so those layers attend to everything (and need no window)."""

@@ -63,6 +63,12 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(hidden, qkv_size, bias=config.qkv_bias, **kw)
         self.q_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
+        # the backend's view of them (the loaders fill the same parameters in place)
+        self.qk_norm = (
+            QKNorm(self.q_norm.weight, self.k_norm.weight, eps)
+            if self.q_norm is not None and self.k_norm is not None
+            else None
+        )
         self.o_proj = Linear(config.q_size, hidden, bias=config.o_bias, **kw)
         sandwich = config.sandwich_norms
         self.attn_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
@@ -70,11 +76,6 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw)
         self.down_proj = Linear(inter, hidden, bias=False, **kw)
         self.mlp_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
-
-    def qk_norm(self) -> QKNorm | None:
-        if self.q_norm is None or self.k_norm is None:
-            return None
-        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(
         self,
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
         else:
             normed = self.attn_norm(hidden, backend, residual)  # residual += previous MLP output
         qkv = self.qkv_proj(normed)
-        attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm())
+        attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm)
         attn = self.o_proj(attn)
         if self.attn_out_norm is not None:
             attn = self.attn_out_norm(attn, backend)
@@ -124,7 +125,7 @@ class CausalLM(nn.Module):
         for layer in config.layers:
             tables.setdefault(layer.rope.key(), len(tables))
         ropes = {layer.rope.key(): layer.rope for layer in config.layers}
-        self.rotary = [RotaryTable(ropes[key], config.head_dim, device, context) for key in tables]
+        self.rotary = [RotaryTable(ropes[key], device, context) for key in tables]
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tables[layer.rope.key()], **kw)
             for i, layer in enumerate(config.layers)

@@ -152,11 +152,6 @@ def supported(kind: str) -> list[str]:
     return sorted(_BY_HF if kind == "hf" else _BY_GGUF)
 
 
-def family_named(name: str) -> Family:
-    _families_loaded()
-    return _BY_NAME[name]
-
-
 def _lookup(table: dict[str, Family], arch: object, kind: str, label: str) -> Family:
     _families_loaded()
     family = table.get(str(arch)) if arch is not None else None
