@@ -123,7 +123,8 @@ def test_a_stalled_worker_turns_health_to_503_and_back(tmp_path_factory, tmp_pat
     hold = tmp_path / "hold-steps"
     monkeypatch.setenv(HOLD_STEPS, str(hold))  # the server inherits it
     args = ["--model", str(model), "--dtype", "float32", "--kv-cache-tokens", "1024"]
-    with running_server([*args, "--torch-threads", "1", "--step-timeout", str(STEP_TIMEOUT_S)]) as server:
+    args += ["--torch-threads", "1", "--step-timeout", str(STEP_TIMEOUT_S)]
+    with running_server(args) as server:
         url = server.url
         assert request(url + "/health")[0] == 200
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
