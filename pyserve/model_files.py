@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,27 @@ def default_model_path() -> str:
     return str(path)
 
 
+# llama.cpp's gguf-split names: model-00001-of-00003.gguf, ...
+SPLIT_GGUF = re.compile(r"(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
+
+
+def gguf_shards(path: str) -> list[str]:
+    """Every file of a GGUF model: the path itself, or all shards of a split file in order
+    (``path`` is its first); a missing shard is an error that names it."""
+    split = SPLIT_GGUF.fullmatch(Path(path).name)
+    if split is None:
+        return [path]
+    count = int(split["count"])
+    shards = [
+        str(Path(path).with_name(f"{split['stem']}-{i:05d}-of-{split['count']}.gguf"))
+        for i in range(1, count + 1)
+    ]
+    for shard in shards:
+        if not Path(shard).is_file():
+            raise ModelFilesError(f"{shard}: missing (shard of the split model {path})")
+    return shards
+
+
 def resolve_model(model: str | None) -> ModelSource:
     """Turns ``--model`` (a directory, a .gguf file, or None) into a ModelSource."""
     if model is None:
@@ -84,6 +106,10 @@ def resolve_model(model: str | None) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelFilesError(f"{path}: a model file must be a .gguf file")
+        split = SPLIT_GGUF.fullmatch(path.name)
+        if split:  # any shard of a split file names the model: load from its first shard
+            first = path.with_name(f"{split['stem']}-00001-of-{split['count']}.gguf")
+            return ModelSource(path=str(first.resolve()), kind="gguf", name=split["stem"])
         return ModelSource(path=str(path.resolve()), kind="gguf", name=path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():

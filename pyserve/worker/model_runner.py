@@ -12,10 +12,12 @@ from pyserve.worker.backends import Backend, select_backend
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
+from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.decoder import CausalLM
 from pyserve.worker.models.weights import load_weights
 from pyserve.worker.settings import WorkerSettings
+from pyserve.worker.weight_packing import Packing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger("pyserve.worker")
@@ -63,40 +65,44 @@ class ModelRunner:
         self.model = CausalLM(
             self.config, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len
         )
-        load_weights(
+        packing = None
+        if self.quantization != "none":
+            native = settings.quantization == "auto"  # each tensor at the precision it has
+            packing = Packing(
+                "native" if native else self.quantization,
+                activation_bits=settings.activation_bits,
+                dtype=self.dtype,
+            )
+        progress = LoadProgress(
+            checkpoint.path.rsplit("/", 1)[-1], len(checkpoint.tensors), checkpoint.nbytes
+        )
+        packed = load_weights(
             self.model,
             self.family,
-            checkpoint.tensors(),
+            checkpoint.tensors,
             checkpoint.path,
             norms_include_offset=checkpoint.norms_include_offset,
+            packing=packing,
+            progress=progress,
         )
         self.model.eval()
-        self.quantized_linears = 0
-        if self.quantization != "none":
-            from pyserve.worker.quant import DEFAULT_ACTIVATION_BITS, quantize_model_linears
-
-            # before packing: it needs the plain [out, in] weights, and packs its own
-            # the output projection decides the tokens and runs on few rows (the sampled ones):
-            # it keeps int16 activations whatever the layers use
-            replaced = quantize_model_linears(
-                self.model,
-                self.quantization,
-                activation_bits=settings.activation_bits,
-                head_activation_bits=DEFAULT_ACTIVATION_BITS,
-            )
-            self.quantized_linears = len(replaced)
+        self.quantized_linears = sum(packed.values())
+        # projections packed at each precision, e.g. {"int4": 144, "int8": 25}
+        self.packed_precisions = {f"int{bits}": n for bits, n in sorted(packed.items())}
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
         self.kv_cache = self.backend.allocate_kv_cache(
             settings.num_blocks, settings.block_size, DTYPES[self.kv_cache_dtype_name]
         )
         self.backend.prepare_model(self.model)
         info = self.backend.info()
+        precisions = ", ".join(f"{n} {bits}" for bits, n in self.packed_precisions.items())
         log.info(
-            "%s (%s): backend %s (%s)",
+            "%s (%s): backend %s (%s); projections: %s",
             self.config.architecture,
             ", ".join(self.config.features()) or "plain",
             info.name,
             info.reason,
+            precisions or self.dtype_name,
         )
         self.load_seconds = time.perf_counter() - started
 

@@ -130,6 +130,62 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> Pack
     return PackedWeight(packed, _pack_scales(d, m), n, k, bits, group)
 
 
+@torch.no_grad()
+def pack_groups(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> PackedWeight:
+    """Packs a weight given as its groups of 32 (u uint8 [n, k], fp16 d and m [n, k/32];
+    w = d·u + m), as pyserve.worker.ggml_groups reads them from a GGUF file, without rounding."""
+    n, k = u.shape
+    if k % GROUP or tuple(d.shape) != (n, k // GROUP) or tuple(m.shape) != (n, k // GROUP):
+        raise ValueError(f"groups of {GROUP}: u {tuple(u.shape)}, d {tuple(d.shape)}")
+    if bits == 4 and int(u.max()) > 15:
+        raise ValueError("4-bit groups hold u up to 15")
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise ValueError("a group's scale or offset is inf or nan")
+    n_pad = _ceil_to(n, TILE_ROWS)
+    if n_pad != n:  # padding rows: u = 0, d = m = 0
+        u = torch.cat([u, u.new_zeros(n_pad - n, k)])
+        d = torch.cat([d, d.new_zeros(n_pad - n, k // GROUP)])
+        m = torch.cat([m, m.new_zeros(n_pad - n, k // GROUP)])
+    return PackedWeight(_pack(u.contiguous(), bits, GROUP), _pack_scales(d, m), n, k, bits, GROUP)
+
+
+def concat_packed(parts: list[PackedWeight]) -> PackedWeight:
+    """The weight of the parts' rows one after another (q, k and v into one qkv projection);
+    every part but the last must fill whole tiles, and all share bits, group and inputs."""
+    first = parts[0]
+    if any((p.bits, p.group, p.k) != (first.bits, first.group, first.k) for p in parts):
+        raise ValueError("parts of one weight must share bits, group and inputs")
+    if any(p.n % TILE_ROWS for p in parts[:-1]):
+        raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
+    if len(parts) == 1:
+        return first
+    data = torch.cat([p.data for p in parts])
+    scales = torch.cat([p.scales for p in parts])
+    return PackedWeight(data, scales, sum(p.n for p in parts), first.k, first.bits, first.group)
+
+
+@torch.no_grad()
+def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [len(rows), k]: the given rows of the weight (an embedding lookup), computed as
+    dequantize_weight computes them, without unpacking the rest."""
+    rows = rows.reshape(-1).long()
+    tile, at = rows // TILE_ROWS, rows % TILE_ROWS
+    picked = torch.arange(len(rows))
+    groups = packed.data.shape[1]
+    blocks = packed.data[tile]  # [R, groups, bytes]
+    if packed.bits == 8:
+        u = blocks.view(len(rows), groups, -1, TILE_ROWS, 4)[picked, :, :, at]
+    else:  # block p: quad 2p in the low nibbles, 2p+1 in the high ones
+        both = blocks.view(len(rows), groups, -1, TILE_ROWS, 4)[picked, :, :, at]
+        u = torch.stack([both & 0x0F, both >> 4], dim=3)
+    u = u.reshape(len(rows), groups, packed.group)
+    scales = packed.scales[tile]  # [R, groups, 2, 16]
+    d = scales[picked, :, 0, at].float()
+    m = scales[picked, :, 1, at].float()
+    w = d[..., None] * u.float() + m[..., None]
+    return w.view(len(rows), -1)[:, : packed.k]
+
+
 def _nonzero(d: torch.Tensor) -> torch.Tensor:
     """d with zeros replaced by one: a group of equal values quantizes to u = 0 (or 128)."""
     return torch.where(d == 0, torch.ones_like(d), d)
@@ -250,32 +306,39 @@ class QuantLinear(nn.Module):
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         bits: int,
         *,
         group: int = GROUP,
         activation_bits: int = DEFAULT_ACTIVATION_BITS,
         max_kernel_rows: int | object | None = _DEFAULT_ROWS,
+        packed: PackedWeight | None = None,  # instead of weight: packed already (from_packed)
+        dtype: torch.dtype = torch.float32,  # with packed: the model's dtype
     ):
         super().__init__()
-        if weight.device.type != "cpu":
-            raise ValueError("QuantLinear runs on the CPU only")
+        if weight is not None:
+            if weight.device.type != "cpu":
+                raise ValueError("QuantLinear runs on the CPU only")
+            dtype = weight.dtype
+            packed = quantize_weight(weight, bits, group)
+        if packed is None:
+            raise ValueError("QuantLinear needs a weight or a packed one")
         if activation_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation_bits must be 8 or 16, not {activation_bits}")
-        self.out_features, self.in_features = weight.shape
-        self.bits, self.group, self.activation_bits = bits, group, activation_bits
+        self.out_features, self.in_features = packed.n, packed.k
+        self.bits, self.group, self.activation_bits = packed.bits, packed.group, activation_bits
         if max_kernel_rows is _DEFAULT_ROWS:
-            max_kernel_rows = MAX_KERNEL_ROWS.get(weight.dtype, 64)
+            max_kernel_rows = MAX_KERNEL_ROWS.get(dtype, 64)
         self.max_kernel_rows = max_kernel_rows
-        self.packed = quantize_weight(weight, bits, group)
+        self.packed = packed
         if max_kernel_rows is None:
             self.weight = None  # every batch goes through the kernel: no float copy to keep
         else:
-            dequantized = dequantize_weight(self.packed).to(weight.dtype)
+            dequantized = dequantize_weight(self.packed).to(dtype)
             # Weights that were already on the grid (a Q8_0 / Q4_1 GGUF) come back bit for bit:
             # share the original tensor (a tied embedding, say) instead of holding a second copy.
-            if torch.equal(dequantized, weight.detach()):
+            if weight is not None and torch.equal(dequantized, weight.detach()):
                 dequantized = weight.detach()
             self.weight = nn.Parameter(dequantized, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -283,7 +346,6 @@ class QuantLinear(nn.Module):
         # A decode step makes ~120 of these calls, so forward() skips quantized_matmul's checks:
         # everything about the weight is fixed here, x is made float32 and contiguous below.
         self._matmul = kernels().matmul  # fails here, not in a forward, if the module is missing
-        packed = self.packed
         # the kernel's weight arguments (addresses, sizes, bias), for forward() and for callers
         # that run the kernel themselves (backends/cpu_stack.py's decoder stack)
         self.weight_args = (
@@ -291,6 +353,27 @@ class QuantLinear(nn.Module):
             packed.bits, packed.group,
             0 if self._bias32 is None else self._bias32.data_ptr(),
         )  # fmt: skip
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: PackedWeight,
+        bias: torch.Tensor | None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        activation_bits: int = DEFAULT_ACTIVATION_BITS,
+        max_kernel_rows: int | object | None = _DEFAULT_ROWS,
+    ) -> QuantLinear:
+        """A layer over weights packed already (read from a GGUF file without float32)."""
+        return cls(
+            None,
+            bias,
+            packed.bits,
+            activation_bits=activation_bits,
+            max_kernel_rows=max_kernel_rows,
+            packed=packed,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
@@ -319,6 +402,25 @@ class QuantLinear(nn.Module):
             f"bits={self.bits}, group={self.group}, activation_bits={self.activation_bits}, "
             f"max_kernel_rows={self.max_kernel_rows}"
         )
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding kept packed: each lookup dequantizes only the rows it reads, so a
+    quantized file's table never exists in float32 (a tied output projection shares it)."""
+
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.packed = packed
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = packed.n, packed.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = packed_rows(self.packed, ids)
+        rows = rows if self.dtype == torch.float32 else rows.to(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.packed.bits}"
 
 
 def quantize_model_linears(

@@ -58,8 +58,8 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
         return "the fused layer ops are not in use"
     if plan.activation != "kernels" or cfg.activation not in STACK_ACTIVATIONS:
         return f"the {cfg.activation} activation runs on {plan.activation}"
-    if model.embed_tokens.dtype != torch.float32:
-        return f"the model runs in {model.embed_tokens.dtype}, the stack in float32"
+    if model.dtype != torch.float32:
+        return f"the model runs in {model.dtype}, the stack in float32"
     if kv_cache.k[0].dtype not in DTYPE_CODES:
         return f"a {kv_cache.k[0].dtype} cache"
     if len(kv_cache.k) != len(model.layers) or len(plan.layers) != len(model.layers):

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp): metadata → the family's ModelConfig, tensors dequantized to float32.
+"""GGUF files (llama.cpp), whole or split: metadata → the family's ModelConfig, tensors read lazily.
 
 Each family (pyserve/worker/models/) names its block tensors and says what llama.cpp's converter
 changed: it reorders the rows of every Llama q/k projection so that each head's rotary pairs are
@@ -10,14 +10,16 @@ weights as 1 + w.
 
 from __future__ import annotations
 
+import math
+import os
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from pyserve.model_files import ModelSource
-from pyserve.worker.loading.base import Checkpoint, ModelLoadError
+from pyserve.model_files import ModelFilesError, ModelSource, gguf_shards
+from pyserve.worker.ggml_groups import GROUPED_TYPES, groups_from_blocks
+from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor, read_exactly
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
 from pyserve.worker.rope import check_rope
@@ -53,19 +55,121 @@ def _plain_view_reader(path: str):
 def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
     path = source.path
     try:
-        reader = _plain_view_reader(path)
-    except Exception as e:  # a truncated or foreign file fails in many ways inside gguf/numpy
-        problem = f"{type(e).__name__}: {e}"
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({problem})") from None
-    family, config = _read_config(reader, source)
+        shards = gguf_shards(path)
+    except ModelFilesError as e:
+        raise ModelLoadError(str(e)) from None
+    readers = [_open_reader(shard) for shard in shards]
+    family, config = _read_config(readers[0], source)
+    tensors: list[tuple[str, StoredTensor]] = []
+    decodable: dict[str, str | None] = {}
+    for shard, reader in zip(shards, readers, strict=True):
+        size = os.path.getsize(shard)
+        for tensor in reader.tensors:
+            if tensor.name in ROPE_TENSORS:
+                continue  # already in the config's rope tables
+            name = hf_name(tensor.name, family)
+            if name is None:
+                raise ModelLoadError(f"{shard}: unexpected tensor {tensor.name!r}")
+            stored = GGUFTensor(shard, tensor, name, family, config)
+            if stored.offset + stored.nbytes > size:
+                raise ModelLoadError(
+                    f"{shard}: truncated: tensor {tensor.name!r} ends at byte "
+                    f"{stored.offset + stored.nbytes}, the file has {size}"
+                )
+            problem = decodable.setdefault(stored.type_name, _undecodable(tensor.tensor_type))
+            if problem:
+                raise ModelLoadError(f"{shard}: tensor {tensor.name!r}: {problem}")
+            tensors.append((name, stored))
     return Checkpoint(
         path=path,
         config=config,
         family=family,
-        tensors=lambda: _iter_tensors(reader, family, config, path),
-        quantization_hint=quantization_hint(reader.tensors),
+        tensors=tensors,
+        quantization_hint=quantization_hint([t for r in readers for t in r.tensors]),
         norms_include_offset=family.gguf_norms_include_offset,
     )
+
+
+def _open_reader(path: str):
+    try:
+        return _plain_view_reader(path)
+    except Exception as e:  # a truncated or foreign file fails in many ways inside gguf/numpy
+        problem = f"{type(e).__name__}: {e}"
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({problem})") from None
+
+
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def _undecodable(ggml_type) -> str | None:
+    """Why tensors of this GGML type cannot be served (None: they can), tried on one block."""
+    name = ggml_type.name
+    if name in _FLOAT_TYPES or name == "BF16" or name in GROUPED_TYPES:
+        return None
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    try:
+        _, type_size = GGML_QUANT_SIZES[ggml_type]
+        dequantize(np.zeros((1, type_size), np.uint8), ggml_type)
+    except (KeyError, NotImplementedError, ValueError, TypeError) as e:
+        return f"GGML type {name} is not supported ({type(e).__name__}: {e})"
+    return None
+
+
+class GGUFTensor(StoredTensor):
+    """A GGUF tensor in Hugging Face layout, read with a plain read when asked; the family's
+    row order (Llama's q/k) applies to the file's rows, quantized or not."""
+
+    def __init__(self, file: str, tensor, hf_name: str, family: Family, config: ModelConfig):
+        self.file, self.name, self._hf_name = file, tensor.name, hf_name
+        self.shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF: innermost first
+        self.type_name = tensor.tensor_type.name
+        self._type = tensor.tensor_type
+        self.offset, self.nbytes = int(tensor.data_offset), int(tensor.n_bytes)
+        self._family, self._config = family, config
+
+    def _rows(self) -> np.ndarray:
+        """The file's bytes, [rows, bytes of a row], in Hugging Face's row order."""
+        raw = read_exactly(self.file, self.offset, self.nbytes)
+        rows = raw.reshape(math.prod(self.shape[:-1]), -1) if len(self.shape) > 1 else raw
+        return self._family.gguf_transform(self._hf_name, rows, self._config)
+
+    @property
+    def quantized(self) -> bool:
+        return self.type_name not in _FLOAT_TYPES and self.type_name != "BF16"
+
+    @property
+    def native_bits(self) -> int | None:
+        if not self.quantized:
+            return None
+        if self.type_name in GROUPED_TYPES:
+            return 4 if GROUPED_TYPES[self.type_name] <= 15 else 8
+        bits = ggml_type_bits(self.type_name)
+        return 4 if bits is not None and bits <= 4 else 8
+
+    def values(self) -> torch.Tensor:
+        rows = self._rows()
+        try:
+            if self.type_name in _FLOAT_TYPES:
+                values = torch.from_numpy(rows.view(_FLOAT_TYPES[self.type_name]))
+            elif self.type_name == "BF16":
+                values = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+            else:
+                from gguf import dequantize
+
+                values = torch.from_numpy(dequantize(rows, self._type))
+        except Exception as e:
+            raise ModelLoadError(
+                f"{self.file}: cannot decode tensor {self.name!r} ({self.type_name}): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        return values.reshape(self.shape)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if self.type_name not in GROUPED_TYPES or len(self.shape) != 2:
+            return None
+        u, d, m = groups_from_blocks(self.type_name, self._rows(), self.shape[1])
+        return torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m)
 
 
 # GGML types by their bits a weight: Q4_1 → 4, IQ3_S → 3, TQ2_0 → 2, MXFP4 → 4.
@@ -167,27 +271,3 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{family.gguf_layer_parts[part]}.{kind}"
     return None
-
-
-def _iter_tensors(
-    reader, family: Family, config: ModelConfig, path: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import dequantize
-
-    for tensor in reader.tensors:
-        if tensor.name in ROPE_TENSORS:
-            continue  # already in the config's rope tables
-        name = hf_name(tensor.name, family)
-        if name is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        try:
-            values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        except Exception as e:
-            raise ModelLoadError(
-                f"{path}: cannot decode tensor {tensor.name!r} "
-                f"({tensor.tensor_type.name}): {type(e).__name__}: {e}"
-            ) from None
-        values = family.gguf_transform(name, values, config)
-        # F32 tensors are read-only views of the file: copy those; dequantized ones are fresh
-        yield name, torch.from_numpy(np.require(values, np.float32, ["C", "W"]))

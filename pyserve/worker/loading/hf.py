@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
 from pathlib import Path
 
 import torch
 
 from pyserve.model_files import ModelFilesError, ModelSource, read_model_info
-from pyserve.worker.loading.base import Checkpoint, ModelLoadError
+from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_hf
 from pyserve.worker.rope import check_rope
@@ -25,7 +25,7 @@ def open_hf_checkpoint(source: ModelSource) -> Checkpoint:
         path=str(directory),
         config=config,
         family=family,
-        tensors=lambda: _iter_tensors(files),
+        tensors=[item for file in files for item in _list_tensors(file)],
     )
 
 
@@ -77,15 +77,42 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsTensor(StoredTensor):
+    """A tensor of a safetensors file, read through safetensors' own lazy loading when asked."""
+
+    def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: str, nbytes: int):
+        self.file, self.name, self.shape = str(file), name, shape
+        self.type_name, self.nbytes = dtype, nbytes
+
+    def values(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        # Opened per tensor: the file's memory map (whose pages count in the process's memory
+        # while it is mapped) goes when the tensor is read, so it never holds the whole file.
+        try:
+            with safe_open(self.file, framework="pt") as f:
+                return f.get_tensor(self.name)
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise ModelLoadError(
+                f"{self.file}: cannot read tensor {self.name!r} (corrupt or truncated: {e})"
+            ) from None
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+
+
+def _list_tensors(file: Path) -> list[tuple[str, StoredTensor]]:
+    """The file's tensors from its header (nothing else is read), checked against its size."""
     from safetensors import safe_open
 
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, f.get_tensor(name)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for damaged files
-            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            listed = []
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                part = f.get_slice(name)
+                dtype, shape = part.get_dtype(), tuple(int(n) for n in part.get_shape())
+                nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+                listed.append((name, SafetensorsTensor(file, name, shape, dtype, nbytes)))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+    return listed

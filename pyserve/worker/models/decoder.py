@@ -148,7 +148,7 @@ class CausalLM(nn.Module):
         metadata: object,
     ) -> torch.Tensor:
         """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         ropes = [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
@@ -162,6 +162,17 @@ class CausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings: a float table, or a packed one (pyserve.worker.quant's
+        QuantEmbedding) that dequantizes the rows it reads."""
+        if isinstance(self.embed_tokens, nn.Module):
+            return self.embed_tokens(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
 
     def pack_weights(self) -> int:
         """Prepacks every projection for the CPU GEMM (after loading); returns how many packed."""

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from pyserve.worker.loading.base import ModelLoadError
+from pyserve.worker.linear import Linear
+from pyserve.worker.loading.base import ModelLoadError, StoredTensor
+from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.decoder import CausalLM
 from pyserve.worker.models.registry import Family
+from pyserve.worker.quant import PackedWeight, QuantEmbedding, QuantLinear, quantize_weight
+from pyserve.worker.weight_packing import Packing, pack_parts
 
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -35,19 +40,34 @@ def text_model_name(name: str) -> str | None:
     return name
 
 
-def weight_slots(model: CausalLM, family: Family) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """(checkpoint name → the (slice of a) parameter it fills, the names that are norms)."""
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor goes: a parameter (or some of its rows) of the model."""
+
+    tensor: torch.Tensor
+    linear: str | None = None  # the projection whose weight rows these are (its module name)
+    rows: tuple[int, int] = (0, 0)
+    norm: bool = False  # gets the family's norm offset
+    embedding: bool = False
+
+
+def weight_slots(model: CausalLM, family: Family) -> dict[str, Slot]:
+    """Checkpoint name → its slot in the model."""
     cfg = model.config
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    slots: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embed_tokens,
-        "model.norm.weight": model.norm.weight,
+    slots: dict[str, Slot] = {
+        "model.embed_tokens.weight": Slot(model.embed_tokens, embedding=True),
+        "model.norm.weight": Slot(model.norm.weight, norm=True),
     }
-    norms = {"model.norm.weight"}
+
+    def linear(module: str, weight: torch.Tensor, lo: int = 0, hi: int | None = None) -> Slot:
+        hi = weight.shape[0] if hi is None else hi
+        return Slot(weight[lo:hi], linear=module, rows=(lo, hi))
+
     if not cfg.tie_word_embeddings:
-        slots["lm_head.weight"] = model.lm_head.weight
+        slots["lm_head.weight"] = linear("lm_head", model.lm_head.weight)
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
+        p, m = f"model.layers.{i}.", f"layers.{i}."
         layer_norms = {p + "input_layernorm.weight": layer.attn_norm}
         if cfg.sandwich_norms:
             layer_norms[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
@@ -59,44 +79,37 @@ def weight_slots(model: CausalLM, family: Family) -> tuple[dict[str, torch.Tenso
             layer_norms[p + "self_attn.q_norm.weight"] = layer.q_norm
             layer_norms[p + "self_attn.k_norm.weight"] = layer.k_norm
         for name, norm in layer_norms.items():
-            slots[name] = norm.weight
-            norms.add(name)
+            slots[name] = Slot(norm.weight, norm=True)
         qkv = layer.qkv_proj
         if family.fused_qkv:
-            slots[p + "self_attn.qkv_proj.weight"] = qkv.weight
+            slots[p + "self_attn.qkv_proj.weight"] = linear(m + "qkv_proj", qkv.weight)
             if qkv.bias is not None:
-                slots[p + "self_attn.qkv_proj.bias"] = qkv.bias
+                slots[p + "self_attn.qkv_proj.bias"] = Slot(qkv.bias)
         else:
             rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
             for proj, (lo, hi) in rows.items():
-                slots[p + f"self_attn.{proj}.weight"] = qkv.weight[lo:hi]
+                slots[p + f"self_attn.{proj}.weight"] = linear(m + "qkv_proj", qkv.weight, lo, hi)
                 if qkv.bias is not None:
-                    slots[p + f"self_attn.{proj}.bias"] = qkv.bias[lo:hi]
-        slots[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+                    slots[p + f"self_attn.{proj}.bias"] = Slot(qkv.bias[lo:hi])
+        slots[p + "self_attn.o_proj.weight"] = linear(m + "o_proj", layer.o_proj.weight)
         if layer.o_proj.bias is not None:
-            slots[p + "self_attn.o_proj.bias"] = layer.o_proj.bias
+            slots[p + "self_attn.o_proj.bias"] = Slot(layer.o_proj.bias)
+        gate_up = layer.gate_up_proj.weight
         if family.fused_gate_up:
-            slots[p + "mlp.gate_up_proj.weight"] = layer.gate_up_proj.weight
+            slots[p + "mlp.gate_up_proj.weight"] = linear(m + "gate_up_proj", gate_up)
         else:
-            slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.weight[:inter]
-            slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj.weight[inter:]
-        slots[p + "mlp.down_proj.weight"] = layer.down_proj.weight
-    return slots, norms
+            slots[p + "mlp.gate_proj.weight"] = linear(m + "gate_up_proj", gate_up, 0, inter)
+            slots[p + "mlp.up_proj.weight"] = linear(m + "gate_up_proj", gate_up, inter)
+        slots[p + "mlp.down_proj.weight"] = linear(m + "down_proj", layer.down_proj.weight)
+    return slots
 
 
-@torch.no_grad()
-def load_weights(
-    model: CausalLM,
-    family: Family,
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    source: str,
-    *,
-    norms_include_offset: bool = False,
-) -> None:
-    """Copies checkpoint tensors into place; every weight must appear. Norm weights get the
-    family's offset added (Gemma's 1 + w) unless the file stores them with it already."""
-    slots, norms = weight_slots(model, family)
-    offset = 0.0 if norms_include_offset else model.config.norm_offset
+def _placed(
+    model: CausalLM, slots: dict[str, Slot], tensors: list[tuple[str, StoredTensor]], source: str
+) -> list[tuple[StoredTensor, str, Slot]]:
+    """Every tensor with its slot, checked against the model before anything is read: names,
+    shapes, and that every weight appears."""
+    placed = []
     missing = set(slots)
     for raw_name, tensor in tensors:
         name = text_model_name(raw_name)
@@ -104,20 +117,114 @@ def load_weights(
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
-        target = slots.get(name)
-        if target is None:
+        slot = slots.get(name)
+        if slot is None:
             raise ModelLoadError(f"{source}: unexpected tensor {raw_name!r}")
-        if tuple(tensor.shape) != tuple(target.shape):
+        if tuple(tensor.shape) != tuple(slot.tensor.shape):
             raise ModelLoadError(
                 f"{source}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(target.shape)}"
+                f"the config implies {tuple(slot.tensor.shape)}"
             )
-        if offset and name in norms:
-            # in float32, as transformers computes (offset + w) before scaling
-            target.copy_(tensor.float() + offset)
-        else:
-            target.copy_(tensor)
+        if name not in missing:
+            raise ModelLoadError(f"{source}: tensor {raw_name!r} appears twice")
         missing.discard(name)
+        placed.append((tensor, name, slot))
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ModelLoadError(f"{source}: {len(missing)} weights missing, e.g. {shown}")
+    return placed
+
+
+@torch.no_grad()
+def load_weights(
+    model: CausalLM,
+    family: Family,
+    tensors: list[tuple[str, StoredTensor]],
+    source: str,
+    *,
+    norms_include_offset: bool = False,
+    packing: Packing | None = None,
+    progress: LoadProgress | None = None,
+) -> dict[int, int]:
+    """Reads every tensor into place, one at a time; every weight must appear. Norm weights get
+    the family's offset added (Gemma's 1 + w) unless the file stores them with it already.
+
+    With ``packing``, every projection becomes a QuantLinear packed as its tensors are read (no
+    float copy of it exists; pyserve.worker.weight_packing says at what precision), and a
+    quantized file's embedding stays packed (a QuantEmbedding; a tied output projection shares
+    it). Returns how many projections were packed at each precision ({4: n, 8: m}).
+    """
+    if packing is not None:
+        _unallocate_linears(model)
+    slots = weight_slots(model, family)
+    placed = _placed(model, slots, tensors, source)
+    offset = 0.0 if norms_include_offset else model.config.norm_offset
+    linears = {slot.linear for slot in slots.values() if slot.linear is not None}
+    rows_left = {name: model.get_submodule(name).weight.shape[0] for name in linears}
+    pending: dict[str, list[tuple[int, StoredTensor]]] = {}
+    packed: dict[str, PackedWeight] = {}
+    embedding: PackedWeight | None = None
+    tied = model.config.tie_word_embeddings
+    for tensor, _, slot in placed:
+        if packing is not None and slot.linear is not None:
+            pending.setdefault(slot.linear, []).append((slot.rows[0], tensor))
+            rows_left[slot.linear] -= slot.rows[1] - slot.rows[0]
+            if rows_left[slot.linear] == 0:
+                parts = [part for _, part in sorted(pending.pop(slot.linear), key=_first)]
+                bits = packing.bits(parts, head=slot.linear == "lm_head")
+                packed[slot.linear] = _pack(parts, bits, source)
+        elif packing is not None and slot.embedding and packing.packs_embedding(tensor):
+            # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
+            bits = 8 if tied else packing.bits([tensor])
+            embedding = _pack([tensor], bits, source)
+        else:
+            values = tensor.values()
+            if offset and slot.norm:
+                # in float32, as transformers computes (offset + w) before scaling
+                values = values.float() + offset
+            slot.tensor.copy_(values)
+        if progress is not None:
+            progress.advance(tensor.nbytes)
+    if packing is None:
+        return {}
+    if tied:
+        head = embedding if embedding is not None else quantize_weight(model.embed_tokens, 8)
+        packed["lm_head"] = head
+    if embedding is not None:
+        del model.embed_tokens  # a registered parameter: a module cannot take its name directly
+        model.embed_tokens = QuantEmbedding(embedding, packing.dtype)
+    counts: dict[int, int] = {}
+    for module_name, weight in packed.items():
+        module = model.get_submodule(module_name)
+        head = module_name == "lm_head"
+        layer = QuantLinear.from_packed(
+            weight,
+            module.bias,
+            dtype=packing.dtype,
+            activation_bits=packing.head_activation_bits if head else packing.activation_bits,
+        )
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        counts[weight.bits] = counts.get(weight.bits, 0) + 1
+    return counts
+
+
+def _first(part: tuple[int, StoredTensor]) -> int:
+    return part[0]
+
+
+def _pack(parts: list[StoredTensor], bits: int, source: str) -> PackedWeight:
+    try:
+        return pack_parts(parts, bits)
+    except ValueError as e:  # a scale that is inf or nan, values that overflow fp16
+        names = ", ".join(repr(part.name) for part in parts)
+        raise ModelLoadError(f"{source}: cannot pack {names} at {bits} bits: {e}") from None
+
+
+def _unallocate_linears(model: CausalLM) -> None:
+    """Puts every projection's float weight on the meta device: packed projections never have
+    one (a weight tied to the embedding keeps the embedding's own tensor)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not model.embed_tokens:
+            shape = tuple(module.weight.shape)
+            module.weight = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)

@@ -1,0 +1,76 @@
+"""What precision each projection is packed at, and packing it straight from the file's tensors.
+
+A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
+Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. The grouped
+types (pyserve.worker.ggml_groups) are packed from their own integers, never passing through
+float32; the others (Q6_K, Q2_K/Q3_K, IQ*) are dequantized one tensor at a time and quantized to
+their precision. A projection made of several tensors (q, k and v) takes the highest precision
+among them. The output projection is always 8-bit: the logits are the most sensitive to
+rounding (llama.cpp keeps it at Q6_K or above for the same reason). ``Packing("int8")`` and
+``Packing("int4")`` put every projection at that precision, whatever the file holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyserve.worker.ggml_groups import GROUPED_TYPES
+from pyserve.worker.loading.base import StoredTensor
+from pyserve.worker.quant import (
+    DEFAULT_ACTIVATION_BITS,
+    TILE_ROWS,
+    PackedWeight,
+    concat_packed,
+    pack_groups,
+    quantize_weight,
+)
+
+PACKING_MODES = ("native", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Packing:
+    mode: str  # one of PACKING_MODES
+    activation_bits: int = DEFAULT_ACTIVATION_BITS  # what the layers round activations to
+    # the output projection decides the tokens and runs on few rows: int16 whatever the layers use
+    head_activation_bits: int = DEFAULT_ACTIVATION_BITS
+    dtype: torch.dtype = torch.float32  # the model's
+
+    def __post_init__(self) -> None:
+        if self.mode not in PACKING_MODES:
+            raise ValueError(f"packing mode must be one of {PACKING_MODES}, not {self.mode!r}")
+
+    def bits(self, parts: list[StoredTensor], *, head: bool = False) -> int:
+        """The precision of the projection made of ``parts`` (its rows' tensors, in order)."""
+        if head or self.mode == "int8":
+            return 8
+        if self.mode == "int4":
+            return 4
+        # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision
+        return max(part.native_bits or 8 for part in parts)
+
+    def packs_embedding(self, embedding: StoredTensor) -> bool:
+        """Whether the embedding table stays packed (a quantized file's does: its rows are
+        dequantized on lookup), rather than a float table."""
+        return embedding.quantized
+
+
+def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
+    """The weight made of ``parts``' rows one after another, packed at ``bits``: each part from
+    its own groups where the file holds it as ``bits``-bit groups, else from its float values;
+    one tensor's float values at a time, except when a part ends mid-tile (rare head sizes)."""
+    if any(part.shape[0] % TILE_ROWS for part in parts[:-1]):
+        values = torch.cat([part.values().float() for part in parts])
+        return quantize_weight(values, bits)
+    return concat_packed([pack_tensor(part, bits) for part in parts])
+
+
+def pack_tensor(tensor: StoredTensor, bits: int) -> PackedWeight:
+    largest = GROUPED_TYPES.get(tensor.type_name)
+    if largest is not None and largest < (1 << bits):
+        groups = tensor.groups()
+        if groups is not None:
+            return pack_groups(*groups, bits)
+    return quantize_weight(tensor.values(), bits)
