@@ -73,11 +73,41 @@ def llama3_rope_factors(base: float, dim: int, rope: dict) -> np.ndarray:
     return np.asarray(factors, dtype=np.float32)
 
 
-def write_gguf(model, path: Path, matrix_type=None) -> dict:
-    """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
-    ``matrix_type`` (a gguf.GGMLQuantizationType). Returns the state dict as the file holds it
-    (in HF's layout, after any quantization), for an exact reference."""
+# K-quant blocks that gguf-py cannot write: a random weight of these is random blocks instead
+# (the value of each field random), with the fp16 scales chosen so weights are ~±0.05 around 0.
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, bytes of a row]: ``type_name`` blocks with random fields."""
     import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+
+    def half(at: int, value: float) -> None:
+        values = np.full((rows, k // block), value, np.float16) * rng.uniform(0.5, 1.5, (rows, 1))
+        raw[..., at : at + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+
+    if type_name == "Q6_K":  # w = d·sc·(q − 32), sc signed: centred already
+        half(size - 2, 1e-5)
+    else:  # w = d·sc·q − dmin·mn: dmin balances the mean of sc·q
+        top = 15.5 if type_name == "Q5_K" else 7.5
+        half(0, 2e-4)
+        half(2, 2e-4 * top)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(model, path: Path, matrix_type=None, tensor_types: dict | None = None) -> dict:
+    """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
+    ``matrix_type`` (a gguf.GGMLQuantizationType), or each in ``tensor_types[hf name]`` (a GGML
+    type name; one of RANDOM_BLOCK_TYPES replaces the weight with random blocks). Returns the
+    state dict as the file holds it (in HF's layout, after any quantization), for an exact
+    reference."""
+    import gguf
+
+    rng = np.random.default_rng(0)
 
     cfg = model.config
     model_type = cfg.model_type
@@ -148,19 +178,29 @@ def write_gguf(model, path: Path, matrix_type=None) -> dict:
         else:
             gguf_name = _TOP[name]
         array = tensor.detach().float().numpy().copy()
-        if matrix_type is not None and array.ndim == 2:  # what a reader will get back
-            array = gguf.quants.dequantize(gguf.quants.quantize(array, matrix_type), matrix_type)
+        qtype = matrix_type if array.ndim == 2 else None
+        if tensor_types and name in tensor_types:
+            qtype = gguf.GGMLQuantizationType[tensor_types[name]]
+        blocks = None
+        if qtype is not None and qtype.name in RANDOM_BLOCK_TYPES:
+            blocks = random_blocks(qtype.name, array.shape[0], array.shape[1], rng)
+            array = gguf.quants.dequantize(blocks, qtype)
+        elif qtype is not None:  # what a reader will get back
+            array = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
         stored[name] = array.copy()
         if gemma and name.endswith("norm.weight"):
             array = array + 1.0  # the converter stores Gemma's (1 + w)
-        if arch == "llama" and ".q_proj." in name:
-            array = llama_cpp_row_order(array, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            array = llama_cpp_row_order(array, cfg.num_key_value_heads)
-        if matrix_type is not None and array.ndim == 2:
-            writer.add_tensor(
-                gguf_name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type
-            )
+        for proj, heads in (
+            (".q_proj.", cfg.num_attention_heads),
+            (".k_proj.", cfg.num_key_value_heads),
+        ):
+            if arch == "llama" and proj in name:  # the file's row order (blocks are rows too)
+                array = llama_cpp_row_order(array, heads)
+                blocks = None if blocks is None else llama_cpp_row_order(blocks, heads)
+        if blocks is not None:
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        elif qtype is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
     for gguf_name, array in extra.items():

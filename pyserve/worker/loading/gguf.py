@@ -59,7 +59,8 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
     except ModelFilesError as e:
         raise ModelLoadError(str(e)) from None
     readers = [_open_reader(shard) for shard in shards]
-    family, config = _read_config(readers[0], source)
+    names = {t.name for reader in readers for t in reader.tensors}
+    family, config = _read_config(readers[0], names, source)  # the metadata: in the first shard
     tensors: list[tuple[str, StoredTensor]] = []
     decodable: dict[str, str | None] = {}
     for shard, reader in zip(shards, readers, strict=True):
@@ -240,13 +241,12 @@ _TOKEN_ID_KEYS = (
 )
 
 
-def _read_config(reader, source: ModelSource) -> tuple[Family, ModelConfig]:
+def _read_config(reader, names: set[str], source: ModelSource) -> tuple[Family, ModelConfig]:
     path = source.path
     try:
         family = family_for_gguf(_field(reader, "general.architecture"))
     except UnsupportedArchitecture as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    names = {t.name for t in reader.tensors}
     try:
         fields = _metadata(reader)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")

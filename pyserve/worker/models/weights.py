@@ -122,11 +122,11 @@ def _placed(
             raise ModelLoadError(f"{source}: unexpected tensor {raw_name!r}")
         if tuple(tensor.shape) != tuple(slot.tensor.shape):
             raise ModelLoadError(
-                f"{source}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
+                f"{source}: tensor {tensor.name!r} has shape {tuple(tensor.shape)}, "
                 f"the config implies {tuple(slot.tensor.shape)}"
             )
         if name not in missing:
-            raise ModelLoadError(f"{source}: tensor {raw_name!r} appears twice")
+            raise ModelLoadError(f"{source}: tensor {tensor.name!r} appears twice")
         missing.discard(name)
         placed.append((tensor, name, slot))
     if missing:
