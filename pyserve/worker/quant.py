@@ -24,6 +24,7 @@ kernel; in a float32 model the kernel wins at every size, so only the packed wei
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,16 @@ def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+# Rows quantized at a time: their float32 copies at most this many bytes, so that quantizing a
+# large table (an embedding, an output projection) never holds several float copies of it
+PIECE_BYTES = 4 * 2**20
+
+
+def piece_rows(k: int) -> int:
+    """Rows of ``k`` inputs converted at a time: whole tiles, about PIECE_BYTES in float32."""
+    return max(TILE_ROWS, PIECE_BYTES // (4 * k) // TILE_ROWS * TILE_ROWS)
+
+
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> PackedWeight:
     """Quantizes a float [n, k] weight per group of ``group`` inputs and packs it for the kernel."""
@@ -96,6 +107,15 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int = GROUP) -> Pack
         raise ValueError(f"group must be a multiple of 32 up to {MAX_GROUP}, not {group}")
     if weight.dim() != 2 or weight.numel() == 0:
         raise ValueError(f"expected a non-empty 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    rows = piece_rows(k)
+    if n <= rows:
+        return _quantize_rows(weight, bits, group)
+    pieces = (_quantize_rows(weight[i : i + rows], bits, group) for i in range(0, n, rows))
+    return concat_packed(pieces, n)
+
+
+def _quantize_rows(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
     n, k = weight.shape
     n_pad, k_pad = _ceil_to(n, TILE_ROWS), _ceil_to(k, group)
     w = weight.detach().to("cpu", torch.float32)
@@ -149,19 +169,31 @@ def pack_groups(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) ->
     return PackedWeight(_pack(u.contiguous(), bits, GROUP), _pack_scales(d, m), n, k, bits, GROUP)
 
 
-def concat_packed(parts: list[PackedWeight]) -> PackedWeight:
-    """The weight of the parts' rows one after another (q, k and v into one qkv projection);
-    every part but the last must fill whole tiles, and all share bits, group and inputs."""
-    first = parts[0]
-    if any((p.bits, p.group, p.k) != (first.bits, first.group, first.k) for p in parts):
-        raise ValueError("parts of one weight must share bits, group and inputs")
-    if any(p.n % TILE_ROWS for p in parts[:-1]):
-        raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
-    if len(parts) == 1:
-        return first
-    data = torch.cat([p.data for p in parts])
-    scales = torch.cat([p.scales for p in parts])
-    return PackedWeight(data, scales, sum(p.n for p in parts), first.k, first.bits, first.group)
+def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
+    """The weight of ``rows`` rows made of the parts' rows one after another (q, k and v into
+    one projection; a table converted piece by piece), filled in as the parts come; every part
+    but the last must fill whole tiles, and all share bits, group and inputs."""
+    data = scales = first = None
+    tile = done = 0
+    for part in parts:
+        if first is None:
+            first = part
+            tiles = _ceil_to(rows, TILE_ROWS) // TILE_ROWS
+            data = part.data.new_empty((tiles, *part.data.shape[1:]))
+            scales = part.scales.new_empty((tiles, *part.scales.shape[1:]))
+        elif (part.bits, part.group, part.k) != (first.bits, first.group, first.k):
+            raise ValueError("parts of one weight must share bits, group and inputs")
+        if done % TILE_ROWS:
+            raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
+        count = part.data.shape[0]
+        if tile + count > data.shape[0]:
+            raise ValueError(f"the parts hold more than {rows} rows")
+        data[tile : tile + count] = part.data
+        scales[tile : tile + count] = part.scales
+        tile, done = tile + count, done + part.n
+    if first is None or done != rows:
+        raise ValueError(f"the parts hold {done} rows, not {rows}")
+    return PackedWeight(data, scales, rows, first.k, first.bits, first.group)
 
 
 @torch.no_grad()

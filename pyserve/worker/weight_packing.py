@@ -24,6 +24,7 @@ from pyserve.worker.quant import (
     PackedWeight,
     concat_packed,
     pack_groups,
+    piece_rows,
     quantize_weight,
 )
 
@@ -59,15 +60,23 @@ class Packing:
 
 def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
     """The weight made of ``parts``' rows one after another, packed at ``bits``: each part from
-    its own groups where the file holds it as ``bits``-bit groups, else from its float values;
-    one tensor's float values at a time, except when a part ends mid-tile (rare head sizes)."""
+    its own groups where the file holds it as ``bits``-bit groups, else from its float values,
+    a piece of rows at a time; all parts' float values at once only when a part ends mid-tile
+    (rare head sizes)."""
+    rows = sum(part.shape[0] for part in parts)
     if any(part.shape[0] % TILE_ROWS for part in parts[:-1]):
         values = torch.cat([part.values().float() for part in parts])
         return quantize_weight(values, bits)
-    return concat_packed([pack_tensor(part, bits) for part in parts])
+    return concat_packed((pack_tensor(part, bits) for part in parts), rows)
 
 
 def pack_tensor(tensor: StoredTensor, bits: int) -> PackedWeight:
+    n, k = tensor.shape
+    pieces = tensor.pieces(piece_rows(k))
+    return concat_packed((_pack_piece(piece, bits) for piece in pieces), n)
+
+
+def _pack_piece(tensor: StoredTensor, bits: int) -> PackedWeight:
     largest = GROUPED_TYPES.get(tensor.type_name)
     if largest is not None and largest < (1 << bits):
         groups = tensor.groups()

@@ -9,6 +9,7 @@ bytes are dropped before the next is read, so no second copy of the model ever e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,11 @@ class StoredTensor(ABC):
         """The weight as the file's own groups of 32, (u uint8, fp16 d, fp16 m) with
         w = d·u + m (pyserve.worker.ggml_groups); None where the file's type is not that form."""
         return None
+
+    def pieces(self, rows: int) -> Iterator[StoredTensor]:
+        """The tensor as consecutive pieces of ``rows`` rows (the last may be shorter), each
+        decoded on its own: a large table is converted without its whole float copy."""
+        yield self
 
 
 @dataclass

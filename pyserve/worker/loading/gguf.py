@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -149,27 +150,59 @@ class GGUFTensor(StoredTensor):
         return 4 if bits is not None and bits <= 4 else 8
 
     def values(self) -> torch.Tensor:
-        rows = self._rows()
+        return _RowsOf(self, self._rows()).values()
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return _RowsOf(self, self._rows()).groups()
+
+    def pieces(self, rows: int) -> Iterator[StoredTensor]:
+        if len(self.shape) != 2 or self.shape[0] <= rows:
+            yield self
+            return
+        raw = self._rows()  # the file's bytes once (compact), decoded piece by piece
+        for start in range(0, self.shape[0], rows):
+            yield _RowsOf(self, raw[start : start + rows])
+
+
+class _RowsOf(StoredTensor):
+    """Some rows of a GGUF tensor, their bytes read already."""
+
+    def __init__(self, tensor: GGUFTensor, raw: np.ndarray):
+        self.tensor, self.raw = tensor, raw
+        self.file, self.name, self.type_name = tensor.file, tensor.name, tensor.type_name
+        self.shape = (raw.shape[0], *tensor.shape[1:]) if len(tensor.shape) > 1 else tensor.shape
+        self.nbytes = raw.nbytes
+
+    @property
+    def quantized(self) -> bool:
+        return self.tensor.quantized
+
+    @property
+    def native_bits(self) -> int | None:
+        return self.tensor.native_bits
+
+    def values(self) -> torch.Tensor:
+        rows, kind = self.raw, self.type_name
         try:
-            if self.type_name in _FLOAT_TYPES:
-                values = torch.from_numpy(rows.view(_FLOAT_TYPES[self.type_name]))
-            elif self.type_name == "BF16":
-                values = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+            if kind in _FLOAT_TYPES:
+                values = torch.from_numpy(np.ascontiguousarray(rows).view(_FLOAT_TYPES[kind]))
+            elif kind == "BF16":
+                values = torch.from_numpy(np.ascontiguousarray(rows).view(np.int16))
+                values = values.view(torch.bfloat16)
             else:
                 from gguf import dequantize
 
-                values = torch.from_numpy(dequantize(rows, self._type))
+                values = torch.from_numpy(dequantize(rows, self.tensor._type))
         except Exception as e:
             raise ModelLoadError(
-                f"{self.file}: cannot decode tensor {self.name!r} ({self.type_name}): "
-                f"{type(e).__name__}: {e}"
+                f"{self.file}: cannot decode tensor {self.name!r} ({kind}): {type(e).__name__}: {e}"
             ) from None
         return values.reshape(self.shape)
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if self.type_name not in GROUPED_TYPES or len(self.shape) != 2:
             return None
-        u, d, m = groups_from_blocks(self.type_name, self._rows(), self.shape[1])
+        u, d, m = groups_from_blocks(self.type_name, self.raw, self.shape[1])
         return torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m)
 
 

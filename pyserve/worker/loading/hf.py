@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -93,6 +94,34 @@ class SafetensorsTensor(StoredTensor):
             with safe_open(self.file, framework="pt") as f:
                 return f.get_tensor(self.name)
         except Exception as e:  # safetensors raises its own error types for damaged files
+            raise ModelLoadError(
+                f"{self.file}: cannot read tensor {self.name!r} (corrupt or truncated: {e})"
+            ) from None
+
+    def pieces(self, rows: int) -> Iterator[StoredTensor]:
+        if len(self.shape) != 2 or self.shape[0] <= rows:
+            yield self
+            return
+        for start in range(0, self.shape[0], rows):
+            yield _SafetensorsRows(self, start, min(start + rows, self.shape[0]))
+
+
+class _SafetensorsRows(StoredTensor):
+    """Rows [start, stop) of a safetensors tensor, read as a slice of it."""
+
+    def __init__(self, tensor: SafetensorsTensor, start: int, stop: int):
+        self.tensor, self.start, self.stop = tensor, start, stop
+        self.file, self.name, self.type_name = tensor.file, tensor.name, tensor.type_name
+        self.shape = (stop - start, *tensor.shape[1:])
+        self.nbytes = tensor.nbytes * (stop - start) // tensor.shape[0]
+
+    def values(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(self.file, framework="pt") as f:
+                return f.get_slice(self.name)[self.start : self.stop].contiguous()
+        except Exception as e:
             raise ModelLoadError(
                 f"{self.file}: cannot read tensor {self.name!r} (corrupt or truncated: {e})"
             ) from None
