@@ -237,9 +237,13 @@ def _unwind_on_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pyserve_spec(name: str, extra_args: list[str]) -> ServerSpec:
+def pyserve_spec(name: str, extra_args: list[str], gguf: str | None = None) -> ServerSpec:
+    """pyserve on the default model, or on ``gguf`` (served under its file name's stem)."""
     argv = [sys.executable, "-m", "pyserve.cli", "run", "--host", "127.0.0.1", "--port", "{port}"]
-    return ServerSpec(name, "pyserve", argv + extra_args, model="SmolLM2-135M-Instruct")
+    if gguf is None:
+        return ServerSpec(name, "pyserve", argv + extra_args, model="SmolLM2-135M-Instruct")
+    argv += ["--model", gguf]
+    return ServerSpec(name, "pyserve", argv + extra_args, model=Path(gguf).stem)
 
 
 def pyserve_variant_name(extra: str) -> str:
@@ -952,6 +956,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small smoke run")
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    p.add_argument("--model", default=None, help="a GGUF file for every server (default: SmolLM2)")
     p.add_argument(
         "--pyserve-args",
         nargs="+",
@@ -1020,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    gguf = default_model_path()
+    gguf = args.model or default_model_path()
     out_dir = args.out_dir or BENCH_DIR / "out" / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -1037,7 +1042,8 @@ def compare(args: argparse.Namespace) -> int:
     bench = Bench(args, tok, prompts, out_dir)
     variants = ([] if args.no_pyserve_default else [""]) + args.pyserve_args
     for i, extra in enumerate(variants):
-        bench.run(pyserve_spec(pyserve_variant_name(extra), extra.split()), profile=i == 0)
+        spec = pyserve_spec(pyserve_variant_name(extra), extra.split(), args.model)
+        bench.run(spec, profile=i == 0)
     for spec in peer_specs(args, gguf, bench.results):
         bench.run(spec)
 
@@ -1184,7 +1190,7 @@ def run_prefix_comparison(
         ),
     }
     for name, extra in (("radix", []), ("no-radix", ["--disable-radix-cache"])):
-        spec = pyserve_spec(f"pyserve-{name}", [*base_args, *extra])
+        spec = pyserve_spec(f"pyserve-{name}", [*base_args, *extra], args.model)
         try:
             with running(spec, out_dir) as server:
                 prefix[name] = asyncio.run(prefix_load(args, server, prompts, warm, tok))

@@ -336,30 +336,13 @@ def test_split_gguf_loads_like_the_whole_file(mixed_gguf, tmp_path):
 
 # ---------------------------------------------------------------------------- peak memory
 
-PEAK_SCRIPT = """
-import json, sys
-import gguf, safetensors, transformers.models.auto.configuration_auto
-from pyserve.worker.model_runner import ModelRunner
-from pyserve.worker.settings import WorkerSettings
 
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-model, quantization, dtype = sys.argv[1] or None, sys.argv[2], sys.argv[3]
-before = status("VmRSS:")
-runner = ModelRunner(WorkerSettings(model=model, num_blocks=64, block_size=16,
-                                    quantization=quantization, dtype=dtype))
-print(json.dumps({"before": before, "peak": status("VmHWM:"), "kv": runner.kv_cache_bytes,
-                  "precisions": runner.packed_precisions}))
-"""
-
-
-def loading_peak(model: str, quantization: str = "auto", dtype: str = "auto") -> dict:
-    """A fresh process loads the model as the worker does: its RSS once the libraries are
-    imported, its peak RSS after loading, and the KV pool's bytes."""
+def loading_peak(model: str | None, quantization: str = "auto", dtype: str = "auto") -> dict:
+    """A fresh process loads the model as the worker does (pyserve.worker.load_probe): its RSS
+    once the libraries are imported, its peak RSS after loading, and the KV pool's bytes."""
+    args = [*([model] if model else []), "--quantization", quantization, "--dtype", dtype]
     done = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, model, quantization, dtype],
+        [sys.executable, "-m", "pyserve.worker.load_probe", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -383,7 +366,7 @@ def test_default_gguf_loads_in_about_its_size():
     ~600 MB; packed straight from the file it adds about the file's size."""
     from pyserve.model_files import default_model_path
 
-    got = loading_peak("")
+    got = loading_peak(None)
     assert got["precisions"] == {"int4": 120, "int8": 1}
     assert_loads_in_about_its_size(got, Path(default_model_path()).stat().st_size)
 
@@ -396,3 +379,30 @@ def test_bf16_safetensors_load_in_about_their_size(tmp_path):
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     assert size > 90e6
     assert_loads_in_about_its_size(loading_peak(str(tmp_path), "none", "bfloat16"), size)
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def test_load_progress_lines_in_a_log_and_a_bar_on_a_terminal(caplog):
+    import io
+
+    from pyserve.worker.loading.progress import BAR_WIDTH, LoadProgress
+
+    with caplog.at_level("INFO", logger="pyserve.worker"):
+        progress = LoadProgress("model.gguf", 3, 3_000_000, stream=io.StringIO())
+        for _ in range(3):
+            progress.advance(1_000_000)
+    assert caplog.messages[-1].startswith("loading model.gguf: 3/3 tensors, 3/3 MB (100%)")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    progress = LoadProgress("model.gguf", 2, 2_000_000, stream=terminal)
+    progress.advance(1_000_000)
+    progress.advance(1_000_000)
+    shown = terminal.getvalue()
+    assert shown.startswith("\r[") and shown.endswith("\n")
+    assert f"[{'#' * BAR_WIDTH}] loading model.gguf: 2/2 tensors" in shown

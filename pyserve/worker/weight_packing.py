@@ -12,12 +12,16 @@ rounding (llama.cpp keeps it at Q6_K or above for the same reason). ``Packing("i
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from pyserve.worker.ggml_groups import GROUPED_TYPES
 from pyserve.worker.loading.base import StoredTensor
+from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.quant import (
     DEFAULT_ACTIVATION_BITS,
     TILE_ROWS,
@@ -83,3 +87,36 @@ def _pack_piece(tensor: StoredTensor, bits: int) -> PackedWeight:
         if groups is not None:
             return pack_groups(*groups, bits)
     return quantize_weight(tensor.values(), bits)
+
+
+class PackingPool:
+    """Packs projections on background threads while the loader goes on reading (numpy's and
+    torch's loops release the GIL), with at most one more than the threads in flight, so
+    memory holds a few tensors' transients at a time."""
+
+    def __init__(self, threads: int, progress: LoadProgress | None = None):
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pack")
+        self._in_flight: deque[tuple[str, Future, int, int]] = deque()
+        self._limit = threads + 1
+        self._progress = progress
+        self.done: dict[str, PackedWeight] = {}
+
+    def submit(self, key: str, tensors: int, nbytes: int, pack: Callable[[], PackedWeight]) -> None:
+        while len(self._in_flight) >= self._limit:
+            self._collect()
+        self._in_flight.append((key, self._executor.submit(pack), tensors, nbytes))
+
+    def finish(self) -> dict[str, PackedWeight]:
+        while self._in_flight:
+            self._collect()
+        self._executor.shutdown()
+        return self.done
+
+    def cancel(self) -> None:
+        self._executor.shutdown(cancel_futures=True)
+
+    def _collect(self) -> None:
+        key, future, tensors, nbytes = self._in_flight.popleft()
+        self.done[key] = future.result()
+        if self._progress is not None:
+            self._progress.advance(nbytes, tensors)

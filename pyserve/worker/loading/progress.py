@@ -25,8 +25,8 @@ class LoadProgress:
         self.started = time.monotonic()
         self._shown = self.started
 
-    def advance(self, nbytes: int) -> None:
-        self.tensors_done += 1
+    def advance(self, nbytes: int, tensors: int = 1) -> None:
+        self.tensors_done += tensors
         self.bytes_done += nbytes
         now = time.monotonic()
         done = self.tensors_done == self.tensors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -13,8 +14,9 @@ from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.decoder import CausalLM
 from pyserve.worker.models.registry import Family
 from pyserve.worker.quant import PackedWeight, QuantEmbedding, QuantLinear, quantize_weight
-from pyserve.worker.weight_packing import Packing, pack_parts
+from pyserve.worker.weight_packing import Packing, PackingPool, pack_parts
 
+EMBEDDING = "embed_tokens"  # the packing pool's key for a packed embedding table
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Multimodal checkpoints (Gemma 3 4B+): the text model's tensors under another prefix, and the
@@ -162,31 +164,40 @@ def load_weights(
     linears = {slot.linear for slot in slots.values() if slot.linear is not None}
     rows_left = {name: model.get_submodule(name).weight.shape[0] for name in linears}
     pending: dict[str, list[tuple[int, StoredTensor]]] = {}
-    packed: dict[str, PackedWeight] = {}
-    embedding: PackedWeight | None = None
+    pool = PackingPool(max(1, torch.get_num_threads()), progress) if packing else None
     tied = model.config.tie_word_embeddings
-    for tensor, _, slot in placed:
-        if packing is not None and slot.linear is not None:
-            pending.setdefault(slot.linear, []).append((slot.rows[0], tensor))
-            rows_left[slot.linear] -= slot.rows[1] - slot.rows[0]
-            if rows_left[slot.linear] == 0:
-                parts = [part for _, part in sorted(pending.pop(slot.linear), key=_first)]
-                bits = packing.bits(parts, head=slot.linear == "lm_head")
-                packed[slot.linear] = _pack(parts, bits, source)
-        elif packing is not None and slot.embedding and packing.packs_embedding(tensor):
-            # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
-            bits = 8 if tied else packing.bits([tensor])
-            embedding = _pack([tensor], bits, source)
-        else:
+    try:
+        for tensor, _, slot in placed:
+            if pool is not None and packing is not None and slot.linear is not None:
+                pending.setdefault(slot.linear, []).append((slot.rows[0], tensor))
+                rows_left[slot.linear] -= slot.rows[1] - slot.rows[0]
+                if rows_left[slot.linear] == 0:
+                    parts = [part for _, part in sorted(pending.pop(slot.linear), key=_first)]
+                    bits = packing.bits(parts, head=slot.linear == "lm_head")
+                    nbytes = sum(part.nbytes for part in parts)
+                    pack = partial(_pack, parts, bits, source)
+                    pool.submit(slot.linear, len(parts), nbytes, pack)
+                continue
+            if pool is not None and packing and slot.embedding and packing.packs_embedding(tensor):
+                # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
+                bits = 8 if tied else packing.bits([tensor])
+                pool.submit(EMBEDDING, 1, tensor.nbytes, partial(_pack, [tensor], bits, source))
+                continue
             values = tensor.values()
             if offset and slot.norm:
                 # in float32, as transformers computes (offset + w) before scaling
                 values = values.float() + offset
             slot.tensor.copy_(values)
-        if progress is not None:
-            progress.advance(tensor.nbytes)
+            if progress is not None:
+                progress.advance(tensor.nbytes)
+        packed = pool.finish() if pool is not None else {}
+    except BaseException:
+        if pool is not None:
+            pool.cancel()
+        raise
     if packing is None:
         return {}
+    embedding = packed.pop(EMBEDDING, None)
     if tied:
         head = embedding if embedding is not None else quantize_weight(model.embed_tokens, 8)
         packed["lm_head"] = head
