@@ -192,7 +192,7 @@ def main() -> int:
     sections: dict[str, list[str]] = {part: [] for part in parts}
     try:
         for size in args.sizes.split(","):
-            files = model_files(size, args.out)
+            files = model_files(size, args.out / size)
             files = {"gguf": files["gguf"], "hf": files["hf_dir"]}
             if "memory" in parts:
                 sections["memory"] += memory(size, files)
