@@ -137,7 +137,7 @@ class RunningServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, poll_s: float = 0.5) -> float:
         started = time.monotonic()
         while time.monotonic() - started < self.spec.start_timeout:
             if self.proc.poll() is not None:
@@ -147,7 +147,7 @@ class RunningServer:
             status, _ = _get(self.base_url + self.spec.ready_path, timeout=2.0)
             if status == 200:
                 return time.monotonic() - started
-            time.sleep(0.5)
+            time.sleep(poll_s)
         raise StartError(f"{self.spec.name} not ready after {self.spec.start_timeout:.0f} s")
 
     def stop(self, grace: float = 20.0) -> None:

@@ -9,8 +9,8 @@ safetensors directories and as Q4_K_M GGUFs made by llama.cpp's own ``llama-quan
   pool + 300 MB; the GGUF with the defaults, the safetensors directory unquantized (bf16 on
   this CPU) and with --quantization int4.
 - start: ``pyserve run`` and llama.cpp's ``llama-server`` (compare.py's build and flags) on the
-  same GGUF, each started twice, seconds from the process's start to a 200 from /health; the
-  second start (caches warm) is the figure compared.
+  same GGUF, each started twice, seconds from the process's start to a 200 from /health
+  (polled every 50 ms); the second start (caches warm) is the figure compared.
 - drift: prefill logits of the GGUF served with the defaults (each projection at its file's
   precision, int16 activations) against the same file with ``--quantization none`` in float32
   (its exact dequantized weights, which tests hold equal to transformers' loading of a GGUF),
@@ -105,7 +105,7 @@ def start_times(gguf: str, out_dir: Path, llama_server: str | None) -> list[str]
         for attempt in range(2):
             server = RunningServer(spec, out_dir / f"start-{spec.name}-{attempt}.log")
             try:
-                seconds.setdefault(spec.name, []).append(server.wait_ready())
+                seconds.setdefault(spec.name, []).append(server.wait_ready(poll_s=0.05))
             finally:
                 server.stop()
             print(f"[{spec.name}] start {attempt + 1}: {seconds[spec.name][-1]:.1f} s", flush=True)

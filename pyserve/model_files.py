@@ -165,12 +165,32 @@ def _as_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)  # type: ignore[union-attr]
 
 
+def open_gguf_reader(path: str):
+    """A gguf.GGUFReader that parses from a plain ndarray view of its memory map.
+
+    Every slice of an ``np.memmap`` runs Python-level ``__array_finalize__``; the reader slices
+    once per metadata item (~150k for a BPE vocabulary), which made parsing take 2+ s. The same
+    mapping viewed as a plain ndarray parses about 3x faster and reads identical bytes.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, *args, **kwargs):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(*args, **kwargs)
+
+    return PlainViewReader(path)
+
+
 def read_gguf_metadata(path: str) -> dict:
-    """Scalar and short-array metadata of a GGUF file (the tokenizer vocabulary is left out)."""
-    from gguf import GGUFReader, GGUFValueType
+    """Scalar and short-array metadata of a GGUF file (the tokenizer vocabulary is left out,
+    but for its size, ``_vocab_size``)."""
+    from gguf import GGUFValueType
 
     try:
-        reader = GGUFReader(path)
+        reader = open_gguf_reader(path)
     except Exception as e:  # gguf raises ValueError/OSError/struct errors on bad files
         raise ModelFilesError(f"{path}: not a readable GGUF file ({e})") from e
     meta: dict = {}
@@ -192,6 +212,8 @@ def read_gguf_metadata(path: str) -> dict:
         else:
             meta[key] = fld.parts[fld.data[0]].tolist()[0]
     meta["_tensor_names"] = [t.name for t in reader.tensors]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    meta["_vocab_size"] = len(tokens.data) if tokens is not None else 0
     return meta
 
 
@@ -210,10 +232,7 @@ def _gguf_model_info(path: str) -> ModelInfo:
     head_dim = get("attention.key_length") or hidden // heads
     vocab = get("vocab_size")
     if vocab is None:
-        from gguf import GGUFReader
-
-        tokens = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else 0
+        vocab = meta["_vocab_size"]
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [meta[k] for k in eos_keys if k in meta]
     return ModelInfo(

@@ -93,22 +93,25 @@ class Engine:
         config.validate()
         loop = asyncio.get_running_loop()
         self._ready_future = loop.create_future()
-        source, info, tokenizer = await asyncio.to_thread(_load_model_files, config.model)
+        source, info = await asyncio.to_thread(_read_model_files, config.model)
         self._source, self._info = source, info
         self._context_length = config.max_model_len or info.context_length
-        self._tokenizers = TokenizerManager(
-            tokenizer,
-            workers=config.tokenizer_workers,
-            context_length=self._context_length,
-            vocab_size=info.vocab_size,
-        )
         self._addresses = addresses = RingAddresses.create()
         atexit.register(self._kill_at_exit)
         try:
+            # The worker starts loading the model while the tokenizer loads here.
+            self._spawn_worker(source.path, config.num_kv_blocks(info))
+            tokenizer = await asyncio.to_thread(model_files.load_tokenizer, source)
+            self._tokenizers = TokenizerManager(
+                tokenizer,
+                workers=config.tokenizer_workers,
+                context_length=self._context_length,
+                vocab_size=info.vocab_size,
+            )
             # The detokenizer decodes with exactly this tokenizer, saved where only we can read.
             tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
-            self._spawn_children(source.path, tokenizer_file, config.num_kv_blocks(info))
+            self._spawn_detokenizer(tokenizer_file)
             self._scheduler = SchedulerLoop(
                 addresses=addresses,
                 children=self._children,
@@ -141,7 +144,7 @@ class Engine:
         )
         return self
 
-    def _spawn_children(self, model_path: str, tokenizer_file: str, num_blocks: int) -> None:
+    def _spawn_detokenizer(self, tokenizer_file: str) -> None:
         config, addresses = self.config, self._addresses
         assert addresses is not None
         self._children.start(
@@ -156,6 +159,10 @@ class Engine:
                 ring_dir=addresses.directory,
             ),
         )
+
+    def _spawn_worker(self, model_path: str, num_blocks: int) -> None:
+        config, addresses = self.config, self._addresses
+        assert addresses is not None
         self._children.start(
             "worker",
             "pyserve.worker",
@@ -547,11 +554,9 @@ class Engine:
         return await self._on_scheduler(lambda planner: planner.flush_cache())
 
 
-def _load_model_files(
-    model: str | None,
-) -> tuple[model_files.ModelSource, model_files.ModelInfo, Any]:
+def _read_model_files(model: str | None) -> tuple[model_files.ModelSource, model_files.ModelInfo]:
     source = model_files.resolve_model(model)
-    return source, model_files.read_model_info(source), model_files.load_tokenizer(source)
+    return source, model_files.read_model_info(source)
 
 
 def _int32_bytes(ids: list[int]) -> bytes:
