@@ -1,7 +1,7 @@
 """GGUF weights reach the kernels at their own precision, without a float32 copy of the model.
 
-The GGML block types read as the kernels' groups of 32 (ggml_groups) against gguf-py's own
-dequantization; packed embedding rows; a tiny Llama written with a mix of GGML types (K-quants
+GGML blocks packed straight into the kernels' tiles (cpp/kernels/ggml_repack.h) against gguf-py's
+own dequantization; packed embedding rows; a tiny Llama written with a mix of GGML types (K-quants
 as random blocks) served with --quantization none (float32: transformers' logits, which load the
 same GGUF) and auto (each projection at its file's precision, within the K-quants' bound); clear
 errors before anything is read; split files; and the worker's peak memory while loading.
@@ -22,13 +22,14 @@ from gguf_files import random_blocks, write_gguf
 from test_model_loading import hf_logits, prefill_logits, runner, tiny_llama
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
-from pyserve.worker.ggml_groups import GROUPED_TYPES, groups_from_blocks
 from pyserve.worker.loading import ModelLoadError
 from pyserve.worker.quant import (
+    GGML_LARGEST_U,
     QuantEmbedding,
     QuantLinear,
     dequantize_weight,
-    pack_groups,
+    kernels,
+    pack_ggml_blocks,
     packed_rows,
     quantize_weight,
 )
@@ -55,37 +56,59 @@ def exact_values(type_name: str, blocks: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])
 
 
-def from_groups(u, d, m) -> np.ndarray:
-    return d.astype(np.float32).repeat(32, 1) * u + m.astype(np.float32).repeat(32, 1)
+def packed_values(type_name: str, blocks: np.ndarray, k: int, bits: int):
+    """The float32 weight the packed tiles stand for, and the tiles' fp16 d and m per group."""
+    from pyserve.worker.quant import unpack_weight
+
+    packed = pack_ggml_blocks([(type_name, blocks)], len(blocks), k, bits)
+    _, d, m = unpack_weight(packed)
+    rows = blocks.shape[0]
+    return dequantize_weight(packed).numpy(), d[:rows].float().numpy(), m[:rows].float().numpy()
 
 
+def test_the_kernels_pack_the_types_python_lists():
+    assert set(kernels().GGML_PACKED_TYPES) == set(GGML_LARGEST_U)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("type_name", EXACT_TYPES)
-def test_block_types_read_bit_for_bit(type_name):
-    blocks = file_blocks(type_name, 24, 512)
-    u, d, m = groups_from_blocks(type_name, blocks, 512)
-    assert int(u.max()) <= GROUPED_TYPES[type_name]
-    assert np.array_equal(from_groups(u, d, m), exact_values(type_name, blocks))
+def test_block_types_packed_bit_for_bit(type_name, bits):
+    if GGML_LARGEST_U[type_name] >= 1 << bits:
+        with pytest.raises(ValueError, match="do not pack"):
+            pack_ggml_blocks([(type_name, file_blocks(type_name, 16, 256))], 16, 256, bits)
+        return
+    rows = 40  # not a whole number of 16-row tiles: the last tile's padding rows
+    blocks = file_blocks(type_name, rows, 512)
+    got, _, _ = packed_values(type_name, blocks, 512, bits)
+    assert np.array_equal(got, exact_values(type_name, blocks))
 
 
 @pytest.mark.parametrize("type_name", K_TYPES)
-def test_k_quants_read_within_their_fp16_scales(type_name):
+def test_k_quants_packed_within_their_fp16_scales(type_name):
     """d·sc and dmin·mn rounded once to fp16: each weight within 2^-11 of its two terms."""
-    blocks = file_blocks(type_name, 24, 512)
-    u, d, m = groups_from_blocks(type_name, blocks, 512)
+    blocks = file_blocks(type_name, 40, 512)
     exact = exact_values(type_name, blocks)
-    got = from_groups(u, d, m)
-    bound = 2.0**-11 * (np.abs(d.astype(np.float32)).repeat(32, 1) * u + np.abs(m).repeat(32, 1))
+    bits = 4 if GGML_LARGEST_U[type_name] <= 15 else 8
+    got, d, m = packed_values(type_name, blocks, 512, bits)
+    u_max = GGML_LARGEST_U[type_name]
+    bound = 2.0**-11 * (np.abs(d).repeat(32, 1) * u_max + np.abs(m).repeat(32, 1))
     assert np.all(np.abs(got - exact) <= bound * 1.001 + 1e-12)
     assert not np.array_equal(got, exact)  # the rounding is real: the bound is what we promise
 
 
-@pytest.mark.parametrize("type_name", [*EXACT_TYPES, *K_TYPES])
-def test_packed_groups_dequantize_to_the_groups(type_name):
-    rows = 40  # not a whole number of 16-row tiles
-    u, d, m = groups_from_blocks(type_name, file_blocks(type_name, rows, 256), 256)
-    bits = 4 if GROUPED_TYPES[type_name] <= 15 else 8
-    packed = pack_groups(torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m), bits)
-    assert torch.equal(dequantize_weight(packed), torch.from_numpy(from_groups(u, d, m)))
+def test_q6_k_rounded_to_int8_as_quantize_weight_rounds_its_values():
+    """Q6_K's scales cover 16 weights, the tiles' groups 32: its blocks become exactly the int8
+    tiles that quantize_weight makes of the weights gguf-py dequantizes (and a Q4_K block,
+    which has 4-bit groups of its own, does not fit Q6_K's path by mistake)."""
+    from pyserve.worker.quant import unpack_weight
+
+    blocks = file_blocks("Q6_K", 40, 512)
+    packed = pack_ggml_blocks([("Q6_K", blocks)], 40, 512, 8)
+    reference = quantize_weight(torch.from_numpy(exact_values("Q6_K", blocks)), 8)
+    for got, want in zip(unpack_weight(packed), unpack_weight(reference), strict=True):
+        assert torch.equal(got[:40], want[:40])  # the padding rows' u differ (0 or 128): unused
+    with pytest.raises(ValueError, match="do not pack"):
+        pack_ggml_blocks([("Q6_K", blocks)], 40, 512, 4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "decoder_stack.h"
 #include "dispatch.h"
+#include "ggml_repack.h"
 #include "layer_ops.h"
 #include "prefill_attention.h"
 #include "thread_pool.h"
@@ -299,6 +300,14 @@ void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, ui
   stack.forward(batch);
 }
 
+void repack_ggml(const std::string& type, uintptr_t blocks, int64_t row_bytes, int rows, int k,
+                 int bits, uintptr_t data, uintptr_t scales) {
+  const pk::GgmlType parsed = pk::ggml_type_named(type);
+  py::gil_scoped_release released;
+  pk::repack_ggml(parsed, address<const uint8_t>(blocks), row_bytes, rows, k, bits,
+                  address<uint8_t>(data), address<uint16_t>(scales));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -398,6 +407,11 @@ PYBIND11_MODULE(_kernels, m) {
            "every layer over one batch: hidden (the embeddings) becomes the last MLP output, "
            "residual the stream it adds to; cos and sin: sequences of addresses, one per rope "
            "table (float32 [rows, rotary_dim]); int64 metadata, float32 rows");
+  m.def("repack_ggml", &repack_ggml, py::arg("type"), py::arg("blocks"), py::arg("row_bytes"),
+        py::arg("rows"), py::arg("k"), py::arg("bits"), py::arg("data"), py::arg("scales"),
+        "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) straight into the matmul's tiles");
+  m.attr("GGML_PACKED_TYPES") =
+      py::make_tuple("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K");
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

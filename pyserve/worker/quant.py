@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -150,23 +151,48 @@ def _quantize_rows(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
     return PackedWeight(packed, _pack_scales(d, m), n, k, bits, group)
 
 
-@torch.no_grad()
-def pack_groups(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> PackedWeight:
-    """Packs a weight given as its groups of 32 (u uint8 [n, k], fp16 d and m [n, k/32];
-    w = d·u + m), as pyserve.worker.ggml_groups reads them from a GGUF file, without rounding."""
-    n, k = u.shape
-    if k % GROUP or tuple(d.shape) != (n, k // GROUP) or tuple(m.shape) != (n, k // GROUP):
-        raise ValueError(f"groups of {GROUP}: u {tuple(u.shape)}, d {tuple(d.shape)}")
-    if bits == 4 and int(u.max()) > 15:
-        raise ValueError("4-bit groups hold u up to 15")
-    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+# GGML types whose blocks are packed straight into tiles (cpp/kernels/ggml_repack.h says how:
+# bit for bit but for the K-quants' fp16 scales, and Q6_K, rounded to int8), with the largest
+# integer each holds: up to 15 fits 4-bit tiles, the rest need 8
+GGML_LARGEST_U = {
+    "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q8_0": 255,
+    "Q6_K": 255,
+}  # fmt: skip
+
+
+def ggml_fits(type_name: str, bits: int) -> bool:
+    """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles."""
+    largest = GGML_LARGEST_U.get(type_name)
+    return largest is not None and largest < (1 << bits)
+
+
+def pack_ggml_blocks(
+    parts: Iterable[tuple[str, np.ndarray]], rows: int, k: int, bits: int
+) -> PackedWeight:
+    """A weight of ``rows`` rows made of parts of GGML blocks, (type name, uint8 [rows, bytes of
+    a row] as a GGUF file stores them) one after another, packed straight into one weight's
+    ``bits``-bit tiles with no float in between; every part but the last fills whole tiles."""
+    tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
+    data = torch.empty(tiles, groups, GROUP * TILE_ROWS * bits // 8, dtype=torch.uint8)
+    scales = torch.empty(tiles, groups, 2, TILE_ROWS, dtype=torch.float16)
+    done = 0
+    for type_name, part in parts:
+        if not ggml_fits(type_name, bits):
+            raise ValueError(f"{type_name} blocks do not pack into {bits}-bit tiles")
+        if done % TILE_ROWS or done + part.shape[0] > rows:
+            raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
+        part = np.ascontiguousarray(part)
+        tile = done // TILE_ROWS
+        kernels().repack_ggml(
+            type_name, part.ctypes.data, part.shape[1], part.shape[0], k, bits,
+            data[tile:].data_ptr(), scales[tile:].data_ptr(),
+        )  # fmt: skip
+        done += part.shape[0]
+    if done != rows:
+        raise ValueError(f"the parts hold {done} rows, not {rows}")
+    if not torch.isfinite(scales).all():
         raise ValueError("a group's scale or offset is inf or nan")
-    n_pad = _ceil_to(n, TILE_ROWS)
-    if n_pad != n:  # padding rows: u = 0, d = m = 0
-        u = torch.cat([u, u.new_zeros(n_pad - n, k)])
-        d = torch.cat([d, d.new_zeros(n_pad - n, k // GROUP)])
-        m = torch.cat([m, m.new_zeros(n_pad - n, k // GROUP)])
-    return PackedWeight(_pack(u.contiguous(), bits, GROUP), _pack_scales(d, m), n, k, bits, GROUP)
+    return PackedWeight(data, scales, rows, k, bits, GROUP)
 
 
 def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:

@@ -1,12 +1,13 @@
 """What precision each projection is packed at, and packing it straight from the file's tensors.
 
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
-Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. The grouped
-types (pyserve.worker.ggml_groups) are packed from their own integers, never passing through
-float32; the others (Q6_K, Q2_K/Q3_K, IQ*) are dequantized one tensor at a time and quantized to
-their precision. A projection made of several tensors (q, k and v) takes the highest precision
-among them. The output projection is always 8-bit: the logits are the most sensitive to
-rounding (llama.cpp keeps it at Q6_K or above for the same reason). ``Packing("int8")`` and
+Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are packed from their own integers by the kernels module
+(cpp/kernels/ggml_repack.h), never passing through float32; the others (Q6_K, Q2_K/Q3_K, IQ*)
+are dequantized a piece of rows at a time and quantized to their precision. A projection made
+of several tensors (q, k and v) takes the highest precision among them. The output projection
+is always 8-bit: the logits are the most sensitive to rounding (llama.cpp keeps it at Q6_K or
+above for the same reason). ``Packing("int8")`` and
 ``Packing("int4")`` put every projection at that precision, whatever the file holds.
 """
 
@@ -19,9 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pyserve.worker.ggml_groups import GROUPED_TYPES
 from pyserve.worker.loading.base import StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.quant import (
@@ -29,7 +30,8 @@ from pyserve.worker.quant import (
     TILE_ROWS,
     PackedWeight,
     concat_packed,
-    pack_groups,
+    ggml_fits,
+    pack_ggml_blocks,
     piece_rows,
     quantize_weight,
 )
@@ -65,42 +67,47 @@ class Packing:
 
 
 def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
-    """The weight made of ``parts``' rows one after another, packed at ``bits``: each part from
-    its own groups where the file holds it as ``bits``-bit groups, else from its float values,
-    a piece of rows at a time; all parts' float values at once only when a part ends mid-tile
-    (rare head sizes)."""
-    rows = sum(part.shape[0] for part in parts)
+    """The weight made of ``parts``' rows one after another, packed at ``bits``: straight from
+    the file's blocks into one weight where they fit ``bits``-bit tiles, else from their float
+    values a piece of rows at a time; all parts' float values at once only when a part ends
+    mid-tile (rare head sizes)."""
+    rows, k = sum(part.shape[0] for part in parts), parts[0].shape[1]
     if any(part.shape[0] % TILE_ROWS for part in parts[:-1]):
         values = torch.cat([part.values().float() for part in parts])
         return quantize_weight(values, bits)
+    if all(part.quantized and ggml_fits(part.type_name, bits) for part in parts):
+        # each part's bytes are read when its turn comes: one part's at a time
+        blocks = ((part.type_name, _blocks(part)) for part in parts)
+        return pack_ggml_blocks(blocks, rows, k, bits)
     return concat_packed((pack_tensor(part, bits) for part in parts), rows)
 
 
 def pack_tensor(tensor: StoredTensor, bits: int) -> PackedWeight:
     n, k = tensor.shape
+    if tensor.quantized and ggml_fits(tensor.type_name, bits):
+        return pack_ggml_blocks([(tensor.type_name, _blocks(tensor))], n, k, bits)
+    # from float values, a piece of rows at a time
     pieces = tensor.pieces(piece_rows(k))
-    return concat_packed((_pack_piece(piece, bits) for piece in pieces), n)
+    return concat_packed((quantize_weight(piece.values(), bits) for piece in pieces), n)
 
 
-def _pack_piece(tensor: StoredTensor, bits: int) -> PackedWeight:
-    largest = GROUPED_TYPES.get(tensor.type_name)
-    if largest is not None and largest < (1 << bits):
-        groups = tensor.groups()
-        if groups is not None:
-            return pack_groups(*groups, bits)
-    return quantize_weight(tensor.values(), bits)
+def _blocks(tensor: StoredTensor) -> np.ndarray:
+    blocks = tensor.blocks()
+    if blocks is None:
+        raise ValueError(f"{tensor.name}: a quantized tensor without blocks")
+    return blocks
 
 
 class PackingPool:
     """Packs projections on background threads while the loader goes on reading (numpy's and
-    torch's loops release the GIL), with at most one more than the threads in flight, so
-    memory holds a few tensors' transients at a time."""
+    torch's loops release the GIL), with at most one per thread in flight, so memory holds a
+    few tensors' transients at a time."""
 
     def __init__(self, threads: int, progress: LoadProgress | None = None):
         one_malloc_arena()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pack")
         self._in_flight: deque[tuple[str, Future, int, int]] = deque()
-        self._limit = threads + 1
+        self._limit = threads
         self._progress = progress
         self.done: dict[str, PackedWeight] = {}
 

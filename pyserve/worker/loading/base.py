@@ -46,9 +46,9 @@ class StoredTensor(ABC):
         it; None for floats."""
         return None
 
-    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The weight as the file's own groups of 32, (u uint8, fp16 d, fp16 m) with
-        w = d·u + m (pyserve.worker.ggml_groups); None where the file's type is not that form."""
+    def blocks(self) -> np.ndarray | None:
+        """A quantized tensor's bytes as the file stores them, uint8 [rows, bytes of a row], in
+        Hugging Face's row order; None for a float tensor."""
         return None
 
     def pieces(self, rows: int) -> Iterator[StoredTensor]:

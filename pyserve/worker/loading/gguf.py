@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from pyserve.model_files import ModelFilesError, ModelSource, gguf_shards, open_gguf_reader
-from pyserve.worker.ggml_groups import GROUPED_TYPES, groups_from_blocks
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor, read_exactly
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
+from pyserve.worker.quant import GGML_LARGEST_U
 from pyserve.worker.rope import check_rope
 
 _TOP_LEVEL = {
@@ -88,7 +88,7 @@ _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 def _undecodable(ggml_type) -> str | None:
     """Why tensors of this GGML type cannot be served (None: they can), tried on one block."""
     name = ggml_type.name
-    if name in _FLOAT_TYPES or name == "BF16" or name in GROUPED_TYPES:
+    if name in _FLOAT_TYPES or name == "BF16" or name in GGML_LARGEST_U:
         return None
     from gguf import GGML_QUANT_SIZES, dequantize
 
@@ -126,16 +126,16 @@ class GGUFTensor(StoredTensor):
     def native_bits(self) -> int | None:
         if not self.quantized:
             return None
-        if self.type_name in GROUPED_TYPES:
-            return 4 if GROUPED_TYPES[self.type_name] <= 15 else 8
+        if self.type_name in GGML_LARGEST_U:
+            return 4 if GGML_LARGEST_U[self.type_name] <= 15 else 8
         bits = ggml_type_bits(self.type_name)
         return 4 if bits is not None and bits <= 4 else 8
 
     def values(self) -> torch.Tensor:
         return _RowsOf(self, self._rows()).values()
 
-    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        return _RowsOf(self, self._rows()).groups()
+    def blocks(self) -> np.ndarray | None:
+        return self._rows() if self.quantized else None
 
     def pieces(self, rows: int) -> Iterator[StoredTensor]:
         if len(self.shape) != 2 or self.shape[0] <= rows:
@@ -181,11 +181,8 @@ class _RowsOf(StoredTensor):
             ) from None
         return values.reshape(self.shape)
 
-    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        if self.type_name not in GROUPED_TYPES or len(self.shape) != 2:
-            return None
-        u, d, m = groups_from_blocks(self.type_name, self.raw, self.shape[1])
-        return torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m)
+    def blocks(self) -> np.ndarray | None:
+        return self.raw if self.quantized else None
 
 
 # GGML types by their bits a weight: Q4_1 → 4, IQ3_S → 3, TQ2_0 → 2, MXFP4 → 4.

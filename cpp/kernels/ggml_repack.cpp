@@ -1,0 +1,270 @@
+#include "ggml_repack.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "attention_convert.h"
+#include "half.h"
+#include "qgemm.h"
+#include "thread_pool.h"
+
+namespace pyserve_kernels {
+namespace {
+
+constexpr int kGroup = 32;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 · 2^23
+
+uint16_t load_half(const uint8_t* at) {
+  uint16_t h;
+  std::memcpy(&h, at, sizeof h);
+  return h;
+}
+
+uint16_t scaled_half(uint16_t d, float factor) { return float_to_half(half_to_float(d) * factor); }
+
+// 16 bytes → 32 weights: low nibbles are weights 0-15, high nibbles 16-31.
+void nibbles(const uint8_t* qs, uint8_t* u) {
+  for (int j = 0; j < 16; ++j) {
+    u[j] = qs[j] & 0x0f;
+    u[j + 16] = qs[j] >> 4;
+  }
+}
+
+void high_bits(const uint8_t* qh, uint8_t* u) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof bits);
+  for (int j = 0; j < 32; ++j) u[j] |= static_cast<uint8_t>(((bits >> j) & 1u) << 4);
+}
+
+// llama.cpp's get_scale_min_k4: the 6-bit scale and min of sub-block j from 12 packed bytes.
+void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void k_group_scales(const uint8_t* block, int sub, uint16_t* d, uint16_t* m) {
+  int sc, mn;
+  k_scale_min(block + 4, sub, &sc, &mn);
+  *d = float_to_half(half_to_float(load_half(block)) * static_cast<float>(sc));
+  *m = float_to_half(-(half_to_float(load_half(block + 2)) * static_cast<float>(mn)));
+}
+
+uint16_t next_half_up(uint16_t h) {  // the next fp16 above a finite h >= 0
+  return static_cast<uint16_t>(h + 1);
+}
+
+// Q6_K (210 bytes per 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales per
+// 16 weights, d): group j's 32 weights as llama.cpp dequantizes them, (d·sc)·(q − 32) in float32.
+void q6_k_group(const uint8_t* b, int j, float* w) {
+  const int half = j / 4, t = j % 4;
+  const uint8_t* ql = b + 64 * half;
+  const uint8_t* qh = b + 128 + 32 * half;
+  const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
+  const float d = half_to_float(load_half(b + 208));
+  for (int l = 0; l < 32; ++l) {
+    const int low = (t % 2 ? ql[l + 32] : ql[l]) >> (t / 2 * 4) & 0x0f;
+    const int high = (qh[l] >> (2 * t)) & 3;
+    const float scale = d * static_cast<float>(sc[l / 16 + 2 * t]);
+    w[l] = scale * static_cast<float>((low | (high << 4)) - 32);
+  }
+}
+
+// 32 floats as pyserve.worker.quant.quantize_weight rounds them to int8: d = fp16(max|w| / 127),
+// one fp16 step up if that leaves the largest off the grid, q = round-half-even(w / d) in
+// [−127, 127], u = q + 128, m = −128·d. A weight that is not finite makes d nan.
+void int8_group(const float* w, uint8_t* u, uint16_t* d, uint16_t* m) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int l = 0; l < 32; ++l) {
+    finite = finite && std::isfinite(w[l]);
+    amax = std::max(amax, std::fabs(w[l]));
+  }
+  uint16_t dh = float_to_half(amax / 127.0f);
+  if (half_to_float(dh) * 127.0f < amax) dh = next_half_up(dh);
+  const float step = half_to_float(dh) == 0.0f ? 1.0f : half_to_float(dh);
+  for (int l = 0; l < 32; ++l) {
+    // round half to even as torch.round does: adding and taking back 1.5·2^23 leaves the
+    // float's integer part rounded by the FPU's own mode (|w / step| ≤ 127.x ≪ 2^22); a libm
+    // nearbyint call per weight took most of this loop's time
+    const float shifted = w[l] / step + kRoundMagic;
+    const float q = std::min(127.0f, std::max(-127.0f, shifted - kRoundMagic));
+    u[l] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+  }
+  *d = finite ? dh : static_cast<uint16_t>(0x7e00);
+  *m = scaled_half(*d, -128.0f);
+}
+
+// Group g (32 weights) of one row: u, d, m.
+void decode_group(GgmlType type, const uint8_t* row, int g, uint8_t* u, uint16_t* d, uint16_t* m) {
+  switch (type) {
+    case GgmlType::kQ4_0: {
+      const uint8_t* b = row + static_cast<int64_t>(g) * 18;
+      *d = load_half(b);
+      *m = scaled_half(*d, -8.0f);
+      nibbles(b + 2, u);
+      return;
+    }
+    case GgmlType::kQ4_1: {
+      const uint8_t* b = row + static_cast<int64_t>(g) * 20;
+      *d = load_half(b);
+      *m = load_half(b + 2);
+      nibbles(b + 4, u);
+      return;
+    }
+    case GgmlType::kQ5_0: {
+      const uint8_t* b = row + static_cast<int64_t>(g) * 22;
+      *d = load_half(b);
+      *m = scaled_half(*d, -16.0f);
+      nibbles(b + 6, u);
+      high_bits(b + 2, u);
+      return;
+    }
+    case GgmlType::kQ5_1: {
+      const uint8_t* b = row + static_cast<int64_t>(g) * 24;
+      *d = load_half(b);
+      *m = load_half(b + 2);
+      nibbles(b + 8, u);
+      high_bits(b + 4, u);
+      return;
+    }
+    case GgmlType::kQ8_0: {
+      const uint8_t* b = row + static_cast<int64_t>(g) * 34;
+      *d = load_half(b);
+      *m = scaled_half(*d, -128.0f);
+      for (int j = 0; j < 32; ++j) u[j] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + j]) + 128);
+      return;
+    }
+    case GgmlType::kQ4_K: {  // 144 bytes: d, dmin, 12 scale bytes, 128 bytes of nibbles
+      const int sub = g % 8;
+      const uint8_t* b = row + static_cast<int64_t>(g / 8) * 144;
+      k_group_scales(b, sub, d, m);
+      const uint8_t* qs = b + 16 + (sub / 2) * 32;  // chunk of 64: low nibbles, then high
+      for (int l = 0; l < 32; ++l) u[l] = (sub % 2) ? (qs[l] >> 4) : (qs[l] & 0x0f);
+      return;
+    }
+    case GgmlType::kQ6_K: {
+      float w[kGroup];
+      q6_k_group(row + static_cast<int64_t>(g / 8) * 210, g % 8, w);
+      int8_group(w, u, d, m);
+      return;
+    }
+    case GgmlType::kQ5_K: {  // 176 bytes: d, dmin, 12 scale bytes, 32 bytes of high bits, nibbles
+      const int sub = g % 8;
+      const uint8_t* b = row + static_cast<int64_t>(g / 8) * 176;
+      k_group_scales(b, sub, d, m);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + 48 + (sub / 2) * 32;
+      for (int l = 0; l < 32; ++l) {
+        const int low = (sub % 2) ? (qs[l] >> 4) : (qs[l] & 0x0f);
+        u[l] = static_cast<uint8_t>(low | (((qh[l] >> sub) & 1) << 4));
+      }
+      return;
+    }
+  }
+}
+
+int block_weights(GgmlType type) {
+  const bool k_quant =
+      type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K;
+  return k_quant ? 256 : 32;
+}
+
+struct RepackJob {
+  GgmlType type;
+  const uint8_t* blocks;
+  int64_t row_bytes;
+  int rows, k, bits;
+  uint8_t* data;
+  uint16_t* scales;
+};
+
+// One tile: its 16 rows' groups, in the layout qgemm.h describes. Each row is written whole
+// (its lanes of every group); rows past the weight's end stay zero.
+void repack_tile(void* context, int tile) {
+  const auto& job = *static_cast<const RepackJob*>(context);
+  const int groups = job.k / kGroup;
+  const size_t group_bytes = static_cast<size_t>(kGroup) * kTileRows * job.bits / 8;
+  uint8_t* tile_data = job.data + static_cast<size_t>(tile) * groups * group_bytes;
+  uint16_t* tile_scales = job.scales + static_cast<size_t>(tile) * groups * 2 * kTileRows;
+  const int rows = std::min(kTileRows, job.rows - tile * kTileRows);
+  if (rows < kTileRows) {
+    std::memset(tile_data, 0, static_cast<size_t>(groups) * group_bytes);
+    std::memset(tile_scales, 0, static_cast<size_t>(groups) * 2 * kTileRows * sizeof(uint16_t));
+  }
+  uint8_t u[kGroup];
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = static_cast<int64_t>(tile) * kTileRows + r;
+    const uint8_t* source = job.blocks + row * job.row_bytes;
+    for (int g = 0; g < groups; ++g) {
+      uint16_t d, m;
+      decode_group(job.type, source, g, u, &d, &m);
+      uint8_t* block = tile_data + static_cast<size_t>(g) * group_bytes + r * 4;
+      uint16_t* sc = tile_scales + static_cast<size_t>(g) * 2 * kTileRows;
+      sc[r] = d;
+      sc[kTileRows + r] = m;
+      if (job.bits == 8) {  // quad q (inputs 4q..4q+3) at bytes 64q + 4r
+        for (int q = 0; q < kGroup / 4; ++q) std::memcpy(block + q * 64, u + 4 * q, 4);
+      } else {  // block p: quad 2p in the low nibbles, quad 2p + 1 in the high ones
+        for (int p = 0; p < kGroup / 8; ++p) {
+          for (int i = 0; i < 4; ++i) {
+            block[p * 64 + i] = static_cast<uint8_t>(u[8 * p + i] | (u[8 * p + 4 + i] << 4));
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+GgmlType ggml_type_named(const std::string& name) {
+  if (name == "Q4_0") return GgmlType::kQ4_0;
+  if (name == "Q4_1") return GgmlType::kQ4_1;
+  if (name == "Q5_0") return GgmlType::kQ5_0;
+  if (name == "Q5_1") return GgmlType::kQ5_1;
+  if (name == "Q8_0") return GgmlType::kQ8_0;
+  if (name == "Q4_K") return GgmlType::kQ4_K;
+  if (name == "Q5_K") return GgmlType::kQ5_K;
+  if (name == "Q6_K") return GgmlType::kQ6_K;
+  throw std::invalid_argument("GGML type " + name + " is not packed straight into tiles");
+}
+
+int ggml_type_largest_u(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ4_K:
+      return 15;
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ5_1:
+    case GgmlType::kQ5_K:
+      return 31;
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ6_K:
+      return 255;
+  }
+  return 255;
+}
+
+void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
+                 uint8_t* data, uint16_t* scales) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (ggml_type_largest_u(type) >= (1 << bits)) {
+    throw std::invalid_argument("the type's integers do not fit the tiles' bits");
+  }
+  if (rows <= 0 || k <= 0 || k % block_weights(type)) {
+    throw std::invalid_argument("k must be a positive multiple of the type's block");
+  }
+  RepackJob job{type, blocks, row_bytes, rows, k, bits, data, scales};
+  const int tiles = (rows + kTileRows - 1) / kTileRows;
+  ThreadPool::instance().run(repack_tile, &job, tiles);
+}
+
+}  // namespace pyserve_kernels

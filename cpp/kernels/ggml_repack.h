@@ -1,0 +1,35 @@
+// llama.cpp's quantized blocks packed straight into the matmul kernels' tiles (qgemm.h), with no
+// float in between: every group of 32 weights of the types below is already w = d·u + m with
+// unsigned u and one scale and offset, so a load only moves bits.
+//   Q4_0 d·(q − 8), Q4_1 d·q + m, Q5_0 d·(q − 16), Q5_1 d·q + m, Q8_0 d·q (q signed, u = q + 128):
+//     d and m are the file's fp16 (m = −8d, −16d, −128d: exact), bit for bit.
+//   Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale sc and min mn per 32 (w = d·sc·q − dmin·mn):
+//     d·sc and dmin·mn are exact in float32 and rounded once to fp16 (nearest even).
+//   Q6_K's scales cover 16 weights, not 32: its weights are computed as llama.cpp dequantizes them
+//     and rounded to 8-bit groups exactly as pyserve.worker.quant.quantize_weight rounds floats
+//     (within half an int8 step of each group's largest weight / 127).
+// Other types (Q2_K/Q3_K, the IQ grids) are not this form; the loader dequantizes and quantizes
+// those (pyserve/worker/weight_packing.py).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace pyserve_kernels {
+
+enum class GgmlType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+
+// Parses a GGML type name ("Q4_K"); throws std::invalid_argument for the others.
+GgmlType ggml_type_named(const std::string& name);
+
+// The largest u a type's groups hold (15: fits 4-bit tiles; 31 and 255: 8-bit ones only).
+int ggml_type_largest_u(GgmlType type);
+
+// rows × k weights, row r's blocks at blocks + r·row_bytes, into the tiles of `bits`-bit weights:
+// data [ceil(rows/16)][k/32][32·16·bits/8] and scales [ceil(rows/16)][k/32][32] (fp16 bits),
+// padding rows zero. k must be a multiple of the type's block; throws std::invalid_argument if
+// the type's u do not fit `bits`.
+void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
+                 uint8_t* data, uint16_t* scales);
+
+}  // namespace pyserve_kernels
