@@ -429,3 +429,27 @@ def test_load_progress_lines_in_a_log_and_a_bar_on_a_terminal(caplog):
     shown = terminal.getvalue()
     assert shown.startswith("\r[") and shown.endswith("\n")
     assert f"[{'#' * BAR_WIDTH}] loading model.gguf: 2/2 tensors" in shown
+
+
+def test_pieces_of_a_tensor_are_its_rows(mixed_gguf, tmp_path, monkeypatch):
+    """A large table is converted a piece of rows at a time: the pieces, GGUF (quantized or
+    float) and safetensors alike, are the tensor's rows in order, and packing them piece by
+    piece gives the weight packed whole."""
+    from pyserve.worker import weight_packing
+    from pyserve.worker.loading import open_checkpoint
+
+    path, _ = mixed_gguf
+    model = tiny_llama(**MIXED)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    for checkpoint in (open_checkpoint(str(path)), open_checkpoint(str(tmp_path))):
+        tensors = dict(checkpoint.tensors)
+        for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+            tensor = tensors[name]
+            pieces = list(tensor.pieces(48))
+            assert len(pieces) == -(-tensor.shape[0] // 48)
+            assert torch.equal(torch.cat([p.values() for p in pieces]), tensor.values())
+    whole = tensors["model.embed_tokens.weight"]  # safetensors, bf16: 256 rows
+    monkeypatch.setattr(weight_packing, "piece_rows", lambda k: 48)  # 6 pieces, not 1
+    packed = weight_packing.pack_tensor(whole, 8)
+    reference = quantize_weight(whole.values(), 8)
+    assert torch.equal(packed.data, reference.data) and torch.equal(packed.scales, reference.scales)
