@@ -133,16 +133,7 @@ def drift(size: str, gguf: str, prompts: int, length: int) -> str:
         return ModelRunner(WorkerSettings(model=gguf, num_blocks=-(-length // 16), **kw))
 
     def logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
-        n = len(prompt)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(prompt),
-            positions=torch.arange(n),
-            start_pos=[0],
-            num_tokens=[n],
-            block_tables=[list(range(-(-n // runner.block_size)))],
-            sample_index=torch.arange(n),
-        )
-        return runner.forward(batch).float()
+        return runner.forward(ForwardBatch.whole_prompt(prompt, runner.block_size)).float()
 
     gen = torch.Generator().manual_seed(0)
     served = load(quantization="auto")

@@ -24,10 +24,10 @@ from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.loading import ModelLoadError
 from pyserve.worker.quant import (
-    GGML_LARGEST_U,
     QuantEmbedding,
     QuantLinear,
     dequantize_weight,
+    ggml_largest_u,
     kernels,
     pack_ggml_blocks,
     packed_rows,
@@ -35,6 +35,7 @@ from pyserve.worker.quant import (
 )
 
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+GGML_LARGEST_U = ggml_largest_u()
 K_TYPES = ("Q4_K", "Q5_K")
 
 
@@ -68,6 +69,10 @@ def packed_values(type_name: str, blocks: np.ndarray, k: int, bits: int):
 
 def test_the_kernels_pack_the_types_python_lists():
     assert set(kernels().GGML_PACKED_TYPES) == set(GGML_LARGEST_U)
+    assert GGML_LARGEST_U == {
+        "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q8_0": 255,
+        "Q6_K": 255,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("bits", [4, 8])

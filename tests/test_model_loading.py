@@ -48,16 +48,7 @@ def tiny_llama(**overrides):
 
 def prefill_logits(runner: ModelRunner, prompt: list[int] = PROMPT) -> torch.Tensor:
     """Logits at every prompt position, one prefill."""
-    n = len(prompt)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(prompt),
-        positions=torch.arange(n),
-        start_pos=[0],
-        num_tokens=[n],
-        block_tables=[list(range(-(-n // runner.block_size)))],
-        sample_index=torch.arange(n),
-    )
-    return runner.forward(batch)
+    return runner.forward(ForwardBatch.whole_prompt(prompt, runner.block_size))
 
 
 def hf_logits(model, prompt: list[int] = PROMPT) -> torch.Tensor:

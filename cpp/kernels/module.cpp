@@ -410,8 +410,11 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("repack_ggml", &repack_ggml, py::arg("type"), py::arg("blocks"), py::arg("row_bytes"),
         py::arg("rows"), py::arg("k"), py::arg("bits"), py::arg("data"), py::arg("scales"),
         "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) straight into the matmul's tiles");
-  m.attr("GGML_PACKED_TYPES") =
-      py::make_tuple("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K");
+  py::dict packed_types;  // name -> the largest u its groups hold (15 fits 4-bit tiles)
+  for (const char* name : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
+    packed_types[name] = pk::ggml_type_largest_u(pk::ggml_type_named(name));
+  }
+  m.attr("GGML_PACKED_TYPES") = packed_types;
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");

@@ -31,3 +31,17 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_tokens)
+
+    @classmethod
+    def whole_prompt(cls, prompt: list[int], block_size: int) -> ForwardBatch:
+        """One prompt prefilled from position 0 into blocks 0, 1, ..., sampling every position:
+        the logits a model gives a whole sequence (tests, accuracy benchmarks)."""
+        n = len(prompt)
+        return cls(
+            input_ids=torch.tensor(prompt),
+            positions=torch.arange(n),
+            start_pos=[0],
+            num_tokens=[n],
+            block_tables=[list(range(-(-n // block_size)))],
+            sample_index=torch.arange(n),
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,17 +106,7 @@ def rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up = [..., 2·width] holding gate then up (SwiGLU's activation)."""
-    flat = _as_rows(gate_up)
-    if flat is None or flat.shape[1] % 2:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    rows, width = flat.shape[0], flat.shape[1] // 2
-    out = torch.empty(rows, width, dtype=gate_up.dtype)
-    fused_kernels().silu_mul(
-        DTYPE_CODES[gate_up.dtype], flat.data_ptr(), max(flat.stride(0), 2 * width), rows, width,
-        out.data_ptr(), width,
-    )  # fmt: skip
-    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
+    return _gated(gate_up, "silu_mul", lambda gate, up: F.silu(gate) * up, fused=True)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -123,13 +114,28 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gelu_tanh torch's F.gelu(approximate="tanh"): in bfloat16 the activation rounded to bf16
     before the product, as torch's ops round it. The kernel evaluates the same function as
     x·sigmoid(2·inner) (no cancellation for negative x), to a few float32 ulps."""
+    fused = "gelu_tanh" in fused_activations()
+    return _gated(
+        gate_up, "gelu_tanh_mul", lambda g, up: F.gelu(g, approximate="tanh") * up, fused=fused
+    )
+
+
+def _gated(
+    gate_up: torch.Tensor,
+    kernel: str,
+    reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    fused: bool,
+) -> torch.Tensor:
+    """act(gate) · up through the kernel ``kernel``, or ``reference(gate, up)`` in torch where
+    the kernel cannot take the tensor (or is not built: ``fused`` False)."""
     flat = _as_rows(gate_up)
-    if flat is None or flat.shape[1] % 2 or "gelu_tanh" not in fused_activations():
+    if flat is None or flat.shape[1] % 2 or not fused:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return reference(gate, up)
     rows, width = flat.shape[0], flat.shape[1] // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype)
-    fused_kernels().gelu_tanh_mul(
+    getattr(fused_kernels(), kernel)(
         DTYPE_CODES[gate_up.dtype], flat.data_ptr(), max(flat.stride(0), 2 * width), rows, width,
         out.data_ptr(), width,
     )  # fmt: skip

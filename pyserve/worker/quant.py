@@ -151,18 +151,16 @@ def _quantize_rows(weight: torch.Tensor, bits: int, group: int) -> PackedWeight:
     return PackedWeight(packed, _pack_scales(d, m), n, k, bits, group)
 
 
-# GGML types whose blocks are packed straight into tiles (cpp/kernels/ggml_repack.h says how:
-# bit for bit but for the K-quants' fp16 scales, and Q6_K, rounded to int8), with the largest
-# integer each holds: up to 15 fits 4-bit tiles, the rest need 8
-GGML_LARGEST_U = {
-    "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q8_0": 255,
-    "Q6_K": 255,
-}  # fmt: skip
+def ggml_largest_u() -> dict[str, int]:
+    """The GGML types whose blocks the kernels pack straight into tiles (cpp/kernels/ggml_repack.h
+    says how: bit for bit but for the K-quants' fp16 scales, and Q6_K, rounded to int8), with the
+    largest integer each holds: up to 15 fits 4-bit tiles, the rest need 8."""
+    return kernels().GGML_PACKED_TYPES
 
 
 def ggml_fits(type_name: str, bits: int) -> bool:
     """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles."""
-    largest = GGML_LARGEST_U.get(type_name)
+    largest = ggml_largest_u().get(type_name)
     return largest is not None and largest < (1 << bits)
 
 

@@ -60,11 +60,6 @@ class Packing:
         # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision
         return max(part.native_bits or 8 for part in parts)
 
-    def packs_embedding(self, embedding: StoredTensor) -> bool:
-        """Whether the embedding table stays packed (a quantized file's does: its rows are
-        dequantized on lookup), rather than a float table."""
-        return embedding.quantized
-
 
 def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
     """The weight made of ``parts``' rows one after another, packed at ``bits``: straight from

@@ -22,7 +22,7 @@ from pyserve.model_files import ModelFilesError, ModelSource, gguf_shards, open_
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor, read_exactly
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
-from pyserve.worker.quant import GGML_LARGEST_U
+from pyserve.worker.quant import ggml_largest_u
 from pyserve.worker.rope import check_rope
 
 _TOP_LEVEL = {
@@ -88,7 +88,7 @@ _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 def _undecodable(ggml_type) -> str | None:
     """Why tensors of this GGML type cannot be served (None: they can), tried on one block."""
     name = ggml_type.name
-    if name in _FLOAT_TYPES or name == "BF16" or name in GGML_LARGEST_U:
+    if name in _FLOAT_TYPES or name == "BF16" or name in ggml_largest_u():
         return None
     from gguf import GGML_QUANT_SIZES, dequantize
 
@@ -126,8 +126,9 @@ class GGUFTensor(StoredTensor):
     def native_bits(self) -> int | None:
         if not self.quantized:
             return None
-        if self.type_name in GGML_LARGEST_U:
-            return 4 if GGML_LARGEST_U[self.type_name] <= 15 else 8
+        largest = ggml_largest_u().get(self.type_name)
+        if largest is not None:
+            return 4 if largest <= 15 else 8
         bits = ggml_type_bits(self.type_name)
         return 4 if bits is not None and bits <= 4 else 8
 

@@ -79,11 +79,20 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 class SafetensorsTensor(StoredTensor):
-    """A tensor of a safetensors file, read through safetensors' own lazy loading when asked."""
+    """A tensor of a safetensors file (or rows [start, stop) of one), read through safetensors'
+    own lazy loading when asked."""
 
-    def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: str, nbytes: int):
+    def __init__(
+        self,
+        file: Path | str,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        nbytes: int,
+        rows: tuple[int, int] | None = None,
+    ):
         self.file, self.name, self.shape = str(file), name, shape
-        self.type_name, self.nbytes = dtype, nbytes
+        self.type_name, self.nbytes, self.rows = dtype, nbytes, rows
 
     def values(self) -> torch.Tensor:
         from safetensors import safe_open
@@ -92,39 +101,27 @@ class SafetensorsTensor(StoredTensor):
         # while it is mapped) goes when the tensor is read, so it never holds the whole file.
         try:
             with safe_open(self.file, framework="pt") as f:
-                return f.get_tensor(self.name)
+                if self.rows is None:
+                    return f.get_tensor(self.name)
+                start, stop = self.rows
+                return f.get_slice(self.name)[start:stop].contiguous()
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise ModelLoadError(
                 f"{self.file}: cannot read tensor {self.name!r} (corrupt or truncated: {e})"
             ) from None
 
     def pieces(self, rows: int) -> Iterator[StoredTensor]:
-        if len(self.shape) != 2 or self.shape[0] <= rows:
+        if len(self.shape) != 2 or self.shape[0] <= rows or self.rows is not None:
             yield self
             return
-        for start in range(0, self.shape[0], rows):
-            yield _SafetensorsRows(self, start, min(start + rows, self.shape[0]))
-
-
-class _SafetensorsRows(StoredTensor):
-    """Rows [start, stop) of a safetensors tensor, read as a slice of it."""
-
-    def __init__(self, tensor: SafetensorsTensor, start: int, stop: int):
-        self.tensor, self.start, self.stop = tensor, start, stop
-        self.file, self.name, self.type_name = tensor.file, tensor.name, tensor.type_name
-        self.shape = (stop - start, *tensor.shape[1:])
-        self.nbytes = tensor.nbytes * (stop - start) // tensor.shape[0]
-
-    def values(self) -> torch.Tensor:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(self.file, framework="pt") as f:
-                return f.get_slice(self.name)[self.start : self.stop].contiguous()
-        except Exception as e:
-            raise ModelLoadError(
-                f"{self.file}: cannot read tensor {self.name!r} (corrupt or truncated: {e})"
-            ) from None
+        n = self.shape[0]
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            shape = (stop - start, *self.shape[1:])
+            nbytes = self.nbytes * (stop - start) // n
+            yield SafetensorsTensor(
+                self.file, self.name, shape, self.type_name, nbytes, (start, stop)
+            )
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}

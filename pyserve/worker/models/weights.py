@@ -108,7 +108,7 @@ def weight_slots(model: CausalLM, family: Family) -> dict[str, Slot]:
 
 def _placed(
     model: CausalLM, slots: dict[str, Slot], tensors: list[tuple[str, StoredTensor]], source: str
-) -> list[tuple[StoredTensor, str, Slot]]:
+) -> list[tuple[StoredTensor, Slot]]:
     """Every tensor with its slot, checked against the model before anything is read: names,
     shapes, and that every weight appears."""
     placed = []
@@ -130,7 +130,7 @@ def _placed(
         if name not in missing:
             raise ModelLoadError(f"{source}: tensor {tensor.name!r} appears twice")
         missing.discard(name)
-        placed.append((tensor, name, slot))
+        placed.append((tensor, slot))
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ModelLoadError(f"{source}: {len(missing)} weights missing, e.g. {shown}")
@@ -167,8 +167,8 @@ def load_weights(
     pool = PackingPool(max(1, torch.get_num_threads()), progress) if packing else None
     tied = model.config.tie_word_embeddings
     try:
-        for tensor, _, slot in placed:
-            if pool is not None and packing is not None and slot.linear is not None:
+        for tensor, slot in placed:
+            if pool is not None and slot.linear is not None:
                 pending.setdefault(slot.linear, []).append((slot.rows[0], tensor))
                 rows_left[slot.linear] -= slot.rows[1] - slot.rows[0]
                 if rows_left[slot.linear] == 0:
@@ -178,7 +178,8 @@ def load_weights(
                     pack = partial(_pack, parts, bits, source)
                     pool.submit(slot.linear, len(parts), nbytes, pack)
                 continue
-            if pool is not None and packing and slot.embedding and packing.packs_embedding(tensor):
+            if pool is not None and slot.embedding and tensor.quantized:
+                # a quantized file's table stays packed (its rows are dequantized on lookup);
                 # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
                 bits = 8 if tied else packing.bits([tensor])
                 pool.submit(EMBEDDING, 1, tensor.nbytes, partial(_pack, [tensor], bits, source))
