@@ -21,6 +21,8 @@ from collections.abc import Awaitable
 
 from aiohttp import web
 
+from pyserve.chat.reasoning import REASONING_PARSERS
+from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
 from pyserve.http.app import create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
@@ -113,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--torch-threads", type=int, help="torch threads of the worker; none: torch's default")
     add("--seed", type=int, help="sampling seed of requests that give none")
     add(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "none", *TOOL_CALL_PARSERS],
+        help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; "
+        "mistral [TOOL_CALLS]); auto: the format its chat template uses; none: refuse tools",
+    )
+    add(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the "
+        "model opens it; deepseek_r1: the prompt does); none: the thought stays in the content",
+    )
+    add(
         "--api-key",
         default=os.environ.get("PYSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -157,6 +172,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         log_level=args.log_level,
         step_timeout=args.step_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     if args.kv_cache_gib is not None:
         config.kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))

@@ -137,6 +137,13 @@ def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterat
         assert code == 0, f"the server exited with {code}:\n{server.log()}"
 
 
+def openai_client(server: Server):
+    """The official SDK's client for ``server``, without retries (a test sees every error)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
 def child_pids(pid: int) -> list[int]:
     """The direct children of process ``pid`` (Linux)."""
     found = []

@@ -12,12 +12,13 @@ import pytest
 from http_testlib import (
     kv_idle,
     metrics,
+    openai_client,
     references,
     running_server,
     tiny_model,
     wait_for_metrics,
 )
-from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
 from pyserve.model_files import load_tokenizer, resolve_model
 
@@ -48,7 +49,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(server) as client:
         yield client
 
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
-from pyserve.wire.main_to_worker import SamplingParams
+from pyserve.wire.main_to_worker import InvalidSampling, SamplingParams, check_sampling
 from pyserve.worker.sampling import (
     Sampler,
     apply_min_p,
     apply_penalties,
     make_generator,
     top_k_top_p,
-    validate_params,
 )
 
 VOCAB = 64
@@ -366,9 +365,46 @@ def test_mismatched_rows_raise() -> None:
         dict(repetition_penalty=0.0),
         dict(max_new_tokens=0),
         dict(top_logprobs=-1),
+        dict(top_logprobs=21),
+        dict(repetition_penalty=11.0),
+        dict(logit_bias={5: 101.0}),
+        dict(logit_bias={-1: 1.0}),
+        dict(stop_token_ids=list(range(65))),
     ],
 )
-def test_validate_params_rejects_nonsense(bad: dict) -> None:
+def test_check_sampling_rejects_nonsense_naming_the_field(bad: dict) -> None:
     bad.setdefault("max_new_tokens", 4)
-    with pytest.raises(ValueError):
-        validate_params(SamplingParams(**bad))
+    with pytest.raises(InvalidSampling) as caught:
+        check_sampling(SamplingParams(**bad))
+    assert caught.value.param in bad
+    assert str(caught.value).startswith(f"{caught.value.param}: expected")
+
+
+def test_logit_bias_of_minus_100_bans_the_top_token_and_plus_100_forces_another() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 9] = 5.0  # every row's favourite
+    rows = [
+        seq(temperature=0.0),
+        seq(temperature=0.0, logit_bias={9: -100.0}),
+        seq(temperature=1.0, seed=3, logit_bias={17: 100.0}),
+    ]
+    out = Sampler([EOS])(logits, rows)
+    assert out.token_ids[0] == 9
+    assert out.token_ids[1] != 9
+    assert out.token_ids[2] == 17
+
+
+def test_logit_bias_shifts_the_sampled_distribution_by_exp_of_the_bias() -> None:
+    rows = [seq(temperature=1.0, logit_bias={3: math.log(3.0)}) for _ in range(4000)]
+    logits = torch.full((len(rows), VOCAB), -1e9)
+    logits[:, 3] = logits[:, 4] = 0.0  # equal odds before the bias, 3:1 after it
+    counts = Counter(Sampler([EOS], seed=0)(logits, rows).token_ids)
+    assert set(counts) == {3, 4}
+    assert 0.72 < counts[3] / len(rows) < 0.78
+
+
+def test_logprobs_are_reported_before_logit_bias_as_openai_does() -> None:
+    logits = torch.zeros(1, VOCAB)
+    out = Sampler([EOS])(logits, [seq(temperature=0.0, logprobs=True, logit_bias={8: 50.0})])
+    assert out.token_ids == [8]
+    assert out.logprobs[0] == pytest.approx(-math.log(VOCAB), abs=1e-5)

@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -29,7 +30,7 @@ from worker_testlib import (  # noqa: F401 (an autouse fixture)
     one_torch_thread,
 )
 
-from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step
+from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step, decoder, encoder
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, FINISH_STOP
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import StepExecutor
@@ -245,10 +246,11 @@ def test_a_failed_step_leaves_its_requests_finished_and_later_steps_runnable() -
     assert tokens_of(result) == {2: (4, FINISH_NONE)}
 
 
-def test_invalid_sampling_params_are_rejected() -> None:
+def test_invalid_requests_are_rejected() -> None:
     ex = executor(ScriptedRunner())
-    with pytest.raises(ValueError, match="top_p"):
-        ex.add_request(new_request(1, [5], top_p=0.0))
+    # out-of-range sampling never reaches the executor: the wire decoder refuses the message
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        decoder.decode(encoder.encode(new_request(1, [5], top_p=0.0)))
     with pytest.raises(ValueError, match="empty prompt"):
         ex.add_request(new_request(2, []))
     ex.add_request(new_request(3, [5]))

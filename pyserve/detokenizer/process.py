@@ -30,7 +30,7 @@ from pyserve.wire import worker_to_detok as inp
 
 log = logging.getLogger("pyserve.detokenizer")
 
-_FINISH_REASONS = {inp.FINISH_STOP: "stop", inp.FINISH_LENGTH: "length"}
+_FINISH_REASONS = {inp.FINISH_STOP: "stop", inp.FINISH_LENGTH: "length", inp.FINISH_GRAMMAR: "stop"}
 
 
 class DetokenizerConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -63,6 +63,11 @@ class EngineConfig:
     # ~40 s, and an orchestrator's health probe may restart a server it sees unhealthy, so the
     # default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
     step_timeout: float = 300.0
+    # How assistant output becomes tool calls: a pyserve.chat.tool_calls.PARSERS name, "auto"
+    # (the format the chat template writes, if any) or "none" (tools are refused).
+    tool_call_parser: str = "auto"
+    # Splits <think>...</think> into reasoning_content: a REASONING_PARSERS name, or None.
+    reasoning_parser: str | None = None
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
@@ -129,6 +134,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        from pyserve.chat.reasoning import REASONING_PARSERS
+        from pyserve.chat.tool_calls import PARSERS
+
+        if self.tool_call_parser not in ("auto", "none", *PARSERS):
+            names = ", ".join(("auto", "none", *PARSERS))
+            raise ValueError(
+                f"tool_call_parser must be one of {names}; got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            names = ", ".join(REASONING_PARSERS)
+            raise ValueError(
+                f"reasoning_parser must be one of {names}; got {self.reasoning_parser!r}"
+            )
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
         # what the worker checks too (quantization, activation bits, backend): checked here first

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pyserve import model_files
+from pyserve.chat.reasoning import REASONING_PARSERS, ReasoningParser
+from pyserve.chat.tool_calls import PARSERS, ToolCallParser, parser_for_template
 from pyserve.detokenizer.process import DetokenizerConfig
 from pyserve.engine import idle_check
 from pyserve.engine.channels import RingAddresses
@@ -37,7 +39,13 @@ from pyserve.engine.subprocesses import Children
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.outputs import GenerationChunk
 from pyserve.wire.detok_to_main import Ready, RequestDelta
-from pyserve.wire.main_to_worker import DetokParams, NewRequest, SamplingParams
+from pyserve.wire.main_to_worker import (
+    DetokParams,
+    Grammar,
+    NewRequest,
+    SamplingParams,
+    check_sampling,
+)
 from pyserve.worker.process import WorkerConfig  # light: no torch
 
 log = logging.getLogger("pyserve.engine")
@@ -424,6 +432,8 @@ class Engine:
             prompt_ids = await self._tokenizer_manager().encode(prompt)
         else:
             prompt_ids = list(prompt)
+        if sampling.grammar is not None:
+            await self.check_grammar(sampling.grammar)
         state = self._submit(prompt_ids, sampling, detok or DetokParams(), rid)
         try:
             while True:
@@ -482,7 +492,10 @@ class Engine:
         self, prompt_ids: list[int], sampling: SamplingParams, detok: DetokParams, rid: str | None
     ) -> RequestState:
         self._check_serving()
-        self._tokenizer_manager().check_prompt(prompt_ids, sampling.max_new_tokens)
+        sampling = check_sampling(sampling)
+        tokenizers = self._tokenizer_manager()
+        tokenizers.check_prompt(prompt_ids, sampling.max_new_tokens)
+        tokenizers.check_logit_bias(sampling.logit_bias)
         capacity = self.num_blocks * self.block_size
         if len(prompt_ids) + sampling.max_new_tokens > capacity:
             raise KVCacheTooSmall(
@@ -541,17 +554,63 @@ class Engine:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         return await self._tokenizer_manager().apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
+
+    async def check_grammar(self, grammar: Grammar, param: str = "grammar") -> None:
+        """Raises ValueError (naming ``param``) when ``grammar`` cannot be enforced: a JSON
+        schema with features the grammar engine lacks, a regex or grammar that does not parse."""
+        await self._tokenizer_manager().check_grammar(grammar, param)
+
+    @functools.cached_property
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """How this model's tool calls are read (``--tool-call-parser``, or its template's
+        format); None when it has none."""
+        name: str | None = self.config.tool_call_parser
+        if name == "auto":
+            name = parser_for_template(self.tokenizer.chat_template)
+        return PARSERS[name]() if name and name != "none" else None
+
+    @functools.cached_property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        name = self.config.reasoning_parser
+        return REASONING_PARSERS[name] if name is not None else None
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The text of each special token of the vocabulary, and its id."""
+        decoder = self.tokenizer.added_tokens_decoder
+        return {token.content: i for i, token in decoder.items() if token.special}
+
+    def prompt_opens_thought(self, prompt_ids: Sequence[int], parser: ReasoningParser) -> bool:
+        """Whether a rendered prompt ends inside a thought (the template opened ``<think>``),
+        so that the output starts in it; a prompt that closed it (thinking disabled) does not.
+        """
+        tail = self.tokenizer.backend_tokenizer.decode(
+            list(prompt_ids[-_THOUGHT_TAIL_TOKENS:]), skip_special_tokens=False
+        )
+        opened, closed = tail.rfind(parser.start), tail.rfind(parser.end)
+        if opened < 0 and closed < 0:
+            return parser.starts_inside
+        return opened > closed
+
+    def chat_template_reads(self, name: str) -> bool:
+        """Whether the model's chat template mentions ``name`` (``tools``, ``enable_thinking``)."""
+        return self._tokenizer_manager().template_reads(name)
 
     async def flush_cache(self) -> int:
         """Drops every cached prefix not in use; returns the number of blocks released."""
         self._check_serving()
         return await self._on_scheduler(lambda planner: planner.flush_cache())
+
+
+_THOUGHT_TAIL_TOKENS = 16  # what the end of a prompt is searched for an open thought
 
 
 def _read_model_files(model: str | None) -> tuple[model_files.ModelSource, model_files.ModelInfo]:

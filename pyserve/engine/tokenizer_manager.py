@@ -14,9 +14,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pyserve.engine.errors import ContextLengthExceeded
+from pyserve.grammars import GrammarChecker
+from pyserve.wire.main_to_worker import Grammar, InvalidSampling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+
+# apply_chat_template's own parameters: not for chat_template_kwargs to override
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+     "add_generation_prompt", "continue_final_message", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 class TokenizerManager:
@@ -32,6 +42,7 @@ class TokenizerManager:
         self.context_length = context_length
         self.vocab_size = vocab_size
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="pyserve-tokenizer")
+        self._grammars = GrammarChecker()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -58,22 +69,42 @@ class TokenizerManager:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Renders the model's chat template and encodes it (the template adds BOS if it wants)."""
+        """Renders the model's chat template and encodes it (the template adds BOS if it wants).
+
+        ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {...}}``), as
+        HF chat templates take them; ``chat_template_kwargs`` are the template's own variables
+        (e.g. ``enable_thinking``)."""
         if not messages:
             raise ValueError("messages must not be empty")
-        return await self._run(
-            self._render_chat, messages, add_generation_prompt, chat_template_kwargs or {}
-        )
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
+        if reserved:
+            raise InvalidSampling(
+                f"chat_template_kwargs: {reserved[0]!r} is not a template variable",
+                "chat_template_kwargs",
+            )
+        return await self._run(self._render_chat, messages, add_generation_prompt, kwargs, tools)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list:
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template mentions variable ``name`` (e.g. ``tools``)."""
+        return name in (self.tokenizer.chat_template or "")
+
+    def _render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list | None
+    ) -> list:
         from jinja2 import TemplateError
 
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt instead")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except (TemplateError, TypeError) as e:  # e.g. roles that do not alternate
             raise ValueError(f"the chat template rejected the messages: {e}") from e
@@ -89,6 +120,20 @@ class TokenizerManager:
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+
+    async def check_grammar(self, grammar: Grammar, param: str) -> None:
+        """InvalidSampling naming ``param`` for a grammar the worker could not enforce;
+        compiled off the event loop, and once per grammar."""
+        await self._run(self._grammars.check, grammar, param)
+
+    def check_logit_bias(self, logit_bias: dict[int, float]) -> None:
+        outside = [t for t in logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidSampling(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})",
+                "logit_bias",
+            )
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Raises ValueError (ContextLengthExceeded for a too long request) before any work."""

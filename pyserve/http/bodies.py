@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TypeVar
 
 import msgspec
@@ -14,6 +15,12 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # ~8M tokens of text: far beyond any context
 
 _decoders: dict[type, msgspec.json.Decoder] = {}
+_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_known: dict[type, dict[str, type | None]] = {}
+_warned: set[str] = set()
+_MAX_WARNED = 256  # names; a client sending random keys must not grow this forever
+
+log = logging.getLogger("pyserve.http")
 
 
 def too_large(cap: int) -> APIError:
@@ -46,7 +53,7 @@ def decode(body: bytes, type_: type[T]) -> T:
     if not body.strip():
         raise bad_request("The request body is empty; a JSON object is expected.")
     try:
-        return decoder.decode(body)
+        decoded = decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
@@ -54,7 +61,36 @@ def decode(body: bytes, type_: type[T]) -> T:
         raise bad_request(message, code="invalid_json") from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.", code="invalid_json") from None
+    warn_unknown_fields(body, type_)
+    return decoded
+
+
+def warn_unknown_fields(body: bytes | msgspec.Raw, type_: type, where: str = "") -> None:
+    """One WARNING per field name that ``type_`` does not know (other vendors' extensions are
+    ignored, as OpenAI ignores them), looking into nested request objects too."""
+    known = _known.get(type_)
+    if known is None:
+        known = _known[type_] = {
+            f.encode_name: _struct_or_none(f.type) for f in msgspec.structs.fields(type_)
+        }
+    try:
+        fields = _keys.decode(body)
+    except msgspec.DecodeError:
+        return
+    for name, raw in fields.items():
+        if name not in known:
+            key = f"{type_.__name__}.{name}"
+            if key not in _warned and len(_warned) < _MAX_WARNED:
+                _warned.add(key)
+                log.warning("ignoring the unknown request field %r", f"{where}{name}")
+        elif known[name] is not None:
+            warn_unknown_fields(raw, known[name], f"{where}{name}.")
 
 
 async def read_request(request: web.Request, type_: type[T], cap: int) -> T:
     return decode(await read_body(request, cap), type_)
+
+
+def _struct_or_none(annotation: object) -> type | None:
+    is_struct = isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)
+    return annotation if is_struct else None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pyserve.http.chat_output import ChatOutput, ChatOutputStream
 from pyserve.outputs import GenerationChunk, TokenLogprob
 
 TokenText = Callable[[int], str]
@@ -160,23 +161,33 @@ def usage_chunk(meta: ResponseMeta, obj: str, usage_body: dict) -> bytes:
 
 
 def chat_response(
-    meta: ResponseMeta, choices: list[ChoiceResult], n: int, token_text: TokenText | None
+    meta: ResponseMeta,
+    choices: list[ChoiceResult],
+    n: int,
+    token_text: TokenText | None,
+    output: ChatOutput | None = None,
 ) -> bytes:
+    bodies = []
+    for i, c in enumerate(choices):
+        message: dict = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if output is not None:
+            message, finish_reason = output.message(c.text, finish_reason)
+        bodies.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(c.logprobs, token_text) if token_text else None,
+                "finish_reason": finish_reason,
+            }
+        )
     return msgspec.json.encode(
         {
             "id": meta.id,
             "object": "chat.completion",
             "created": meta.created,
             "model": meta.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, token_text) if token_text else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": bodies,
             "usage": usage_of(choices, n),
         }
     )
@@ -266,16 +277,31 @@ class ChatFormat:
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText | None) -> None:
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        n: int,
+        token_text: TokenText | None,
+        output: ChatOutput | None = None,
+    ) -> None:
         self.meta = meta
         self.n = n
         self.token_text = token_text  # None: no logprobs asked for
+        self.output = output  # reasoning and tool-call parsing; None: the text is the content
         self._templates: dict[int, ContentTemplate] = {}
+        self._streams: dict[int, ChatOutputStream] = {}
+
+    @property
+    def stateless(self) -> bool:
+        """Whether ``content`` is a pure render (it may be called twice for one chunk)."""
+        return self.output is None
 
     def opening(self, index: int) -> list[bytes]:
         return [chat_chunk(self.meta, index, {"role": "assistant", "content": ""})]
 
     def content(self, index: int, chunk: GenerationChunk) -> bytes | None:
+        if self.output is not None:
+            return self._parsed_content(index, chunk)
         if self.token_text is not None and chunk.logprobs:
             logprobs = chat_logprobs(chunk.logprobs, self.token_text)
             return chat_chunk(self.meta, index, {"content": chunk.text}, logprobs=logprobs)
@@ -287,14 +313,35 @@ class ChatFormat:
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 
-    def closing(self, index: int, finish_reason: str | None) -> bytes:
-        return chat_chunk(self.meta, index, {}, finish_reason=finish_reason)
+    def _parsed_content(self, index: int, chunk: GenerationChunk) -> bytes | None:
+        stream = self._streams.get(index)
+        if stream is None:
+            assert self.output is not None
+            stream = self._streams[index] = self.output.stream()
+        delta = stream.feed(chunk.text) if chunk.text else None
+        logprobs = None
+        if self.token_text is not None and chunk.logprobs:
+            logprobs = chat_logprobs(chunk.logprobs, self.token_text)
+        if delta is None and logprobs is None:
+            return None
+        return chat_chunk(self.meta, index, delta or {}, logprobs=logprobs)
+
+    def closing(self, index: int, finish_reason: str | None) -> list[bytes]:
+        events = []
+        stream = self._streams.get(index)
+        if stream is not None:
+            held = stream.finish()
+            if held is not None:
+                events.append(chat_chunk(self.meta, index, held))
+            finish_reason = stream.finish_reason(finish_reason)
+        events.append(chat_chunk(self.meta, index, {}, finish_reason=finish_reason))
+        return events
 
     def usage(self, choices: list[ChoiceResult]) -> bytes:
         return usage_chunk(self.meta, self.object_name, usage_of(choices, self.n))
 
     def response(self, choices: list[ChoiceResult]) -> bytes:
-        return chat_response(self.meta, choices, self.n, self.token_text)
+        return chat_response(self.meta, choices, self.n, self.token_text, self.output)
 
 
 class CompletionFormat:
@@ -330,8 +377,10 @@ class CompletionFormat:
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 
-    def closing(self, index: int, finish_reason: str | None) -> bytes:
-        return completion_chunk(self.meta, index, "", finish_reason=finish_reason)
+    stateless = True
+
+    def closing(self, index: int, finish_reason: str | None) -> list[bytes]:
+        return [completion_chunk(self.meta, index, "", finish_reason=finish_reason)]
 
     def usage(self, choices: list[ChoiceResult]) -> bytes:
         return usage_chunk(self.meta, self.object_name, usage_of(choices, self.n))

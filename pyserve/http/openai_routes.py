@@ -19,6 +19,7 @@ from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_request
+from pyserve.http.chat_tools import ChatPlan
 from pyserve.http.direct_events import direct_events
 from pyserve.http.errors import bad_request, json_response
 from pyserve.http.merge import merge_choices
@@ -99,30 +100,58 @@ class OpenAIRoutes:
         state = self.state
         req = await read_request(request, ChatCompletionRequest, state.options.max_body_bytes)
         state.check_model(req.model)
+        params.check_chat_request(req)
         top_logprobs = params.chat_top_logprobs(req)
+        plan = ChatPlan.of(req, self.engine)
         messages = [m.as_template_input() for m in req.messages]
-        prompt = await state.call(self.engine.apply_chat_template(messages))
+        prompt = await state.call(
+            self.engine.apply_chat_template(
+                messages,
+                chat_template_kwargs=self._template_kwargs(req),
+                tools=plan.template_tools,
+            )
+        )
+        plan = plan.for_prompt(prompt, self.engine)
+        if plan.grammar is not None:
+            await state.call(self.engine.check_grammar(plan.grammar, plan.grammar_param))
         max_new = state.max_new_tokens(len(prompt), params.chat_max_tokens(req))
         meta = self._meta("chatcmpl", req.stream, req.stream_options)
+        detok = params.openai_detok(req)
+        if plan.keep_special_tokens:
+            detok.skip_special_tokens = False
         job = Job(
             meta=meta,
             choices=[
                 (
                     prompt,
                     params.openai_sampling(
-                        req, max_new_tokens=max_new, choice=i, top_logprobs=top_logprobs
+                        req,
+                        max_new_tokens=max_new,
+                        choice=i,
+                        top_logprobs=top_logprobs,
+                        grammar=plan.grammar,
                     ),
                 )
                 for i in range(req.n)
             ],
-            detok=params.openai_detok(req),
+            detok=detok,
             stream=req.stream,
             arrival=arrival,
         )
         token_text = state.token_texts if top_logprobs is not None else None
         if state.options.log_requests:
             log.info("%s messages: %r", meta.id, messages)
-        return await self._run(request, job, ChatFormat(meta, req.n, token_text))
+        return await self._run(request, job, ChatFormat(meta, req.n, token_text, plan.output))
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            if not self.engine.chat_template_reads("reasoning_effort"):
+                raise params.unsupported(
+                    "reasoning_effort", "this model's chat template does not read it"
+                )
+            kwargs["reasoning_effort"] = req.reasoning_effort
+        return kwargs
 
     # ------------------------------------------------------------------ completions
 
@@ -132,6 +161,9 @@ class OpenAIRoutes:
         req = await read_request(request, CompletionRequest, state.options.max_body_bytes)
         state.check_model(req.model)
         params.check_completion_request(req)
+        grammar = params.request_grammar(req, None)
+        if grammar is not None:
+            await state.call(self.engine.check_grammar(grammar, params.grammar_param(req, None)))
         prompts = await self._tokenized_prompts(req.prompt)
         if len(prompts) * req.n > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts × n per request", param="n")
@@ -146,6 +178,7 @@ class OpenAIRoutes:
                         max_new_tokens=state.max_new_tokens(len(prompt), req.max_tokens),
                         choice=i,
                         top_logprobs=req.logprobs,
+                        grammar=grammar,
                     ),
                 )
                 for prompt in prompts
@@ -256,7 +289,7 @@ class OpenAIRoutes:
         ticket.release()
         sse = SSEStream(request)
         await sse.start()
-        if count == 1 and fmt.token_text is None:  # plain text events: see direct_events
+        if count == 1 and fmt.token_text is None and fmt.stateless:  # see direct_events
             sink = direct_events(sse, fmt, results[0], latencies[0])
             self.engine.stream_directly(rids[0], sink)
         item = first
@@ -274,7 +307,8 @@ class OpenAIRoutes:
                 if payload is not None:
                     await sse.send(payload)
                 if chunk.finish_reason is not None:
-                    await sse.send(fmt.closing(index, chunk.finish_reason))
+                    for payload in fmt.closing(index, chunk.finish_reason):
+                        await sse.send(payload)
                 item = await anext(merged, None)
         except ConnectionError:
             raise  # the client is gone: there is nobody to tell

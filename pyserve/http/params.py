@@ -2,14 +2,93 @@
 
 from __future__ import annotations
 
-from pyserve.http.errors import bad_request
+import msgspec
+
+from pyserve.http.errors import APIError, bad_request
 from pyserve.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateSamplingParams,
+    GrammarFields,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    RefusalPart,
+    ResponseFormat,
     SamplingFields,
+    TextFormat,
+    TextPart,
+    Unsupported,
 )
-from pyserve.wire.main_to_worker import DetokParams, SamplingParams
+from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
+
+_UNSUPPORTED: dict[type, list[str]] = {}
+
+
+def unsupported(name: str, why: str = "") -> APIError:
+    message = f"{name} is not supported by this server" + (f": {why}" if why else "")
+    return bad_request(message, param=name, code="unsupported_parameter")
+
+
+def refuse_unsupported(req: msgspec.Struct) -> None:
+    """A 400 for the first OpenAI field that pyserve declares but does not implement."""
+    names = _UNSUPPORTED.get(type(req))
+    if names is None:
+        fields = msgspec.structs.fields(type(req))
+        names = _UNSUPPORTED[type(req)] = [f.name for f in fields if f.type == Unsupported]
+    for name in names:
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    """The chat fields that are accepted for some values only."""
+    refuse_unsupported(req)
+    for message in req.messages:
+        refuse_unsupported(message)
+        for part in message.content if isinstance(message.content, list) else ():
+            if not isinstance(part, TextPart | RefusalPart):
+                kind = part.__struct_config__.tag
+                raise unsupported("messages", f"{kind} content: this server takes text only")
+    if req.modalities is not None and set(req.modalities) != {"text"}:
+        raise unsupported("modalities", "text output only")
+    if req.service_tier not in (None, "auto", "default"):
+        raise unsupported("service_tier", 'there is one tier: "auto" or "default"')
+
+
+def grammar_param(fields: GrammarFields, response_format: ResponseFormat | None) -> str:
+    """The name of the field a request's grammar came from, for error messages."""
+    if response_format is not None and not isinstance(response_format, TextFormat):
+        return "response_format"
+    return next((n for n in ("json_schema", "regex", "ebnf") if getattr(fields, n)), "grammar")
+
+
+def request_grammar(
+    fields: GrammarFields, response_format: ResponseFormat | None
+) -> Grammar | None:
+    """The one constraint a request asks for, from ``response_format`` or SGLang's fields."""
+    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(fields, name)]
+    if response_format is not None and not isinstance(response_format, TextFormat):
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad_request(
+            f"{' and '.join(given)} both constrain the output: give at most one", param=given[1]
+        )
+    if isinstance(response_format, JsonObjectFormat):
+        return Grammar("json_object")
+    if isinstance(response_format, JsonSchemaResponseFormat):
+        schema = response_format.json_schema.schema
+        if schema is None:
+            return Grammar("json_object")
+        return Grammar("json_schema", msgspec.json.encode(schema).decode())
+    if fields.json_schema is not None:
+        schema = fields.json_schema
+        text = schema if isinstance(schema, str) else msgspec.json.encode(schema).decode()
+        return Grammar("json_schema", text)
+    if fields.regex is not None:
+        return Grammar("regex", fields.regex)
+    if fields.ebnf is not None:
+        return Grammar("ebnf", fields.ebnf)
+    return None
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -28,6 +107,7 @@ def openai_sampling(
     max_new_tokens: int,
     choice: int,
     top_logprobs: int | None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """Sampling for choice ``choice`` of an OpenAI request; seeded choices use seed + choice.
 
@@ -48,6 +128,8 @@ def openai_sampling(
         min_tokens=req.min_tokens,
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
+        logit_bias=dict(req.logit_bias or {}),
+        grammar=grammar,
     )
 
 
@@ -75,7 +157,7 @@ def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
 def check_completion_request(req: CompletionRequest) -> None:
     """The legacy fields pyserve does not implement are refused rather than ignored."""
     if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
+        raise unsupported("suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (or be omitted)", param="best_of")
     if req.echo and req.logprobs is not None:
@@ -101,6 +183,8 @@ def generate_sampling(params: GenerateSamplingParams, top_logprobs: int | None) 
         min_tokens=params.min_new_tokens,
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
+        logit_bias=dict(params.logit_bias or {}),
+        grammar=request_grammar(params, None),
     )
 
 

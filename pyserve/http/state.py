@@ -45,7 +45,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, KVCacheTooSmall):
         return bad_request(str(exc), code="kv_cache_too_small")
     if isinstance(exc, ValueError):
-        return bad_request(str(exc), code="invalid_value")
+        return bad_request(str(exc), param=getattr(exc, "param", None), code="invalid_value")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, EngineError):  # not started, or shutting down

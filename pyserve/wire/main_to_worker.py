@@ -2,26 +2,95 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
+
+# The ranges every request is held to, whichever door it came in by (HTTP or the Python Engine):
+# the engine checks them before a request reaches the worker (``check_sampling``), and the HTTP
+# request bodies reuse the same types, so both give the same errors.
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each logit_bias value
+MAX_LOGIT_BIAS = 1024  # entries; each is one scattered add per step
+
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+Count = Annotated[int, Meta(ge=0, lt=2**31)]
+PositiveCount = Annotated[int, Meta(ge=1, lt=2**31)]
+Temperature = Annotated[float, Meta(ge=0, le=100)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+MinP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
+LogitBiasValue = Annotated[float, Meta(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+LogitBias = Annotated[dict[TokenId, LogitBiasValue], Meta(max_length=MAX_LOGIT_BIAS)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+TopLogprobsCount = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "lark"]
+
+
+class Grammar(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A constraint on the output, enforced token by token by the worker's grammar engine.
+
+    ``text`` is a JSON schema (as JSON text), a regular expression, an EBNF (GBNF) or a Lark
+    grammar; empty for ``json_object`` (any JSON object).
+    """
+
+    kind: GrammarKind
+    text: str = ""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """What the worker needs to turn logits into tokens and to decide EOS/length finishes."""
 
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    max_new_tokens: PositiveCount
+    temperature: Temperature = 1.0  # 0 = greedy
+    top_p: TopP = 1.0
+    top_k: Count = 0  # 0 = disabled
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
     seed: int | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: TopLogprobsCount = 0
+    logit_bias: LogitBias = {}  # token id -> added to its logit before sampling
+    grammar: Grammar | None = None
+
+
+encoder = msgspec.msgpack.Encoder()
+_checker = msgspec.msgpack.Decoder(SamplingParams)
+
+
+class InvalidSampling(ValueError):
+    """A sampling parameter out of its range; ``param`` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_sampling(params: SamplingParams) -> SamplingParams:
+    """``params`` validated against the ranges above; ValueError naming the field otherwise.
+
+    A SamplingParams built in Python is not validated on construction (msgspec checks
+    constraints when decoding), so it goes through one encode/decode round trip here.
+    """
+    try:
+        return _checker.decode(encoder.encode(params))
+    except msgspec.ValidationError as exc:
+        # msgspec says "Expected `float` <= 10.0 - at `$.repetition_penalty`" (or "at `key`
+        # in `$.logit_bias`" for a dict key)
+        message, _, where = str(exc).partition(" - at `")
+        path = where.rpartition("`$")[2] if "`$" in where else where.removeprefix("$")
+        field = path.strip("`").removeprefix(".").split("[")[0].split(".")[0] or None
+        message = message.replace("`", "")
+        raise InvalidSampling(f"{field}: {message[0].lower()}{message[1:]}", field) from None
 
 
 class DetokParams(msgspec.Struct, omit_defaults=True):
@@ -38,6 +107,16 @@ class NewRequest(msgspec.Struct, tag=True, omit_defaults=True):
     rid: int
     prompt_ids: bytes  # int32
     sampling: SamplingParams
+    detok: DetokParams = msgspec.field(default_factory=DetokParams)
+
+
+class UncheckedNewRequest(msgspec.Struct, tag="NewRequest", omit_defaults=True):
+    """A NewRequest read without checking its sampling ranges: what the worker reads of one
+    that failed the check, to reject it by rid (the engine never sends one)."""
+
+    rid: int
+    prompt_ids: bytes
+    sampling: dict
     detok: DetokParams = msgspec.field(default_factory=DetokParams)
 
 
@@ -63,8 +142,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 ToWorker = NewRequest | Step | Shutdown
 
-encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(ToWorker)
+unchecked_request_decoder = msgspec.msgpack.Decoder(UncheckedNewRequest)
 
 
 def step_from_plan(plan) -> Step:  # plan: pyserve._core.Step

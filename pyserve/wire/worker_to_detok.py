@@ -10,6 +10,7 @@ from pyserve.wire.main_to_worker import DetokParams
 FINISH_NONE = 0
 FINISH_STOP = 1  # EOS or a stop_token_id
 FINISH_LENGTH = 2  # max_new_tokens reached
+FINISH_GRAMMAR = 3  # the request's grammar is complete: a "stop" whose token is output text
 
 
 class DetokRequest(msgspec.Struct, tag=True, omit_defaults=True):

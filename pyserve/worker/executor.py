@@ -13,6 +13,7 @@ import torch
 from pyserve.wire.main_to_worker import NewRequest, Step
 from pyserve.wire.worker_to_detok import StepTokens
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.grammar_masks import GrammarMasks
 from pyserve.worker.sampling import Sampler
 from pyserve.worker.state import RequestState, RequestTable
 
@@ -32,10 +33,12 @@ class StepExecutor:
         eos_token_ids: list[int],
         device: torch.device | str = "cpu",
         seed: int | None = None,
+        grammars: GrammarMasks | None = None,
     ) -> None:
         self.runner = runner
+        self.grammars = grammars
         self.requests = RequestTable(
-            block_size=block_size, eos_token_ids=eos_token_ids, device=device
+            block_size=block_size, eos_token_ids=eos_token_ids, device=device, grammars=grammars
         )
         self.sampler = Sampler(eos_token_ids, device=device, seed=seed)
 
@@ -48,9 +51,15 @@ class StepExecutor:
         prepared = self.requests.prepare(step)
         out = None
         if prepared.batch.num_entries:
+            masks = None
+            if self.grammars is not None and prepared.sampling:
+                # computed on the masking thread while the forward pass runs
+                masks = self.grammars.masks([s.grammar for s in prepared.sampling])
             with torch.inference_mode():
                 logits = self.runner.forward(prepared.batch)
                 if prepared.sampling:
-                    out = self.sampler(logits, prepared.sampling)
+                    out = self.sampler(
+                        logits, prepared.sampling, masks.result() if masks is not None else None
+                    )
         forward_ms = (time.perf_counter() - started) * 1e3
         return self.requests.record(prepared, out, forward_ms)

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pyserve.wire.main_to_worker import NewRequest, SamplingParams, step_from_plan
+from pyserve.wire.main_to_worker import (
+    NewRequest,
+    SamplingParams,
+    check_sampling,
+    step_from_plan,
+)
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
 from pyserve.worker.executor import Runner, StepExecutor
 from pyserve.worker.settings import WorkerSettings
@@ -122,6 +127,7 @@ class OfflineEngine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        params = [check_sampling(p) for p in params]  # what the Engine checks on admission
         outputs: dict[int, Output] = {}
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -16,6 +16,7 @@ import logging
 import signal
 import time
 import traceback
+from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -80,16 +81,21 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         from pyserve.worker.executor import StepExecutor
+        from pyserve.worker.grammar_masks import GrammarMasks
         from pyserve.worker.model_runner import ModelRunner
 
         settings = config.settings
         runner = ModelRunner(settings)
+        eos_token_ids = list(runner.config.eos_token_ids)
         executor = StepExecutor(
             runner,
             block_size=settings.block_size,
-            eos_token_ids=list(runner.config.eos_token_ids),
+            eos_token_ids=eos_token_ids,
             device=settings.device,
             seed=settings.seed,
+            grammars=GrammarMasks(
+                partial(_tokenizer_file, settings.model), runner.config.vocab_size, eos_token_ids
+            ),
         )
     except Exception as e:
         log.debug("load failed:\n%s", traceback.format_exc())
@@ -125,6 +131,14 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
     return executor
 
 
+def _tokenizer_file(model: str | None) -> str:
+    """The tokenizer main loaded (its cached conversion for a GGUF): by the first request,
+    main has made sure it exists."""
+    from pyserve import model_files
+
+    return str(model_files.tokenizer_dir(model_files.resolve_model(model)) / "tokenizer.json")
+
+
 def _serve(
     executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket, hooks: WorkerTestHooks
 ) -> None:
@@ -144,37 +158,59 @@ def _serve(
             try:
                 msg = decode(frame)
             except msgspec.DecodeError as e:
-                log.error("dropped a malformed message: %s", e)
-                continue
-            if isinstance(msg, inp.Step):
-                hooks.before_step()
-                replies = _run_step(executor, msg)
-                steps += 1
-                tokens = replies[-1]  # the StepTokens comes last
-                tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
-                tokens.steps = steps
-            elif isinstance(msg, inp.NewRequest):
-                replies = _add_request(executor, msg)
-            else:  # Shutdown
-                push.send(encode(out.Shutdown()))
-                log.info("shutting down")
-                return
+                replies = _reject_unchecked(executor, frame, e)
+                if replies is None:
+                    log.error("dropped a malformed message: %s", e)
+                    continue
+            else:
+                if isinstance(msg, inp.Step):
+                    hooks.before_step()
+                    replies = _run_step(executor, msg)
+                    steps += 1
+                    tokens = replies[-1]  # the StepTokens comes last
+                    tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
+                    tokens.steps = steps
+                elif isinstance(msg, inp.NewRequest):
+                    replies = _add_request(executor, msg)
+                else:  # Shutdown
+                    push.send(encode(out.Shutdown()))
+                    log.info("shutting down")
+                    return
             for reply in replies:
                 push.send(encode(reply))
             busy_seconds += time.perf_counter() - started
 
 
 def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.Struct]:
-    replies: list[msgspec.Struct] = []
     try:
         executor.add_request(msg)
     except Exception as e:
-        log.warning("request %d rejected: %s", msg.rid, e)
-        executor.requests.add_rejected(msg)
-        rid = np.asarray([msg.rid], dtype="<i8").tobytes()
-        replies.append(out.WorkerError(message=f"invalid request {msg.rid}: {e}", rids=rid))
-    replies.append(out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok))
-    return replies
+        return _reject(executor, msg, e)
+    return [out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok)]
+
+
+def _reject_unchecked(
+    executor: StepExecutor, frame: bytes, error: Exception
+) -> list[msgspec.Struct] | None:
+    """The replies rejecting a NewRequest whose values failed the wire checks (so that its rid
+    is failed, not left waiting); None for any other undecodable message."""
+    try:
+        request = inp.unchecked_request_decoder.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    return _reject(executor, request, error)
+
+
+def _reject(
+    executor: StepExecutor, msg: inp.NewRequest | inp.UncheckedNewRequest, error: Exception
+) -> list[msgspec.Struct]:
+    log.warning("request %d rejected: %s", msg.rid, error)
+    executor.requests.add_rejected(msg)
+    rid = np.asarray([msg.rid], dtype="<i8").tobytes()
+    return [
+        out.WorkerError(message=f"invalid request {msg.rid}: {error}", rids=rid),
+        out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok),
+    ]
 
 
 def _run_step(executor: StepExecutor, step: inp.Step) -> list[msgspec.Struct]:

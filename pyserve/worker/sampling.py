@@ -5,9 +5,11 @@ Per row, in the order vLLM applies them:
 1. logprobs are read from the *unmodified* ``log_softmax(logits)`` (as OpenAI reports them);
 2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are banned while the
    request has fewer than ``min_tokens`` output tokens;
-3. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
+3. ``logit_bias`` is added (OpenAI's semantics: -100 bans a token, +100 all but forces it);
+4. a grammar's mask, when the request has one, sets every token it forbids to -inf;
+5. penalties: repetition over prompt + output (positive logits divided, negative multiplied),
    frequency (× count in the output) and presence (once if in the output) subtracted;
-4. temperature 0 → argmax; otherwise logits / temperature, then min_p (relative to the top
+6. temperature 0 → argmax; otherwise logits / temperature, then min_p (relative to the top
    token's probability), top_k, top_p (over the distribution left by top_k), and a draw.
 
 A draw is an inverse-CDF lookup of one uniform number a row. A request with a seed takes its
@@ -19,7 +21,6 @@ likely tokens (``topk``) rather than sorting the whole vocabulary.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,7 @@ from typing import Protocol
 import torch
 
 from pyserve.wire.main_to_worker import SamplingParams
+from pyserve.worker.grammar_masks import StepMasks, apply_masks
 
 # temperatures below this are greedy (as in vLLM): dividing by them would overflow
 GREEDY_TEMPERATURE = 1e-5
@@ -60,30 +62,6 @@ def has_penalties(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
-
-
-def validate_params(params: SamplingParams) -> None:
-    """Raises ValueError for values that would make sampling meaningless (NaN, no candidates)."""
-    problems = []
-    floats = ("temperature", "top_p", "min_p", "repetition_penalty")
-    floats += ("frequency_penalty", "presence_penalty")
-    problems += [
-        f"{name} must be finite" for name in floats if not math.isfinite(getattr(params, name))
-    ]
-    if params.max_new_tokens < 1:
-        problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if not params.temperature >= 0.0:
-        problems.append(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        problems.append(f"top_p must be in (0, 1], got {params.top_p}")
-    if not 0.0 <= params.min_p <= 1.0:
-        problems.append(f"min_p must be in [0, 1], got {params.min_p}")
-    if not params.repetition_penalty > 0.0:
-        problems.append(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    if params.min_tokens < 0 or params.top_logprobs < 0:
-        problems.append("min_tokens and top_logprobs must be >= 0")
-    if problems:
-        raise ValueError("; ".join(problems))
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -122,8 +100,14 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingSequence]) -> SampleOutput:
-        """Samples one token for each row of ``logits`` (modified in place)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SamplingSequence],
+        grammar_masks: StepMasks | None = None,
+    ) -> SampleOutput:
+        """Samples one token for each row of ``logits`` (modified in place); ``grammar_masks``
+        are the allowed tokens of the constrained rows."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} requests")
         params = [s.params for s in seqs]
@@ -132,6 +116,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         self._ban_stop_tokens_before_min_tokens(logits, seqs)
+        add_logit_bias(logits, params)
+        if grammar_masks is not None:
+            apply_masks(logits, grammar_masks)
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         if penalised:
             rows = torch.tensor(penalised, device=logits.device)
@@ -226,6 +213,22 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     targets = uniforms * cdf[:, -1]
     picked = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[1] - 1)  # only when rounding lands on the total
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Adds each row's ``logit_bias`` to its logits, in place (ids were checked on admission)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([row] * len(p.logit_bias))
+            cols.extend(p.logit_bias.keys())
+            values.extend(p.logit_bias.values())
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[SamplingSequence]) -> torch.Tensor:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step
+from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step, UncheckedNewRequest
 from pyserve.wire.worker_to_detok import (
+    FINISH_GRAMMAR,
     FINISH_LENGTH,
     FINISH_NONE,
     FINISH_STOP,
@@ -26,7 +27,8 @@ from pyserve.wire.worker_to_detok import (
     TopLogprobs,
 )
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.sampling import SampleOutput, make_generator, validate_params
+from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
+from pyserve.worker.sampling import SampleOutput, make_generator
 
 
 @dataclass(eq=False)
@@ -39,6 +41,7 @@ class RequestState:
     block_table: list[int] = field(default_factory=list)
     last_token: int | None = None
     finished: bool = False  # EOS/length seen here, or dropped: later tokens are discarded
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -53,11 +56,17 @@ class RequestTable:
     """rid → RequestState, plus Step → ForwardBatch and sampled tokens → StepTokens."""
 
     def __init__(
-        self, *, block_size: int, eos_token_ids: list[int], device: torch.device | str = "cpu"
+        self,
+        *,
+        block_size: int,
+        eos_token_ids: list[int],
+        device: torch.device | str = "cpu",
+        grammars: GrammarMasks | None = None,
     ) -> None:
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
+        self.grammars = grammars
         self._requests: dict[int, RequestState] = {}
 
     def __len__(self) -> int:
@@ -72,20 +81,28 @@ class RequestTable:
     def add(self, request: NewRequest) -> RequestState:
         if request.rid in self._requests:
             raise ValueError(f"request {request.rid} is already known to the worker")
-        validate_params(request.sampling)
         prompt = np.frombuffer(request.prompt_ids, dtype="<i4").astype(np.int64)
         if prompt.size == 0:
             raise ValueError(f"request {request.rid} has an empty prompt")
+        params = request.sampling
+        grammar = None
+        if self.grammars is not None:
+            self.grammars.warm_up()  # the tokenizer file exists once requests arrive
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this worker runs without grammars")
+            grammar = self.grammars.start(params.grammar)
         state = RequestState(
             rid=request.rid,
-            params=request.sampling,
+            params=params,
             prompt_ids=torch.from_numpy(prompt),
-            generator=make_generator(request.sampling.seed, self.device),
+            generator=make_generator(params.seed, self.device),
+            grammar=grammar,
         )
         self._requests[request.rid] = state
         return state
 
-    def add_rejected(self, request: NewRequest) -> RequestState:
+    def add_rejected(self, request: NewRequest | UncheckedNewRequest) -> RequestState:
         """Registers a request whose NewRequest was invalid, already finished.
 
         Steps planned before main learns of the rejection still name it; they must run for the
@@ -212,6 +229,10 @@ class RequestTable:
                 continue  # finished at an earlier step, or dropped: the scheduler ran ahead
             state.output_ids.append(token)
             finish = self._finish_code(state, token)
+            if state.grammar is not None and finish == FINISH_NONE:
+                assert self.grammars is not None
+                if self.grammars.advance(state.grammar, token):
+                    finish = FINISH_GRAMMAR
             state.finished = finish != FINISH_NONE
             if out.logprobs is not None:
                 logprobs.append(out.logprobs[row])

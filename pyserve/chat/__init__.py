@@ -1,0 +1,1 @@
+"""Chat-output post-processing: tool calls and reasoning split out of generated text."""

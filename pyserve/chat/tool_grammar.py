@@ -1,0 +1,81 @@
+"""The Lark grammar that makes a model write tool calls in its format (for llguidance).
+
+``tool_choice: "required"`` or a named function must produce a call that parses, even from a
+model that has never seen the format: the grammar spells the format's markers, and each call's
+object is ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``, through
+llguidance's ``%json`` (a JSON schema inside a Lark rule). With ``auto`` and a response format,
+the answer is either tool calls or the response's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from pyserve.chat.tool_calls import CallFormat
+from pyserve.grammars import JSON_OPTIONS, lark_text
+
+ANY_OBJECT: dict = {"type": "object"}
+
+
+def tool_calls_lark(
+    fmt: CallFormat,
+    tools: Sequence[tuple[str, dict | None]],
+    *,
+    parallel: bool,
+    special_tokens: Mapping[str, int] | None = None,
+) -> str:
+    """A Lark grammar whose sentences are one call (``parallel=False``) or one or more calls of
+    ``tools`` ((name, parameters schema) pairs; None means any object), written as ``fmt`` says.
+
+    ``special_tokens`` maps the text of the tokenizer's special tokens to their ids: a marker
+    such as Mistral's ``[TOOL_CALLS]`` is a single special token, which no spelling in plain
+    text can produce, so the grammar names it by id.
+    """
+    if not tools:
+        raise ValueError("no tools to call")
+    specials = dict(special_tokens or {})
+    separator = lark_text(fmt.separator, specials)
+    calls = f"call ({separator} call)*" if parallel else "call"
+    rules = [
+        _rule("tool_calls", lark_text(fmt.begin, specials), calls, lark_text(fmt.end, specials)),
+        _rule(
+            "call",
+            lark_text(fmt.call_prefix, specials),
+            "call_object",
+            lark_text(fmt.call_suffix, specials),
+        ),
+        f"call_object: %json {json.dumps(call_schema(fmt, tools))}",
+    ]
+    return "start: tool_calls\n" + "\n".join(rules) + "\n"
+
+
+def _rule(name: str, *parts: str) -> str:
+    return f"{name}: " + " ".join(p for p in parts if p)
+
+
+def tool_calls_or_json_lark(tool_calls: str, answer_schema: dict | None) -> str:
+    """Either the tool calls of ``tool_calls`` (a grammar from ``tool_calls_lark``) or a JSON
+    answer under ``answer_schema`` (None: any object)."""
+    answer = dict(answer_schema or ANY_OBJECT)
+    answer.setdefault("x-guidance", JSON_OPTIONS)
+    body = tool_calls.removeprefix("start: tool_calls\n")
+    return f"start: tool_calls | answer\nanswer: %json {json.dumps(answer)}\n{body}"
+
+
+def call_schema(fmt: CallFormat, tools: Sequence[tuple[str, dict | None]]) -> dict:
+    """The JSON schema of one call object: its name first (what a stream announces first)."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                fmt.name_key: {"const": name},
+                fmt.arguments_key: parameters if parameters is not None else ANY_OBJECT,
+            },
+            "required": [fmt.name_key, fmt.arguments_key],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_OPTIONS}

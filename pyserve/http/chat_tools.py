@@ -1,0 +1,139 @@
+"""What a chat request's tools, tool_choice, response_format and reasoning ask of generation.
+
+``ChatPlan.of`` reads the request (before its prompt is rendered): the tools the template is
+given, the grammar that enforces ``tool_choice`` or ``response_format``, and how the output is
+parsed back. ``ChatPlan.for_prompt`` then fits the grammar to a reasoning model's thought once
+the rendered prompt shows whether the template opened it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgspec
+
+from pyserve.chat.reasoning import ReasoningParser
+from pyserve.chat.tool_calls import ToolCallParser
+from pyserve.chat.tool_grammar import tool_calls_lark, tool_calls_or_json_lark
+from pyserve.engine import Engine
+from pyserve.grammars import after_thought
+from pyserve.http import params
+from pyserve.http.chat_output import ChatOutput
+from pyserve.http.errors import bad_request
+from pyserve.http.protocol import ChatCompletionRequest, NamedToolChoice
+from pyserve.wire.main_to_worker import Grammar
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    template_tools: list[dict] | None  # what the chat template renders; None: no tools
+    grammar: Grammar | None
+    grammar_param: str  # the request field the grammar comes from, for errors
+    output: ChatOutput | None  # how the output is parsed; None: all of it is the content
+    keep_special_tokens: bool  # a tool marker is a special token: the parser must see it
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, engine: Engine) -> ChatPlan:
+        grammar = params.request_grammar(req, req.response_format)
+        param = params.grammar_param(req, req.response_format)
+        tools = req.tools or []
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if choice != "none" and not tools:
+            if req.tool_choice is not None:
+                raise bad_request("tool_choice needs tools", param="tool_choice")
+            choice = "none"
+        parser: ToolCallParser | None = None
+        if choice != "none":
+            parser = engine.tool_call_parser
+            if parser is None:
+                raise params.unsupported(
+                    "tools",
+                    "this model's chat template writes no tool calls that pyserve can read; "
+                    "start it with --tool-call-parser hermes, llama3_json or mistral",
+                )
+            grammar, param = _tool_grammar(req, parser, choice, grammar, engine.special_tokens)
+        keep_special = parser is not None and any(
+            special in marker
+            for special in engine.special_tokens
+            for marker in dataclasses.astuple(parser.call_format)
+            if special
+        )
+        reasoning = engine.reasoning_parser
+        output = None
+        if parser is not None or reasoning is not None:
+            output = ChatOutput(tools=parser, reasoning=reasoning)
+        template_tools = None
+        if choice != "none":
+            template_tools = [msgspec.to_builtins(tool) for tool in tools]
+        return cls(template_tools, grammar, param, output, keep_special)
+
+    def for_prompt(self, prompt_ids: list[int], engine: Engine) -> ChatPlan:
+        """The plan for this rendered prompt: a reasoning model thinks before the grammar."""
+        parser = engine.reasoning_parser
+        if parser is None:
+            return self
+        opened = engine.prompt_opens_thought(prompt_ids, parser)
+        reasoning = ReasoningParser(
+            parser.start, parser.end, opened, strip_newlines=parser.strip_newlines
+        )
+        assert self.output is not None
+        output = ChatOutput(tools=self.output.tools, reasoning=reasoning)
+        grammar = self.grammar
+        if grammar is not None:
+            try:
+                grammar = after_thought(
+                    grammar,
+                    parser.start,
+                    parser.end,
+                    opened=opened,
+                    special_tokens=engine.special_tokens,
+                )
+            except ValueError as exc:
+                raise params.unsupported(self.grammar_param, str(exc)) from None
+        return dataclasses.replace(self, grammar=grammar, output=output)
+
+
+def _tool_grammar(
+    req: ChatCompletionRequest,
+    parser: ToolCallParser,
+    choice: str | NamedToolChoice,
+    grammar: Grammar | None,
+    special_tokens: dict[str, int],
+) -> tuple[Grammar | None, str]:
+    """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any)."""
+    if grammar is not None and params.grammar_param(req, req.response_format) != "response_format":
+        raise bad_request(
+            "json_schema, regex and ebnf constrain a text answer and cannot be combined with "
+            "tools: use response_format",
+            param=params.grammar_param(req, req.response_format),
+        )
+    functions = [tool.function for tool in req.tools or []]
+    if isinstance(choice, NamedToolChoice):
+        named = [f for f in functions if f.name == choice.function.name]
+        if not named:
+            raise bad_request(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        lark = tool_calls_lark(
+            parser.call_format,
+            [(f.name, f.parameters) for f in named],
+            parallel=False,
+            special_tokens=special_tokens,
+        )
+        return Grammar("lark", lark), "tool_choice"
+    parallel = req.parallel_tool_calls is not False
+    lark = tool_calls_lark(
+        parser.call_format,
+        [(f.name, f.parameters) for f in functions],
+        parallel=parallel,
+        special_tokens=special_tokens,
+    )
+    if choice == "required":  # the answer is calls: a response_format has no text to apply to
+        return Grammar("lark", lark), "tool_choice"
+    # auto: free text, unless the answer must follow a response format
+    if grammar is None:
+        return None, "grammar"
+    schema = msgspec.json.decode(grammar.text) if grammar.kind == "json_schema" else None
+    return Grammar("lark", tool_calls_or_json_lark(lark, schema)), "response_format"

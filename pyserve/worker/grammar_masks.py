@@ -1,0 +1,167 @@
+"""Grammar-constrained sampling in the worker: one llguidance matcher per constrained request.
+
+Each step, the token masks of the constrained rows are computed on a thread while the forward
+pass runs (llguidance drops the GIL and spreads the batch over its own threads), and applied to
+the logits before sampling; the sampled token then advances the request's matcher. A grammar
+that is complete ends its request with "stop".
+
+Matchers are built on a background thread when a request arrives, from a compiled grammar
+kept per grammar text (a new request of a known grammar gets a copy, which costs microseconds);
+the vocabulary's token trie (about a second for 50k tokens) is built once, on the first request
+of any kind, by which time the main process has loaded the tokenizer (and, for a GGUF, cached its
+conversion).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pyserve.grammars import llguidance_grammar
+from pyserve.wire.main_to_worker import Grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+log = logging.getLogger("pyserve.worker")
+
+_COMPILED_CACHE = 256  # grammars whose pristine matcher is kept for copying
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """A request's matcher (being built, then built)."""
+
+    matcher: Future[LLMatcher]
+    done: bool = False  # the grammar is complete (or failed): the request ends
+
+
+@dataclass
+class StepMasks:
+    """The allowed tokens of some rows of one step's sampling batch."""
+
+    rows: list[int]
+    allowed: torch.Tensor  # bool [len(rows), vocab]
+
+
+class GrammarMasks:
+    def __init__(
+        self,
+        tokenizer_file: Callable[[], str] | None,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer_file = tokenizer_file  # called once, on the first request
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        # compiling a new grammar must not hold up the masks of running requests
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pyserve-grammar-compile")
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="pyserve-grammar-mask")
+        self._tokenizer: Future[LLTokenizer] | None = None
+        self._executor: LLExecutor | None = None
+        self._compiled: OrderedDict[Grammar, LLMatcher] = OrderedDict()
+
+    def warm_up(self) -> None:
+        """Starts building the vocabulary's trie; call once requests arrive."""
+        if self._tokenizer is None and self.tokenizer_file is not None:
+            self._tokenizer = self._compiler.submit(self._build_tokenizer)
+
+    def _build_tokenizer(self) -> LLTokenizer:
+        from llguidance import LLExecutor, LLTokenizer
+
+        assert self.tokenizer_file is not None
+        with open(self.tokenizer_file(), encoding="utf-8") as f:
+            text = f.read()
+        tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        self._executor = LLExecutor()
+        return tokenizer
+
+    def start(self, grammar: Grammar) -> GrammarState:
+        """A request's grammar state; its matcher is built on the compiling thread (a step that
+        needs its first mask before then waits for it)."""
+        if self.tokenizer_file is None:
+            raise ValueError("this worker was started without a tokenizer: no grammars")
+        self.warm_up()
+        matcher = self._compiler.submit(self._new_matcher, grammar)
+        return GrammarState(matcher=matcher)
+
+    def _new_matcher(self, grammar: Grammar) -> LLMatcher:
+        from llguidance import LLMatcher
+
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            assert self._tokenizer is not None
+            tokenizer = self._tokenizer.result()
+            compiled = LLMatcher(tokenizer, llguidance_grammar(grammar), log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"the grammar does not compile: {compiled.get_error()}")
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > _COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
+
+    def masks(self, states: Sequence[GrammarState | None]) -> Future[StepMasks] | None:
+        """The masks of the active grammars among ``states`` (one per sampling row), computed
+        on the masking thread; None when no row is constrained."""
+        rows = [i for i, g in enumerate(states) if g is not None and not g.done]
+        if not rows:
+            return None
+        return self._masker.submit(self._compute, rows, [states[i] for i in rows])
+
+    def _compute(self, rows: list[int], states: list[GrammarState]) -> StepMasks:
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # failed rows: free
+        matchers: list[tuple[LLMatcher, int]] = []
+        for k, state in enumerate(states):
+            try:
+                matchers.append((state.matcher.result(), k))
+            except Exception as exc:  # the main process checked it: not expected
+                log.error("a grammar failed to compile in the worker: %s", exc)
+                state.done = True  # the request ends at this step's token
+        if matchers:
+            assert self._executor is not None  # made with the tokenizer the matchers needed
+            # one call for the batch (llguidance's own helper module would import torch.compile)
+            self._executor.unsafe_compute_mask_ptr(
+                matchers, bitmask.data_ptr(), words * 4, len(rows)
+            )
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, : self.vocab_size].view(np.bool_))
+        return StepMasks(rows, allowed)
+
+    def advance(self, state: GrammarState, token: int) -> bool:
+        """Feeds the sampled ``token``; True when the grammar is complete (the request ends)."""
+        if state.done:
+            return True
+        matcher = state.matcher.result()
+        if not matcher.consume_token(token) or matcher.is_error():
+            log.warning("a grammar rejected the sampled token %d: %s", token, matcher.get_error())
+            state.done = True
+        elif matcher.is_stopped():
+            state.done = True
+        return state.done
+
+    def close(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._masker.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_masks(logits: torch.Tensor, masks: StepMasks) -> None:
+    """Sets the logits of forbidden tokens to -inf, in place. A row whose other constraints
+    (``min_tokens``, ``logit_bias``) forbid everything the grammar allows falls back to the
+    grammar's choice alone, rather than to an arbitrary token."""
+    index = torch.tensor(masks.rows, device=logits.device)
+    allowed = masks.allowed.to(logits.device)
+    rows = logits[index].masked_fill_(~allowed, float("-inf"))
+    empty = torch.isneginf(rows).all(dim=1)
+    if bool(empty.any()):
+        rows[empty] = torch.where(allowed[empty], 0.0, float("-inf"))
+    logits[index] = rows
