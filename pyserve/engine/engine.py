@@ -455,13 +455,16 @@ class Engine:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """``generate`` over the model's chat template applied to ``messages``."""
+        """``generate`` over the model's chat template applied to ``messages`` (and ``tools``,
+        OpenAI tool definitions; the output text is not parsed here: see ``tool_call_parser``)."""
         self._check_serving()
         prompt_ids = await self.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         async with contextlib.aclosing(self.generate(prompt_ids, sampling, detok, rid)) as stream:
             async for chunk in stream:
