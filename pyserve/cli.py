@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default="auto",
         choices=list(BACKEND_NAMES),
-        help="how the worker computes: auto (the CPU kernels where this CPU has AVX2 or "
-        "AVX-512, the torch reference elsewhere), cpu-kernels, or torch (the reference, any "
-        "device); the startup log and /server_info say which ran and why",
+        help="how the worker computes: auto (Triton kernels on a CUDA device, the CPU kernels "
+        "where this CPU has AVX2 or AVX-512, the torch reference elsewhere), cpu-kernels, "
+        "triton (needs pip install 'pyserve[gpu]'), or torch (the reference, any device); the "
+        "startup log and /server_info say which ran and why",
     )
     add(
         "--kv-cache-dtype",

@@ -1,8 +1,16 @@
 """Fixtures for the tests of ``pyserve._kernels``: each test runs on every instruction set this
 CPU can run (``isa``) and with 1 and 2 threads in the kernels' pool (``threads``); both put the
-module back as they found it."""
+module back as they found it.
+
+Triton kernels run in Triton's interpreter here (no GPU): the variable must be set before
+anything imports triton, and it reaches the servers and workers the tests start too.
+"""
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -35,12 +35,21 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        k_shape = (num_kv_heads, num_blocks, head_dim, block_size)
-        v_shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        k_shape, v_shape = self.shapes()
         # zeros, not empty: masked-out slots are still multiplied (by a zero weight), and
         # uninitialised memory could hold NaN/inf, which 0 * inf would spread.
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's K and V (a subclass may store another layout)."""
+        heads, blocks, size, dim = (
+            self.num_kv_heads,
+            self.num_blocks,
+            self.block_size,
+            self.head_dim,
+        )
+        return (heads, blocks, dim, size), (heads, blocks, size, dim)
 
     @property
     def nbytes(self) -> int:

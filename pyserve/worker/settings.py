@@ -14,7 +14,7 @@ from pyserve.worker.dtypes import (
 
 # How the worker computes: auto (the fastest this machine and model allow, decided once at
 # start: pyserve/worker/backends/__init__.py), the CPU kernels, or the torch reference.
-BACKEND_NAMES = ("auto", "cpu-kernels", "torch")
+BACKEND_NAMES = ("auto", "cpu-kernels", "triton", "torch")
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

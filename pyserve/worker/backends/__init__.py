@@ -37,14 +37,24 @@ _ISA_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2", "scalar": "portable
 def select_backend(
     setting: str, config: ModelConfig, device: torch.device, **options: object
 ) -> Backend:
-    """The backend for ``setting`` (auto | cpu-kernels | torch) on ``device``, with its reason.
+    """The backend for ``setting`` (auto | cpu-kernels | triton | torch) on ``device``, with its
+    reason.
 
-    auto: the CPU kernels on a CPU whose instruction set they vectorize (AVX-512 VNNI or AVX2),
-    the torch reference elsewhere (other devices, or a CPU where only the portable loops would
-    run: torch's own kernels are faster there)."""
+    auto: the Triton kernels on a CUDA device (where triton is installed), the CPU kernels on a
+    CPU whose instruction set they vectorize (AVX-512 VNNI or AVX2), the torch reference
+    elsewhere (other devices, or a CPU where only the portable loops would run: torch's own
+    kernels are faster there)."""
     from pyserve.worker.backends.cpu_kernels import CpuKernelsBackend
     from pyserve.worker.backends.torch_ref import TorchBackend
+    from pyserve.worker.backends.triton_gpu import TritonBackend, triton_usable
 
+    if setting == "triton":
+        return TritonBackend(config, device, "asked for (--backend triton)", **options)  # type: ignore[arg-type]
+    if setting == "auto" and device.type == "cuda":
+        problem = triton_usable(device)
+        if problem is None:
+            return TritonBackend(config, device, "a CUDA device", **options)  # type: ignore[arg-type]
+        return TorchBackend(config, device, problem, **options)  # type: ignore[arg-type]
     if setting == "torch":
         return TorchBackend(config, device, "asked for (--backend torch)", **options)  # type: ignore[arg-type]
     isa = _kernels_isa() if device.type == "cpu" else None
@@ -57,7 +67,7 @@ def select_backend(
             config, device, f"asked for ({_ISA_NAMES.get(isa, isa)})", **options
         )  # type: ignore[arg-type]
     if setting != "auto":
-        raise ValueError(f"backend must be auto, cpu-kernels or torch; got {setting!r}")
+        raise ValueError(f"backend must be auto, cpu-kernels, triton or torch; got {setting!r}")
     if device.type != "cpu":
         return TorchBackend(
             config, device, f"device {device.type}: no kernels of ours run there", **options

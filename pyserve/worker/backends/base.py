@@ -72,6 +72,7 @@ class Backend(ABC):
     """One model's ops on one device; ``prepare_model`` is called once the weights are loaded."""
 
     name = "abstract"
+    kv_cache_class: type[PagedKVCache] = PagedKVCache  # the layout its attention reads
 
     def __init__(self, config: ModelConfig, device: torch.device, reason: str) -> None:
         self.config = config
@@ -85,7 +86,7 @@ class Backend(ABC):
         self, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> PagedKVCache:
         cfg = self.config
-        self.kv_cache = PagedKVCache(
+        self.kv_cache = self.kv_cache_class(
             num_layers=cfg.num_layers,
             num_blocks=num_blocks,
             block_size=block_size,

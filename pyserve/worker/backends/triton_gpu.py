@@ -1,0 +1,230 @@
+"""The GPU backend: Triton kernels for attention and the fused ops, torch (cuBLAS) for the
+linear layers.
+
+Its KV cache is ``FlatKVCache`` (the layout the Triton kernels read: triton_kernels/attention.py).
+``prepare`` turns a batch into int32 index tensors on the device once per forward: the slots of
+the new tokens, each entry's block table, and, split by kind, the decode rows (one token each,
+split-K attention) and the prefill entries (several tokens over a cached prefix). Every layer
+then runs rope + K/V store, attention, RMSNorm and the gated activation as Triton kernels. What
+the kernels do not cover (q/k norms) is computed with the reference ops first.
+
+Without a GPU the same kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
+tensors: slowly, but exactly what the tests need.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
+from pyserve.worker.backends.torch_ref import EntrySplit, check_batch
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
+
+# split-K for decode: a split per this many positions of the longest context, at most MAX_SPLITS
+SPLIT_TOKENS = 256
+MAX_SPLITS = 16
+
+
+def triton_usable(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on ``device``, or None if it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'pyserve[gpu]')"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        f"Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1), not {device}"
+    )
+
+
+class FlatKVCache(PagedKVCache):
+    """Per layer, K and V as ``[num_blocks * block_size, kv_heads, head_dim]``: slot-major, so
+    a token's heads are contiguous and a block of tokens is one strided tile per head."""
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return shape, shape
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if k.dtype != self.dtype:
+            k, v = self._stored(k), self._stored(v)
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+        return k, v
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        flat = blocks.reshape(-1)
+        out = (self.num_kv_heads, *blocks.shape, self.block_size, self.head_dim)
+        k = self.k[layer].view(shape).index_select(0, flat).movedim(2, 0).reshape(out)
+        v = self.v[layer].view(shape).index_select(0, flat).movedim(2, 0).reshape(out)
+        return k, v
+
+
+@dataclass
+class TritonMetadata:
+    slots: torch.Tensor  # int64 [T]: cache slot of each new token
+    num_tokens: int
+    # decode entries: their rows, contexts (own position included) and block tables
+    decode_rows: torch.Tensor | None
+    decode_context: torch.Tensor | None
+    decode_tables: torch.Tensor | None
+    max_context: int
+    num_splits: int
+    # prefill entries: first row, rows, cached positions before them, block tables
+    prefill_start: torch.Tensor | None
+    prefill_len: torch.Tensor | None
+    prefill_prefix: torch.Tensor | None
+    prefill_tables: torch.Tensor | None
+    max_prefill_len: int
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    kv_cache_class = FlatKVCache
+
+    def __init__(
+        self, config, device: torch.device, reason: str = "asked for", *, num_splits: int = 0
+    ) -> None:
+        super().__init__(config, device, reason)
+        problem = triton_usable(device)
+        if problem is not None:
+            raise ValueError(f"the triton backend cannot run: {problem}")
+        from pyserve.worker.triton_kernels import attention, fused
+
+        self._attention = attention
+        self._fused = fused
+        self.num_splits = num_splits  # 0: by context length; tests force split-K with it
+
+    def info(self) -> BackendInfo:
+        kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
+        kernels["linear"] = "torch"
+        return BackendInfo(self.name, self.reason, kernels)
+
+    # ------------------------------------------------------------------ metadata, once per forward
+
+    def prepare(self, batch: ForwardBatch) -> TritonMetadata:
+        cache = self.kv_cache
+        assert cache is not None, "allocate_kv_cache first"
+        bs = cache.block_size
+        check_batch(batch, bs)
+        split = EntrySplit.of(batch)
+        positions = batch.positions.tolist()
+        slots = []
+        for table, start, count in zip(
+            batch.block_tables, batch.start_pos, batch.num_tokens, strict=True
+        ):
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+
+        def ints(values: list[int], dtype=torch.int32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        def tables(entries: list[int]) -> torch.Tensor:
+            rows = [batch.block_tables[i] for i in entries]
+            width = max(len(r) for r in rows)
+            return ints([r + [0] * (width - len(r)) for r in rows])
+
+        meta = TritonMetadata(
+            slots=ints(slots, torch.int64),
+            num_tokens=split.num_rows,
+            decode_rows=None,
+            decode_context=None,
+            decode_tables=None,
+            max_context=0,
+            num_splits=1,
+            prefill_start=None,
+            prefill_len=None,
+            prefill_prefix=None,
+            prefill_tables=None,
+            max_prefill_len=0,
+        )
+        if split.decode_entries:
+            contexts = [positions[row] + 1 for row in split.decode_rows]
+            meta.decode_rows = ints(split.decode_rows)
+            meta.decode_context = ints(contexts)
+            meta.decode_tables = tables(split.decode_entries)
+            meta.max_context = max(contexts)
+            meta.num_splits = self.num_splits or min(
+                MAX_SPLITS, max(1, -(-meta.max_context // SPLIT_TOKENS))
+            )
+        if split.prefill_entries:
+            meta.prefill_start = ints([row for row, _, _ in split.spans])
+            meta.prefill_len = ints([n for _, n, _ in split.spans])
+            meta.prefill_prefix = ints([start for _, _, start in split.spans])
+            meta.prefill_tables = tables(split.prefill_entries)
+            meta.max_prefill_len = max(n for _, n, _ in split.spans)
+        return meta
+
+    # ------------------------------------------------------------------ ops
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            raise ValueError("the residual must have x's shape and dtype")
+        return self._fused.rms_norm(x, weight, eps, residual)
+
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        return self._fused.gated_activation(gate_up, activation)
+
+    def attention(
+        self,
+        layer: AttentionLayer,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: object,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        meta: TritonMetadata = metadata  # type: ignore[assignment]
+        cache = self.kv_cache
+        assert cache is not None
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if qk_norm is not None:
+            qkv = _normed_qk(qkv, heads, kv_heads, dim, qk_norm)
+        if cache.dtype == torch.float16 and qkv.dtype != torch.float16:
+            # as PagedKVCache stores it: an outlier saturates instead of becoming inf
+            qkv = qkv.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+        k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
+        q = self._fused.rope_kv_store(
+            qkv, cos, signed_sin, meta.slots, k_cache, v_cache,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        )  # fmt: skip
+        out = torch.empty_like(q)
+        common = dict(
+            block_size=cache.block_size,
+            num_kv_heads=kv_heads,
+            scale=layer.scale,
+            softcap=layer.softcap,
+            window=layer.sliding_window,
+        )
+        if meta.decode_rows is not None:
+            self._attention.paged_decode_attention(
+                q, k_cache, v_cache, out, meta.decode_tables, meta.decode_context,
+                meta.decode_rows, max_context=meta.max_context, num_splits=meta.num_splits,
+                **common,
+            )  # fmt: skip
+        if meta.prefill_start is not None:
+            self._attention.paged_extend_attention(
+                q, k_cache, v_cache, out, meta.prefill_tables, meta.prefill_start,
+                meta.prefill_len, meta.prefill_prefix, max_q_len=meta.max_prefill_len, **common,
+            )  # fmt: skip
+        return out.view(q.shape[0], heads * dim)
+
+
+def _normed_qk(
+    qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, norm: QKNorm
+) -> torch.Tensor:
+    """qkv with its q and k heads RMS-normed (Qwen3, Gemma 3), before the rope kernel."""
+    rows = qkv.shape[0]
+    q = F.rms_norm(qkv[:, : heads * dim].view(rows, heads, dim), (dim,), norm.q_weight, norm.eps)
+    k_end = (heads + kv_heads) * dim
+    k = qkv[:, heads * dim : k_end].view(rows, kv_heads, dim)
+    k = F.rms_norm(k, (dim,), norm.k_weight, norm.eps)
+    return torch.cat((q.reshape(rows, -1), k.reshape(rows, -1), qkv[:, k_end:]), dim=1)

@@ -1,0 +1,282 @@
+"""Paged attention in Triton: decode (split-K over long contexts, GQA) and prefill/extend over
+cached prefixes, with sliding windows and soft-capping.
+
+The KV cache (``FlatKVCache``) is ``[num_blocks * block_size, kv_heads, head_dim]`` per layer
+for K and for V: a token's slot is ``block * block_size + offset``, and one kv head of a block of
+tokens is a strided tile that ``tl.load`` reads directly. Both kernels read every key from the
+cache: the new tokens' K/V are stored first (``rope_kv_store``), so a prompt gives the same
+result however it is split into chunks. Scores, the softmax and the sums run in float32.
+
+Decode: a program takes one request, one kv head and one split of its context; it scores all
+the query heads of that kv head's group at once (padded to 16 rows, what ``tl.dot`` needs), and
+writes its partial output with the log-sum-exp of its weights; a second kernel merges the splits.
+Extend: a program takes BLOCK_M query rows of one head of one prefill entry and walks the keys
+from the window's start to its last row's position, causally masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_NEG_INF = float("-inf")
+
+
+@triton.jit
+def _softcapped(scores, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(x) = 2·sigmoid(2x) − 1: tl has no tanh that the interpreter and every GPU share
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores
+
+
+@triton.jit
+def _kv_tile(
+    cache_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """The [len(positions), BLOCK_D] tile of one kv head at these positions of a request."""
+    block = tl.load(table_row_ptr + positions // BLOCK_SIZE, mask=valid, other=0)
+    slots = block.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    return tl.load(cache_ptr + offsets, mask=valid[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _scores(
+    q, k_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok, scale, softcap,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Scaled (and soft-capped) scores [rows of q, len(positions)] against these keys."""
+    k = _kv_tile(
+        k_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
+        BLOCK_SIZE,
+    ).to(q.dtype)  # fmt: skip
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return _softcapped(scores, softcap, HAS_SOFTCAP)
+
+
+@triton.jit
+def _accumulate(scores, v, best, total, acc, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scores [R, N] (-inf where unseen), v [N, D]; returns
+    the running (max, sum of weights, weighted sum of values) of each row."""
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    # a row that has seen nothing yet keeps -inf: shift it by 0 so that exp gives 0, not NaN
+    shift = tl.where(new_best == _NEG_INF, 0.0, new_best)
+    weights = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(best - shift)
+    total = total * rescale + tl.sum(weights, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+    return new_best, total, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, rows_ptr, out_ptr, lse_ptr,
+    q_row_stride, table_stride, scale, softcap, window, split_tokens,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    entry = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + entry).to(tl.int64)  # the query's row in the batch
+    context = tl.load(context_ptr + entry)  # positions it attends to, its own included
+    lo = split * split_tokens
+    hi = tl.minimum(lo + split_tokens, context)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, context - window)
+
+    group = tl.arange(0, BLOCK_H)
+    group_ok = group < GROUP
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + row * q_row_stride + heads[:, None] * HEAD_DIM + dims[None, :],
+        mask=group_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    table = tables_ptr + entry.to(tl.int64) * table_stride
+    best = tl.full([BLOCK_H], _NEG_INF, dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        valid = positions < hi
+        scores = _scores(
+            q, k_ptr, table, positions, valid, kv_head, dims, dim_ok, scale, softcap,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_SOFTCAP, PRECISION,
+        )  # fmt: skip
+        scores = tl.where(valid[None, :], scores, _NEG_INF)
+        v = _kv_tile(
+            v_ptr, table, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_SIZE,
+        ).to(q.dtype)  # fmt: skip
+        best, total, acc = _accumulate(scores, v, best, total, acc, PRECISION)
+    # a split with no positions (past the context, or before the window) has total 0
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    lse = tl.where(total > 0, best + tl.log(tl.maximum(total, 1e-30)), _NEG_INF)
+    part = (entry.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(
+        out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        out,
+        mask=group_ok[:, None] & dim_ok[None, :],
+    )
+    tl.store(lse_ptr + part, lse, mask=group_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    parts_ptr, lse_ptr, rows_ptr, o_ptr, o_row_stride,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    entry = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(rows_ptr + entry).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    part = (entry.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(lse_ptr + part, mask=split_ok, other=_NEG_INF)
+    weights = tl.exp(lse - tl.max(lse, axis=0))  # every row has at least its own position
+    parts = tl.load(
+        parts_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(o_ptr + row * o_row_stride + head * HEAD_DIM + dims, out, mask=dim_ok)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, q_start_ptr, q_len_ptr, prefix_ptr,
+    q_row_stride, o_row_stride, table_stride, scale, softcap, window,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    entry = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + entry)
+    if m_block * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_start_ptr + entry).to(tl.int64)
+    prefix = tl.load(prefix_ptr + entry)  # positions cached before this chunk
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    query_pos = prefix + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * q_row_stride + head * HEAD_DIM + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    table = tables_ptr + entry.to(tl.int64) * table_stride
+    hi = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)  # past the block's last row
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
+    best = tl.full([BLOCK_M], _NEG_INF, dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        valid = positions < hi
+        scores = _scores(
+            q, k_ptr, table, positions, valid, kv_head, dims, dim_ok, scale, softcap,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_SOFTCAP, PRECISION,
+        )  # fmt: skip
+        seen = valid[None, :] & (positions[None, :] <= query_pos[:, None])
+        if HAS_WINDOW:
+            seen = seen & (positions[None, :] > query_pos[:, None] - window)
+        scores = tl.where(seen, scores, _NEG_INF)
+        v = _kv_tile(
+            v_ptr, table, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_SIZE,
+        ).to(q.dtype)  # fmt: skip
+        best, total, acc = _accumulate(scores, v, best, total, acc, PRECISION)
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(
+        o_ptr + (q_start + rows)[:, None] * o_row_stride + head * HEAD_DIM + dims[None, :],
+        out,
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _precision(dtype) -> str:
+    import torch
+
+    # float32 in float32 (tl.dot would otherwise round to tf32 on a GPU); the GPU's fastest else
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
+    num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
+    num_splits: int, block_n: int = 64,
+) -> None:  # fmt: skip
+    """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
+
+    tables: int32 [D, W] block tables; context: int32 [D] positions each attends to (its own
+    included, at most ``max_context``); ``num_splits`` splits of the longest context are
+    computed apart and merged.
+    """
+    import torch
+
+    num_rows, num_heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    split_tokens = -(-max_context // num_splits)
+    split_tokens = -(-split_tokens // block_n) * block_n
+    parts = torch.empty(
+        num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
+    lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = _pow2(head_dim)
+    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, tables, context, rows, parts, lse,
+        q.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0, split_tokens,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
+        BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+        PRECISION=_precision(q.dtype),
+    )  # fmt: skip
+    _decode_merge_kernel[(num_rows, num_heads)](
+        parts, lse, rows, out, out.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=_pow2(num_splits, floor=2), BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def paged_extend_attention(
+    q, k_cache, v_cache, out, tables, q_start, q_len, prefix, *, max_q_len: int,
+    block_size: int, num_kv_heads: int, scale: float, softcap: float | None,
+    window: int | None, block_m: int = 32, block_n: int = 64,
+) -> None:  # fmt: skip
+    """Causal attention of each prefill entry's rows (``q_start``/``q_len`` [E]) over its cached
+    prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, tables, q_start, q_len, prefix,
+        q.stride(0), out.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
+        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+        PRECISION=_precision(q.dtype),
+    )  # fmt: skip

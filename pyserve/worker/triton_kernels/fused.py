@@ -1,0 +1,156 @@
+"""Fused element-wise ops in Triton: RMSNorm (with the residual add), gated activations, and
+RoPE with the K/V store into the paged cache (``attention.py`` has the cache's layout).
+
+Each computes in float32 and stores in its output's dtype, as the torch reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, width, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    x = tl.load(x_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(residual_ptr + row * width + cols, x.to(residual_ptr.dtype.element_ty), mask=ok)
+    mean_square = tl.sum(x * x, axis=0) / width
+    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    out = x / tl.sqrt(mean_square + eps) * weight
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dim; with ``residual``, residual += x
+    (in place) first and the sum is normalized."""
+    width = x.shape[-1]
+    x2 = x.reshape(-1, width).contiguous()
+    out = torch.empty_like(x2)
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("the residual must be contiguous: it is updated in place")
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, residual if residual is not None else x2, weight, out, width, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+@triton.jit
+def _gated_kernel(
+    x_ptr, out_ptr, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(x_ptr + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
+    if ACTIVATION == "silu":
+        act = gate * tl.sigmoid(gate)
+    else:  # gelu_tanh: 0.5·g·(1 + tanh(y)) = g·sigmoid(2y)
+        inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * inner)
+    tl.store(out_ptr + row * width + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation {activation!r} is not supported")
+    width = gate_up.shape[-1] // 2
+    x = gate_up.reshape(-1, 2 * width).contiguous()
+    out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _gated_kernel[(x.shape[0], triton.cdiv(width, block))](
+        x, out, width, ACTIVATION=activation, BLOCK=block
+    )
+    return out.view(*gate_up.shape[:-1], width)
+
+
+@triton.jit
+def _rotated(row_ptr, heads, head_ok, dims, cos, sin, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """One token's heads [BLOCK_H, BLOCK_D] from ``row_ptr``, the first ROTARY dims rotated
+    (rotate-half: dim i pairs with i + ROTARY/2)."""
+    ok = head_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    x = tl.load(row_ptr + heads[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0)
+    half = ROTARY // 2
+    partner = tl.where(dims < half, dims + half, dims - half)
+    rotary = dims < ROTARY
+    xp = tl.load(
+        row_ptr + heads[:, None] * HEAD_DIM + partner[None, :],
+        mask=ok & rotary[None, :],
+        other=0.0,
+    )
+    x = x.to(tl.float32)
+    turned = x * cos[None, :] + xp.to(tl.float32) * sin[None, :]
+    return tl.where(rotary[None, :], turned, x), ok
+
+
+@triton.jit
+def _rope_kv_store_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qkv_row_stride,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROTARY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    rotary = dims < ROTARY
+    cos = tl.load(cos_ptr + token * ROTARY + dims, mask=rotary, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * ROTARY + dims, mask=rotary, other=0.0).to(tl.float32)
+    row_ptr = qkv_ptr + token * qkv_row_stride
+
+    heads = tl.arange(0, BLOCK_H)
+    q, q_ok = _rotated(row_ptr, heads, heads < NUM_HEADS, dims, cos, sin, HEAD_DIM, ROTARY)
+    q_at = q_out_ptr + (token * NUM_HEADS + heads[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(q_at, q.to(q_out_ptr.dtype.element_ty), mask=q_ok)
+
+    kv_heads = tl.arange(0, BLOCK_KV)
+    kv_ok = kv_heads < NUM_KV_HEADS
+    k_row = row_ptr + NUM_HEADS * HEAD_DIM
+    k, k_ok = _rotated(k_row, kv_heads, kv_ok, dims, cos, sin, HEAD_DIM, ROTARY)
+    slot = tl.load(slots_ptr + token)
+    cache_at = (slot * NUM_KV_HEADS + kv_heads[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    v_row = row_ptr + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
+    v = tl.load(v_row + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=k_ok, other=0.0)
+    tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=k_ok)
+
+
+def rope_kv_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """From qkv [T, (heads + 2·kv_heads)·dim]: RoPE on q and k (cos, signed_sin [T, 1, rotary]
+    as rope.RotaryTable.cos_sin gives them), k and v into the cache at ``slots`` (int64 [T]);
+    returns q [T, heads, dim], rotated."""
+    tokens = qkv.shape[0]
+    rotary = cos.shape[-1]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_store_kernel[(tokens,)](
+        qkv, cos.reshape(tokens, rotary).contiguous(),
+        signed_sin.reshape(tokens, rotary).contiguous(), slots, q, k_cache, v_cache,
+        qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        ROTARY=rotary, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+    return q
