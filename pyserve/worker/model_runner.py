@@ -118,14 +118,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
-        metadata = self.backend.prepare(batch)
-        return self.model(
-            batch.input_ids.to(self.device),
-            batch.positions.to(self.device),
-            batch.sample_index.to(self.device),
-            self.backend,
-            metadata,
-        )
+        return self.backend.forward(self.model, batch)
 
 
 __all__ = ["DTYPES", "ModelLoadError", "ModelRunner"]

@@ -105,6 +105,18 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ per forward
 
+    def forward(self, model: CausalLM, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [S, vocab] of the batch's sampling rows (a backend may replay a
+        captured graph instead)."""
+        device = self.device
+        return model(
+            batch.input_ids.to(device),
+            batch.positions.to(device),
+            batch.sample_index.to(device),
+            self,
+            self.prepare(batch),
+        )
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> object:
         """Index tensors for this batch, shared by every layer."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,17 @@ from pyserve.worker.backends.torch_ref import EntrySplit, check_batch
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
+if TYPE_CHECKING:
+    from pyserve.worker.backends.decode_graphs import DecodeGraphs
+
 # split-K for decode: a split per this many positions of the longest context, at most MAX_SPLITS
 SPLIT_TOKENS = 256
 MAX_SPLITS = 16
+GRAPH_MAX_BATCH = 256  # the default --max-running-requests: larger decode steps run eagerly
+
+
+def fixed_splits(max_context: int) -> int:
+    return min(MAX_SPLITS, max(1, -(-max_context // SPLIT_TOKENS)))
 
 
 def triton_usable(device: torch.device) -> str | None:
@@ -92,9 +101,25 @@ class TritonBackend(Backend):
     kv_cache_class = FlatKVCache
 
     def __init__(
-        self, config, device: torch.device, reason: str = "asked for", *, num_splits: int = 0
+        self,
+        config,
+        device: torch.device,
+        reason: str = "asked for",
+        *,
+        num_splits: int = 0,
+        decode_graphs: str = "auto",
+        graph_max_batch: int = GRAPH_MAX_BATCH,
     ) -> None:
         super().__init__(config, device, reason)
+        if decode_graphs not in ("auto", "eager", "off"):
+            raise ValueError(f"decode_graphs must be auto, eager or off; got {decode_graphs!r}")
+        # auto: captured CUDA graphs on a GPU; eager: their static buffers without capture
+        # (how the tests check them on the CPU); off: every step through prepare()
+        if decode_graphs == "auto":
+            decode_graphs = "capture" if device.type == "cuda" else "off"
+        self.decode_graphs_mode = decode_graphs
+        self.graph_max_batch = graph_max_batch
+        self.graphs: DecodeGraphs | None = None
         problem = triton_usable(device)
         if problem is not None:
             raise ValueError(f"the triton backend cannot run: {problem}")
@@ -107,7 +132,32 @@ class TritonBackend(Backend):
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
         kernels["linear"] = "torch"
+        if self.graphs is not None:
+            kernels["decode"] = f"graphs of {len(self.graphs.sizes)} batch sizes"
         return BackendInfo(self.name, self.reason, kernels)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
+        # decode graphs pad their batches with rows that write into one extra, scratch block
+        extra = 0 if self.decode_graphs_mode == "off" else 1
+        self._scratch_block = num_blocks
+        return super().allocate_kv_cache(num_blocks + extra, block_size, dtype)
+
+    def prepare_model(self, model) -> None:
+        if self.decode_graphs_mode != "off":
+            from pyserve.worker.backends.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                model,
+                self,
+                max_batch=self.graph_max_batch,
+                scratch_block=self._scratch_block,
+                capture=self.decode_graphs_mode == "capture",
+            )
+
+    def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        return super().forward(model, batch)
 
     # ------------------------------------------------------------------ metadata, once per forward
 
@@ -152,9 +202,7 @@ class TritonBackend(Backend):
             meta.decode_context = ints(contexts)
             meta.decode_tables = tables(split.decode_entries)
             meta.max_context = max(contexts)
-            meta.num_splits = self.num_splits or min(
-                MAX_SPLITS, max(1, -(-meta.max_context // SPLIT_TOKENS))
-            )
+            meta.num_splits = self.num_splits or fixed_splits(meta.max_context)
         if split.prefill_entries:
             meta.prefill_start = ints([row for row, _, _ in split.spans])
             meta.prefill_len = ints([n for _, n, _ in split.spans])
