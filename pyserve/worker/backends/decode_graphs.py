@@ -133,7 +133,9 @@ class DecodeGraphs:
 
     def _fill(self, batch: ForwardBatch, size: int) -> None:
         n, bs = batch.num_entries, self.block_size
-        positions = batch.positions.numpy()
+        # host-side positions (batch.positions may already be on the GPU): a decode's is its
+        # start_pos
+        positions = np.asarray(batch.start_pos, dtype=np.int64)
         tables = np.full((size, self.max_blocks), self.scratch_block, dtype=np.int32)
         for row, table in enumerate(batch.block_tables):
             tables[row, : len(table)] = table
@@ -141,12 +143,11 @@ class DecodeGraphs:
         slots[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context = np.ones(size, dtype=np.int32)
         context[:n] = positions + 1
-        ids = np.zeros(size, dtype=np.int64)
-        ids[:n] = batch.input_ids.numpy()
         pos = np.zeros(size, dtype=np.int64)
         pos[:n] = positions
+        self.input_ids[n:size].zero_()
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         for static, host in (
-            (self.input_ids, ids),
             (self.positions, pos),
             (self.meta.slots, slots),
             (self.meta.decode_context, context),

@@ -167,7 +167,6 @@ class TritonBackend(Backend):
         bs = cache.block_size
         check_batch(batch, bs)
         split = EntrySplit.of(batch)
-        positions = batch.positions.tolist()
         slots = []
         for table, start, count in zip(
             batch.block_tables, batch.start_pos, batch.num_tokens, strict=True
@@ -197,7 +196,7 @@ class TritonBackend(Backend):
             max_prefill_len=0,
         )
         if split.decode_entries:
-            contexts = [positions[row] + 1 for row in split.decode_rows]
+            contexts = [batch.start_pos[i] + 1 for i in split.decode_entries]
             meta.decode_rows = ints(split.decode_rows)
             meta.decode_context = ints(contexts)
             meta.decode_tables = tables(split.decode_entries)
