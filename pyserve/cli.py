@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv = run.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-tokens", type=int, help="KV cache size in tokens")
     kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB; none: 1 GiB")
+    add(
+        "--mem-fraction-static",
+        type=float,
+        help="on a CUDA device, the fraction of its memory the worker holds once loaded: the KV "
+        f"pool takes what the weights leave of it; none: {DEFAULT_MEM_FRACTION} on CUDA unless "
+        "--kv-cache-tokens or --kv-cache-gib is given",
+    )
     add("--block-size", type=int, default=16, help="tokens per KV cache block")
     add("--context-length", type=int, help="a context length below the model's")
     add("--max-running-requests", type=int, default=256, help="requests computed together")
@@ -149,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_MEM_FRACTION = 0.88  # SGLang's default for a large GPU
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=args.model,
@@ -178,6 +188,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
     if args.kv_cache_gib is not None:
         config.kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
+    sized = args.kv_cache_tokens is not None or args.kv_cache_gib is not None
+    if args.mem_fraction_static is not None:
+        config.mem_fraction_static = args.mem_fraction_static
+    elif args.device.startswith("cuda") and not sized:
+        config.mem_fraction_static = DEFAULT_MEM_FRACTION
     return config
 
 

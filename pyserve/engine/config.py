@@ -63,6 +63,9 @@ class EngineConfig:
     # ~40 s, and an orchestrator's health probe may restart a server it sees unhealthy, so the
     # default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
     step_timeout: float = 300.0
+    # On a CUDA device: the KV pool takes what is left of this fraction of the device's memory
+    # once the weights are loaded (SGLang's --mem-fraction-static); None: kv_cache_tokens/bytes.
+    mem_fraction_static: float | None = None
     # How assistant output becomes tool calls: a pyserve.chat.tool_calls.PARSERS name, "auto"
     # (the format the chat template writes, if any) or "none" (tools are refused).
     tool_call_parser: str = "auto"
@@ -121,6 +124,7 @@ class EngineConfig:
             backend=self.backend,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            mem_fraction_static=self.mem_fraction_static,
         )
 
     def validate(self) -> None:

@@ -89,3 +89,21 @@ class PagedKVCache:
         k = self.k[layer].index_select(1, flat).transpose(-1, -2).reshape(shape)
         v = self.v[layer].index_select(1, flat).view(shape)
         return k, v
+
+
+def blocks_for_memory(total: int, free: int, fraction: float, block_bytes: int) -> int:
+    """KV blocks that fit in a device's memory so that this process holds at most ``fraction``
+    of its ``total`` bytes (SGLang's ``--mem-fraction-static``): what is in use already (the
+    weights, the CUDA context, other processes) counts against it; the rest is left for
+    activations and graphs."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {fraction}")
+    used = total - free
+    budget = int(total * fraction) - used
+    if budget < block_bytes:
+        raise ValueError(
+            f"mem_fraction_static={fraction}: {used / 2**30:.1f} of the device's "
+            f"{total / 2**30:.1f} GiB are in use already, which leaves no room for a KV cache "
+            "(raise it, or give --kv-cache-tokens)"
+        )
+    return budget // block_bytes

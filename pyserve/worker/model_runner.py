@@ -11,6 +11,7 @@ import torch
 from pyserve.worker.backends import Backend, select_backend
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
+from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.config import ModelConfig
@@ -90,8 +91,11 @@ class ModelRunner:
         # projections packed at each precision, e.g. {"int4": 144, "int8": 25}
         self.packed_precisions = {f"int{bits}": n for bits, n in sorted(packed.items())}
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
+        kv_dtype = DTYPES[self.kv_cache_dtype_name]
+        if settings.mem_fraction_static is not None:
+            self.num_blocks = self._blocks_for_memory(settings.mem_fraction_static, kv_dtype)
         self.kv_cache = self.backend.allocate_kv_cache(
-            settings.num_blocks, settings.block_size, DTYPES[self.kv_cache_dtype_name]
+            self.num_blocks, settings.block_size, kv_dtype
         )
         self.backend.prepare_model(self.model)
         info = self.backend.info()
@@ -105,6 +109,19 @@ class ModelRunner:
             precisions or self.dtype_name,
         )
         self.load_seconds = time.perf_counter() - started
+
+    def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
+        cfg = self.config
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # one block spare: the Triton backend's decode graphs pad into a scratch block
+        blocks = blocks_for_memory(total, free, fraction, per_token * self.block_size) - 1
+        log.info(
+            "KV pool: %d blocks of %d tokens from mem_fraction_static=%.2f (%.1f of %.1f GiB free)",
+            blocks, self.block_size, fraction, free / 2**30, total / 2**30,
+        )  # fmt: skip
+        return max(1, blocks)
 
     @property
     def kv_cache_bytes(self) -> int:

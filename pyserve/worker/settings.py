@@ -29,6 +29,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     seed: int | None = None  # seeds the draws of requests that bring no seed of their own
+    # on a CUDA device: size the KV pool (instead of num_blocks) so that the worker holds this
+    # fraction of the device's memory once the weights are loaded
+    mem_fraction_static: float | None = None
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before anything loads."""
@@ -51,6 +54,13 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.backend == "cpu-kernels" and not self.device.startswith("cpu"):
             raise ValueError(f"backend cpu-kernels runs on the CPU only (device {self.device!r})")
+        if self.mem_fraction_static is not None:
+            if not self.device.startswith("cuda"):
+                raise ValueError("mem_fraction_static sizes the KV pool on a CUDA device only")
+            if not 0.0 < self.mem_fraction_static < 1.0:
+                raise ValueError(
+                    f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+                )
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(
                 f"num_blocks={self.num_blocks} and block_size={self.block_size} must be >= 1"
