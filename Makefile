@@ -46,7 +46,16 @@ test-cpp: setup
 	$(VENV)/bin/cmake --build build/cpp-tests
 	cd build/cpp-tests && ../../$(VENV)/bin/ctest --output-on-failure
 
-test-py: setup
+# The browser tests (tests/test_web_ui.py) drive Debian's chromium through Playwright, never a
+# browser that `playwright install` would download.
+$(VENV)/.chromium: | $(VENV)/.base
+	@test -x /usr/bin/chromium || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update && \
+	  $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+	touch $@
+
+test-py: setup $(VENV)/.chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint test-cpp test-py

@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queued-requests", type=int, help="429 once this many requests wait to start")
     add("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="413 above this")
     add("--log-requests", action="store_true", help="log prompts and outputs")
+    add(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the chat page (/) and the dashboard (/dashboard)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight work")
     add(
@@ -240,7 +246,9 @@ async def first_of(*awaitables: Awaitable) -> None:
             task.cancel()
 
 
-async def start_engine(engine: Engine, url: str, signals: ShutdownSignals, needs_key: bool) -> bool:
+async def start_engine(
+    engine: Engine, url: str, signals: ShutdownSignals, needs_key: bool, web_ui: bool = True
+) -> bool:
     """Loads the model, logging progress; False if it failed or a signal came first."""
     log.info(
         "loading %s … (%s/health answers 503 until ready)",
@@ -268,11 +276,13 @@ async def start_engine(engine: Engine, url: str, signals: ShutdownSignals, needs
     # collections short (one over the loaded libraries stalled the loop ~200 ms on 2 cores).
     gc.collect()
     gc.freeze()
+    pages = f"; chat page: {url}/, dashboard: {url}/dashboard" if web_ui else ""
     log.info(
-        "pyserve is ready at %s (%s, loaded in %.1f s); try: %s",
+        "pyserve is ready at %s (%s, loaded in %.1f s)%s; try: %s",
         url,
         engine.model_name,
         time.monotonic() - started,
+        pages,
         curl_example(url, engine.model_name, needs_key),
     )
     return True
@@ -315,6 +325,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_bytes,
         max_queued_requests=args.max_queued_requests,
         log_requests=args.log_requests,
+        web_ui=args.web_ui,
     )
     state = server_state(app)
     runner = web.AppRunner(app, shutdown_timeout=HANDLER_GRACE_S, access_log=None)
@@ -329,7 +340,7 @@ async def serve(args: argparse.Namespace) -> int:
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     signals = ShutdownSignals(state)
     try:
-        if not await start_engine(engine, url, signals, args.api_key is not None):
+        if not await start_engine(engine, url, signals, args.api_key is not None, args.web_ui):
             return 0 if signals.stop.is_set() else 1
         return await serve_until_stopped(engine, state, signals, args.shutdown_timeout)
     finally:

@@ -183,7 +183,7 @@ def test_applied_masks_keep_the_grammars_choice_when_other_bans_leave_nothing() 
     allowed = torch.zeros(2, 8, dtype=torch.bool)
     allowed[0, [1, 3]] = True
     allowed[1, 4] = True
-    apply_masks(logits, StepMasks(rows=[0, 2], allowed=allowed))
+    apply_masks(logits, StepMasks.from_allowed([0, 2], allowed))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]
     assert torch.isfinite(logits[1]).all()  # an unconstrained row is untouched
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [4]

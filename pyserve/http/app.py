@@ -18,10 +18,12 @@ from aiohttp import web
 
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.errors import APIError, from_http_exception, server_error
+from pyserve.http.live_stats import LiveStats
 from pyserve.http.native_routes import NativeRoutes
 from pyserve.http.openai_routes import OpenAIRoutes
 from pyserve.http.service_routes import ServiceRoutes
 from pyserve.http.state import ServerOptions, ServerState
+from pyserve.http.web_ui import WebUI
 
 log = logging.getLogger("pyserve.http")
 
@@ -37,19 +39,28 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queued_requests: int | None = None,
     log_requests: bool = False,
+    web_ui: bool = True,
 ) -> web.Application:
-    """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting)."""
+    """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting); with
+    ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``."""
     options = ServerOptions(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         max_queued_requests=max_queued_requests,
         log_requests=log_requests,
+        web_ui=web_ui,
     )
     state = ServerState(engine, options)
     service = ServiceRoutes(state)
+    live = LiveStats(state)
     # Routes that answer while the engine loads, is shutting down or has failed.
     always_open = {service.health, service.server_info, service.metrics, service.openapi}
+    always_open.add(live.handle)  # the dashboard shows a server that is loading, too
     no_auth = {service.health}
+    pages = WebUI() if web_ui else None
+    if pages is not None:  # the pages ask for the key themselves; the API behind them needs it
+        always_open |= pages.handlers
+        no_auth |= pages.handlers
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -101,11 +112,16 @@ def create_app(
     OpenAIRoutes(state).add_to(app)
     NativeRoutes(state).add_to(app)
     service.add_to(app)
+    live.add_to(app)
+    if pages is not None:
+        pages.add_to(app)
 
     async def start_probe(_: web.Application) -> None:
         state.metrics.loop_lag.start()
+        live.start()
 
     async def stop_tasks(_: web.Application) -> None:
+        await live.stop()
         await state.metrics.loop_lag.stop()
         await state.watcher.close()
 

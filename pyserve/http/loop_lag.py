@@ -8,15 +8,16 @@ short sleep wakes up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from prometheus_client import CollectorRegistry, Histogram
+
+from pyserve.http.background import BackgroundTask
 
 INTERVAL_S = 0.01
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class LoopLagProbe:
+class LoopLagProbe(BackgroundTask):
     def __init__(self, registry: CollectorRegistry) -> None:
         self.histogram = Histogram(
             "pyserve_event_loop_lag_seconds",
@@ -24,18 +25,6 @@ class LoopLagProbe:
             buckets=_BUCKETS,
             registry=registry,
         )
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

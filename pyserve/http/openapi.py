@@ -26,6 +26,7 @@ ROUTES: list[tuple[str, str, type | None, str]] = [
     ("get", "/health", None, "200 when ready; 503 while loading, shutting down or broken"),
     ("get", "/server_info", None, "Configuration, KV pool and versions"),
     ("get", "/metrics", None, "Prometheus metrics"),
+    ("get", "/stats", None, "Per-second samples of the server's counters (the dashboard's)"),
     ("get", "/openapi.json", None, "This document"),
 ]
 

@@ -34,6 +34,7 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queued_requests: int | None = None  # generation requests waiting for their first token
     log_requests: bool = False  # log prompts and outputs (never logged otherwise)
+    web_ui: bool = True  # the chat page at / and the dashboard at /dashboard
 
 
 def engine_error(exc: BaseException) -> APIError:

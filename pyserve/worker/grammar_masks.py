@@ -43,12 +43,26 @@ class GrammarState:
     done: bool = False  # the grammar is complete (or failed): the request ends
 
 
+_BIAS_OF_BIT = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed
+
+
 @dataclass
 class StepMasks:
-    """The allowed tokens of some rows of one step's sampling batch."""
+    """The allowed tokens of some rows of one step's sampling batch, as what to add to their
+    logits: 0 where allowed, -inf where forbidden (one vectorised add applies it; a boolean
+    masked_fill of the same size is ~30x slower on the CPU)."""
 
     rows: list[int]
-    allowed: torch.Tensor  # bool [len(rows), vocab]
+    bias: torch.Tensor  # float32 [len(rows), vocab]
+
+    @classmethod
+    def from_allowed(cls, rows: list[int], allowed: torch.Tensor | np.ndarray) -> StepMasks:
+        bits = np.asarray(allowed, dtype=np.uint8)
+        return cls(rows, torch.from_numpy(_BIAS_OF_BIT[bits]))
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        return self.bias == 0
 
 
 class GrammarMasks:
@@ -134,8 +148,7 @@ class GrammarMasks:
                 matchers, bitmask.data_ptr(), words * 4, len(rows)
             )
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, : self.vocab_size].view(np.bool_))
-        return StepMasks(rows, allowed)
+        return StepMasks.from_allowed(rows, bits[:, : self.vocab_size])
 
     def advance(self, state: GrammarState, token: int) -> bool:
         """Feeds the sampled ``token``; True when the grammar is complete (the request ends)."""
@@ -158,10 +171,15 @@ def apply_masks(logits: torch.Tensor, masks: StepMasks) -> None:
     """Sets the logits of forbidden tokens to -inf, in place. A row whose other constraints
     (``min_tokens``, ``logit_bias``) forbid everything the grammar allows falls back to the
     grammar's choice alone, rather than to an arbitrary token."""
-    index = torch.tensor(masks.rows, device=logits.device)
-    allowed = masks.allowed.to(logits.device)
-    rows = logits[index].masked_fill_(~allowed, float("-inf"))
-    empty = torch.isneginf(rows).all(dim=1)
+    bias = masks.bias.to(logits.device, non_blocking=True)
+    if masks.rows == list(range(logits.shape[0])):  # every row constrained: in place
+        logits.add_(bias)
+        index = None
+        empty = torch.isneginf(logits.amax(dim=1))
+    else:
+        index = torch.tensor(masks.rows, device=logits.device)
+        logits.index_add_(0, index, bias)
+        empty = torch.isneginf(logits.index_select(0, index).amax(dim=1))
     if bool(empty.any()):
-        rows[empty] = torch.where(allowed[empty], 0.0, float("-inf"))
-    logits[index] = rows
+        targets = empty.nonzero().flatten() if index is None else index[empty]
+        logits[targets] = bias[empty]  # 0 where the grammar allows: its choice, uniformly

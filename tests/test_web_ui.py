@@ -1,0 +1,587 @@
+"""The chat page (/) and the live dashboard (/dashboard) in a real headless Chromium.
+
+Debian's ``chromium`` is driven by Playwright for Python through ``executable_path`` (never a
+browser downloaded by ``playwright install``). Two servers serve the module: a ``pyserve run``
+subprocess, and pyserve's app mounted under /llm/ with an API key inside an aiohttp application
+of this process (as a gateway would embed it). Screenshots go to pytest's temporary directory and
+to /tmp/web-ui-screenshots/, for people to look at. Nothing here judges speed: every wait has a
+generous limit against hangs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from http_testlib import (
+    HANG_GUARD_S,
+    kv_idle,
+    metrics,
+    request,
+    running_server,
+    tiny_model,
+    wait_for_metrics,
+)
+
+from pyserve import Engine, EngineConfig, create_app
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SHOTS_COPY = Path("/tmp/web-ui-screenshots")
+KV_TOKENS = 32768
+API_KEY = "web-ui-test-key"
+LONG_ANSWER = 4000  # tokens: the tiny model streams for a while, and rarely says EOS
+SERVER_ARGS = ["--torch-threads", "1", "--tokenizer-workers", "1"]
+SERVER_ARGS += ["--kv-cache-tokens", str(KV_TOKENS)]
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
+)
+
+
+# ------------------------------------------------------------------ servers and browser
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(["--model", str(model_dir), *SERVER_ARGS]) as server:
+        yield server
+
+
+class MountedServer:
+    """An aiohttp application of its own, on a thread of this process, with pyserve's app
+    (API key required) mounted under /llm."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(model_dir,), daemon=True)
+        self._thread.start()
+        assert self._started.wait(HANG_GUARD_S * 3), "the mounted server did not start"
+        if self._error is not None:
+            self.close()
+            raise self._error
+
+    def _run(self, model_dir: Path) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(model_dir))
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+        if self._error is None:
+            self._loop.run_forever()
+        self._loop.close()
+
+    async def _start(self, model_dir: Path) -> None:
+        config = EngineConfig(model=str(model_dir), kv_cache_tokens=KV_TOKENS, torch_threads=1)
+        config.tokenizer_workers = 1
+        self.engine = Engine(config)
+        parent = web.Application()
+
+        async def index(_: web.Request) -> web.Response:
+            return web.json_response({"service": "a gateway"})
+
+        parent.router.add_get("/", index)
+        parent.add_subapp("/llm", create_app(self.engine, api_key=API_KEY))
+        self.runner = web.AppRunner(parent)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        await self.engine.start()
+
+    async def _stop(self) -> None:
+        await self.engine.shutdown()
+        await self.runner.cleanup()
+
+    def close(self) -> None:
+        if self._error is None:
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(HANG_GUARD_S)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(HANG_GUARD_S)
+
+
+@pytest.fixture(scope="module")
+def mounted(model_dir):
+    server = MountedServer(model_dir)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+class Watched:
+    """A page in a fresh context (its own localStorage), with what went wrong on it."""
+
+    def __init__(
+        self, browser, shots: Path, width: int = 1280, height: int = 800, dark: bool = False
+    ) -> None:
+        self.context = browser.new_context(
+            viewport={"width": width, "height": height},
+            color_scheme="dark" if dark else "light",
+        )
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(HANG_GUARD_S * 1000)
+        self.errors: list[str] = []
+        self.page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
+        self.page.on("console", self._console)
+        self._shots = shots
+
+    def _console(self, message) -> None:
+        if message.type == "error":
+            self.errors.append(f"console: {message.text}")
+
+    def shot(self, name: str, full_page: bool = False) -> Path:
+        path = self._shots / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=full_page)
+        SHOTS_COPY.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, SHOTS_COPY / path.name)
+        return path
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    return tmp_path_factory.mktemp("web-ui-screenshots")
+
+
+@pytest.fixture
+def watched(browser, shots):
+    opened: list[Watched] = []
+
+    def open_page(**size) -> Watched:
+        opened.append(Watched(browser, shots, **size))
+        return opened[-1]
+
+    yield open_page
+    for page in opened:
+        page.close()
+
+
+def wait_until(page, condition: str) -> None:
+    """Waits until a JavaScript condition holds. A function, not a bare expression: Playwright
+    would poll a bare one through eval(), which the pages' Content-Security-Policy forbids."""
+    page.wait_for_function(f"() => {condition}")
+
+
+def open_chat(watched, url: str) -> Watched:
+    w = watched()
+    w.page.goto(url)
+    wait_until(w.page, "document.getElementById('model-name').textContent.includes('tiny')")
+    return w
+
+
+def ask(page, question: str, *, max_tokens: int, temperature: float = 0.0) -> None:
+    page.fill("#temperature", str(temperature))
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", question)
+    page.press("#prompt", "Enter")
+
+
+ANSWER = ".msg.assistant >> nth=-1"
+
+
+def answer_length(page) -> int:
+    return page.evaluate(
+        "[...document.querySelectorAll('.msg.assistant .body')].pop().textContent.length"
+    )
+
+
+def wait_answer_done(page) -> str:
+    """The last answer's statistics line, once it has ended."""
+    page.wait_for_selector("#send:not([hidden])")
+    wait_until(
+        page, "[...document.querySelectorAll('.msg.assistant .stats')].pop().textContent.length > 0"
+    )
+    return page.locator(f"{ANSWER} >> .stats").inner_text()
+
+
+# ------------------------------------------------------------------ headers and routes
+
+
+def test_pages_have_a_strict_csp_and_revalidating_cache_headers(server):
+    for path, kind in [("/", "text/html"), ("/dashboard", "text/html")]:
+        status, headers, body = request(server.url + path)
+        assert status == 200 and headers["Content-Type"].startswith(kind)
+        csp = headers["Content-Security-Policy"]
+        for directive in ("default-src 'self'", "script-src 'self'", "connect-src 'self'"):
+            assert directive in csp
+        assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+        assert headers["Cache-Control"] == "no-cache" and headers["ETag"]
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        html = body.decode()
+        # no inline script: every <script> names a file of this server, by a relative URL
+        for script in re.findall(r"<script\b[^>]*>(.*?)</script>", html, re.S):
+            assert not script.strip()
+        assert re.findall(r'<script[^>]*src="(static/[a-z]+\.js)"', html)
+        assert 'src="/' not in html and 'href="/' not in html  # relative URLs only
+
+    status, headers, _ = request(server.url + "/static/chat.js")
+    assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+    etag = headers["ETag"]
+    status, headers, body = request(server.url + "/static/chat.js", headers={"If-None-Match": etag})
+    assert status == 304 and body == b"" and headers["ETag"] == etag
+    assert request(server.url + "/static/no-such-file.js")[0] == 404
+
+    status, headers, body = request(server.url + "/stats")
+    assert status == 200 and headers["Cache-Control"] == "no-store"
+    doc = json.loads(body)
+    assert doc["kv_blocks_total"] == KV_TOKENS // 16 and doc["interval_s"] == 1.0
+    sample = doc["samples"][-1]
+    for key in ("t", "output_tokens_per_s", "running", "waiting", "kv_blocks_used"):
+        assert key in sample
+    later = json.loads(request(f"{server.url}/stats?since={sample['t']}")[2])
+    assert all(s["t"] > sample["t"] for s in later["samples"])
+    assert request(server.url + "/stats?since=soon")[0] == 400
+
+
+def test_the_ready_line_names_the_pages(server):
+    ready = next(line for line in server.lines if "pyserve is ready at" in line)
+    assert f"chat page: {server.url}/" in ready and f"{server.url}/dashboard" in ready
+
+
+# ------------------------------------------------------------------ the chat page
+
+
+def test_chat_page_loads_without_errors(server, watched):
+    w = open_chat(watched, server.url + "/")
+    assert w.page.locator("#model-name").inner_text() == "http-tiny-model"
+    assert w.page.locator("#server-status").inner_text() == "ready"
+    assert w.page.locator("a.nav-link").get_attribute("href") == "dashboard"
+    w.shot("chat-empty")
+    assert w.errors == []
+
+
+def test_an_answer_streams_and_stop_aborts_it_on_the_server(server, watched):
+    w = open_chat(watched, server.url + "/")
+    page = w.page
+    before = metrics(server.url)
+    # Greedy output is the same every run; if a question ends early anyway (an EOS), ask another.
+    for question in ("Tell me a long story about the sea.", "Count to a million.", "Go on."):
+        ask(page, question, max_tokens=LONG_ANSWER)
+        lengths = [answer_length(page)]
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(set(lengths)) < 4 and page.locator("#stop").is_visible():
+            assert time.monotonic() < deadline, f"the answer did not grow: {lengths}"
+            time.sleep(0.1)
+            if (length := answer_length(page)) != lengths[-1]:
+                lengths.append(length)
+        if page.locator("#stop").is_visible():
+            break
+        wait_answer_done(page)
+    else:
+        pytest.fail("every answer ended before it could be stopped")
+    assert lengths == sorted(lengths) and len(set(lengths)) >= 4  # it grew, step by step
+    assert wait_for_metrics(server.url, lambda m: m["pyserve_requests_running"] >= 1)
+    w.shot("chat-streaming")
+
+    page.click("#stop")
+    stats = wait_answer_done(page)
+    # The aborted request leaves the core, and its handler counts the tokens it got.
+    after = wait_for_metrics(
+        server.url,
+        lambda m: (
+            m["pyserve_requests_running"] == 0
+            and m["pyserve_generation_tokens_total"] > before["pyserve_generation_tokens_total"]
+        ),
+    )
+    assert "stopped" in stats and "tokens/s" in stats and "TTFT" in stats
+    generated = after["pyserve_generation_tokens_total"] - before["pyserve_generation_tokens_total"]
+    assert 0 < generated < LONG_ANSWER  # aborted, not run to max_tokens
+    assert kv_idle(wait_for_metrics(server.url, kv_idle))
+    assert page.locator("#send").is_visible() and not page.locator("#stop").is_visible()
+    w.shot("chat-stopped")
+    assert w.errors == []
+
+
+def test_each_answer_shows_tokens_per_second_and_ttft(server, watched):
+    w = open_chat(watched, server.url + "/")
+    ask(w.page, "What is the capital of France?", max_tokens=24)
+    stats = wait_answer_done(w.page)
+    assert re.fullmatch(
+        r"24 tokens · [0-9.,]+ tokens/s · TTFT [0-9.]+ m?s · max_tokens reached", stats
+    ), stats
+    assert w.errors == []
+
+
+def test_conversations_survive_a_reload(server, watched):
+    w = open_chat(watched, server.url + "/")
+    page = w.page
+    page.fill("#system-prompt", "You answer briefly.")
+    page.dispatch_event("#system-prompt", "change")
+    ask(page, "First question", max_tokens=8)
+    wait_answer_done(page)
+    page.click("#new-chat")
+    ask(page, "Second question", max_tokens=8)
+    wait_answer_done(page)
+    first_answer = page.locator(f"{ANSWER} >> .body").inner_text()
+
+    page.reload()
+    wait_until(page, "document.getElementById('model-name').textContent.includes('tiny')")
+    titles = page.locator("#conversations li button.open").all_inner_texts()
+    assert titles == ["Second question", "First question"]
+    assert page.locator(".msg.user .body").all_inner_texts() == ["Second question"]
+    assert page.locator(f"{ANSWER} >> .body").inner_text() == first_answer
+    assert page.locator("#system-prompt").input_value() == "You answer briefly."
+    page.click("#conversations li >> nth=1 >> button.open")
+    assert page.locator(".msg.user .body").all_inner_texts() == ["First question"]
+    page.click("#conversations li >> nth=1 >> button.delete")
+    assert page.locator("#conversations li").count() == 1
+    assert w.errors == []
+
+
+def overflowing(page) -> list[str]:
+    """The elements that stick out of the window sideways (a page should scroll only down)."""
+    return page.evaluate(
+        """() => [...document.querySelectorAll("body *")]
+            .filter((e) => e.getBoundingClientRect().right > window.innerWidth + 1)
+            .map((e) => `${e.tagName.toLowerCase()}#${e.id}.${e.className}`)"""
+    )
+
+
+MARKDOWN_SAMPLE = """# A heading
+
+Some **bold**, *italic*, ~~struck~~ and `inline code`; a [link](https://example.com) and
+a bare https://example.org/path.
+
+- one
+- two
+  1. nested
+  2. items
+
+```python
+def greet(name):
+    return f"<b>{name}</b>"
+```
+
+> a quote
+
+| a | b |
+|---|--:|
+| 1 | 2 |
+
+<script>alert(1)</script> <img src=x onerror="window.injected=1"> [bad](javascript:alert(3))
+"""
+
+
+def test_markdown_renders_safely(server, watched):
+    w = open_chat(watched, server.url + "/")
+    page = w.page
+    rendered = page.evaluate(
+        """async (source) => {
+            const { renderMarkdown } = await import("./static/markdown.js");
+            const box = document.createElement("div");
+            box.append(renderMarkdown(source));
+            const tags = [...box.querySelectorAll("*")].map((e) => e.tagName.toLowerCase());
+            return {
+                tags,
+                links: [...box.querySelectorAll("a")].map((a) => a.getAttribute("href")),
+                code: box.querySelector("pre code").textContent,
+                codeClass: box.querySelector("pre code").className,
+                text: box.textContent,
+            };
+        }""",
+        MARKDOWN_SAMPLE,
+    )
+    tags = set(rendered["tags"])
+    assert {"h1", "strong", "em", "del", "code", "ul", "ol", "li", "pre", "blockquote"} <= tags
+    assert {"table", "th", "td", "a", "p"} <= tags
+    assert not tags & {"script", "img", "iframe", "b"}  # model output never becomes markup
+    assert rendered["links"] == ["https://example.com", "https://example.org/path"]
+    assert rendered["code"] == 'def greet(name):\n    return f"<b>{name}</b>"'
+    assert rendered["codeClass"] == "language-python"
+    assert "<script>alert(1)</script>" in rendered["text"]
+    assert "[bad](javascript:alert(3))" in rendered["text"]
+
+    # The same answer in a stored conversation, for the screenshot.
+    page.evaluate(
+        """async (source) => {
+            const { save } = await import("./static/common.js");
+            const messages = [
+                { role: "user", content: "Show me some Markdown." },
+                { role: "assistant", content: source, stats: { tokens: 120, exact: true,
+                  ttft: 0.042, tokensPerS: 350.5, finish: "stop" } },
+            ];
+            save("conversations", [{ id: "md", title: "Markdown", messages }]);
+            save("current", "md");
+        }""",
+        MARKDOWN_SAMPLE,
+    )
+    page.reload()
+    page.wait_for_selector(".msg.assistant .body h1")
+    assert page.evaluate("window.injected") is None
+    w.shot("chat-markdown")
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone: nothing may overflow
+    page.reload()
+    page.wait_for_selector(".msg.assistant .body h1")
+    assert overflowing(page) == []
+    w.shot("chat-narrow", full_page=True)
+    assert w.errors == []
+
+
+# ------------------------------------------------------------------ the dashboard
+
+
+def canvas_fingerprints(page) -> dict[str, tuple[int, str]]:
+    """chart id → (non-blank pixels, a digest of the canvas) for every chart."""
+    return page.evaluate(
+        """() => Object.fromEntries([...document.querySelectorAll(".chart")].map((box) => {
+            const canvas = box.querySelector("canvas");
+            const { width, height } = canvas;
+            const data = canvas.getContext("2d").getImageData(0, 0, width, height).data;
+            let inked = 0;
+            for (let i = 3; i < data.length; i += 4) if (data[i]) inked += 1;
+            return [box.id, [inked, canvas.toDataURL().slice(-64)]];
+        }))"""
+    )
+
+
+def tiles(page) -> dict[str, str]:
+    return page.evaluate(
+        "Object.fromEntries([...document.querySelectorAll('.tile .value')]"
+        ".map((e) => [e.id, e.textContent]))"
+    )
+
+
+def load(url: str, count: int, headers: dict | None = None) -> list[threading.Thread]:
+    """``count`` concurrent chat requests, each some thousand tokens long, on threads."""
+    body = {
+        "messages": [{"role": "user", "content": "Keep talking."}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+    }
+    threads = [
+        threading.Thread(
+            target=request,
+            args=(url + "/v1/chat/completions", body),
+            kwargs={"headers": headers},
+            daemon=True,
+        )
+        for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def colored_ink(page, chart: str) -> int:
+    """Pixels of ``chart`` in a saturated colour: its series, not its grey grid and labels."""
+    return page.evaluate(
+        """(id) => {
+            const canvas = document.querySelector(`#${id} canvas`);
+            const { width, height } = canvas;
+            const data = canvas.getContext("2d").getImageData(0, 0, width, height).data;
+            let inked = 0;
+            for (let i = 0; i < data.length; i += 4) {
+                const [r, g, b, a] = data.slice(i, i + 4);
+                if (a > 128 && Math.max(r, g, b) - Math.min(r, g, b) > 80) inked += 1;
+            }
+            return inked;
+        }""",
+        chart,
+    )
+
+
+def test_dashboard_figures_change_under_load(server, watched):
+    w = watched(width=1280, height=1000)
+    page = w.page
+    page.goto(server.url + "/dashboard")
+    wait_until(page, "document.getElementById('now-running').textContent === '0'")
+    page.click("text=1 min")
+    idle = tiles(page)
+    before = canvas_fingerprints(page)
+    assert all(inked > 0 for inked, _ in before.values())  # axes and grid at least
+
+    threads = load(server.url, 6)
+    wait_until(
+        page,
+        "Number(document.getElementById('now-running').textContent) > 0"
+        " && parseFloat(document.getElementById('now-tokens').textContent.replace(',', '')) > 0",
+    )
+    time.sleep(2.5)  # a few more samples, so that the lines have some length in the screenshot
+    busy = tiles(page)
+    during = canvas_fingerprints(page)
+    w.shot("dashboard-under-load", full_page=True)
+    for thread in threads:
+        thread.join(HANG_GUARD_S)
+    assert busy["now-tokens"] != idle["now-tokens"] and busy["now-running"] != idle["now-running"]
+    assert busy["now-ttft"] != "–" and busy["now-itl"] != "–" and busy["now-batch"] != "–"
+    for chart in ("chart-tokens", "chart-requests", "chart-kv", "chart-ttft", "chart-itl"):
+        assert during[chart] != before[chart], f"{chart} did not change"
+        assert colored_ink(page, chart) > 0, f"{chart} drew no series"
+    wait_until(page, "document.getElementById('now-running').textContent === '0'")
+    w.shot("dashboard-after-load", full_page=True)
+    assert w.errors == []
+
+
+# ------------------------------------------------------------------ mounted under /llm/, with a key
+
+
+def test_under_a_prefix_with_an_api_key_the_page_asks_for_the_key_then_works(mounted, watched):
+    w = watched(dark=True)  # and in the dark theme, for the screenshots
+    page = w.page
+    page.goto(mounted.url + "/llm")  # no slash: redirected, so that relative URLs resolve
+    assert page.url == mounted.url + "/llm/"
+    page.wait_for_selector("#key-dialog[open]")
+    w.shot("chat-api-key")
+    page.fill("#key-input", "not-the-key")
+    page.press("#key-input", "Enter")
+    wait_until(page, "document.getElementById('key-message').textContent.includes('refused')")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", API_KEY)
+    page.press("#key-input", "Enter")
+    wait_until(page, "document.getElementById('model-name').textContent.includes('tiny')")
+    assert not page.locator("#key-dialog").is_visible()
+
+    ask(page, "Hello under a prefix", max_tokens=16)
+    stats = wait_answer_done(page)
+    assert stats.startswith("16 tokens · ") and "TTFT" in stats
+    w.shot("chat-under-prefix")
+
+    # The dashboard, under the same prefix, finds the key that this browser kept.
+    page.goto(mounted.url + "/llm/dashboard")
+    wait_until(page, "document.getElementById('model-name').textContent.includes('tiny')")
+    assert not page.locator("#key-dialog").is_visible()
+    threads = load(mounted.url + "/llm", 2, headers={"Authorization": f"Bearer {API_KEY}"})
+    wait_until(page, "Number(document.getElementById('now-running').textContent) > 0")
+    for thread in threads:
+        thread.join(HANG_GUARD_S)
+    wait_until(page, "document.getElementById('now-running').textContent === '0'")
+    w.shot("dashboard-under-prefix", full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert overflowing(page) == []
+    w.shot("dashboard-narrow", full_page=True)
+    # Only the requests that the server refused before the key was given may have failed.
+    assert [e for e in w.errors if "status of 401" not in e] == []
