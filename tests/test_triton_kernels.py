@@ -12,8 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
-
 from pyserve.worker.rope import apply_rope
 from pyserve.worker.triton_kernels import attention, fused
 

@@ -29,10 +29,9 @@ from http_testlib import (
     tiny_model,
     wait_for_metrics,
 )
+from playwright import sync_api
 
 from pyserve import Engine, EngineConfig, create_app
-
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -50,9 +49,12 @@ LONG_ANSWER = 4000  # tokens: the tiny model streams for a while, and rarely say
 SERVER_ARGS = ["--torch-threads", "1", "--tokenizer-workers", "1"]
 SERVER_ARGS += ["--kv-cache-tokens", str(KV_TOKENS)]
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
-)
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium_installed():
+    """The browser is part of the suite (`make test` installs it), so its absence fails."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
 
 
 # ------------------------------------------------------------------ servers and browser
