@@ -123,6 +123,11 @@ class GrammarChecker:
         self._answers: OrderedDict[Grammar, str | None] = OrderedDict()
         self._lock = Lock()
 
+    def known(self, grammar: Grammar) -> bool:
+        """Whether ``check`` would answer from the cache (without compiling)."""
+        with self._lock:
+            return grammar in self._answers
+
     def check(self, grammar: Grammar, param: str) -> None:
         """Raises InvalidSampling naming ``param`` when the grammar cannot be enforced."""
         with self._lock:

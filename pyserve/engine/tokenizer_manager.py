@@ -123,8 +123,12 @@ class TokenizerManager:
 
     async def check_grammar(self, grammar: Grammar, param: str) -> None:
         """InvalidSampling naming ``param`` for a grammar the worker could not enforce;
-        compiled off the event loop, and once per grammar."""
-        await self._run(self._grammars.check, grammar, param)
+        compiled off the event loop, and once per grammar (a known one is answered here: the
+        HTTP layer and the engine both ask)."""
+        if self._grammars.known(grammar):
+            self._grammars.check(grammar, param)
+        else:
+            await self._run(self._grammars.check, grammar, param)
 
     def check_logit_bias(self, logit_bias: dict[int, float]) -> None:
         outside = [t for t in logit_bias if t >= self.vocab_size]

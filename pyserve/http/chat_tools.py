@@ -35,8 +35,7 @@ class ChatPlan:
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, engine: Engine) -> ChatPlan:
-        grammar = params.request_grammar(req, req.response_format)
-        param = params.grammar_param(req, req.response_format)
+        grammar, param = params.request_grammar(req, req.response_format)
         tools = req.tools or []
         choice = req.tool_choice if req.tool_choice is not None else "auto"
         if choice != "none" and not tools:
@@ -52,7 +51,9 @@ class ChatPlan:
                     "this model's chat template writes no tool calls that pyserve can read; "
                     "start it with --tool-call-parser hermes, llama3_json or mistral",
                 )
-            grammar, param = _tool_grammar(req, parser, choice, grammar, engine.special_tokens)
+            grammar, param = _tool_grammar(
+                req, parser, choice, grammar, param, engine.special_tokens
+            )
         keep_special = parser is not None and any(
             special in marker
             for special in engine.special_tokens
@@ -99,14 +100,16 @@ def _tool_grammar(
     parser: ToolCallParser,
     choice: str | NamedToolChoice,
     grammar: Grammar | None,
+    param: str,
     special_tokens: dict[str, int],
 ) -> tuple[Grammar | None, str]:
-    """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any)."""
-    if grammar is not None and params.grammar_param(req, req.response_format) != "response_format":
+    """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any);
+    ``grammar`` came from the request field ``param``."""
+    if grammar is not None and param != "response_format":
         raise bad_request(
             "json_schema, regex and ebnf constrain a text answer and cannot be combined with "
             "tools: use response_format",
-            param=params.grammar_param(req, req.response_format),
+            param=param,
         )
     functions = [tool.function for tool in req.tools or []]
     if isinstance(choice, NamedToolChoice):

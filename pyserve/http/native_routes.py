@@ -77,10 +77,10 @@ class NativeRoutes:
         if batched and req.stream:
             raise bad_request("stream is supported for a single prompt only", param="stream")
         top = req.top_logprobs_num if req.return_logprob else None
-        sampling = params.generate_sampling(req.sampling_params, top)
-        if sampling.grammar is not None:
-            param = "sampling_params." + params.grammar_param(req.sampling_params, None)
-            await state.call(self.engine.check_grammar(sampling.grammar, param))
+        grammar, param = params.request_grammar(req.sampling_params, None)
+        if grammar is not None:
+            await state.call(self.engine.check_grammar(grammar, f"sampling_params.{param}"))
+        sampling = params.generate_sampling(req.sampling_params, top, grammar)
         detok = params.generate_detok(req.sampling_params)
         base = req.rid or uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]

@@ -161,9 +161,9 @@ class OpenAIRoutes:
         req = await read_request(request, CompletionRequest, state.options.max_body_bytes)
         state.check_model(req.model)
         params.check_completion_request(req)
-        grammar = params.request_grammar(req, None)
+        grammar, param = params.request_grammar(req, None)
         if grammar is not None:
-            await state.call(self.engine.check_grammar(grammar, params.grammar_param(req, None)))
+            await state.call(self.engine.check_grammar(grammar, param))
         prompts = await self._tokenized_prompts(req.prompt)
         if len(prompts) * req.n > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts × n per request", param="n")

@@ -55,17 +55,11 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
         raise unsupported("service_tier", 'there is one tier: "auto" or "default"')
 
 
-def grammar_param(fields: GrammarFields, response_format: ResponseFormat | None) -> str:
-    """The name of the field a request's grammar came from, for error messages."""
-    if response_format is not None and not isinstance(response_format, TextFormat):
-        return "response_format"
-    return next((n for n in ("json_schema", "regex", "ebnf") if getattr(fields, n)), "grammar")
-
-
 def request_grammar(
     fields: GrammarFields, response_format: ResponseFormat | None
-) -> Grammar | None:
-    """The one constraint a request asks for, from ``response_format`` or SGLang's fields."""
+) -> tuple[Grammar | None, str]:
+    """The one constraint a request asks for, from ``response_format`` or SGLang's fields, and
+    the name of the field it came from (for errors; "grammar" when there is none)."""
     given = [name for name in ("json_schema", "regex", "ebnf") if getattr(fields, name)]
     if response_format is not None and not isinstance(response_format, TextFormat):
         given.insert(0, "response_format")
@@ -73,6 +67,10 @@ def request_grammar(
         raise bad_request(
             f"{' and '.join(given)} both constrain the output: give at most one", param=given[1]
         )
+    return _grammar(fields, response_format), given[0] if given else "grammar"
+
+
+def _grammar(fields: GrammarFields, response_format: ResponseFormat | None) -> Grammar | None:
     if isinstance(response_format, JsonObjectFormat):
         return Grammar("json_object")
     if isinstance(response_format, JsonSchemaResponseFormat):
@@ -167,7 +165,9 @@ def check_completion_request(req: CompletionRequest) -> None:
         )
 
 
-def generate_sampling(params: GenerateSamplingParams, top_logprobs: int | None) -> SamplingParams:
+def generate_sampling(
+    params: GenerateSamplingParams, top_logprobs: int | None, grammar: Grammar | None = None
+) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=params.max_new_tokens,
         temperature=params.temperature,
@@ -184,7 +184,7 @@ def generate_sampling(params: GenerateSamplingParams, top_logprobs: int | None) 
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
         logit_bias=dict(params.logit_bias or {}),
-        grammar=request_grammar(params, None),
+        grammar=grammar,
     )
 
 

@@ -36,7 +36,6 @@ class StepExecutor:
         grammars: GrammarMasks | None = None,
     ) -> None:
         self.runner = runner
-        self.grammars = grammars
         self.requests = RequestTable(
             block_size=block_size, eos_token_ids=eos_token_ids, device=device, grammars=grammars
         )
@@ -52,9 +51,11 @@ class StepExecutor:
         out = None
         if prepared.batch.num_entries:
             masks = None
-            if self.grammars is not None and prepared.sampling:
+            table = self.requests
+            if table.constrained and prepared.sampling:
+                assert table.grammars is not None
                 # computed on the masking thread while the forward pass runs
-                masks = self.grammars.masks([s.grammar for s in prepared.sampling])
+                masks = table.grammars.masks([s.grammar for s in prepared.sampling])
             with torch.inference_mode():
                 logits = self.runner.forward(prepared.batch)
                 if prepared.sampling:

@@ -67,6 +67,7 @@ class RequestTable:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         self.grammars = grammars
+        self.constrained = 0  # live requests with a grammar: a step without any skips masks
         self._requests: dict[int, RequestState] = {}
 
     def __len__(self) -> int:
@@ -92,6 +93,7 @@ class RequestTable:
             if self.grammars is None:
                 raise ValueError("this worker runs without grammars")
             grammar = self.grammars.start(params.grammar)
+            self.constrained += 1
         state = RequestState(
             rid=request.rid,
             params=params,
@@ -134,6 +136,8 @@ class RequestTable:
             state = self._requests.pop(rid, None)
             if state is not None:
                 state.finished = True
+                if state.grammar is not None:
+                    self.constrained -= 1
 
     def prepare(self, step: Step) -> PreparedStep:
         """Applies the Step's block-table entries and builds its ForwardBatch.

@@ -15,6 +15,7 @@ check the padding on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,8 +83,6 @@ class DecodeGraphs:
             self._capture()
 
     def _view(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]:
-        import dataclasses
-
         meta = dataclasses.replace(
             self.meta,
             slots=self.meta.slots[:size],

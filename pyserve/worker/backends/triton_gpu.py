@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
-from pyserve.worker.backends.torch_ref import EntrySplit, check_batch
+from pyserve.worker.backends.torch_ref import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
@@ -167,22 +167,16 @@ class TritonBackend(Backend):
         bs = cache.block_size
         check_batch(batch, bs)
         split = EntrySplit.of(batch)
-        slots = []
-        for table, start, count in zip(
-            batch.block_tables, batch.start_pos, batch.num_tokens, strict=True
-        ):
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        table_rows, slots = table_rows_and_slots(batch, bs, self.device)
 
-        def ints(values: list[int], dtype=torch.int32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
 
         def tables(entries: list[int]) -> torch.Tensor:
-            rows = [batch.block_tables[i] for i in entries]
-            width = max(len(r) for r in rows)
-            return ints([r + [0] * (width - len(r)) for r in rows])
+            return table_rows[entries].to(torch.int32)
 
         meta = TritonMetadata(
-            slots=ints(slots, torch.int64),
+            slots=slots,
             num_tokens=split.num_rows,
             decode_rows=None,
             decode_context=None,
