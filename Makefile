@@ -52,7 +52,7 @@ $(VENV)/.chromium: | $(VENV)/.base
 	@test -x /usr/bin/chromium || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update && \
-	  $$SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
 	touch $@
 
 test-py: setup $(VENV)/.chromium

@@ -147,7 +147,10 @@ def test_what_the_stack_cannot_run_is_refused_saying_why_and_runs_its_layers(tin
     runner = load_runner(tiny_model, num_blocks=16, quantization="int4", dtype="bfloat16")
     why = runner.backend.info().kernels.get("decoder_stack", "")
     assert runner.decoder_stack is None, why
-    assert why == "off: the model runs in torch.bfloat16, the stack in float32", why
+    if STACK_RUNS:
+        assert why == "off: the model runs in torch.bfloat16, the stack in float32", why
+    else:  # the first reason this CPU gives (e.g. AVX2: the attention kernels are not in use)
+        assert why.startswith("off: "), why
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     (out,) = OfflineEngine(runner=runner, num_blocks=16).generate([[5, 9, 200, 17]], params)
     assert len(out.token_ids) == 4

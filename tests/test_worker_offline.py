@@ -496,7 +496,9 @@ def test_16_bit_kv_cache_stays_close_to_hf_and_chunking_agrees(
         # ~4e-2 (bfloat16) here. Float32 summation order alone (the chunks' and the decodes'
         # matmuls batched with other rows) moves it by < 2e-5, and later tokens, whose decode
         # steps are batched differently too, by < 3e-4: this model's peaked logits magnify it.
-        assert diff[0] < 1e-4, f"prompt {i}: chunked prefill read back other K/V"
+        # Where that order puts a K value on the other side of a float16 rounding boundary, one
+        # stored value moves by an ulp: 4.5e-4 on one prompt with AVX2's GEMM blocking.
+        assert diff[0] < 1e-3, f"prompt {i}: chunked prefill read back other K/V"
         assert diff.max() < 1e-3, f"prompt {i}: chunked prefill read back other K/V"
 
 
