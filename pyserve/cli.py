@@ -21,10 +21,11 @@ from collections.abc import Awaitable
 
 from aiohttp import web
 
+from pyserve import replicas
 from pyserve.chat.reasoning import REASONING_PARSERS
 from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
-from pyserve.http.app import create_app, server_state
+from pyserve.http.app import HTTP2PrefaceFilter, create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.state import ServerState
 from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
@@ -85,6 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--device", default="cpu", help="torch device of the model worker")
     add(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the model split over N worker processes joined by "
+        "torch.distributed (gloo on the CPU, NCCL on CUDA, rank r on cuda:r)",
+    )
+    add(
+        "--dp",
+        "--data-parallel-size",
+        dest="dp",
+        type=int,
+        default=1,
+        help="replicas of the model on this machine behind SGLang's model gateway "
+        "(sglang-router, pip install 'pyserve[router]'): N servers on free local ports, the "
+        "router on --host/--port; on CUDA each gets its own --tp GPUs, on the CPU its share "
+        "of the cores",
+    )
+    add(
+        "--router-policy",
+        default="cache_aware",
+        choices=list(replicas.ROUTER_POLICIES),
+        help="with --dp: how the router picks a replica (cache_aware: the one whose prefix "
+        "cache holds most of the prompt, unless the load is too uneven)",
+    )
+    add(
         "--quantization",
         default="auto",
         choices=list(QUANTIZATION_NAMES),
@@ -95,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv = run.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-tokens", type=int, help="KV cache size in tokens")
-    kv.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB; none: 1 GiB")
+    kv.add_argument(
+        "--kv-cache-gib", type=float, help="KV cache size in GiB (of each --tp rank); none: 1 GiB"
+    )
     add(
         "--mem-fraction-static",
         type=float,
@@ -175,6 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         activation_bits=args.activation_bits,
         backend=args.backend,
+        tp_size=args.tp,
         block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         max_running_requests=args.max_running_requests,
@@ -351,12 +382,16 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if args.dp != 1:  # N replicas and the router, supervised (pyserve/replicas.py)
+        return replicas.run(args, parser)
+    logging.getLogger("aiohttp.server").addFilter(HTTP2PrefaceFilter())
     try:
         import uvloop
     except ImportError:  # uvloop is not available on every platform

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from http_testlib import (
     check_against_reference,
     kv_idle,
@@ -22,8 +24,12 @@ from http_testlib import (
     wait_for_metrics,
 )
 
+from pyserve.engine.errors import EngineDeadError
+from pyserve.http import service_routes
+from pyserve.http.app import create_app
 from pyserve.http.openapi import ROUTES
 from pyserve.model_files import load_tokenizer, resolve_model
+from pyserve.outputs import GenerationChunk
 
 MODEL = "http-tiny-model"
 KV_TOKENS = 4096
@@ -196,6 +202,87 @@ def test_abort_request_ends_a_running_stream_with_finish_reason_abort(url):
     wait_for_metrics(url, kv_idle)
 
 
+# ----------------------------------------------------------------------------- worker routes
+# What sglang-router and SGLang's clients ask of a worker (tests/test_router_replicas.py runs
+# the router itself).
+
+
+def test_the_model_path_is_another_name_of_the_model(url, model_dir):
+    path = str(Path(model_dir).resolve())
+    _, info = get(url + "/server_info")
+    assert info["model_path"] == path
+    status, out = post(
+        url + "/v1/chat/completions",
+        {"model": path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    )
+    assert status == 200 and out["model"] == MODEL, out
+    status, out = post(url + "/v1/completions", {"model": path, "prompt": "Hi", "max_tokens": 1})
+    assert status == 200 and out["model"] == MODEL, out
+    assert post(url + "/tokenize", {"model": path, "prompt": "Hi"})[0] == 200
+    _, models = get(url + "/v1/models")
+    assert [(m["id"], m["root"]) for m in models["data"]] == [(MODEL, path)]
+    status, out = post(url + "/v1/completions", {"model": path + "x", "prompt": "Hi"})
+    assert (status, out["error"]["code"]) == (404, "model_not_found")
+
+
+def test_server_info_and_model_info_carry_sglangs_fields(url, model_dir):
+    path = str(Path(model_dir).resolve())
+    status, info = get(url + "/server_info")
+    assert status == 200
+    assert info["served_model_name"] == MODEL and info["tokenizer_path"] == path
+    assert (info["tp_size"], info["dp_size"]) == (1, 1)
+    assert info["max_total_tokens"] == KV_TOKENS == info["kv_cache"]["tokens"]
+    assert info["max_running_requests"] == info["config"]["max_running_requests"]
+    budget = info["prefill_budget"]
+    assert info["max_prefill_tokens"] == budget["max_prefill_tokens"]
+    assert info["chunked_prefill_size"] == budget["chunked_prefill_size"]
+    assert info["version"] == info["versions"]["pyserve"]
+    status, old = get(url + "/get_server_info")  # SGLang's older name
+    assert status == 200 and old["model_path"] == path and old.keys() == info.keys()
+
+    status, model = get(url + "/model_info")
+    assert status == 200 and get(url + "/get_model_info") == (200, model)
+    assert model == {
+        "model_path": path,
+        "served_model_name": MODEL,
+        "tokenizer_path": path,  # a Hugging Face directory holds its tokenizer
+        "is_generation": True,
+        "model_type": "llama",
+        "context_length": CONTEXT,
+    }
+
+
+def test_get_load_counts_requests_and_the_kv_tokens_they_hold(url):
+    wait_for_metrics(url, kv_idle)
+    idle = [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert get(url + "/get_load") == (200, idle)
+    body = {"model": MODEL, "prompt": "Go on: " * 20, "max_tokens": 1500, "stream": True}
+
+    async def scenario():
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/completions", json={**body, **GREEDY}) as resp,
+        ):
+            first = json.loads((await resp.content.readuntil(b"\n\n"))[6:])
+            async with session.get(url + "/get_load") as load:
+                busy = await load.json()
+            await session.post(url + "/abort_request", json={"rid": first["id"]})
+            await resp.read()
+        return busy
+
+    (busy,) = asyncio.run(scenario())
+    assert (busy["num_reqs"], busy["num_waiting_reqs"]) == (1, 0), busy
+    assert busy["num_tokens"] >= 16 and busy["num_tokens"] % 16 == 0, busy  # whole blocks
+    wait_for_metrics(url, kv_idle)
+
+
+def test_health_generate_answers_once_a_token_is_generated(url):
+    before = metrics(url)["pyserve_streamed_tokens_total"]
+    assert get(url + "/health_generate") == (200, {"status": "ok"})
+    # its token counts among those handed out; the probe leaves nothing behind
+    wait_for_metrics(url, lambda m: m["pyserve_streamed_tokens_total"] > before and kv_idle(m))
+
+
 # ----------------------------------------------------------------------------- errors
 
 CHAT = "/v1/chat/completions"
@@ -268,3 +355,74 @@ def test_wrong_method_is_405_and_content_type_is_not_required(url):
     form = {"Content-Type": "application/x-www-form-urlencoded"}
     assert request(url + CHAT, body, headers=form)[0] == 200
     wait_for_metrics(url, kv_idle)
+
+
+# ----------------------------------------------------------------------------- /health_generate
+# In process, over an engine that generates a token, fails, or never answers.
+
+
+class ProbedEngine:
+    """Just enough engine for /health_generate."""
+
+    model_name = MODEL
+    healthy = serving = True
+    failure = health_problem = None
+
+    def __init__(self, outcome: str, progress: bool = False) -> None:
+        self.outcome = outcome  # "token", "fail" or "hang"
+        self.progress = progress  # other requests get tokens meanwhile
+        self.ready = True
+        self.handed = 0
+        self.aborted = False
+
+    def stats(self) -> dict:
+        handed = self.handed
+        self.handed += self.progress
+        return {"handed_tokens": handed, "num_blocks": 0, "block_size": 16}
+
+    async def generate(self, prompt, sampling, detok=None, rid=None):
+        assert sampling.max_new_tokens == 1
+        try:
+            if self.outcome == "fail":
+                raise EngineDeadError("the worker process exited")
+            if self.outcome == "hang":
+                await asyncio.Event().wait()
+            yield GenerationChunk("probe", "", [7], len(prompt), 1, finish_reason="length")
+        except (GeneratorExit, asyncio.CancelledError):
+            self.aborted = True
+            raise
+
+
+async def probe(engine: ProbedEngine, **options) -> tuple[int, dict]:
+    async with TestClient(TestServer(create_app(engine, web_ui=False, **options))) as client:
+        response = await client.get("/health_generate")
+        return response.status, await response.json()
+
+
+def test_health_generate_is_200_once_a_token_comes_and_needs_no_key():
+    assert asyncio.run(probe(ProbedEngine("token"), api_key="k")) == (200, {"status": "ok"})
+
+
+def test_health_generate_is_503_when_the_generation_fails_or_times_out(monkeypatch):
+    status, body = asyncio.run(probe(ProbedEngine("fail")))
+    assert status == 503 and "the worker process exited" in body["reason"], body
+    monkeypatch.setattr(service_routes, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
+    stuck = ProbedEngine("hang")
+    status, body = asyncio.run(probe(stuck))
+    assert (status, body) == (
+        503,
+        {"status": "unhealthy", "reason": "no token generated within 0.2 s"},
+    )
+    assert stuck.aborted  # the probe request does not stay behind
+
+
+def test_health_generate_counts_tokens_of_other_requests_as_progress(monkeypatch):
+    monkeypatch.setattr(service_routes, "HEALTH_GENERATE_TIMEOUT_S", 600.0)  # never reached
+    busy = ProbedEngine("hang", progress=True)  # the probe waits behind a full batch
+    assert asyncio.run(probe(busy)) == (200, {"status": "ok"})
+
+
+def test_health_generate_is_503_while_loading():
+    loading = ProbedEngine("token")
+    loading.ready = False
+    assert asyncio.run(probe(loading)) == (503, {"status": "loading"})

@@ -39,6 +39,7 @@ class EngineConfig:
     activation_bits: int = 16
     # How the worker computes: auto | cpu-kernels | torch (pyserve/worker/backends/__init__.py)
     backend: str = "auto"
+    tp_size: int = 1  # tensor-parallel worker ranks (pyserve/worker/tensor_parallel.py)
     block_size: int = 16
     # KV pool size: kv_cache_tokens if given, else kv_cache_bytes / bytes of K and V a token.
     kv_cache_tokens: int | None = None
@@ -107,7 +108,8 @@ class EngineConfig:
             tokens = self.kv_cache_tokens
         else:
             per_token = info.kv_bytes_per_token(DTYPE_BYTES[self.resolved_kv_cache_dtype()])
-            tokens = self.kv_cache_bytes // per_token
+            # the budget is a rank's: each holds K and V of its share of the kv heads
+            tokens = self.kv_cache_bytes * self.tp_size // per_token
         return max(1, math.ceil(tokens / self.block_size))
 
     def worker_settings(self, model_path: str | None, num_blocks: int) -> WorkerSettings:
@@ -131,7 +133,7 @@ class EngineConfig:
         """Raises ValueError on settings that cannot work, before any process starts."""
         self.resolved_kv_cache_dtype()  # checks dtype too
         positive = ("block_size", "max_running_requests", "max_prefill_tokens")
-        positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval")
+        positive += ("chunked_prefill_size", "tokenizer_workers", "stream_interval", "tp_size")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:

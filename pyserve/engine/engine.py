@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import platform
+import socket
 import sys
 import time
 import uuid
@@ -103,6 +104,7 @@ class Engine:
         self._ready_future = loop.create_future()
         source, info = await asyncio.to_thread(_read_model_files, config.model)
         self._source, self._info = source, info
+        _check_tensor_parallel(config.tp_size, info)
         self._context_length = config.max_model_len or info.context_length
         self._addresses = addresses = RingAddresses.create()
         atexit.register(self._kill_at_exit)
@@ -169,20 +171,28 @@ class Engine:
         )
 
     def _spawn_worker(self, model_path: str, num_blocks: int) -> None:
+        """The worker: one process, or one per tensor-parallel rank (rank 0 on the ring)."""
         config, addresses = self.config, self._addresses
         assert addresses is not None
-        self._children.start(
-            "worker",
-            "pyserve.worker",
-            WorkerConfig(
-                in_addr=addresses.worker_in,
-                out_addr=addresses.detok_in,
-                settings=config.worker_settings(model_path, num_blocks),
-                parent_pid=os.getpid(),
-                log_level=config.log_level,
-                torch_threads=config.torch_threads,
-            ),
-        )
+        size = config.tp_size
+        # rank 0 hosts torch.distributed's store on a free loopback port
+        tp_init = f"tcp://127.0.0.1:{free_port()}" if size > 1 else ""
+        for rank in range(size):
+            self._children.start(
+                "worker" if size == 1 else f"worker rank {rank}",
+                "pyserve.worker",
+                WorkerConfig(
+                    in_addr=addresses.worker_in,
+                    out_addr=addresses.detok_in,
+                    settings=config.worker_settings(model_path, num_blocks),
+                    parent_pid=os.getpid(),
+                    log_level=config.log_level,
+                    torch_threads=config.torch_threads,
+                    tp_rank=rank,
+                    tp_size=size,
+                    tp_init=tp_init,
+                ),
+            )
 
     def _make_planner(self, ready: Ready) -> Any:  # runs on the scheduler thread
         from pyserve import _core
@@ -410,6 +420,7 @@ class Engine:
                 )
             ),
             "load_seconds": ready.load_seconds if ready is not None else None,
+            "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
             "versions": _versions(),
         }
 
@@ -642,3 +653,20 @@ def _versions() -> dict[str, str | None]:
         "platform": sys.platform,
         **{d: version(d) for d in ("torch", "transformers", "tokenizers", "aiohttp", "pyzmq")},
     }
+
+
+def _check_tensor_parallel(size: int, info: model_files.ModelInfo) -> None:
+    """Heads that ``size`` ranks cannot split, refused before any process starts (the worker
+    checks the MLP width, which the model files' summary does not hold)."""
+    for what, n in (("attention heads", info.num_heads), ("kv heads", info.num_kv_heads)):
+        if size > 1 and n % size:
+            raise ValueError(
+                f"--tp {size} cannot split this model: its {n} {what} are not divisible by {size}"
+            )
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

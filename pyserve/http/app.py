@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.errors import APIError, from_http_exception, server_error
@@ -56,7 +57,9 @@ def create_app(
     # Routes that answer while the engine loads, is shutting down or has failed.
     always_open = {service.health, service.server_info, service.metrics, service.openapi}
     always_open.add(live.handle)  # the dashboard shows a server that is loading, too
-    no_auth = {service.health}
+    always_open.add(service.health_generate)  # it answers 503 with its status itself
+    # Probes carry no key: SGLang too leaves /health and /health_generate open.
+    no_auth = {service.health, service.health_generate}
     pages = WebUI() if web_ui else None
     if pages is not None:  # the pages ask for the key themselves; the API behind them needs it
         always_open |= pages.handlers
@@ -128,6 +131,19 @@ def create_app(
     app.on_startup.append(start_probe)
     app.on_cleanup.append(stop_tasks)
     return app
+
+
+class HTTP2PrefaceFilter(logging.Filter):
+    """Drops aiohttp's ERROR and traceback for a client that opens with HTTP/2's preface
+    (``PRI * HTTP/2.0``): sglang-router probes each worker for gRPC that way before it speaks
+    HTTP/1.1, and aiohttp answers it with a 400, which is all it needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc):
+            log.debug("answered an HTTP/2 preface (a gRPC probe) with 400")
+            return False
+        return True
 
 
 def server_state(app: web.Application) -> ServerState:

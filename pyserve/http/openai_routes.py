@@ -83,6 +83,7 @@ class OpenAIRoutes:
             "object": "model",
             "created": 0,
             "owned_by": "pyserve",
+            "root": self.state.model_path(),  # its file or directory, as vLLM and SGLang say
             "max_model_len": self.engine.context_length,
         }
 

@@ -90,13 +90,24 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
         self.active: dict[str, list[str]] = {}  # response id → the engine rids of its choices
+        self._model_path: str | None = None
 
     # ------------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> None:
-        """A request may omit the model; a name that is not the served model is a 404."""
-        if model is not None and model != self.engine.model_name:
+        """A request may omit the model; a name that is neither the served model's name nor its
+        path (what /server_info reports as model_path) is a 404."""
+        if model is None or model == self.engine.model_name:
+            return
+        if model != self.model_path():
             raise model_not_found(model)
+
+    def model_path(self) -> str | None:
+        """The served model's file or directory, another name of the model: SGLang names a
+        model by its path, and so do sglang-router and SGLang's clients."""
+        if self._model_path is None and self.engine.ready:
+            self._model_path = self.engine.server_info().get("model_path")  # fixed once loaded
+        return self._model_path
 
     def check_serving(self) -> None:
         if self.draining:

@@ -57,6 +57,7 @@ class Ready(msgspec.Struct, tag=True):
     backend: str = ""  # what computes it, and why it was chosen
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
+    tp_size: int = 1  # tensor-parallel ranks the model is split over
 
 
 class Stopped(msgspec.Struct, tag=True):

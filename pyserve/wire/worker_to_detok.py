@@ -71,6 +71,7 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     backend: str = ""  # what computes it, and why it was chosen
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
+    tp_size: int = 1  # tensor-parallel ranks the model is split over
 
 
 class Shutdown(msgspec.Struct, tag=True):

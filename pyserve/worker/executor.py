@@ -16,6 +16,11 @@ from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks
 from pyserve.worker.sampling import Sampler
 from pyserve.worker.state import RequestState, RequestTable
+from pyserve.worker.tensor_parallel import TensorParallel
+
+
+class MalformedStep(ValueError):
+    """A step the request table refused, before the model ran."""
 
 
 class Runner(Protocol):
@@ -34,8 +39,10 @@ class StepExecutor:
         device: torch.device | str = "cpu",
         seed: int | None = None,
         grammars: GrammarMasks | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.runner = runner
+        self.tp = tp  # one rank of a tensor-parallel group: rank 0's tokens are everyone's
         self.requests = RequestTable(
             block_size=block_size, eos_token_ids=eos_token_ids, device=device, grammars=grammars
         )
@@ -47,7 +54,10 @@ class StepExecutor:
     def execute(self, step: Step) -> StepTokens:
         """Runs the forward pass and sampling of ``step``; raises on a malformed step."""
         started = time.perf_counter()
-        prepared = self.requests.prepare(step)
+        try:
+            prepared = self.requests.prepare(step)
+        except Exception as e:  # before any collective: every rank refuses the step alike
+            raise MalformedStep(str(e)) from e
         out = None
         if prepared.batch.num_entries:
             masks = None
@@ -62,5 +72,7 @@ class StepExecutor:
                     out = self.sampler(
                         logits, prepared.sampling, masks.result() if masks is not None else None
                     )
+                    if self.tp is not None:
+                        out.token_ids = self.tp.broadcast_tokens(out.token_ids)
         forward_ms = (time.perf_counter() - started) * 1e3
         return self.requests.record(prepared, out, forward_ms)

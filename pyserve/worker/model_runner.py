@@ -14,10 +14,12 @@ from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.loading.progress import LoadProgress
+from pyserve.worker.loading.shards import shard_tensors
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.decoder import CausalLM
 from pyserve.worker.models.weights import load_weights
 from pyserve.worker.settings import WorkerSettings
+from pyserve.worker.tensor_parallel import TensorParallel, shard_config
 from pyserve.worker.weight_packing import Packing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,8 +40,16 @@ class ModelRunner:
     BlockAllocator, sized with the same ``num_blocks``).
     """
 
-    def __init__(self, settings: WorkerSettings, **backend_options: object):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        tp: TensorParallel | None = None,
+        **backend_options: object,
+    ):
+        """``tp``: this runner is one rank of a tensor-parallel group, and holds its share of
+        the model (``self.config`` stays the whole model's: the vocabulary the sampler sees)."""
         settings.validate()
+        self.tp = tp
         self.settings = settings
         started = time.perf_counter()
         checkpoint = open_checkpoint(settings.model)
@@ -58,13 +68,24 @@ class ModelRunner:
         limit = checkpoint.config.context_length  # sliding windows are real windows
         self.max_model_len = min(limit, settings.max_model_len) if settings.max_model_len else limit
         self.config: ModelConfig = checkpoint.config.served(self.max_model_len)
+        # what this process computes: the whole model, or one rank's share of it
+        model_config, tensors = self.config, checkpoint.tensors
+        if tp is not None:
+            tp.set_vocab_size(self.config.vocab_size)
+            model_config = shard_config(self.config, tp.size)
+            tensors = shard_tensors(tensors, self.config, tp.rank, tp.size)
+            self.device = tp.device
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks
         self.backend: Backend = select_backend(
-            settings.backend, self.config, self.device, **backend_options
+            settings.backend, model_config, self.device, **backend_options
         )
         self.model = CausalLM(
-            self.config, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len
+            model_config,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            tp=tp,
         )
         packing = None
         if self.quantization != "none":
@@ -74,13 +95,14 @@ class ModelRunner:
                 activation_bits=settings.activation_bits,
                 dtype=self.dtype,
             )
-        progress = LoadProgress(
-            checkpoint.path.rsplit("/", 1)[-1], len(checkpoint.tensors), checkpoint.nbytes
-        )
+        what = checkpoint.path.rsplit("/", 1)[-1]
+        if tp is not None:
+            what += f" (rank {tp.rank} of {tp.size})"
+        progress = LoadProgress(what, len(tensors), sum(t.nbytes for _, t in tensors))
         packed = load_weights(
             self.model,
             self.family,
-            checkpoint.tensors,
+            tensors,
             checkpoint.path,
             norms_include_offset=checkpoint.norms_include_offset,
             packing=packing,
@@ -111,12 +133,15 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
 
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
-        cfg = self.config
+        cfg = self.model.config  # this rank's kv heads
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # one block spare: the Triton backend's decode graphs pad into a scratch block
         blocks = blocks_for_memory(total, free, fraction, per_token * self.block_size) - 1
+        if self.tp is not None:
+            # the core allocates one pool for every rank: the size each of them can hold
+            blocks = self.tp.min_int(blocks)
         log.info(
             "KV pool: %d blocks of %d tokens from mem_fraction_static=%.2f (%.1f of %.1f GiB free)",
             blocks, self.block_size, fraction, free / 2**30, total / 2**30,

@@ -6,6 +6,12 @@ forwarded as a DetokRequest; Step → forward pass + sampling → StepTokens; Sh
 then exit. A step that raises yields a WorkerError naming its requests and an empty StepTokens
 (so that main can still report the step to the core in order); the worker keeps serving.
 
+With ``--tp N`` the worker is N processes, ranks of one torch.distributed group
+(pyserve/worker/tensor_parallel.py): rank 0 owns the ring's sockets and broadcasts every message
+it takes to the others; every rank runs them alike and only rank 0 replies. A failed collective
+or a step that fails in the model ends the worker (the ranks could no longer agree on where they
+are), as a dead worker ends the server.
+
 Importing this module stays light (no torch), so that the main process can build a WorkerConfig.
 """
 
@@ -31,6 +37,13 @@ from pyserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from pyserve.worker.executor import StepExecutor
+    from pyserve.worker.tensor_parallel import TensorParallel
+
+
+class TensorParallelError(RuntimeError):
+    """The ranks can no longer work together (a collective failed: a rank died, or a step
+    failed in the model on some rank): the worker stops."""
+
 
 log = logging.getLogger("pyserve.worker")
 
@@ -42,39 +55,77 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     parent_pid: int = 0  # 0: do not watch the parent
     log_level: str = "info"
     torch_threads: int | None = None  # None: torch's default
+    tp_rank: int = 0  # this process's tensor-parallel rank (only rank 0 uses the addresses)
+    tp_size: int = 1
+    tp_init: str = ""  # torch.distributed's init_method, with tp_size > 1
 
 
 def run(config: WorkerConfig) -> int:
-    """Serves until Shutdown (returns 0) or a load failure (returns 1)."""
+    """Serves until Shutdown (returns 0), a load failure or a broken tensor-parallel group
+    (returns 1)."""
+    rank = f" rank {config.tp_rank}" if config.tp_size > 1 else ""
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s"
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker{rank}: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     if config.parent_pid:
         die_with_parent(config.parent_pid)
 
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(config.in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(config.out_addr)
+    pull = push = None
+    if config.tp_rank == 0:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(config.in_addr)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(config.out_addr)
     hooks = WorkerTestHooks()
     try:
         hooks.before_loading()
-        executor = _load(config, push)
-        if executor is None:
+        tp = _join_group(config) if config.tp_size > 1 else None
+        started = time.perf_counter()
+        executor, error = _load(config, tp)
+        if tp is not None:
+            error = tp.agree_loaded(error)  # every rank loaded, or the first one's error
+        if error is not None or executor is None:
+            log.error("%s", error)
+            if push is not None:
+                push.send(out.encoder.encode(out.WorkerError(message=error or "load failed")))
             return 1
-        _serve(executor, pull, push, hooks)
+        if push is not None:
+            load_seconds = time.perf_counter() - started
+            log.info("model loaded in %.1f s", load_seconds)
+            push.send(out.encoder.encode(_ready(config, executor, load_seconds)))
+        _serve(executor, pull, push, hooks, tp)
         return 0
+    except TensorParallelError as e:
+        log.error("%s; the worker stops", e)
+        if push is not None:
+            push.send(out.encoder.encode(out.WorkerError(message=f"{e}; the worker stops")))
+        return 1
     finally:
-        pull.close(linger=0)
-        push.close(linger=2000)  # let the last message (Shutdown, an error) reach the detokenizer
+        for sock in (pull, push):
+            if sock is not None:
+                # let the last message (Shutdown, an error) reach the detokenizer
+                sock.close(linger=2000 if sock is push else 0)
         ctx.term()
 
 
-def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
-    """The StepExecutor over a freshly loaded ModelRunner, or None after reporting the failure."""
-    started = time.perf_counter()
+def _join_group(config: WorkerConfig) -> TensorParallel:
+    from pyserve.worker.tensor_parallel import TensorParallel
+
+    try:
+        return TensorParallel.join(
+            config.tp_rank, config.tp_size, config.tp_init, config.settings.device
+        )
+    except Exception as e:
+        raise TensorParallelError(f"could not join the tensor-parallel group: {e}") from e
+
+
+def _load(
+    config: WorkerConfig, tp: TensorParallel | None
+) -> tuple[StepExecutor | None, str | None]:
+    """(the StepExecutor over a freshly loaded ModelRunner, None), or (None, what failed)."""
     try:
         import torch
 
@@ -85,34 +136,37 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
         from pyserve.worker.model_runner import ModelRunner
 
         settings = config.settings
-        runner = ModelRunner(settings)
+        runner = ModelRunner(settings, tp=tp)
         eos_token_ids = list(runner.config.eos_token_ids)
         executor = StepExecutor(
             runner,
             block_size=settings.block_size,
             eos_token_ids=eos_token_ids,
-            device=settings.device,
+            device=runner.device,
             seed=settings.seed,
             grammars=GrammarMasks(
                 partial(_tokenizer_file, settings.model), runner.config.vocab_size, eos_token_ids
             ),
+            tp=tp,
         )
+    except TensorParallelError:
+        raise
     except Exception as e:
         log.debug("load failed:\n%s", traceback.format_exc())
         model = config.settings.model or "(default)"
-        message = f"the worker could not load the model {model}: {e}"
-        log.error("%s", message)
-        push.send(out.encoder.encode(out.WorkerError(message=message)))
-        return None
-    load_seconds = time.perf_counter() - started
-    log.info("model loaded in %.1f s", load_seconds)
+        return None, f"the worker could not load the model {model}: {e}"
     # The model, torch and transformers live as long as the worker: frozen, a full collection
     # (the per-step objects trigger one now and then) no longer walks their ~180k objects in the
     # middle of a step (~90 ms on the default model, on this 2-core machine).
     gc.collect()
     gc.freeze()
+    return executor, None
+
+
+def _ready(config: WorkerConfig, executor: StepExecutor, load_seconds: float) -> out.WorkerReady:
+    runner = executor.runner
     backend = runner.backend.info()
-    ready = out.WorkerReady(
+    return out.WorkerReady(
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,
         dtype=runner.dtype_name,
@@ -120,15 +174,15 @@ def _load(config: WorkerConfig, push: zmq.Socket) -> StepExecutor | None:
         quantization=runner.quantization,
         kv_cache_dtype=runner.kv_cache_dtype_name,
         load_seconds=load_seconds,
-        kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)),
+        # every rank holds a pool of its own kv heads, of the same size
+        kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)) * config.tp_size,
         architecture=runner.config.architecture,
         features=runner.config.features(),
         backend=backend.name,
         backend_reason=backend.reason,
         kernels=backend.kernels,
+        tp_size=config.tp_size,
     )
-    push.send(out.encoder.encode(ready))
-    return executor
 
 
 def _tokenizer_file(model: str | None) -> str:
@@ -140,19 +194,18 @@ def _tokenizer_file(model: str | None) -> str:
 
 
 def _serve(
-    executor: StepExecutor, pull: zmq.Socket, push: zmq.Socket, hooks: WorkerTestHooks
+    executor: StepExecutor,
+    pull: zmq.Socket | None,
+    push: zmq.Socket | None,
+    hooks: WorkerTestHooks,
+    tp: TensorParallel | None,
 ) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
+    fatal = tp is not None  # a step failing in the model ends a tensor-parallel worker
     busy_seconds, steps = 0.0, 0  # running totals, carried on every StepTokens
     while True:
-        # take everything already queued before blocking again
-        frames = [pull.recv()]
-        while True:
-            try:
-                frames.append(pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
+        frames = _next_frames(pull, tp)
         for frame in frames:
             started = time.perf_counter()  # busy from holding a message to sending its replies
             try:
@@ -165,7 +218,7 @@ def _serve(
             else:
                 if isinstance(msg, inp.Step):
                     hooks.before_step()
-                    replies = _run_step(executor, msg)
+                    replies = _run_step(executor, msg, fatal)
                     steps += 1
                     tokens = replies[-1]  # the StepTokens comes last
                     tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
@@ -173,12 +226,36 @@ def _serve(
                 elif isinstance(msg, inp.NewRequest):
                     replies = _add_request(executor, msg)
                 else:  # Shutdown
-                    push.send(encode(out.Shutdown()))
+                    if push is not None:
+                        push.send(encode(out.Shutdown()))
                     log.info("shutting down")
                     return
-            for reply in replies:
-                push.send(encode(reply))
+            if push is not None:
+                for reply in replies:
+                    push.send(encode(reply))
             busy_seconds += time.perf_counter() - started
+
+
+def _next_frames(pull: zmq.Socket | None, tp: TensorParallel | None) -> list[bytes]:
+    """The next messages: everything queued on the ring (waiting for one), or rank 0's
+    broadcast of them on the other ranks."""
+    if pull is None:
+        assert tp is not None
+        return tp.broadcast_frames(None)  # [] from a keepalive
+    if tp is not None:
+        from pyserve.worker.tensor_parallel import KEEPALIVE_S
+
+        if not pull.poll(KEEPALIVE_S * 1000):
+            return tp.broadcast_frames([])  # the other ranks are waiting in a collective
+    frames = [pull.recv()]
+    while True:  # take everything already queued before blocking again
+        try:
+            frames.append(pull.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    if tp is not None:
+        tp.broadcast_frames(frames)
+    return frames
 
 
 def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.Struct]:
@@ -213,12 +290,21 @@ def _reject(
     ]
 
 
-def _run_step(executor: StepExecutor, step: inp.Step) -> list[msgspec.Struct]:
+def _run_step(executor: StepExecutor, step: inp.Step, fatal: bool) -> list[msgspec.Struct]:
+    """The step's StepTokens; with ``fatal``, a failure past the request table's checks ends
+    the worker (TensorParallelError)."""
+    from pyserve.worker.executor import MalformedStep
+
     try:
         tokens = executor.execute(step)
         tokens.worker_requests = len(executor.requests)  # for main's idle accounting check
         return [tokens]
+    except TensorParallelError:
+        raise
     except Exception as e:
+        if fatal and not isinstance(e, MalformedStep):
+            log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
+            raise TensorParallelError(f"step {step.step_id} failed on this rank: {e!r}") from e
         log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
         rids, dropped = _whole_int64s(step.rids), _whole_int64s(step.dropped)
         executor.requests.fail(rids)

@@ -171,11 +171,13 @@ class CpuKernelsBackend(TorchBackend):
 
     def prepare_model(self, model) -> None:
         assert self.plan is not None and self.kv_cache is not None
-        self.stack, why = (
-            (None, "off")
-            if not self.use_stack
-            else CpuDecoderStack.build(model, self.kv_cache, self.plan)
-        )
+        if not self.use_stack:
+            self.stack, why = None, "off"
+        elif model.tp is not None:
+            # the stack runs every layer in one C++ call, with no place for the all-reduces
+            self.stack, why = None, "tensor parallel"
+        else:
+            self.stack, why = CpuDecoderStack.build(model, self.kv_cache, self.plan)
         self.plan.stack = "on" if self.stack is not None else f"off: {why}"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
 

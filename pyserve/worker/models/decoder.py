@@ -4,13 +4,17 @@ describes and calls only backend ops (pyserve/worker/backends/base.py).
 A block: norm → attention (fused q/k/v projection; q/k norm, RoPE from the layer's table, the
 layer's window, scale and soft-cap, inside the backend) → [norm] → residual → norm → gated MLP
 (fused gate/up projection; SiLU or GELU-tanh) → [norm] → residual; the bracketed norms are
-Gemma's "sandwich". The residual connections are added by the next norm in the same pass
-(``rms_norm(x, residual)``). Weights are stored [out, in] as in the checkpoints; q/k/v and
-gate/up are concatenated at load so each block runs 4 matmuls instead of 7. The batch is flat:
-[T, ...] rows from every request, no padding.
+Gemma's "sandwich". With tensor parallelism (``tp``; the config is then one rank's share), the
+outputs of o_proj and down_proj are summed over the ranks, and the embedding and the logits
+are completed from every rank's slice of the vocabulary. The residual connections are added
+by the next norm in the same pass (``rms_norm(x, residual)``). Weights are stored [out, in] as
+in the checkpoints; q/k/v and gate/up are concatenated at load so each block runs 4 matmuls
+instead of 7. The batch is flat: [T, ...] rows from every request, no padding.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,9 @@ from pyserve.worker.backends.base import AttentionLayer, Backend, QKNorm
 from pyserve.worker.linear import Linear
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.rope import RotaryTable
+
+if TYPE_CHECKING:
+    from pyserve.worker.tensor_parallel import TensorParallel
 
 
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -50,9 +57,11 @@ class DecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.index = index
+        self.tp = tp
         self.rope_table = rope_table  # which of the model's rope tables this layer rotates with
         self.attn = AttentionLayer.of(config, index)
         self.activation = config.activation
@@ -96,10 +105,14 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(normed)
         attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm)
         attn = self.o_proj(attn)
+        if self.tp is not None:
+            attn = self.tp.all_reduce(attn)
         if self.attn_out_norm is not None:
             attn = self.attn_out_norm(attn, backend)
         gate_up = self.gate_up_proj(self.mlp_norm(attn, backend, residual))  # residual += attn
         out = self.down_proj(backend.gated_activation(gate_up, self.activation))
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out, backend)
         return out, residual
@@ -115,9 +128,11 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,  # the served context (longrope's table choice)
+        tp: TensorParallel | None = None,  # config is then this rank's share
     ):
         super().__init__()
         self.config = config
+        self.tp = tp
         kw = {"dtype": dtype, "device": device}
         context = max_model_len or config.context_length
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **kw)
@@ -127,7 +142,7 @@ class CausalLM(nn.Module):
         ropes = {layer.rope.key(): layer.rope for layer in config.layers}
         self.rotary = [RotaryTable(ropes[key], device, context) for key in tables]
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tables[layer.rope.key()], **kw)
+            DecoderLayer(config, i, tables[layer.rope.key()], tp=tp, **kw)
             for i, layer in enumerate(config.layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
@@ -158,6 +173,8 @@ class CausalLM(nn.Module):
             hidden.index_select(0, sample_index), backend, residual.index_select(0, sample_index)
         )
         logits = self.lm_head(last).float()
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -166,6 +183,8 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings: a float table, or a packed one (pyserve.worker.quant's
         QuantEmbedding) that dequantizes the rows it reads."""
+        if self.tp is not None:
+            return self.tp.embed(self.embed_tokens, input_ids)
         if isinstance(self.embed_tokens, nn.Module):
             return self.embed_tokens(input_ids)
         return F.embedding(input_ids, self.embed_tokens)

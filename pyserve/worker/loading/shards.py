@@ -1,0 +1,149 @@
+"""One tensor-parallel rank's slices of a checkpoint's tensors (pyserve/worker/tensor_parallel.py
+says which layer splits how), still read lazily: a rank reads a tensor, keeps its slice and drops
+the rest before the next one. A quantized tensor's slice stays in the file's blocks (rows always;
+columns where the slice starts and ends on a block), so it packs as the whole tensor would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pyserve.worker.loading.base import StoredTensor
+from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.weights import text_model_name
+from pyserve.worker.tensor_parallel import vocab_shard
+
+Span = tuple[int, int]
+
+
+class ShardedTensor(StoredTensor):
+    """Rows ``rows`` (spans, one after another) or columns ``cols`` of ``base``, with
+    ``pad_rows`` zero rows after them; ``zero``: a tensor of zeros of the base's shape (a
+    row-parallel bias, which only rank 0 adds)."""
+
+    def __init__(
+        self,
+        base: StoredTensor,
+        *,
+        rows: list[Span] | None = None,
+        cols: Span | None = None,
+        pad_rows: int = 0,
+        zero: bool = False,
+    ) -> None:
+        self.base, self._rows, self._cols, self._pad, self._zero = base, rows, cols, pad_rows, zero
+        self.file, self.name, self.type_name = base.file, base.name, base.type_name
+        shape = list(base.shape)
+        if rows is not None:
+            shape[0] = sum(hi - lo for lo, hi in rows) + pad_rows
+        if cols is not None:
+            shape[1] = cols[1] - cols[0]
+        self.shape = tuple(shape)
+        share = math.prod(self.shape) / max(1, math.prod(base.shape))
+        self.nbytes = int(base.nbytes * share)
+
+    @property
+    def quantized(self) -> bool:
+        return self.base.quantized and not self._zero and self._block_cols() is not None
+
+    @property
+    def native_bits(self) -> int | None:
+        return self.base.native_bits
+
+    def values(self) -> torch.Tensor:
+        full = self.base.values()
+        if self._zero:
+            return torch.zeros_like(full)
+        if self._rows is not None:
+            parts = [full[lo:hi] for lo, hi in self._rows]
+            if self._pad:
+                parts.append(full.new_zeros((self._pad, *full.shape[1:])))
+            full = torch.cat(parts)
+        if self._cols is not None:
+            full = full[:, self._cols[0] : self._cols[1]]
+        return full.contiguous()
+
+    def blocks(self) -> np.ndarray | None:
+        span = self._block_cols()
+        if span is None or self._zero:
+            return None
+        blocks = self.base.blocks()
+        if blocks is None:
+            return None
+        if self._rows is not None:
+            parts = [blocks[lo:hi] for lo, hi in self._rows]
+            if self._pad:
+                # zero bytes decode to zeros in every GGML type (its scales are zero)
+                parts.append(np.zeros((self._pad, blocks.shape[1]), blocks.dtype))
+            blocks = np.concatenate(parts)
+        if self._cols is not None:
+            k = self.base.shape[1]
+            per_column = blocks.shape[1] / k
+            blocks = blocks[:, int(span[0] * per_column) : int(span[1] * per_column)]
+        return np.ascontiguousarray(blocks)
+
+    def _block_cols(self) -> Span | None:
+        """The column span, if it falls on the file's block boundaries (always without one)."""
+        if self._cols is None:
+            return (0, 0)
+        if not self.base.quantized:
+            return self._cols
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        width = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]][0]
+        lo, hi = self._cols
+        return self._cols if lo % width == 0 and hi % width == 0 else None
+
+
+def _split(start: int, total: int, rank: int, size: int) -> Span:
+    part = total // size
+    return (start + rank * part, start + (rank + 1) * part)
+
+
+def shard_tensors(
+    tensors: list[tuple[str, StoredTensor]], config: ModelConfig, rank: int, size: int
+) -> list[tuple[str, StoredTensor]]:
+    """The slices of ``tensors`` rank ``rank`` of ``size`` holds (names unchanged); ``config``
+    is the whole model's."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    vocab = config.vocab_size
+    rows_per_rank = vocab_shard(vocab, size)
+    vocab_lo = min(vocab, rank * rows_per_rank)
+    vocab_hi = min(vocab, vocab_lo + rows_per_rank)
+    vocab_rows = ([(vocab_lo, vocab_hi)], rows_per_rank - (vocab_hi - vocab_lo))
+    row_rules: dict[str, list[Span]] = {
+        "self_attn.q_proj": [_split(0, q, rank, size)],
+        "self_attn.k_proj": [_split(0, kv, rank, size)],
+        "self_attn.v_proj": [_split(0, kv, rank, size)],
+        "self_attn.qkv_proj": [
+            _split(0, q, rank, size),
+            _split(q, kv, rank, size),
+            _split(q + kv, kv, rank, size),
+        ],
+        "mlp.gate_proj": [_split(0, inter, rank, size)],
+        "mlp.up_proj": [_split(0, inter, rank, size)],
+        "mlp.gate_up_proj": [_split(0, inter, rank, size), _split(inter, inter, rank, size)],
+    }
+    col_rules = {
+        "self_attn.o_proj": _split(0, q, rank, size),
+        "mlp.down_proj": _split(0, inter, rank, size),
+    }
+    out: list[tuple[str, StoredTensor]] = []
+    for raw_name, tensor in tensors:
+        name = text_model_name(raw_name) or ""
+        module, _, kind = name.rpartition(".")
+        layer_part = module.split(".", 3)[-1] if module.startswith("model.layers.") else module
+        sharded: StoredTensor = tensor
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            spans, pad = vocab_rows
+            sharded = ShardedTensor(tensor, rows=spans, pad_rows=pad)
+        elif layer_part in row_rules:
+            sharded = ShardedTensor(tensor, rows=row_rules[layer_part])
+        elif layer_part in col_rules and kind == "weight":
+            sharded = ShardedTensor(tensor, cols=col_rules[layer_part])
+        elif layer_part in col_rules and kind == "bias":
+            sharded = tensor if rank == 0 else ShardedTensor(tensor, zero=True)
+        out.append((raw_name, sharded))
+    return out
