@@ -32,13 +32,14 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
 import aiohttp
+
+from pyserve.engine.channels import free_port
 
 log = logging.getLogger("pyserve.replicas")
 
@@ -163,13 +164,6 @@ def cpu_sets(allowed: Sequence[int], nodes: list[set[int]], replicas: int) -> li
         ]
     bounds = [round(i * len(allowed) / replicas) for i in range(replicas + 1)]
     return [allowed[bounds[i] : bounds[i + 1]] for i in range(replicas)]
-
-
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def url_of(host: str, port: int) -> str:

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import platform
-import socket
 import sys
 import time
 import uuid
@@ -30,7 +29,7 @@ from pyserve.chat.reasoning import REASONING_PARSERS, ReasoningParser
 from pyserve.chat.tool_calls import PARSERS, ToolCallParser, parser_for_template
 from pyserve.detokenizer.process import DetokenizerConfig
 from pyserve.engine import idle_check
-from pyserve.engine.channels import RingAddresses
+from pyserve.engine.channels import RingAddresses, free_port
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
 from pyserve.engine.requests import RequestRegistry, RequestState
@@ -48,6 +47,7 @@ from pyserve.wire.main_to_worker import (
     check_sampling,
 )
 from pyserve.worker.process import WorkerConfig  # light: no torch
+from pyserve.worker.settings import tp_split_problem
 
 log = logging.getLogger("pyserve.engine")
 
@@ -657,16 +657,8 @@ def _versions() -> dict[str, str | None]:
 
 def _check_tensor_parallel(size: int, info: model_files.ModelInfo) -> None:
     """Heads that ``size`` ranks cannot split, refused before any process starts (the worker
-    checks the MLP width, which the model files' summary does not hold)."""
-    for what, n in (("attention heads", info.num_heads), ("kv heads", info.num_kv_heads)):
-        if size > 1 and n % size:
-            raise ValueError(
-                f"--tp {size} cannot split this model: its {n} {what} are not divisible by {size}"
-            )
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    checks the MLP width too, which the model files' summary does not hold)."""
+    counts = {"attention heads": info.num_heads, "kv heads": info.num_kv_heads}
+    problem = tp_split_problem(size, counts) if size > 1 else None
+    if problem is not None:
+        raise ValueError(problem)

@@ -133,8 +133,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
 
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
-        cfg = self.model.config  # this rank's kv heads
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize)  # this rank's heads
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # one block spare: the Triton backend's decode graphs pad into a scratch block

@@ -46,6 +46,9 @@ class TensorParallelError(RuntimeError):
 
 
 log = logging.getLogger("pyserve.worker")
+# With --tp, rank 0 broadcasts an empty message after this long without one, so that the other
+# ranks, waiting in a collective, never reach its timeout (tensor_parallel.COLLECTIVE_TIMEOUT).
+KEEPALIVE_S = 60.0
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -242,11 +245,8 @@ def _next_frames(pull: zmq.Socket | None, tp: TensorParallel | None) -> list[byt
     if pull is None:
         assert tp is not None
         return tp.broadcast_frames(None)  # [] from a keepalive
-    if tp is not None:
-        from pyserve.worker.tensor_parallel import KEEPALIVE_S
-
-        if not pull.poll(KEEPALIVE_S * 1000):
-            return tp.broadcast_frames([])  # the other ranks are waiting in a collective
+    if tp is not None and not pull.poll(KEEPALIVE_S * 1000):
+        return tp.broadcast_frames([])  # the other ranks are waiting in a collective
     frames = [pull.recv()]
     while True:  # take everything already queued before blocking again
         try:

@@ -12,6 +12,17 @@ from pyserve.worker.dtypes import (
     resolve_quantization,
 )
 
+
+def tp_split_problem(size: int, counts: dict[str, int]) -> str | None:
+    """Why ``size`` tensor-parallel ranks cannot split a model with these ``counts`` ({"attention
+    heads": 9, ...}), or None."""
+    bad = [f"{what} {n}" for what, n in counts.items() if n % size]
+    if not bad:
+        return None
+    verb = "is" if len(bad) == 1 else "are"
+    return f"--tp {size} cannot split this model: {', '.join(bad)} {verb} not divisible by {size}"
+
+
 # How the worker computes: auto (the fastest this machine and model allow, decided once at
 # start: pyserve/worker/backends/__init__.py), the CPU kernels, or the torch reference.
 BACKEND_NAMES = ("auto", "cpu-kernels", "triton", "torch")

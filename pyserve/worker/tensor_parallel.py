@@ -29,33 +29,27 @@ import torch.distributed as dist
 
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.process import TensorParallelError
+from pyserve.worker.settings import tp_split_problem
 
 log = logging.getLogger("pyserve.worker")
 
 # How long a rank waits in a collective for the others: a step's compute between two
 # collectives, or the slowest rank's load at start. Rank 0 sends a keepalive when idle
-# (KEEPALIVE_S) so that waiting for the next message never comes near it.
+# (process.KEEPALIVE_S) so that waiting for the next message never comes near it.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-KEEPALIVE_S = 60.0
 LOAD_ERROR_BYTES = 4096  # the longest load error a rank reports to rank 0
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Raises ValueError, naming the model's numbers, if ``size`` ranks cannot split it."""
-    problems = [
-        f"{what} {n}"
-        for what, n in (
-            ("attention heads", config.num_heads),
-            ("kv heads", config.num_kv_heads),
-            ("MLP width", config.intermediate_size),
-        )
-        if n % size
-    ]
-    if problems:
-        raise ValueError(
-            f"--tp {size} cannot split this model: {', '.join(problems)} "
-            f"{'is' if len(problems) == 1 else 'are'} not divisible by {size}"
-        )
+    counts = {
+        "attention heads": config.num_heads,
+        "kv heads": config.num_kv_heads,
+        "MLP width": config.intermediate_size,
+    }
+    problem = tp_split_problem(size, counts)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def vocab_shard(vocab_size: int, size: int) -> int:
@@ -82,7 +76,7 @@ class TensorParallel:
         self.rank, self.size = rank, size
         self.device = device
         self.control: object | None = None  # the gloo group for messages (None: the default)
-        self.set_vocab_size(size)
+        self.set_vocab_size(0)  # known once the checkpoint is open
 
     def set_vocab_size(self, vocab_size: int) -> None:
         """The whole model's vocabulary (known once the checkpoint is open)."""

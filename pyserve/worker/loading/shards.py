@@ -46,7 +46,7 @@ class ShardedTensor(StoredTensor):
 
     @property
     def quantized(self) -> bool:
-        return self.base.quantized and not self._zero and self._block_cols() is not None
+        return self.base.quantized and not self._zero and self._cols_on_blocks()
 
     @property
     def native_bits(self) -> int | None:
@@ -66,8 +66,7 @@ class ShardedTensor(StoredTensor):
         return full.contiguous()
 
     def blocks(self) -> np.ndarray | None:
-        span = self._block_cols()
-        if span is None or self._zero:
+        if self._zero or not self._cols_on_blocks():
             return None
         blocks = self.base.blocks()
         if blocks is None:
@@ -79,22 +78,19 @@ class ShardedTensor(StoredTensor):
                 parts.append(np.zeros((self._pad, blocks.shape[1]), blocks.dtype))
             blocks = np.concatenate(parts)
         if self._cols is not None:
-            k = self.base.shape[1]
-            per_column = blocks.shape[1] / k
-            blocks = blocks[:, int(span[0] * per_column) : int(span[1] * per_column)]
+            per_column = blocks.shape[1] / self.base.shape[1]
+            lo, hi = self._cols
+            blocks = blocks[:, int(lo * per_column) : int(hi * per_column)]
         return np.ascontiguousarray(blocks)
 
-    def _block_cols(self) -> Span | None:
-        """The column span, if it falls on the file's block boundaries (always without one)."""
-        if self._cols is None:
-            return (0, 0)
-        if not self.base.quantized:
-            return self._cols
+    def _cols_on_blocks(self) -> bool:
+        """Whether the column span (if any) starts and ends on the file's block boundaries."""
+        if self._cols is None or not self.base.quantized:
+            return True
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         width = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]][0]
-        lo, hi = self._cols
-        return self._cols if lo % width == 0 and hi % width == 0 else None
+        return self._cols[0] % width == 0 and self._cols[1] % width == 0
 
 
 def _split(start: int, total: int, rank: int, size: int) -> Span:
