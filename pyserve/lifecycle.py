@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -11,6 +12,14 @@ import time
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+
+
+def signal_at_parent_death(signum: int) -> None:
+    """Asks the kernel (Linux; elsewhere nothing) to send ``signum`` to this process when its
+    parent dies; the request survives exec."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
 
 
 def die_with_parent(
@@ -28,12 +37,8 @@ def die_with_parent(
     whose main thread does not hold the GIL for long (one that mostly waits on a socket) should
     rely on that.
     """
-    if cleanup is None and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except OSError:
-            pass
+    if cleanup is None:
+        signal_at_parent_death(signal.SIGKILL)
 
     def orphaned() -> None:
         if cleanup is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import importlib.util
 import logging
 import math
@@ -40,6 +39,8 @@ from pathlib import Path
 import aiohttp
 
 from pyserve.engine.channels import free_port
+from pyserve.engine.subprocesses import with_package_path
+from pyserve.lifecycle import signal_at_parent_death
 
 log = logging.getLogger("pyserve.replicas")
 
@@ -54,9 +55,7 @@ _SUPERVISOR_ONLY = {"dp", "router_policy", "host", "port", "api_key"}
 ROUTER_READY_TIMEOUT_S = 60.0  # the router registers ready replicas within a few seconds
 STOP_MARGIN_S = 15.0  # beyond --shutdown-timeout: a child's own shutdown, then SIGKILL
 _POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1
 _MAX_LINE_BYTES = 1 << 22  # a child's longest log line (the router's debug lines are long)
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 # What a replica prints once listening and once ready (pyserve/cli.py). The supervisor rewrites
 # them, so that its own ready line is the only "pyserve is ready at" line of its output.
@@ -246,10 +245,7 @@ async def spawn(
 ) -> Child:
     launcher = [sys.executable, "-m", "pyserve.replicas", "--parent", str(os.getpid())]
     # the children import this pyserve, also when it was found through the working directory
-    env = {
-        **env,
-        "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")])),
-    }
+    env = with_package_path(env)
     if cpus:
         launcher += ["--cpus", ",".join(map(str, cpus))]
     proc = await asyncio.create_subprocess_exec(
@@ -485,9 +481,7 @@ def _exec_child(argv: list[str]) -> None:
     command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not command:
         parser.error("no command")
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    signal_at_parent_death(signal.SIGTERM)
     if os.getppid() != opts.parent:  # the supervisor died before the request took effect
         sys.exit(1)
     if opts.cpus and hasattr(os, "sched_setaffinity"):

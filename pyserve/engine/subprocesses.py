@@ -26,11 +26,16 @@ log = logging.getLogger("pyserve.engine")
 _PACKAGE_ROOT = str(Path(pyserve.__file__).resolve().parent.parent)
 
 
+def with_package_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this pyserve first on PYTHONPATH, for a child that must import it."""
+    path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path}
+
+
 class Child:
     def __init__(self, name: str, module: str, config: msgspec.Struct) -> None:
         self.name = name
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        env = with_package_path(dict(os.environ))
         # OpenMP threads that spin between parallel regions steal the cores main and the
         # detokenizer need; measured on 2 cores: a decode step of 25 ms took ~1 s with spinning
         # threads under load (benchmarks/RESULTS.md, Kernels). The user's setting wins.
