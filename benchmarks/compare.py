@@ -239,7 +239,7 @@ def _unwind_on_signals() -> None:
 
 def pyserve_spec(name: str, extra_args: list[str], gguf: str | None = None) -> ServerSpec:
     """pyserve on the default model, or on ``gguf`` (served under its file name's stem)."""
-    argv = [sys.executable, "-m", "pyserve.cli", "run", "--host", "127.0.0.1", "--port", "{port}"]
+    argv = [sys.executable, "-m", "pyserve", "run", "--host", "127.0.0.1", "--port", "{port}"]
     if gguf is None:
         return ServerSpec(name, "pyserve", argv + extra_args, model="SmolLM2-135M-Instruct")
     argv += ["--model", gguf]

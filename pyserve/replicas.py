@@ -39,8 +39,8 @@ from pathlib import Path
 import aiohttp
 
 from pyserve.engine.channels import free_port
-from pyserve.engine.subprocesses import with_package_path
 from pyserve.lifecycle import signal_at_parent_death
+from pyserve.spawn import with_package_path
 
 log = logging.getLogger("pyserve.replicas")
 
@@ -306,7 +306,7 @@ class Supervisor:
         args = self.args
         started = time.monotonic()
         envs = self._replica_envs()
-        command = [sys.executable, "-m", "pyserve.cli", "run", "--host", "127.0.0.1"]
+        command = [sys.executable, "-m", "pyserve", "run", "--host", "127.0.0.1"]
         command += ["--port", "0", *replica_args(self.parser, args)]
         for i, (env, cpus) in enumerate(envs):
             self.replicas.append(await spawn(f"replica {i}", command, env, cpus))

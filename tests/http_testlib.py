@@ -79,7 +79,7 @@ class Server:
         self._listening = threading.Event()
         self._ready = threading.Event()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pyserve.cli", "run", "--port", "0", *args],
+            [sys.executable, "-m", "pyserve", "run", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

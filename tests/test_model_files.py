@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,35 @@ def test_a_sentencepiece_gguf_gets_its_bos_rule_and_its_familys_chat_template(
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_the_gguf_reader_reads_what_gguf_py_reads_but_long_string_arrays(tmp_path):
+    from gguf import GGUFReader, GGUFValueType
+
+    from pyserve.model_files import LONG_GGUF_ARRAY, open_gguf_reader
+
+    path = default_model_path()
+    ours, theirs = open_gguf_reader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    long_strings = 0
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types, key
+        if field.types[-1] == GGUFValueType.STRING and len(field.data) > LONG_GGUF_ARRAY:
+            long_strings += 1  # the vocabulary and the merges: their length only
+            assert len(mine.data) == len(field.data), key
+            with pytest.raises(ValueError, match="long string array"):
+                mine.contents()
+        else:  # every number array, long ones included (token types, scores)
+            assert mine.contents() == field.contents(), key
+    assert long_strings == 2
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in theirs.tensors
+    ]
+    # a file cut inside its vocabulary fails, as gguf-py's own reader does
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(path).read_bytes()[:200_000])
+    with pytest.raises(ValueError, match="runs past the end"):
+        open_gguf_reader(str(cut))
+    with pytest.raises(ModelFilesError, match="not a readable GGUF"):
+        read_model_info(resolve_model(str(cut)))

@@ -200,7 +200,7 @@ class Supervisor:
     def __init__(self, model_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "pyserve.cli", "run", "--dp", "2"]
+        command = [sys.executable, "-m", "pyserve", "run", "--dp", "2"]
         command += ["--port", str(self.port), "--model", str(model_dir), *REPLICA_ARGS]
         self.proc = subprocess.Popen(
             command,

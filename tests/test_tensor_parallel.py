@@ -37,7 +37,8 @@ from pyserve.worker.loading.shards import shard_tensors
 from pyserve.worker.tensor_parallel import shard_config
 
 BASE_ARGS = ["--dtype", "float32", "--quantization", "none", "--torch-threads", "1"]
-BASE_ARGS += ["--kv-cache-tokens", "8192", "--block-size", "4"]
+# float32 K/V: float16 ones differ an ulp where the ranks sum in another order (3e-4 logprobs)
+BASE_ARGS += ["--kv-cache-tokens", "8192", "--block-size", "4", "--kv-cache-dtype", "float32"]
 HANG_GUARD_S = 90.0  # only against a hang
 
 
@@ -187,7 +188,8 @@ def test_tp2_serves_hf_tokens_and_tp1_logprobs(tp2, model_dir):
             whole = generate(one.url, ref["prompt"], len(ref["output"]), True)
             assert split["output_ids"] == whole["output_ids"], ref["text"]
             # the same float32 sums in another order
-            assert np.allclose(output_logprobs(split), output_logprobs(whole), atol=1e-4)
+            drift = np.abs(np.subtract(output_logprobs(split), output_logprobs(whole))).max()
+            assert drift < 1e-4, drift
     finally:
         one.stop()
 
@@ -263,7 +265,7 @@ def test_a_model_the_ranks_cannot_split_fails_at_start_in_one_line(model_dir):
         [
             sys.executable,
             "-m",
-            "pyserve.cli",
+            "pyserve",
             "run",
             "--model",
             str(model_dir),
@@ -293,8 +295,9 @@ def _ranks(server: Server) -> dict[int, int]:
             except FileNotFoundError:
                 continue
             if b"pyserve.worker" in argv:
-                config = json.loads(argv[argv.index(b"--config") + 1])
-                found[config["tp_rank"]] = pid
+                config = argv[argv.index(b"--config") + 1]
+                # "-": started with the command, before its config (rank 0's) was known
+                found[0 if config == b"-" else json.loads(config)["tp_rank"]] = pid
         if len(found) == 2:
             return found
         assert time.monotonic() < deadline, "the ranks did not start"

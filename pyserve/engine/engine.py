@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from pyserve import model_files
+from pyserve import early_worker, model_files
 from pyserve.chat.reasoning import REASONING_PARSERS, ReasoningParser
 from pyserve.chat.tool_calls import PARSERS, ToolCallParser, parser_for_template
 from pyserve.detokenizer.process import DetokenizerConfig
@@ -192,6 +192,8 @@ class Engine:
                     tp_size=size,
                     tp_init=tp_init,
                 ),
+                # rank 0 may have been started with the command, its imports done by now
+                early_worker.take() if rank == 0 else None,
             )
 
     def _make_planner(self, ready: Ready) -> Any:  # runs on the scheduler thread

@@ -1,7 +1,8 @@
 """Starting, watching and stopping the engine's child processes (worker, detokenizer).
 
-Each child is ``python -m <module> --config '<json>'`` in its own session, so that a Ctrl-C in
-the terminal reaches only the main process, which then stops the ring in order. Children watch
+Each child is ``python -m <module> --config '<json>'`` in its own session (pyserve/spawn.py),
+so that a Ctrl-C in the terminal reaches only the main process, which then stops the ring in
+order; the ``pyserve`` command's worker was started before (pyserve/early_worker.py). Children watch
 their parent themselves (``pyserve.lifecycle.die_with_parent``) in case main dies first.
 """
 
@@ -9,41 +10,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import msgspec
 
-import pyserve
+from pyserve.spawn import start_child
 
 log = logging.getLogger("pyserve.engine")
 
-# The directory that holds the pyserve package, so that children import the same code even when
-# main found it through its working directory or sys.path rather than an installation.
-_PACKAGE_ROOT = str(Path(pyserve.__file__).resolve().parent.parent)
-
-
-def with_package_path(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with this pyserve first on PYTHONPATH, for a child that must import it."""
-    path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": path}
-
 
 class Child:
-    def __init__(self, name: str, module: str, config: msgspec.Struct) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        config: msgspec.Struct,
+        started: subprocess.Popen | None = None,
+    ) -> None:
+        """Starts ``python -m <module> --config '<json>'``; or, with ``started``, hands the
+        config to that process, already running ``--config -`` and waiting for it on stdin."""
         self.name = name
-        env = with_package_path(dict(os.environ))
-        # OpenMP threads that spin between parallel regions steal the cores main and the
-        # detokenizer need; measured on 2 cores: a decode step of 25 ms took ~1 s with spinning
-        # threads under load (benchmarks/RESULTS.md, Kernels). The user's setting wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        command = [sys.executable, "-m", module, "--config", msgspec.json.encode(config).decode()]
-        self.popen = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        encoded = msgspec.json.encode(config)
+        if started is None:
+            self.popen = start_child(module, ["--config", encoded.decode()], subprocess.DEVNULL)
+        else:
+            self.popen = started
+            assert started.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it died: seen as a dead child
+                started.stdin.write(encoded + b"\n")
+                started.stdin.close()
         self.pid = self.popen.pid
 
     @property
@@ -64,8 +60,14 @@ class Children:
     def __init__(self) -> None:
         self.items: list[Child] = []
 
-    def start(self, name: str, module: str, config: msgspec.Struct) -> Child:
-        child = Child(name, module, config)
+    def start(
+        self,
+        name: str,
+        module: str,
+        config: msgspec.Struct,
+        started: subprocess.Popen | None = None,
+    ) -> Child:
+        child = Child(name, module, config, started)
         self.items.append(child)
         log.debug("started %s (pid %d)", name, child.pid)
         return child

@@ -125,6 +125,14 @@ def _join_group(config: WorkerConfig) -> TensorParallel:
         raise TensorParallelError(f"could not join the tensor-parallel group: {e}") from e
 
 
+def preload() -> None:
+    """Imports what ``_load`` will (torch and the model code: most of a start), before the
+    config is known."""
+    import torch  # noqa: F401
+
+    from pyserve.worker import executor, grammar_masks, model_runner  # noqa: F401
+
+
 def _load(
     config: WorkerConfig, tp: TensorParallel | None
 ) -> tuple[StepExecutor | None, str | None]:
