@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -1065,7 +1066,9 @@ def compare(args: argparse.Namespace) -> int:
     for name, why in bench.failures.items():
         print(f"FAILED: {name}: {why.splitlines()[0] if why else ''}")
     png = args.png or out_dir / "serving.png"
-    if results:
+    if results and importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+    elif results:
         serving.plot([str(out_dir / f"{file_stem(n)}.json") for n in results], str(png))
     summary = {
         "schema": 2,

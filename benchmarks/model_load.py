@@ -9,8 +9,9 @@ safetensors directories and as Q4_K_M GGUFs made by llama.cpp's own ``llama-quan
   pool + 300 MB; the GGUF with the defaults, the safetensors directory unquantized (bf16 on
   this CPU) and with --quantization int4.
 - start: ``pyserve run`` and llama.cpp's ``llama-server`` (compare.py's build and flags) on the
-  same GGUF, each started twice, seconds from the process's start to a 200 from /health
-  (polled every 50 ms); the second start (caches warm) is the figure compared.
+  same GGUF, each started ``--starts`` times (6), taking turns, seconds from the process's
+  start to a 200 from /health (polled every 50 ms); the median of all starts but the first
+  (caches warm) is the figure compared.
 - drift: prefill logits of the GGUF served with the defaults (each projection at its file's
   precision, int16 activations) against the same file with ``--quantization none`` in float32
   (its exact dequantized weights, which tests hold equal to transformers' loading of a GGUF),
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -95,31 +97,37 @@ MEMORY_HEADER = (
 )
 
 
-def start_times(gguf: str, out_dir: Path, llama_server: str | None) -> list[str]:
+def start_times(gguf: str, out_dir: Path, llama_server: str | None, starts: int) -> list[str]:
+    """Each server started ``starts`` times, the servers taking turns (a noisy VM slows both
+    alike): the first start, and the median of the others (caches warm)."""
     specs = [pyserve_spec("pyserve", [], gguf)]
     binary = find_llama_server(llama_server)
     if binary:
         specs.append(llamacpp_spec(binary, gguf))
     seconds: dict[str, list[float]] = {}
-    for spec in specs:
-        for attempt in range(2):
+    for attempt in range(starts):
+        for spec in specs:
             server = RunningServer(spec, out_dir / f"start-{spec.name}-{attempt}.log")
             try:
                 seconds.setdefault(spec.name, []).append(server.wait_ready(poll_s=0.05))
             finally:
                 server.stop()
-            print(f"[{spec.name}] start {attempt + 1}: {seconds[spec.name][-1]:.1f} s", flush=True)
+            print(f"[{spec.name}] start {attempt + 1}: {seconds[spec.name][-1]:.2f} s", flush=True)
+    warm = {name: statistics.median(s[1:]) for name, s in seconds.items()}
     rows = [
-        f"| {Path(gguf).parent.name} | {name} | {s[0]:.1f} | {s[1]:.1f} |"
+        f"| {Path(gguf).parent.name} | {name} | {s[0]:.2f} | {warm[name]:.2f} "
+        f"({min(s[1:]):.2f}–{max(s[1:]):.2f}) |"
         for name, s in seconds.items()
     ]
     if "llama.cpp" in seconds:
-        ratio = seconds["pyserve"][1] / seconds["llama.cpp"][1]
-        rows.append(f"| | pyserve / llama.cpp, second start | | {ratio:.2f}x |")
+        ratio = warm["pyserve"] / warm["llama.cpp"]
+        rows.append(f"| | pyserve / llama.cpp, median of later starts | | {ratio:.2f}x |")
     return rows
 
 
-START_HEADER = "| model | server | first start s | second start s |\n|---|---|---|---|"
+START_HEADER = (
+    "| model | server | first start s | later starts s, median (range) |\n|---|---|---|---|"
+)
 
 
 def drift(size: str, gguf: str, prompts: int, length: int) -> str:
@@ -174,6 +182,7 @@ def main() -> int:
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--out", type=Path, default=HERE / "out" / "kquant-models")
     p.add_argument("--llama-server", default=None)
+    p.add_argument("--starts", type=int, default=6, help="starts of each server, alternating")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--length", type=int, default=64)
     args = p.parse_args()
@@ -189,7 +198,9 @@ def main() -> int:
                 sections["memory"] += memory(size, files)
             if "start" in parts:
                 out_dir = args.out / size / "start-logs"
-                sections["start"] += start_times(files["gguf"], out_dir, args.llama_server)
+                sections["start"] += start_times(
+                    files["gguf"], out_dir, args.llama_server, args.starts
+                )
             if "drift" in parts:
                 sections["drift"].append(drift(size, files["gguf"], args.prompts, args.length))
                 print(sections["drift"][-1], flush=True)
