@@ -84,6 +84,20 @@ def test_valid_bodies_decode_with_openai_defaults():
     assert generate.sampling_params.max_new_tokens == 128
 
 
+def test_the_fields_sglang_router_adds_pass_quietly_at_their_defaults_only(caplog):
+    from pyserve.http import bodies
+
+    bodies._warned.clear()
+    added = b', "no_stop_trim": false, "separate_reasoning": true, "stream_reasoning": true'
+    added += b', "continue_final_message": false, "return_hidden_states": false'
+    with caplog.at_level("WARNING", logger=bodies.log.name):
+        decode(chat(added), ChatCompletionRequest)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger=bodies.log.name):  # a value pyserve would not honour
+        decode(chat(b', "return_hidden_states": true'), ChatCompletionRequest)
+    assert ["return_hidden_states" in r.getMessage() for r in caplog.records] == [True]
+
+
 def test_sampling_parameters_map_to_the_engine():
     req = decode(
         chat(b', "seed": 10, "top_k": -1, "max_tokens": 3, "max_completion_tokens": 5'),

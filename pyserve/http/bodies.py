@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TypeVar
 
@@ -19,6 +20,15 @@ _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _known: dict[type, dict[str, type | None]] = {}
 _warned: set[str] = set()
 _MAX_WARNED = 256  # names; a client sending random keys must not grow this forever
+# SGLang fields that sglang-router (pyserve --dp) adds to every request it forwards, at these
+# values: what pyserve does anyway, so they pass without a warning; any other value still warns.
+ROUTER_DEFAULTS = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
 
 log = logging.getLogger("pyserve.http")
 
@@ -78,6 +88,10 @@ def warn_unknown_fields(body: bytes | msgspec.Raw, type_: type, where: str = "")
     except msgspec.DecodeError:
         return
     for name, raw in fields.items():
+        if not where and name in ROUTER_DEFAULTS and name not in known:
+            with contextlib.suppress(msgspec.DecodeError):
+                if msgspec.json.decode(raw) is ROUTER_DEFAULTS[name]:
+                    continue
         if name not in known:
             key = f"{type_.__name__}.{name}"
             if key not in _warned and len(_warned) < _MAX_WARNED:
