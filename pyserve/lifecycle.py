@@ -22,6 +22,9 @@ def signal_at_parent_death(signum: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
 
 
+_watched: set[int] = set()  # parents already watched without a cleanup
+
+
 def die_with_parent(
     parent_pid: int, poll_seconds: float = 0.5, cleanup: Callable[[], None] | None = None
 ) -> None:
@@ -36,8 +39,14 @@ def die_with_parent(
     runs ``cleanup`` and exits, within ``poll_seconds`` of the parent's death. Only a process
     whose main thread does not hold the GIL for long (one that mostly waits on a socket) should
     rely on that.
+
+    Asked again for a parent already watched without a cleanup (a worker started before its
+    config, then run with it), it does nothing more.
     """
     if cleanup is None:
+        if parent_pid in _watched:
+            return
+        _watched.add(parent_pid)
         signal_at_parent_death(signal.SIGKILL)
 
     def orphaned() -> None:

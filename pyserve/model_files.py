@@ -204,18 +204,15 @@ def open_gguf_reader(path: str):
             raw_itype = self._get(orig_offs, np.uint32)
             count = self._get(orig_offs + 4, np.uint64)
             itype, n = GGUFValueType(int(raw_itype[0])), int(count[0])
-            types = [GGUFValueType.ARRAY, itype]
-            header = [raw_itype, count]
-            if n <= LONG_GGUF_ARRAY:
-                return super()._get_field_parts(orig_offs, raw_type)
             nptype = self.gguf_scalar_to_np.get(itype)
+            if n <= LONG_GGUF_ARRAY or (nptype is None and itype != GGUFValueType.STRING):
+                return super()._get_field_parts(orig_offs, raw_type)
+            header, types = [raw_itype, count], [GGUFValueType.ARRAY, itype]
             if nptype is not None:
                 values = self._get(orig_offs + 12, nptype, n)
                 if len(values) != n:
                     raise ValueError(f"an array of {n} items runs past the end of the file")
                 return 12 + int(values.nbytes), [*header, values], [2], types
-            if itype != GGUFValueType.STRING:
-                return super()._get_field_parts(orig_offs, raw_type)
             data = memoryview(self.data)
             native = self.byte_order == "I"
             order = sys.byteorder if native else ("big" if sys.byteorder == "little" else "little")
@@ -226,7 +223,7 @@ def open_gguf_reader(path: str):
                 offs += 8 + int.from_bytes(data[offs : offs + 8], order)
             if offs > len(data):
                 raise ValueError(f"an array of {n} strings runs past the end of the file")
-            return offs - orig_offs, header, list(range(n)), [GGUFValueType.ARRAY, itype]
+            return offs - orig_offs, header, list(range(n)), types
 
         def _push_field(self, field, skip_sum: bool = False) -> int:
             # key length, key, type, item type, count and no items: a long string array
@@ -261,9 +258,10 @@ def read_gguf_metadata(path: str) -> dict:
         if kind == GGUFValueType.STRING:
             meta[key] = bytes(fld.parts[fld.data[0]]).decode("utf-8", errors="replace")
         elif kind == GGUFValueType.ARRAY:
-            values = fld.contents() if fld.types[-1] != GGUFValueType.STRING else ()
-            if 0 < len(values) <= 64:
-                meta[key] = values
+            if fld.types[-1] != GGUFValueType.STRING:
+                values = fld.contents()  # a long number array's data is one index, not its size
+                if len(values) <= 64:
+                    meta[key] = values
         else:
             meta[key] = fld.parts[fld.data[0]].tolist()[0]
     meta["_tensor_names"] = [t.name for t in reader.tensors]

@@ -88,17 +88,23 @@ def warn_unknown_fields(body: bytes | msgspec.Raw, type_: type, where: str = "")
     except msgspec.DecodeError:
         return
     for name, raw in fields.items():
-        if not where and name in ROUTER_DEFAULTS and name not in known:
-            with contextlib.suppress(msgspec.DecodeError):
-                if msgspec.json.decode(raw) is ROUTER_DEFAULTS[name]:
-                    continue
         if name not in known:
+            if not where and _router_default(name, raw):
+                continue
             key = f"{type_.__name__}.{name}"
             if key not in _warned and len(_warned) < _MAX_WARNED:
                 _warned.add(key)
                 log.warning("ignoring the unknown request field %r", f"{where}{name}")
         elif known[name] is not None:
             warn_unknown_fields(raw, known[name], f"{where}{name}.")
+
+
+def _router_default(name: str, raw: msgspec.Raw) -> bool:
+    if name not in ROUTER_DEFAULTS:
+        return False
+    with contextlib.suppress(msgspec.DecodeError):
+        return msgspec.json.decode(raw) is ROUTER_DEFAULTS[name]
+    return False
 
 
 async def read_request(request: web.Request, type_: type[T], cap: int) -> T:
