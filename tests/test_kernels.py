@@ -30,8 +30,12 @@ BEST_ISA = KERNELS.isa()
 ISAS = KERNELS.supported_isas()
 
 # (rows, n, k): odd sizes, partial tiles (n % 16) and partial groups (k % 32), M past the
-# kernels' 4/8-row blocks, and one layer-sized shape.
-SHAPES = [(1, 1, 32), (1, 37, 45), (2, 17, 33), (5, 100, 97), (8, 33, 200), (13, 50, 70)]
+# kernels' 4/8/16-row blocks and the AVX-512 path's 8-row panels (19: a 16-row pass and 3 rows
+# of a third panel; 40: two passes and half of one), and one layer-sized shape.
+SHAPES = [
+    (1, 1, 32), (1, 37, 45), (2, 17, 33), (5, 100, 97), (8, 33, 200), (13, 50, 70),
+    (19, 21, 70), (40, 33, 100),
+]  # fmt: skip
 BIG_SHAPE = (3, 960, 576)
 
 
@@ -170,6 +174,22 @@ def test_matmul_is_the_integer_formula(isa, bits, activation_bits):
         bias = torch.randn(n) if i % 2 else None
         got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
         want, magnitude = exact_reference(x, packed, activation_bits, bias)
+        error = (got.double() - want).abs()
+        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [64, 256])
+def test_matmul_with_groups_longer_than_32_is_the_integer_formula(
+    isa, bits, activation_bits, group
+):
+    """Groups of several 32-input blocks: one integer sum and one scale per group."""
+    for i, (rows, n, k) in enumerate([(3, 40, 300), (19, 17, 600)]):
+        packed = quant.quantize_weight(random_weight(n, k, seed=i), bits, group=group)
+        x = random_input(rows, k, seed=i)
+        got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+        want, magnitude = exact_reference(x, packed, activation_bits)
         error = (got.double() - want).abs()
         assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
 

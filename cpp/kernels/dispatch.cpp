@@ -72,6 +72,10 @@ struct Scratch {
   std::vector<int16_t> q;  // int8 or int16 values, whichever the activations use
   std::vector<int32_t> shift, sum;
   std::vector<float> scale, unit_sum, unit;
+  QuantizedRows rows(int bits, int groups, int group, int panel_rows) const {
+    return {q.data(),   bits,        scale.data(),   shift.data(), unit_sum.data(),
+            sum.data(), unit.data(), groups * group, groups,       panel_rows};
+  }
 };
 
 struct QuantizeJob {
@@ -99,7 +103,10 @@ void quantize_chunk(void* context, int chunk) {
 void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
                    int group, int bits, int headroom, Scratch& scratch) {
   const int groups = (k + group - 1) / group;
-  const size_t cells = static_cast<size_t>(rows) * groups;
+  // whole panels (qgemm.h): a chunk of rows starts at a panel's first row
+  const int panel = std::max(table.panel_rows, 1);
+  check(kQuantizeChunkRows % panel == 0, "quantize chunks must be whole panels");
+  const size_t cells = static_cast<size_t>((rows + panel - 1) / panel * panel) * groups;
   scratch.q.resize(cells * group);  // int16 elements: room for either width
   scratch.scale.resize(cells);
   scratch.shift.resize(cells);
@@ -162,15 +169,7 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
   thread_local Scratch scratch;
   quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
                 shift_headroom(w.bits, activation_bits, w.group), scratch);
-  const QuantizedRows a{scratch.q.data(),
-                        activation_bits,
-                        scratch.scale.data(),
-                        scratch.shift.data(),
-                        scratch.unit_sum.data(),
-                        scratch.sum.data(),
-                        scratch.unit.data(),
-                        w.k_padded(),
-                        w.groups()};
+  const QuantizedRows a = scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows);
   const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
   const int tiles_per_chunk = std::max<int>(1, static_cast<int>(kChunkBytes / tile_bytes));
   MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
@@ -189,15 +188,19 @@ void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int
   quantize_into(kernels(), x, x_stride, rows, k, group, bits,
                 shift_headroom(weight_bits, bits, group), scratch);
   const int groups = (k + group - 1) / group;
-  const size_t q_bytes = static_cast<size_t>(rows) * groups * group * bits / 8;
-  const auto* bytes = reinterpret_cast<const int8_t*>(scratch.q.data());
-  std::copy(bytes, bytes + q_bytes, static_cast<int8_t*>(q));
-  for (int r = 0; r < rows; ++r)
+  const QuantizedRows a = scratch.rows(bits, groups, group, kernels().panel_rows);
+  // row-major out, whatever the layout inside
+  const int64_t words = static_cast<int64_t>(groups) * group * bits / 32;
+  const auto* from = reinterpret_cast<const int32_t*>(scratch.q.data());
+  auto* to = static_cast<int32_t*>(q);
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < words; ++j) to[r * words + j] = from[a.word_at(r, j)];
     for (int g = 0; g < groups; ++g) {
       const size_t at = static_cast<size_t>(r) * groups + g;
-      scale[at] = scratch.unit[r] * scratch.scale[at];  // int16: 2^U·2^(e − U), exact
+      scale[at] = scratch.unit[r] * scratch.scale[a.cell_at(r, g)];  // int16: 2^U·2^(e − U), exact
+      sum[at] = scratch.sum[a.cell_at(r, g)];
     }
-  std::copy(scratch.sum.begin(), scratch.sum.end(), sum);
+  }
 }
 
 }  // namespace pyserve_kernels

@@ -121,25 +121,43 @@ inline void row_scales(const float* amax, int groups, int bits, int headroom, fl
   *unit = finite ? power_of_two(exponent) : std::numeric_limits<float>::quiet_NaN();
 }
 
-// Rows of activations quantized per group (row-major, `groups` entries per row).
+// Rows of activations quantized per group, row-major or in panels (`panel_rows` > 0): a panel
+// holds P = panel_rows consecutive rows interleaved by 4-byte word, so that a kernel reading R
+// rows at one input position reads one run of bytes through one pointer:
+//   q        word j (2 int16 or 4 int8 inputs) of row r at [r / P][j][r % P]
+//   per cell (row r, group g) at [r / P][g][r % P]
+// The row count is rounded up to whole panels; the rows past the last are never read.
 struct QuantizedRows {
-  const void* q;          // int8_t or int16_t [rows][k_padded]
+  const void* q;          // int8_t or int16_t: [rows][k_padded] or panels
   int bits;               // 8 or 16: the type of q
-  const float* scale;     // [rows][groups] s / unit: s (int8), 2^(e − U) (int16)
-  const int32_t* shift;   // [rows][groups] e − U (int16; 0 for int8)
-  const float* unit_sum;  // [rows][groups] Σq·s / unit: the group's Σq in its row's unit
-  const int32_t* sum;     // [rows][groups] Σq
-  const float* unit;      // [rows] 1 (int8) or 2^U (int16)
+  const float* scale;     // per cell: s / unit: s (int8), 2^(e − U) (int16)
+  const int32_t* shift;   // per cell: e − U (int16; 0 for int8)
+  const float* unit_sum;  // per cell: Σq·s / unit: the group's Σq in its row's unit
+  const int32_t* sum;     // per cell: Σq
+  const float* unit;      // [rows] 1 (int8) or 2^U (int16), always row-major
   int k_padded;
   int groups;
+  int panel_rows;  // 0: row-major
+  // Index of row r's word j of q, and of its cell (r, g).
+  int64_t word_at(int r, int64_t j) const {
+    const int64_t words = static_cast<int64_t>(k_padded) * bits / 32;
+    if (panel_rows == 0) return r * words + j;
+    return (r / panel_rows * words + j) * panel_rows + r % panel_rows;
+  }
+  int64_t cell_at(int r, int g) const {
+    if (panel_rows == 0) return static_cast<int64_t>(r) * groups + g;
+    return (static_cast<int64_t>(r / panel_rows) * groups + g) * panel_rows + r % panel_rows;
+  }
 };
 
 // One ISA's implementation. `quantize_rows` writes `bits`-bit q (padded to whole groups with
-// zeros), and the scales (for int16, with the headroom H); `tiles` computes rows [row0, row0 +
-// rows) of the outputs in tiles [tile0, tile1), rows ≤ max_rows.
+// zeros) and the scales (for int16, with the headroom H) in its own layout (`panel_rows`; when
+// it is P, every call starts at a panel's first row); `tiles` computes rows [row0, row0 + rows)
+// of the outputs in tiles [tile0, tile1), rows ≤ max_rows, row0 a multiple of max_rows.
 struct KernelTable {
   const char* name;
   int max_rows;
+  int panel_rows;  // QuantizedRows::panel_rows of what quantize_rows writes
   void (*quantize_rows)(const float* x, int64_t x_stride, int rows, int k, int group, int bits,
                         int headroom, void* q, float* scale, int32_t* shift, float* unit_sum,
                         int32_t* sum, float* unit);

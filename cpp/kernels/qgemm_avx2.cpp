@@ -183,7 +183,7 @@ void tiles_avx2(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 
 const KernelTable& avx2_kernels() {
   // activations are quantized by the scalar code: a few microseconds, and bit-identical
-  static const KernelTable table{"avx2", 4, scalar_kernels().quantize_rows, tiles_avx2};
+  static const KernelTable table{"avx2", 4, 0, scalar_kernels().quantize_rows, tiles_avx2};
   return table;
 }
 

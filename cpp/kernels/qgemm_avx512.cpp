@@ -17,11 +17,8 @@
 namespace pyserve_kernels {
 namespace {
 
-PYSERVE_AVX512 inline __m512i broadcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
-}
+constexpr int kPanelRows = 8;  // rows a panel of activations interleaves (qgemm.h)
+constexpr int kMaxRows = 16;   // rows a pass over the tiles computes: two panels
 
 // The first n lanes (all 16 from n = 16 on, none for n <= 0).
 inline __mmask16 first_lanes(int n) {
@@ -126,17 +123,25 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
   constexpr int top = sizeof(Q) == 2 ? 32767 : 127;
   const int groups = (k + group - 1) / group;
   const int k_padded = groups * group;
-  thread_local std::vector<float> amax, inverse;
-  amax.resize(groups);
-  inverse.resize(groups);
+  // one row at a time into these, then into its panel (see qgemm.h)
+  thread_local std::vector<float> amax, inverse, row_scale, row_unit_sum;
+  thread_local std::vector<int32_t> row_shift, row_sum, row_q;
+  for (auto* v : {&amax, &inverse, &row_scale, &row_unit_sum}) v->resize(groups);
+  for (auto* v : {&row_shift, &row_sum}) v->resize(groups);
+  row_q.resize(static_cast<size_t>(k_padded) * sizeof(Q) / 4);
   // plain pointers: each read of a thread_local inside the loops was a __tls_get_addr call
   float* const most_of = amax.data();
   float* const times_of = inverse.data();
+  float* const scale_of = row_scale.data();
+  float* const unit_sum_of = row_unit_sum.data();
+  int32_t* const shift_of = row_shift.data();
+  int32_t* const sum_of = row_sum.data();
+  int32_t* const words_of = row_q.data();
+  const int64_t words = static_cast<int64_t>(k_padded) * sizeof(Q) / 4;
   auto live_inputs = [k](int i) { return first_lanes(k - i); };
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
-    Q* qr = q + static_cast<int64_t>(r) * k_padded;
-    const int64_t row = static_cast<int64_t>(r) * groups;
+    Q* qr = reinterpret_cast<Q*>(words_of);
     for (int g0 = 0; g0 < groups; g0 += 16) {  // each group's largest magnitude
       __m512 vmax[16];
       __mmask16 nan_groups = 0;  // vmaxps drops NaNs: they are looked for beside it
@@ -157,7 +162,7 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
                                _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
       _mm512_mask_storeu_ps(most_of + g0, first_lanes(groups - g0), most);
     }
-    row_scales_avx512(most_of, groups, 8 * sizeof(Q), headroom, scale + row, shift + row, times_of,
+    row_scales_avx512(most_of, groups, 8 * sizeof(Q), headroom, scale_of, shift_of, times_of,
                       unit + r);
     for (int g0 = 0; g0 < groups; g0 += 16) {
       __m512 totals[16];
@@ -184,10 +189,21 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
       }
       const __m512i sums = _mm512_castps_si512(reduce16(totals, AddEpi32{}));
       const __mmask16 live = first_lanes(groups - g0);
-      _mm512_mask_storeu_epi32(sum + row + g0, live, sums);
+      _mm512_mask_storeu_epi32(sum_of + g0, live, sums);
       _mm512_mask_storeu_ps(
-          unit_sum + row + g0, live,
-          _mm512_mul_ps(_mm512_maskz_loadu_ps(live, scale + row + g0), _mm512_cvtepi32_ps(sums)));
+          unit_sum_of + g0, live,
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(live, scale_of + g0), _mm512_cvtepi32_ps(sums)));
+    }
+    // into the panel: word j at [r / P][j][r % P], cell g at [r / P][g][r % P]
+    constexpr int P = kPanelRows;
+    int32_t* const panel_q = static_cast<int32_t*>(static_cast<void*>(q)) + r / P * words * P;
+    for (int64_t j = 0; j < words; ++j) panel_q[j * P + r % P] = words_of[j];
+    const int64_t cells = static_cast<int64_t>(r / P) * groups * P + r % P;
+    for (int g = 0; g < groups; ++g) {
+      scale[cells + g * P] = scale_of[g];
+      shift[cells + g * P] = shift_of[g];
+      unit_sum[cells + g * P] = unit_sum_of[g];
+      sum[cells + g * P] = sum_of[g];
     }
   }
 }
@@ -209,80 +225,86 @@ constexpr int widen_pattern(int lane, int first) {
   return static_cast<int>(low | 0x8000u | (low + 1) << 16 | 0x80000000u);
 }
 
-// Adds one quad block (16 rows × 4 inputs, unsigned bytes u) times the activations at
-// qa[r] + at (4 of them) to the R int32 accumulators.
-template <int R, class Q>
-PYSERVE_AVX512 inline void add_quad(__m512i (&dot)[R], __m512i u, const Q* const (&qa)[R], int at) {
-  if constexpr (sizeof(Q) == 1) {
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], u, broadcast32(qa[r] + at));
-  } else {
-    const __m512i low_pairs =
-        _mm512_shuffle_epi8(u, _mm512_set4_epi32(widen_pattern(3, 0), widen_pattern(2, 0),
-                                                 widen_pattern(1, 0), widen_pattern(0, 0)));
-    const __m512i high_pairs =
-        _mm512_shuffle_epi8(u, _mm512_set4_epi32(widen_pattern(3, 2), widen_pattern(2, 2),
-                                                 widen_pattern(1, 2), widen_pattern(0, 2)));
-    for (int r = 0; r < R; ++r) {
-      dot[r] = _mm512_dpwssd_epi32(dot[r], low_pairs, broadcast32(qa[r] + at));
-      dot[r] = _mm512_dpwssd_epi32(dot[r], high_pairs, broadcast32(qa[r] + at + 2));
-    }
-  }
-}
-
-// R rows × one tile at a time: R int32 and R float accumulators stay in registers while the
-// tile's groups stream through once.
-template <int R, int BITS, class Q>
+// R rows × one tile at a time: R int32 accumulators stay in registers while the tile's groups
+// stream through once, the R float ones in L1. Up to 16 rows, two panels: vpdpwssd / vpdpbusd
+// take ~6 cycles and two issue a cycle, so a tile needs ~12 independent sums in flight.
+template <int R, int BITS, class Q, bool kGroupOf32>
 PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                                int tile1, const float* bias, float* out, int64_t out_stride) {
+  constexpr int P = kPanelRows;
+  constexpr int kQuadWords = sizeof(Q) == 1 ? 1 : 2;      // words of q per 4 inputs
+  constexpr int kBlockBytes = 32 * kTileRows * BITS / 8;  // 32 inputs of a tile
   const int groups = w.groups();
-  const int group = w.group;
+  const int blocks = kGroupOf32 ? 1 : w.group / 32;
   const size_t group_bytes = w.group_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const Q* qa[R];
-  const float* scale[R];
-  const int32_t* shift[R];
-  const float* unit_sum[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = static_cast<int64_t>(row0 + r);
-    qa[r] = static_cast<const Q*>(a.q) + row * a.k_padded;
-    scale[r] = a.scale + row * groups;
-    shift[r] = a.shift + row * groups;
-    unit_sum[r] = a.unit_sum + row * groups;
-  }
+  const __m512i low_pairs = _mm512_set4_epi32(widen_pattern(3, 0), widen_pattern(2, 0),
+                                              widen_pattern(1, 0), widen_pattern(0, 0));
+  const __m512i high_pairs = _mm512_set4_epi32(widen_pattern(3, 2), widen_pattern(2, 2),
+                                               widen_pattern(1, 2), widen_pattern(0, 2));
+  // the rows' one or two panels (row0 is a panel's first row)
+  const int64_t panel_words = static_cast<int64_t>(a.k_padded) * sizeof(Q) / 4 * P;
+  const int64_t panel_cells = static_cast<int64_t>(groups) * P;
+  const int32_t* const q0 = static_cast<const int32_t*>(a.q) + row0 / P * panel_words;
+  const int32_t* const shift0 = a.shift + row0 / P * panel_cells;
+  const float* const scale0 = a.scale + row0 / P * panel_cells;
+  const float* const unit_sum0 = a.unit_sum + row0 / P * panel_cells;
+  // Adds one quad (16 rows × 4 inputs, unsigned bytes u) times the R rows' words at `at`.
+  auto add_quad = [&](__m512i(&dot)[R], __m512i u, const int32_t* at) PYSERVE_AVX512 {
+    const int32_t* const panel[2] = {at, at + panel_words};
+    if constexpr (sizeof(Q) == 1) {
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(panel[r / P][r % P]));
+    } else {
+      const __m512i low = _mm512_shuffle_epi8(u, low_pairs);
+      const __m512i high = _mm512_shuffle_epi8(u, high_pairs);
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_dpwssd_epi32(dot[r], low, _mm512_set1_epi32(panel[r / P][r % P]));
+        dot[r] = _mm512_dpwssd_epi32(dot[r], high, _mm512_set1_epi32(panel[r / P][P + r % P]));
+      }
+    }
+  };
   for (int t = tile0; t < tile1; ++t) {
     const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
     const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    alignas(64) float acc[R][kTileRows];
+    for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    const int32_t* qa = q0;
     for (int g = 0; g < groups; ++g) {
       __m512i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-      const int base = g * group;
-      if constexpr (BITS == 8) {
-        for (int j = 0; j < group / 4; ++j)
-          add_quad<R, Q>(dot, _mm512_loadu_si512(block + 64 * j), qa, base + 4 * j);
-      } else {
-        for (int p = 0; p < group / 8; ++p) {
-          const __m512i packed = _mm512_loadu_si512(block + 64 * p);
-          const __m512i lo = _mm512_and_si512(packed, low_nibbles);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-          add_quad<R, Q>(dot, lo, qa, base + 8 * p);
-          add_quad<R, Q>(dot, hi, qa, base + 8 * p + 4);
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* wb = block + b * kBlockBytes;
+        if constexpr (BITS == 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)
+            add_quad(dot, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
+        } else {
+#pragma GCC unroll 4
+          for (int p = 0; p < 4; ++p) {
+            const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
+            add_quad(dot, _mm512_and_si512(packed, low_nibbles), qa + 2 * p * kQuadWords * P);
+            add_quad(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles),
+                     qa + (2 * p + 1) * kQuadWords * P);
+          }
         }
+        qa += 8 * kQuadWords * P;
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       const __m512 m =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
       for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
+        const int64_t cell = r / P * panel_cells + g * P + r % P;
+        __m512 sum = _mm512_load_ps(acc[r]);
         if constexpr (sizeof(Q) == 2) {
-          const __m512i shifted = _mm512_sllv_epi32(dot[r], _mm512_set1_epi32(shift[r][g]));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, acc[r]);
+          const __m512i shifted = _mm512_sllv_epi32(dot[r], _mm512_set1_epi32(shift0[cell]));
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, sum);
         } else {
           const __m512 scaled =
-              _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale[r][g]));
-          acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
+              _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale0[cell]));
+          sum = _mm512_fmadd_ps(scaled, d, sum);
         }
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(unit_sum[r][g]), acc[r]);
+        _mm512_store_ps(acc[r], _mm512_fmadd_ps(m, _mm512_set1_ps(unit_sum0[cell]), sum));
       }
       block += group_bytes;
       sc += 2 * kTileRows;
@@ -291,29 +313,21 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
-      _mm512_mask_storeu_ps(o, live, _mm512_fmadd_ps(acc[r], _mm512_set1_ps(a.unit[row0 + r]), b));
+      _mm512_mask_storeu_ps(
+          o, live, _mm512_fmadd_ps(_mm512_load_ps(acc[r]), _mm512_set1_ps(a.unit[row0 + r]), b));
     }
   }
 }
 
-template <int BITS, class Q>
+template <int BITS, class Q, int R = 1>
 void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
-  switch (rows) {
-#define PYSERVE_ROWS_CASE(R) \
-  case R:                    \
-    return tiles_rows<R, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    PYSERVE_ROWS_CASE(1)
-    PYSERVE_ROWS_CASE(2)
-    PYSERVE_ROWS_CASE(3)
-    PYSERVE_ROWS_CASE(4)
-    PYSERVE_ROWS_CASE(5)
-    PYSERVE_ROWS_CASE(6)
-    PYSERVE_ROWS_CASE(7)
-    PYSERVE_ROWS_CASE(8)
-#undef PYSERVE_ROWS_CASE
-    default:
-      return;
+  if constexpr (R <= kMaxRows) {
+    if (rows == R && w.group == 32)
+      return tiles_rows<R, BITS, Q, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    if (rows == R)
+      return tiles_rows<R, BITS, Q, false>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    return tiles_bits<BITS, Q, R + 1>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   }
 }
 
@@ -331,7 +345,8 @@ void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int 
 }  // namespace
 
 const KernelTable& avx512_kernels() {
-  static const KernelTable table{"avx512_vnni", 8, quantize_rows_avx512, tiles_avx512};
+  static const KernelTable table{"avx512_vnni", kMaxRows, kPanelRows, quantize_rows_avx512,
+                                 tiles_avx512};
   return table;
 }
 

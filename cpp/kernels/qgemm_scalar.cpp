@@ -112,7 +112,7 @@ void tiles_scalar(const PackedWeights& w, const QuantizedRows& a, int row0, int 
 }  // namespace
 
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{"scalar", 8, quantize_rows_scalar, tiles_scalar};
+  static const KernelTable table{"scalar", 8, 0, quantize_rows_scalar, tiles_scalar};
   return table;
 }
 
