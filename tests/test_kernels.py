@@ -165,17 +165,21 @@ def test_the_largest_dot_product_shifted_by_the_headroom_stays_in_int32(isa, bit
     assert (got[0, :2] > 0).all() and got[0, 2] < 0
 
 
-@pytest.mark.parametrize("activation_bits", [8, 16])
-@pytest.mark.parametrize("bits", [8, 4])
-def test_matmul_is_the_integer_formula(isa, bits, activation_bits):
-    for i, (rows, n, k) in enumerate([*SHAPES, BIG_SHAPE]):
-        packed = quant.quantize_weight(random_weight(n, k, seed=i), bits)
+def assert_integer_formula(shapes, bits, activation_bits, group=quant.GROUP, biased=True):
+    for i, (rows, n, k) in enumerate(shapes):
+        packed = quant.quantize_weight(random_weight(n, k, seed=i), bits, group=group)
         x = random_input(rows, k, seed=i)
-        bias = torch.randn(n) if i % 2 else None
+        bias = torch.randn(n) if biased and i % 2 else None
         got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
         want, magnitude = exact_reference(x, packed, activation_bits, bias)
         error = (got.double() - want).abs()
         assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_is_the_integer_formula(isa, bits, activation_bits):
+    assert_integer_formula([*SHAPES, BIG_SHAPE], bits, activation_bits)
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
@@ -185,13 +189,7 @@ def test_matmul_with_groups_longer_than_32_is_the_integer_formula(
     isa, bits, activation_bits, group
 ):
     """Groups of several 32-input blocks: one integer sum and one scale per group."""
-    for i, (rows, n, k) in enumerate([(3, 40, 300), (19, 17, 600)]):
-        packed = quant.quantize_weight(random_weight(n, k, seed=i), bits, group=group)
-        x = random_input(rows, k, seed=i)
-        got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
-        want, magnitude = exact_reference(x, packed, activation_bits)
-        error = (got.double() - want).abs()
-        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+    assert_integer_formula([(3, 40, 300), (19, 17, 600)], bits, activation_bits, group, False)
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])

@@ -190,7 +190,7 @@ void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int
   const int groups = (k + group - 1) / group;
   const QuantizedRows a = scratch.rows(bits, groups, group, kernels().panel_rows);
   // row-major out, whatever the layout inside
-  const int64_t words = static_cast<int64_t>(groups) * group * bits / 32;
+  const int64_t words = a.words();
   const auto* from = reinterpret_cast<const int32_t*>(scratch.q.data());
   auto* to = static_cast<int32_t*>(q);
   for (int r = 0; r < rows; ++r) {

@@ -121,6 +121,13 @@ inline void row_scales(const float* amax, int groups, int bits, int headroom, fl
   *unit = finite ? power_of_two(exponent) : std::numeric_limits<float>::quiet_NaN();
 }
 
+// Where item i (a word of q, or a group's cell) of row r lies among rows of `per_row` items each,
+// in panels of P rows (below; P = 0: row-major).
+inline int64_t panel_index(int r, int64_t i, int64_t per_row, int P) {
+  if (P == 0) return r * per_row + i;
+  return (r / P * per_row + i) * P + r % P;
+}
+
 // Rows of activations quantized per group, row-major or in panels (`panel_rows` > 0): a panel
 // holds P = panel_rows consecutive rows interleaved by 4-byte word, so that a kernel reading R
 // rows at one input position reads one run of bytes through one pointer:
@@ -138,16 +145,10 @@ struct QuantizedRows {
   int k_padded;
   int groups;
   int panel_rows;  // 0: row-major
+  int64_t words() const { return static_cast<int64_t>(k_padded) * bits / 32; }
   // Index of row r's word j of q, and of its cell (r, g).
-  int64_t word_at(int r, int64_t j) const {
-    const int64_t words = static_cast<int64_t>(k_padded) * bits / 32;
-    if (panel_rows == 0) return r * words + j;
-    return (r / panel_rows * words + j) * panel_rows + r % panel_rows;
-  }
-  int64_t cell_at(int r, int g) const {
-    if (panel_rows == 0) return static_cast<int64_t>(r) * groups + g;
-    return (static_cast<int64_t>(r / panel_rows) * groups + g) * panel_rows + r % panel_rows;
-  }
+  int64_t word_at(int r, int64_t j) const { return panel_index(r, j, words(), panel_rows); }
+  int64_t cell_at(int r, int g) const { return panel_index(r, g, groups, panel_rows); }
 };
 
 // One ISA's implementation. `quantize_rows` writes `bits`-bit q (padded to whole groups with

@@ -128,7 +128,8 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
   thread_local std::vector<int32_t> row_shift, row_sum, row_q;
   for (auto* v : {&amax, &inverse, &row_scale, &row_unit_sum}) v->resize(groups);
   for (auto* v : {&row_shift, &row_sum}) v->resize(groups);
-  row_q.resize(static_cast<size_t>(k_padded) * sizeof(Q) / 4);
+  const int64_t words = static_cast<int64_t>(k_padded) * sizeof(Q) / 4;  // 4 bytes of q each
+  row_q.resize(static_cast<size_t>(words));
   // plain pointers: each read of a thread_local inside the loops was a __tls_get_addr call
   float* const most_of = amax.data();
   float* const times_of = inverse.data();
@@ -137,7 +138,6 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
   int32_t* const shift_of = row_shift.data();
   int32_t* const sum_of = row_sum.data();
   int32_t* const words_of = row_q.data();
-  const int64_t words = static_cast<int64_t>(k_padded) * sizeof(Q) / 4;
   auto live_inputs = [k](int i) { return first_lanes(k - i); };
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + r * x_stride;
@@ -194,16 +194,15 @@ PYSERVE_AVX512 void quantize_rows_as(const float* x, int64_t x_stride, int rows,
           unit_sum_of + g0, live,
           _mm512_mul_ps(_mm512_maskz_loadu_ps(live, scale_of + g0), _mm512_cvtepi32_ps(sums)));
     }
-    // into the panel: word j at [r / P][j][r % P], cell g at [r / P][g][r % P]
-    constexpr int P = kPanelRows;
-    int32_t* const panel_q = static_cast<int32_t*>(static_cast<void*>(q)) + r / P * words * P;
-    for (int64_t j = 0; j < words; ++j) panel_q[j * P + r % P] = words_of[j];
-    const int64_t cells = static_cast<int64_t>(r / P) * groups * P + r % P;
+    // into the row's panel (qgemm.h)
+    auto* const panels = static_cast<int32_t*>(static_cast<void*>(q));
+    for (int64_t j = 0; j < words; ++j) panels[panel_index(r, j, words, kPanelRows)] = words_of[j];
     for (int g = 0; g < groups; ++g) {
-      scale[cells + g * P] = scale_of[g];
-      shift[cells + g * P] = shift_of[g];
-      unit_sum[cells + g * P] = unit_sum_of[g];
-      sum[cells + g * P] = sum_of[g];
+      const int64_t at = panel_index(r, g, groups, kPanelRows);
+      scale[at] = scale_of[g];
+      shift[at] = shift_of[g];
+      unit_sum[at] = unit_sum_of[g];
+      sum[at] = sum_of[g];
     }
   }
 }
@@ -254,13 +253,12 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
                                               widen_pattern(1, 0), widen_pattern(0, 0));
   const __m512i high_pairs = _mm512_set4_epi32(widen_pattern(3, 2), widen_pattern(2, 2),
                                                widen_pattern(1, 2), widen_pattern(0, 2));
-  // the rows' one or two panels (row0 is a panel's first row)
-  const int64_t panel_words = static_cast<int64_t>(a.k_padded) * sizeof(Q) / 4 * P;
-  const int64_t panel_cells = static_cast<int64_t>(groups) * P;
-  const int32_t* const q0 = static_cast<const int32_t*>(a.q) + row0 / P * panel_words;
-  const int32_t* const shift0 = a.shift + row0 / P * panel_cells;
-  const float* const scale0 = a.scale + row0 / P * panel_cells;
-  const float* const unit_sum0 = a.unit_sum + row0 / P * panel_cells;
+  // the rows' one or two panels (row0 is a panel's first row): row r of them at r = 0..R−1
+  const int64_t panel_words = a.words() * P;
+  const int32_t* const q0 = static_cast<const int32_t*>(a.q) + a.word_at(row0, 0);
+  const int32_t* const shift0 = a.shift + a.cell_at(row0, 0);
+  const float* const scale0 = a.scale + a.cell_at(row0, 0);
+  const float* const unit_sum0 = a.unit_sum + a.cell_at(row0, 0);
   // Adds one quad (16 rows × 4 inputs, unsigned bytes u) times the R rows' words at `at`.
   auto add_quad = [&](__m512i(&dot)[R], __m512i u, const int32_t* at) PYSERVE_AVX512 {
     const int32_t* const panel[2] = {at, at + panel_words};
@@ -305,7 +303,7 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
       const __m512 m =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
       for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
-        const int64_t cell = r / P * panel_cells + g * P + r % P;
+        const int64_t cell = panel_index(r, g, groups, P);
         __m512 sum = _mm512_load_ps(acc[r]);
         if constexpr (sizeof(Q) == 2) {
           const __m512i shifted = _mm512_sllv_epi32(dot[r], _mm512_set1_epi32(shift0[cell]));
