@@ -7,7 +7,8 @@ cannot take the rest down; a child past its share of the budget is stopped and r
 2. bandwidth: a large device-to-device copy, GB/s = 2 x bytes / time: the roofline's divisor.
 3. parity: the default model (SmolLM2-135M GGUF) against Hugging Face greedy on the same device.
    float32 (quantization none, float32 K/V) must give HF's tokens; bfloat16 reports the share of
-   tokens before the first divergence. Backend triton, and torch beside it.
+   tokens before the first divergence. Backend triton, and torch beside it. Where the model's
+   file is missing, a random-weight model of its shape (the summary says so).
 4. decode: a random-weight Llama-3-8B-shaped bf16 model (safetensors written once) through
    OfflineEngine with backend triton at several batch sizes: tok/s over the decode-only steps
    against the roofline of the measured bandwidth (weights + K/V read per step).
@@ -20,6 +21,11 @@ line per section, DIR/logs and DIR/servers the children's and servers' output.
     python benchmarks/gpu_check.py --out DIR              # full sizes, within --budget-s
     python benchmarks/gpu_check.py --out DIR --quick      # 4 of the 8B shape's layers, fewer runs
     python benchmarks/gpu_check.py --out DIR --cpu-smoke  # every path on a CPU, tiny shapes
+    python benchmarks/gpu_check.py --out DIR --only parity,serving  # some sections
+
+On the lent GPU machine (no package index; at most 64 MiB a call), benchmarks/gpu_bundle.py
+prepares the wheels and the default model here and benchmarks/gpu_device.sh runs this script
+there in two calls.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ LLAMA3_8B = dict(
     intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     bos_token_id=128000, eos_token_id=128001,
+)
+# the default model's shape, for parity where its file is missing (random weights)
+SMOLLM2_135M = LLAMA3_8B | dict(
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2,
 )
 TINY_LLAMA = LLAMA3_8B | dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -191,7 +203,7 @@ def bandwidth(ctx: Ctx) -> dict:
 # ------------------------------------------------------------------------------- 3 parity
 
 
-def parity_prompts(count: int) -> tuple[list[list[int]], str]:
+def parity_prompts(count: int, vocab: int) -> tuple[list[list[int]], str]:
     try:
         from pyserve.model_files import load_tokenizer, resolve_model
 
@@ -199,7 +211,8 @@ def parity_prompts(count: int) -> tuple[list[list[int]], str]:
         return [tok.encode(t) for t in TEXTS[:count]], "texts"
     except Exception as e:  # the comparison matters more than natural text
         rng = random.Random(0)
-        return [[rng.randrange(100, 40000) for _ in range(8)] for _ in range(count)], f"ids ({e})"
+        ids = [[rng.randrange(3, vocab) for _ in range(8)] for _ in range(count)]
+        return ids, f"random ids ({type(e).__name__})"
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], object]:
@@ -230,33 +243,51 @@ def agreement(ours: list[int], theirs: list[int], logprobs) -> dict:
     return row
 
 
-def parity(ctx: Ctx) -> dict:
+def parity_model(ctx: Ctx) -> tuple[str, object, str]:
+    """(what OfflineEngine loads, HF's float32 model of the same weights, a description): the
+    default model, or where its file is missing a random-weight model of its shape."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pyserve.model_files import default_model_path
+    from pyserve.model_files import ModelFilesError, default_model_path
+
+    eager = dict(dtype=torch.float32, attn_implementation="eager")  # every step in float32
+    try:
+        gguf = Path(default_model_path())
+    except ModelFilesError as e:
+        directory = Path(ctx.args.scratch or make_scratch(ctx.sizes)) / "smollm2-shaped"
+        directory.mkdir(parents=True, exist_ok=True)
+        shape = TINY_LLAMA if ctx.args.cpu_smoke else SMOLLM2_135M
+        write_random_llama(shape, ctx.sizes.device, directory, decisive=True)
+        hf = AutoModelForCausalLM.from_pretrained(str(directory), **eager)
+        return str(directory), hf, f"random weights in the default model's shape ({e})"
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **eager)
+    return None, hf, str(gguf)
+
+
+def parity(ctx: Ctx) -> dict:
+    import torch
+
     from pyserve.wire.main_to_worker import SamplingParams
     from pyserve.worker.offline import OfflineEngine
 
     # TF32 would make HF's float32 reference something other than float32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     (count, steps), device = ctx.sizes.parity, ctx.sizes.device
-    gguf = Path(default_model_path())
-    prompts, source = parity_prompts(count)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).to(device)
+    model, hf, described = parity_model(ctx)
+    prompts, source = parity_prompts(count, hf.config.vocab_size)
+    hf = hf.to(device)
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-    result: dict = {"model": str(gguf), "prompts": source, "prompt_lens": list(map(len, prompts))}
+    result: dict = {"model": described, "prompts": source, "prompt_lens": list(map(len, prompts))}
     lines = []
     for dtype in ("float32", "bfloat16"):
         hf = hf.to(getattr(torch, dtype)).eval()
         refs = [hf_greedy(hf, p, steps) for p in prompts]
         for backend in ("triton", "torch"):
             case = f"{dtype} {backend}"
-            options = dict(quantization="none", kv_cache_dtype=dtype, num_blocks=256)
+            opts = dict(quantization="none", kv_cache_dtype=dtype, num_blocks=256)
             try:
-                engine = OfflineEngine(None, dtype=dtype, device=device, backend=backend, **options)
+                engine = OfflineEngine(model, dtype=dtype, device=device, backend=backend, **opts)
                 outs = engine.generate(prompts, params)
                 del engine
             except Exception as e:  # one backend failing must not hide the other's result
@@ -278,15 +309,18 @@ def parity(ctx: Ctx) -> dict:
     result["float32_triton_identical"] = result["float32 triton"].get("identical") == count
     if ctx.args.cpu_smoke:  # triton-lang/triton#11584: the interpreter multiplies bf16 bits
         lines.append("bf16 triton is not meaningful in the interpreter (no bf16 tl.dot)")
-    result["summary"] = f"{steps} tokens x {len(prompts)} prompts: " + "; ".join(lines)
+    on = "" if model is None else " (random weights: the default model's file is missing)"
+    result["summary"] = f"{steps} tokens x {len(prompts)} prompts{on}: " + "; ".join(lines)
     return result
 
 
 # ------------------------------------------------------------------------------- 4, 5
 
 
-def write_random_llama(fields: dict, device: str, directory: Path) -> int:
-    """A random-weight bf16 Llama as safetensors shards, drawn on ``device``; returns bytes."""
+def write_random_llama(fields: dict, device: str, directory: Path, decisive: bool = False) -> int:
+    """A random-weight bf16 Llama as safetensors shards, drawn on ``device``; returns bytes.
+    ``decisive``: weights of std 1/sqrt(fan-in) (embeddings 0.5) instead of 0.02, so that the
+    logits are not near-uniform and greedy parity is not decided by rounding."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -303,7 +337,10 @@ def write_random_llama(fields: dict, device: str, directory: Path) -> int:
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         else:
-            tensor.normal_(0.0, 0.02, generator=gen)
+            std = 0.02
+            if decisive:
+                std = 0.5 if "embed_tokens" in name or "lm_head" in name else shape[-1] ** -0.5
+            tensor.normal_(0.0, std, generator=gen)
         shard[name] = tensor.cpu()
         shard_bytes += tensor.numel() * 2
         if shard_bytes >= 4 << 30 or i == len(shapes) - 1:
@@ -640,7 +677,11 @@ def run_groups(
     args: argparse.Namespace, results: dict, budget: float, started: float, scratch: str
 ) -> None:
     out, mode = Path(args.out), results["mode"]
-    for names, cap in GROUPS:
+    only = args.only.split(",") if args.only else list(SECTIONS)
+    for group, cap in GROUPS:
+        names = tuple(n for n in group if n in only)
+        if not names:
+            continue
         left = budget - (time.monotonic() - started)
         if left < min(cap, 30):
             got = {
@@ -666,10 +707,14 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, interpreted")
     p.add_argument("--torch-decode", action="store_true", help="decode with backend torch too")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for all the sections")
+    p.add_argument("--only", default=None, help="these sections (comma-separated) alone")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child's group
     p.add_argument("--scratch", default=None, help=argparse.SUPPRESS)  # the model's directory
     p.add_argument("--bandwidth-gbs", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = set(args.only.split(",")) - set(SECTIONS) if args.only else set()
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}: {', '.join(SECTIONS)}")
     if args.section:
         run_group(args)
         return 0

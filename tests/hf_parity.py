@@ -50,7 +50,9 @@ def make_tiny_model(directory, kind: str = "llama", seed: int = 0, **overrides):
     }
     config_cls, model_cls = classes[kind]
     torch.manual_seed(seed)
-    config = config_cls(**{**TINY, **overrides})
+    # eager attention: what every family's features run under (transformers 5.17 defaults
+    # Gemma 2 to sdpa, which drops the attention soft-cap)
+    config = config_cls(**{**TINY, **overrides}, attn_implementation="eager")
     model = model_cls(config).float().eval()
     with torch.no_grad():
         # Default init gives near-uniform logits (every argmax a near-tie) and attention that

@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_NEG_INF = float("-inf")
+# jit code reads module globals only when they are constexprs (the interpreter reads any)
+_NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit

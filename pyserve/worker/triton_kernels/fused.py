@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-_SQRT_2_OVER_PI = 0.7978845608028654
+# jit code reads module globals only when they are constexprs (the interpreter reads any)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

@@ -1,0 +1,157 @@
+"""Every Triton kernel compiles for the GPUs it is meant for (sm_90: H100/H200; sm_80: A100),
+at the shapes and dtypes of the model families the backend serves, on a machine without a GPU.
+
+The interpreter that test_triton_kernels.py runs the kernels in accepts code that the compiler
+rejects, so this test records the launches the kernel wrappers make for real model shapes (the
+kernels do not run) and compiles each in a child without ``TRITON_INTERPRET``
+(tests/triton_compile.py), checking the shared memory each needs against the target's limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from triton_compile import record_launches, unique
+
+from pyserve.worker.backends.triton_gpu import MAX_SPLITS
+from pyserve.worker.triton_kernels import attention, fused
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    rotary: int | None = None  # partial rotary dims
+    softcap: float | None = None
+    window: int | None = None
+    activation: str = "silu"
+
+
+# fmt: off
+SHAPES = {
+    "smollm2-135m": Shape(9, 3, 64, 576, 1536),
+    "llama3-8b": Shape(32, 8, 128, 4096, 14336),
+    "qwen2.5-0.5b": Shape(14, 2, 64, 896, 4864),
+    "mistral-window": Shape(32, 8, 128, 4096, 14336, window=4096),
+    "gemma2-9b": Shape(16, 8, 256, 3584, 14336, softcap=50.0, window=4096,
+                       activation="gelu_tanh"),
+    "phi3-partial-rotary": Shape(32, 32, 96, 3072, 8192, rotary=48),
+}
+# fmt: on
+DTYPES = {
+    "llama3-8b": (torch.bfloat16, torch.float16, torch.float32),
+    "smollm2-135m": (torch.bfloat16, torch.float32),
+}
+BLOCK_SIZE = 16
+
+
+def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
+    """The launches one layer's kernels make for a step with a decode row and a prefill entry
+    (over a cached prefix), at 1 and MAX_SPLITS decode splits."""
+    tokens, slots = 3, 4 * BLOCK_SIZE
+    qkv = torch.zeros(tokens, (shape.heads + 2 * shape.kv_heads) * shape.head_dim, dtype=dtype)
+    rotary = shape.rotary or shape.head_dim
+    cos = torch.zeros(tokens, 1, rotary, dtype=torch.float32)
+    cache = torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=dtype)
+    ints = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    common = dict(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=shape.kv_heads,
+        scale=shape.head_dim**-0.5,
+        softcap=shape.softcap,
+        window=shape.window,
+    )
+    x = torch.zeros(tokens, shape.hidden, dtype=dtype)
+    with record_launches(execute=False) as launches:
+        fused.rms_norm(x, torch.ones(shape.hidden, dtype=dtype), 1e-5)
+        fused.rms_norm(x, torch.ones(shape.hidden, dtype=dtype), 1e-5, residual=x.clone())
+        fused.gated_activation(
+            torch.zeros(tokens, 2 * shape.intermediate, dtype=dtype), shape.activation
+        )
+        slot_ids = torch.arange(tokens, dtype=torch.int64)
+        q = fused.rope_kv_store(
+            qkv, cos, cos, slot_ids, cache, cache.clone(),
+            num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        )  # fmt: skip
+        out = torch.empty_like(q)
+        tables = ints(0, 1, 2, 3).view(1, 4)
+        for splits in (1, MAX_SPLITS):
+            attention.paged_decode_attention(
+                q, cache, cache, out, tables, ints(40), ints(0),
+                max_context=40, num_splits=splits, **common,
+            )  # fmt: skip
+        attention.paged_extend_attention(
+            q, cache, cache, out, tables, ints(1), ints(2), ints(30), max_q_len=2, **common
+        )
+    return launches
+
+
+def all_launches() -> list[dict]:
+    launches = []
+    for name, shape in SHAPES.items():
+        for dtype in DTYPES.get(name, (torch.bfloat16,)):
+            launches += launches_of(shape, dtype)
+    return unique(launches)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    launches = all_launches()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(HERE / "triton_compile.py")],
+        input=json.dumps(launches),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_the_recorder_sees_every_kernel_with_its_constexprs() -> None:
+    launches = launches_of(SHAPES["gemma2-9b"], torch.bfloat16)
+    names = [launch["name"] for launch in launches]
+    assert names == [
+        "_rms_norm_kernel", "_rms_norm_kernel", "_gated_kernel", "_rope_kv_store_kernel",
+        "_decode_split_kernel", "_decode_merge_kernel", "_decode_split_kernel",
+        "_decode_merge_kernel", "_extend_kernel",
+    ]  # fmt: skip
+    decode = launches[4]
+    assert decode["signature"]["q_ptr"] == "*bf16"
+    assert decode["signature"]["out_ptr"] == "*fp32"  # the split partials
+    assert (
+        decode["constexprs"] | {"HAS_SOFTCAP": True, "HAS_WINDOW": True, "GROUP": 2}
+        == (decode["constexprs"])
+    )
+    assert launches[6]["constexprs"]["NUM_SPLITS"] == MAX_SPLITS
+
+
+def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) -> None:
+    failures = [
+        f"{row['kernel']} sm_{row['capability']} {row['constexprs']}: {row['error']}"
+        for row in compiled
+        if "error" in row
+    ]
+    assert not failures, "\n".join(failures)
+    kernels = {row["kernel"] for row in compiled}
+    assert kernels == {
+        "_rms_norm_kernel", "_gated_kernel", "_rope_kv_store_kernel", "_decode_split_kernel",
+        "_decode_merge_kernel", "_extend_kernel",
+    }  # fmt: skip
+    assert {row["capability"] for row in compiled} == {90, 80}

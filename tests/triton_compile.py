@@ -1,0 +1,128 @@
+"""Triton kernels compiled for a GPU, on a machine without one.
+
+Triton's interpreter runs kernels on the CPU but checks none of what the compiler rejects: module
+globals that are not constexprs, ``tl.dot`` shapes, types the code generator has no lowering
+for. So the tests record the launches that the kernel wrappers make under the interpreter
+(``record_launches``: the kernel, its argument types and its constexprs), and this file, run as
+a script without ``TRITON_INTERPRET``, compiles each one for real GPU targets with Triton's own
+compiler and ``ptxas`` (both in the triton wheel; no driver is needed) and reports the shared
+memory each compiled kernel needs.
+
+    python tests/triton_compile.py < launches.json > results.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+
+# what each target allows a block to use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+SHARED_LIMITS = {90: 232448, 80: 166912}
+_POINTER_TYPES = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint8": "u8",
+    "bool": "i1",
+}
+
+
+def _type_of(value: object) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def record_launches(execute: bool = True) -> Iterator[list[dict]]:
+    """Under ``TRITON_INTERPRET=1``: every kernel launch in the block, as the kernel's module
+    and name, the type of each runtime argument and the value of each constexpr. With
+    ``execute=False`` the kernels do not run (the outputs stay as they were)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: list[dict] = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        import inspect
+
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = inspect.signature(self.fn).parameters
+        signature, constexprs = {}, {}
+        for name, value in bound.arguments.items():
+            if "constexpr" in str(params[name].annotation):
+                signature[name] = "constexpr"
+                constexprs[name] = value
+            else:
+                signature[name] = _type_of(value)
+        kernel = {"module": self.fn.__module__, "name": self.fn.__name__}
+        launches.append(kernel | {"signature": signature, "constexprs": constexprs})
+        if execute:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    InterpretedFunction.run = recording
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = run
+
+
+def unique(launches: list[dict]) -> list[dict]:
+    seen: dict[str, dict] = {}
+    for launch in launches:
+        seen.setdefault(json.dumps(launch, sort_keys=True), launch)
+    return list(seen.values())
+
+
+def compile_one(launch: dict, capability: int) -> dict:
+    """Compiles one recorded launch for an NVIDIA GPU of this compute capability."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+    source = ASTSource(kernel, launch["signature"], launch["constexprs"])
+    row = {"kernel": launch["name"], "capability": capability}
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+    except Exception as e:
+        return row | {"error": f"{type(e).__name__}: {e}"[:3000]}
+    shared = int(compiled.metadata.shared)
+    row |= {"shared": shared, "num_warps": compiled.metadata.num_warps}
+    if shared > SHARED_LIMITS[capability]:
+        row["error"] = f"needs {shared} bytes of shared memory, sm_{capability} allows "
+        row["error"] += str(SHARED_LIMITS[capability])
+    return row
+
+
+def main() -> int:
+    launches = json.load(sys.stdin)
+    capabilities = [int(c) for c in sys.argv[1:]] or sorted(SHARED_LIMITS, reverse=True)
+    rows = []
+    for launch in launches:
+        for capability in capabilities:
+            rows.append(compile_one(launch, capability) | {"constexprs": launch["constexprs"]})
+    json.dump(rows, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
