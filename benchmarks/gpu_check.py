@@ -7,12 +7,14 @@ cannot take the rest down; a child past its share of the budget is stopped and r
 2. bandwidth: a large device-to-device copy, GB/s = 2 x bytes / time: the roofline's divisor.
 3. parity: the default model (SmolLM2-135M GGUF) against Hugging Face greedy on the same device.
    float32 (quantization none, float32 K/V) must give HF's tokens; bfloat16 reports the share of
-   tokens before the first divergence. Backend triton, and torch beside it. Where the model's
-   file is missing, a random-weight model of its shape (the summary says so).
+   tokens before the first divergence. Backend triton, and torch beside it, and the triton
+   backend on the file's own 4-/8-bit blocks (quantization auto: the same weights exactly).
+   Where the model's file is missing, a random-weight model of its shape (the summary says so).
 4. decode: a random-weight Llama-3-8B-shaped bf16 model (safetensors written once) through
    OfflineEngine with backend triton at several batch sizes: tok/s over the decode-only steps
    against the roofline of the measured bandwidth (weights + K/V read per step).
 5. ttft: 2k-token prompts on that model, alone and several at once.
+   quant_matmul: the 8-/4-bit Triton matmul on that model's projections against bf16 torch.
 6. serving: ``pyserve run --backend triton`` against ``transformers serve`` at concurrency 32.
 
 DIR/results.json is rewritten after every group (a kill keeps what ran), DIR/summary.txt has a
@@ -90,6 +92,7 @@ GROUPS = [
     (("bandwidth",), 60),
     (("parity",), 240),
     (("decode", "ttft"), 360),
+    (("quant_matmul",), 90),
     (("serving",), 300),
 ]
 
@@ -283,9 +286,16 @@ def parity(ctx: Ctx) -> dict:
     for dtype in ("float32", "bfloat16"):
         hf = hf.to(getattr(torch, dtype)).eval()
         refs = [hf_greedy(hf, p, steps) for p in prompts]
-        for backend in ("triton", "torch"):
-            case = f"{dtype} {backend}"
-            opts = dict(quantization="none", kv_cache_dtype=dtype, num_blocks=256)
+        # the default GGUF's own Q4_1/Q8_0 blocks on the 8-/4-bit Triton kernels too: the same
+        # weights exactly, so float32 must give HF's tokens as well (too slow interpreted:
+        # tests/test_triton_quant.py checks it on a tiny file)
+        quantized = model is None and not ctx.args.cpu_smoke
+        cases = [("triton", "none"), ("torch", "none")] + [("triton", "auto")] * quantized
+        for backend, quantization in cases:
+            case = f"{dtype} {backend}" + (
+                " int4/int8 (the file's)" if quantization == "auto" else ""
+            )
+            opts = dict(quantization=quantization, kv_cache_dtype=dtype, num_blocks=256)
             try:
                 engine = OfflineEngine(model, dtype=dtype, device=device, backend=backend, **opts)
                 outs = engine.generate(prompts, params)
@@ -517,6 +527,89 @@ def ttft(ctx: Ctx) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------- 6 quantized
+
+
+def _median_seconds(fn, device: str, repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def quant_matmul_check(ctx: Ctx) -> dict:
+    """The 8-/4-bit Triton matmul on the 8B shape's projections (random integers and scales
+    drawn on the device) against torch's bf16 matmul: GB/s of weight bytes read, at 1-64 rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from pyserve.worker.triton_kernels.quant_matmul import quant_matmul
+
+    device, c = ctx.sizes.device, ctx.sizes.llama
+    bw = ctx.args.bandwidth_gbs or bandwidth(ctx)["gb_per_s_best"]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    shapes = {"qkv": (h, h + 2 * kv), "o": (h, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    repeats = 20 if device == "cuda" else 2
+    rows_list = (1, 16, 64) if device == "cuda" else (1, 16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    runs, lines = [], []
+    for name, (k, n) in shapes.items():
+        groups = k // 32
+        d = (torch.rand(n, groups, device=device, generator=gen) * 0.01).half()
+        m = (-d.float() * 8).half()
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        for bits in (4, 8):
+            u = torch.randint(0, 256, (n, k * bits // 8), device=device, generator=gen)
+            u = u.to(torch.uint8)
+            weight_bytes = u.numel() + 4 * n * groups
+            for rows in rows_list:
+                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
+                ours = _median_seconds(
+                    lambda x=x, u=u, bits=bits, d=d, m=m, n=n: quant_matmul(
+                        x, u, d, m, bits=bits, group=32, n=n
+                    ),
+                    device,
+                    repeats,
+                )
+                theirs = _median_seconds(lambda x=x, w=dense: F.linear(x, w), device, repeats)
+                row = {
+                    "shape": name, "k": k, "n": n, "bits": bits, "rows": rows,
+                    "us": ours * 1e6, "gb_per_s": weight_bytes / ours / 1e9,
+                    "fraction_of_bandwidth": weight_bytes / ours / 1e9 / bw,
+                    "bf16_us": theirs * 1e6, "bf16_gb_per_s": 2 * n * k / theirs / 1e9,
+                    "speedup_vs_bf16": theirs / ours,
+                }  # fmt: skip
+                runs.append(row)
+        del dense
+    _free()
+    for bits in (4, 8):
+        for rows in rows_list:
+            picked = [r for r in runs if r["bits"] == bits and r["rows"] == rows]
+            us = sum(r["us"] for r in picked)
+            bf16 = sum(r["bf16_us"] for r in picked)
+            share = statistics.mean(r["fraction_of_bandwidth"] for r in picked)
+            lines.append(
+                f"int{bits} x{rows}: a layer's 4 projections {us:.0f} us ({share:.0%} of "
+                f"bandwidth) vs bf16 {bf16:.0f} us: {bf16 / us:.2f}x"
+            )
+    return {"bandwidth_gb_per_s": bw, "runs": runs, "summary": "; ".join(lines)}
+
+
 # ------------------------------------------------------------------------------- 6 serving
 
 
@@ -586,6 +679,7 @@ SECTIONS = {
     "parity": parity,
     "decode": decode,
     "ttft": ttft,
+    "quant_matmul": quant_matmul_check,
     "serving": serving_check,
 }
 

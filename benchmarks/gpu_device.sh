@@ -4,7 +4,7 @@
 #
 #   stage   installs the carried wheels, builds pyserve's extension for the machine's Python,
 #           keeps the first half of the default model; then the sections that need no model
-#           file: environment, bandwidth, decode and ttft (the 8B-shaped random model)
+#           file: environment, bandwidth, decode, ttft (the 8B-shaped random model) and quant_matmul
 #   finish  puts the default model together from both halves and checks its SHA-256; then
 #           parity and serving. On a fresh machine (the first went back) it stages first, and
 #           with no whole model parity uses a random SmolLM2-shaped one (gpu_check says so).
@@ -74,7 +74,7 @@ case "${1:-}" in
 stage)
 	stage 2>&1 | tee "$LOG"
 	[ "${PIPESTATUS[0]}" = 0 ] || { echo "stage FAILED" | tee -a "$LOG"; exit 1; }
-	check environment,bandwidth,decode,ttft stage "${@:2}"
+	check environment,bandwidth,decode,ttft,quant_matmul stage "${@:2}"
 	;;
 finish)
 	if [ ! -f "$STATE/staged" ]; then

@@ -116,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=list(QUANTIZATION_NAMES),
-        help="linear layers as 8- or 4-bit integers on pyserve's CPU kernels (int8, int4: "
-        "several times faster small-batch decode, logits slightly off float32), or none; "
-        "auto: the precision a GGUF file stores (int4 for Q4_*, int8 for Q5_*-Q8_0) on the CPU, "
-        "none for float checkpoints and on other devices",
+        help="linear layers as 8- or 4-bit integers on pyserve's CPU kernels or, on CUDA, its "
+        "Triton ones (int8, int4: several times faster small-batch decode, logits slightly off "
+        "float32), or none; auto: the precision a GGUF file stores (int4 for Q4_*, int8 for "
+        "Q5_*-Q8_0), none for float checkpoints",
     )
     kv = run.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-tokens", type=int, help="KV cache size in tokens")

@@ -41,15 +41,17 @@ NEAR_TIE = 0.01  # logprob gap under which int16-rounded activations may flip fp
 # ---------------------------------------------------------------------------- settings
 
 
-def test_auto_follows_the_file_on_the_cpu_only():
+def test_auto_follows_the_file_where_quantized_kernels_exist():
     assert resolve_quantization("auto", "cpu", "int4") == "int4"
     assert resolve_quantization("auto", "cpu", "int8") == "int8"
     assert resolve_quantization("auto", "cpu", None) == "none"
-    assert resolve_quantization("auto", "cuda", "int4") == "none"
+    assert resolve_quantization("auto", "cuda", "int4") == "int4"  # the Triton kernels
+    assert resolve_quantization("int4", "cuda:0", None) == "int4"
+    assert resolve_quantization("auto", "mps", "int4") == "none"
     assert resolve_quantization("none", "cpu", "int4") == "none"
     assert resolve_quantization("int8", "cpu", "int4") == "int8"  # explicit wins over the file
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quantization("int4", "cuda:0", None)
+    with pytest.raises(ValueError, match="CPU and CUDA devices only"):
+        resolve_quantization("int4", "mps", None)
     with pytest.raises(ValueError, match="quantization must be one of"):
         resolve_quantization("int3", "cpu", None)
     # the kernels compute in float32: auto dtype is float32 whenever linears are quantized
@@ -92,9 +94,10 @@ def test_engine_config_and_cli():
     EngineConfig(quantization="int8").validate()
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="q4").validate()
-    with pytest.raises(ValueError, match="CPU only"):
-        EngineConfig(quantization="int4", device="cuda").validate()
-    EngineConfig(device="cuda").validate()  # auto: none off the CPU
+    EngineConfig(quantization="int4", device="cuda").validate()  # the Triton kernels
+    with pytest.raises(ValueError, match="CPU and CUDA devices only"):
+        EngineConfig(quantization="int4", device="mps").validate()
+    EngineConfig(device="cuda").validate()
     parser = build_parser()
     assert engine_config(parser.parse_args(["run"])).quantization == "auto"
     config = engine_config(parser.parse_args(["run", "--quantization", "int4"]))
@@ -221,6 +224,6 @@ def test_8_bit_activations_are_llama_cpp_close(default_model_outputs):
     assert sum(moved) / len(moved) < 0.1 and max(moved) < 1.0, moved
 
 
-def test_explicit_quantization_off_the_cpu_fails_before_loading():
-    with pytest.raises(ValueError, match="CPU only"):
+def test_explicit_quantization_without_kernels_fails_before_loading():
+    with pytest.raises(ValueError, match="CPU and CUDA devices only"):
         ModelRunner(WorkerSettings(quantization="int4", device="meta", num_blocks=4, block_size=16))

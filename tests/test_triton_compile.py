@@ -1,5 +1,6 @@
 """Every Triton kernel compiles for the GPUs it is meant for (sm_90: H100/H200; sm_80: A100),
-at the shapes and dtypes of the model families the backend serves, on a machine without a GPU.
+at the shapes and dtypes of the model families the backend serves (and the 8-/4-bit matmul at
+each tile height), on a machine without a GPU.
 
 The interpreter that test_triton_kernels.py runs the kernels in accepts code that the compiler
 rejects, so this test records the launches the kernel wrappers make for real model shapes (the
@@ -21,7 +22,9 @@ import torch
 from triton_compile import record_launches, unique
 
 from pyserve.worker.backends.triton_gpu import MAX_SPLITS
+from pyserve.worker.quant import quantize_weight
 from pyserve.worker.triton_kernels import attention, fused
+from pyserve.worker.triton_kernels.quant_matmul import device_layout, quant_matmul
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,11 +101,29 @@ def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
     return launches
 
 
+def quantized_launches(dtype: torch.dtype) -> list[dict]:
+    """The 8- and 4-bit matmul for a decode step (split-K) and prefill chunks of each tile
+    height, with and without a bias."""
+    launches = []
+    for bits in (8, 4):
+        u, d, m = device_layout(quantize_weight(torch.zeros(64, 128), bits))
+        bias = torch.zeros(64, dtype=dtype)
+        with record_launches(execute=False) as recorded:
+            for rows, split in ((1, 4), (16, 1), (32, 1), (200, 1)):
+                x = torch.zeros(rows, 128, dtype=dtype)
+                quant_matmul(x, u, d, m, bits=bits, group=32, n=64, split=split)
+                quant_matmul(x, u, d, m, bits=bits, group=32, n=64, bias=bias, split=split)
+        launches += recorded
+    return launches
+
+
 def all_launches() -> list[dict]:
     launches = []
     for name, shape in SHAPES.items():
         for dtype in DTYPES.get(name, (torch.bfloat16,)):
             launches += launches_of(shape, dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        launches += quantized_launches(dtype)
     return unique(launches)
 
 
@@ -152,6 +173,6 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) 
     kernels = {row["kernel"] for row in compiled}
     assert kernels == {
         "_rms_norm_kernel", "_gated_kernel", "_rope_kv_store_kernel", "_decode_split_kernel",
-        "_decode_merge_kernel", "_extend_kernel",
+        "_decode_merge_kernel", "_extend_kernel", "_quant_matmul_kernel",
     }  # fmt: skip
     assert {row["capability"] for row in compiled} == {90, 80}

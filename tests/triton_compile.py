@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 
@@ -113,13 +114,19 @@ def compile_one(launch: dict, capability: int) -> dict:
     return row
 
 
+def _compile_job(job: tuple[dict, int]) -> dict:
+    launch, capability = job
+    return compile_one(launch, capability) | {"constexprs": launch["constexprs"]}
+
+
 def main() -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
     launches = json.load(sys.stdin)
     capabilities = [int(c) for c in sys.argv[1:]] or sorted(SHARED_LIMITS, reverse=True)
-    rows = []
-    for launch in launches:
-        for capability in capabilities:
-            rows.append(compile_one(launch, capability) | {"constexprs": launch["constexprs"]})
+    jobs = [(launch, capability) for launch in launches for capability in capabilities]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # ptxas and MLIR
+        rows = list(pool.map(_compile_job, jobs, chunksize=4))
     json.dump(rows, sys.stdout)
     return 0
 

@@ -26,8 +26,8 @@ class EngineConfig:
     served_model_name: str | None = None  # what /v1/models reports; default from the model
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto = float32 on CPU, bfloat16 else
     device: str = "cpu"
-    # Linear layers: none | int8 | int4 (CPU kernels, pyserve/worker/quant.py) | auto: the
-    # precision a GGUF file holds, on the CPU (none for float checkpoints and other devices).
+    # Linear layers: none | int8 | int4 (CPU kernels, pyserve/worker/quant.py; Triton ones on
+    # CUDA) | auto: the precision a GGUF file holds (none for float checkpoints).
     # The worker resolves auto (it reads the file) and reports the result in WorkerReady.
     quantization: str = "auto"
     # K and V storage: float32 | bfloat16 | float16 | auto (float16 for a float32 model on the

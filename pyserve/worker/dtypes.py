@@ -81,22 +81,26 @@ QUANTIZATION_NAMES = ("auto", "none", "int8", "int4")
 QUANTIZED_MODES = ("int8", "int4")
 
 
+QUANTIZED_DEVICES = ("cpu", "cuda")  # pyserve._kernels on the CPU, Triton kernels on CUDA
+
+
 def resolve_quantization(setting: str, device: str, checkpoint_hint: str | None) -> str:
     """What ``quantization=setting`` means for a checkpoint on ``device``: none, int8 or int4.
 
     ``auto`` serves a GGUF at the precision its file holds (``checkpoint_hint``, from the
-    loader) on the CPU, and unquantized elsewhere: the kernels (pyserve._kernels) are CPU-only.
+    loader) where quantized kernels exist: the CPU (pyserve._kernels) and CUDA devices
+    (pyserve/worker/triton_kernels/quant_matmul.py); unquantized elsewhere.
     """
     if setting not in QUANTIZATION_NAMES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}; got {setting!r}"
         )
-    on_cpu = device.startswith("cpu")
+    has_kernels = device.startswith(QUANTIZED_DEVICES)
     if setting == "auto":
-        return checkpoint_hint if on_cpu and checkpoint_hint in QUANTIZED_MODES else "none"
-    if setting in QUANTIZED_MODES and not on_cpu:
+        return checkpoint_hint if has_kernels and checkpoint_hint in QUANTIZED_MODES else "none"
+    if setting in QUANTIZED_MODES and not has_kernels:
         raise ValueError(
-            f"quantization {setting} runs on the CPU only (device {device!r}); "
+            f"quantization {setting} runs on CPU and CUDA devices only (device {device!r}); "
             "use --quantization none or auto"
         )
     return setting

@@ -9,6 +9,7 @@ import time
 import torch
 
 from pyserve.worker.backends import Backend, select_backend
+from pyserve.worker.backends.triton_gpu import triton_usable
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import blocks_for_memory
@@ -94,6 +95,8 @@ class ModelRunner:
                 "native" if native else self.quantization,
                 activation_bits=settings.activation_bits,
                 dtype=self.dtype,
+                kernels=self._quantized_kernels(),
+                device=str(self.device),
             )
         what = checkpoint.path.rsplit("/", 1)[-1]
         if tp is not None:
@@ -131,6 +134,19 @@ class ModelRunner:
             precisions or self.dtype_name,
         )
         self.load_seconds = time.perf_counter() - started
+
+    def _quantized_kernels(self) -> str:
+        """What runs the quantized layers: pyserve._kernels on the CPU, the Triton kernels
+        with the Triton backend (its interpreter on the CPU) and on CUDA devices."""
+        if self.backend.name != "triton" and self.device.type == "cpu":
+            return "cpu"
+        problem = triton_usable(self.device)
+        if problem is not None:
+            raise ValueError(
+                f"quantization {self.quantization} on {self.device} runs on Triton kernels, "
+                f"which cannot run: {problem}"
+            )
+        return "triton"
 
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
         per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize)  # this rank's heads

@@ -46,6 +46,10 @@ class Packing:
     # the output projection decides the tokens and runs on few rows: int16 whatever the layers use
     head_activation_bits: int = DEFAULT_ACTIVATION_BITS
     dtype: torch.dtype = torch.float32  # the model's
+    # what runs the packed layers: "cpu" (pyserve._kernels' QuantLinear) or "triton"
+    # (TritonQuantLinear, for the Triton backend and CUDA devices), on ``device``
+    kernels: str = "cpu"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.mode not in PACKING_MODES:

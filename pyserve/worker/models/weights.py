@@ -13,7 +13,13 @@ from pyserve.worker.loading.base import ModelLoadError, StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.decoder import CausalLM
 from pyserve.worker.models.registry import Family
-from pyserve.worker.quant import PackedWeight, QuantEmbedding, QuantLinear, quantize_weight
+from pyserve.worker.quant import (
+    PackedWeight,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize_weight,
+    quantize_weight,
+)
 from pyserve.worker.weight_packing import Packing, PackingPool, pack_parts
 
 EMBEDDING = "embed_tokens"  # the packing pool's key for a packed embedding table
@@ -204,21 +210,35 @@ def load_weights(
         packed["lm_head"] = head
     if embedding is not None:
         del model.embed_tokens  # a registered parameter: a module cannot take its name directly
-        model.embed_tokens = QuantEmbedding(embedding, packing.dtype)
+        if packing.kernels == "triton":  # a plain table on the device: lookups stay one gather
+            table = dequantize_weight(embedding).to(packing.dtype).to(packing.device)
+            model.embed_tokens = nn.Parameter(table, requires_grad=False)
+        else:
+            model.embed_tokens = QuantEmbedding(embedding, packing.dtype)
     counts: dict[int, int] = {}
     for module_name, weight in packed.items():
         module = model.get_submodule(module_name)
         head = module_name == "lm_head"
-        layer = QuantLinear.from_packed(
-            weight,
-            module.bias,
-            dtype=packing.dtype,
-            activation_bits=packing.head_activation_bits if head else packing.activation_bits,
-        )
+        layer = _packed_layer(packing, weight, module.bias, head)
         parent, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         counts[weight.bits] = counts.get(weight.bits, 0) + 1
     return counts
+
+
+def _packed_layer(
+    packing: Packing, weight: PackedWeight, bias: torch.Tensor | None, head: bool
+) -> nn.Module:
+    if packing.kernels == "triton":
+        from pyserve.worker.triton_kernels.quant_matmul import TritonQuantLinear
+
+        return TritonQuantLinear(weight, bias, dtype=packing.dtype, device=packing.device)
+    return QuantLinear.from_packed(
+        weight,
+        bias,
+        dtype=packing.dtype,
+        activation_bits=packing.head_activation_bits if head else packing.activation_bits,
+    )
 
 
 def _first(part: tuple[int, StoredTensor]) -> int:

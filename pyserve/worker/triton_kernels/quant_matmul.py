@@ -1,0 +1,205 @@
+"""Weight-only 8- and 4-bit linear layers in Triton: the quantized GGUF formats on the GPU.
+
+The weights are the CPU kernels' (pyserve/worker/quant.py: w = d·u + m per group of inputs, d
+and m fp16, u 8 or 4 bits), laid out plainly for the GPU: u as uint8 [n, k] (8-bit) or two to a
+byte [n, k/2] (4-bit: u[2j] in the low nibble of byte j, u[2j+1] in the high one), d and m as
+fp16 [n, groups]. A program computes a [BLOCK_M, BLOCK_N] tile of x·Wᵀ over a range of groups:
+it dequantizes each group's [group, BLOCK_N] weights to the activations' dtype (in float32 from
+the integers and scales) and multiplies them with ``tl.dot``, accumulating in float32. For the
+few rows of a decode step the output tiles are too few to keep a GPU's streaming units busy, so
+the groups are split between programs (split-K) whose float32 partial sums are added after.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from pyserve.worker.quant import PackedWeight, unpack_weight
+
+
+@triton.jit
+def _dequantized(u, d, m, dtype: tl.constexpr):
+    """[K, BLOCK_N] weights of the activations' dtype from integers u and per-column d, m."""
+    return (u.to(tl.float32) * d[None, :] + m[None, :]).to(dtype)
+
+
+@triton.jit
+def _quant_matmul_kernel(
+    x_ptr, w_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, rows, n, k, x_stride, out_stride,
+    w_stride, groups, groups_per_split,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    m_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m_rows < rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + m_rows.to(tl.int64)[:, None] * x_stride
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * w_stride
+    scale_at = cols.to(tl.int64) * groups
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = split * groups_per_split
+    last = tl.minimum(first + groups_per_split, groups)
+    for g in range(first, last):
+        d = tl.load(d_ptr + scale_at + g, mask=col_ok, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + scale_at + g, mask=col_ok, other=0.0).to(tl.float32)
+        if BITS == 8:
+            ks = g * GROUP + tl.arange(0, GROUP)
+            u = tl.load(w_cols + ks[:, None], mask=col_ok[None, :], other=0)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
+            acc += tl.dot(x, _dequantized(u, d, m, dtype), input_precision=PRECISION)
+        else:
+            half = tl.arange(0, GROUP // 2)
+            both = tl.load(
+                w_cols + (g * (GROUP // 2) + half)[:, None], mask=col_ok[None, :], other=0
+            )
+            even = g * GROUP + 2 * half  # the inputs of the low nibbles; odd ones the high
+            x_even = tl.load(
+                x_rows + even[None, :], mask=row_ok[:, None] & (even < k)[None, :], other=0.0
+            )
+            x_odd = tl.load(
+                x_rows + (even + 1)[None, :],
+                mask=row_ok[:, None] & (even + 1 < k)[None, :],
+                other=0.0,
+            )
+            low = _dequantized(both & 0x0F, d, m, dtype)
+            high = _dequantized(both >> 4, d, m, dtype)
+            acc += tl.dot(x_even, low, input_precision=PRECISION)
+            acc += tl.dot(x_odd, high, input_precision=PRECISION)
+    out_at = out_ptr + split * rows * out_stride + m_rows[:, None] * out_stride + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:  # float32 partial sums; the wrapper adds them and the bias
+        tl.store(out_at, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that keep a GPU's streaming multiprocessors busy (a few each); 1 elsewhere (the
+    interpreter runs programs one after another)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 4 * _multiprocessors(index)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """x [rows, k] @ Wᵀ (+ bias) in x's dtype, W = d·u + m packed as the module docstring says
+    (``weight`` uint8 [n, k_pad·bits/8], d and m fp16 [n, groups]). ``split``: the groups in
+    this many parts (None: what keeps the GPU busy)."""
+    rows, k = x.shape
+    groups = d.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    if split is None:
+        split = _programs_wanted(x.device) // tiles
+    split = max(1, min(groups, split))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)  # no split left without groups
+    if split > 1:
+        out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n), split)
+    _quant_matmul_kernel[grid](
+        x, weight, d, m, bias if bias is not None else d, out, rows, n, k, x.stride(0), n,
+        weight.stride(0), groups, per_split,
+        BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
+        SPLIT=split > 1, PRECISION=_precision(x.dtype),
+    )  # fmt: skip
+    if split == 1:
+        return out
+    total = out.sum(0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
+
+
+def device_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, d, m) of a packed weight in this module's layout, on the CPU: u uint8 [n, k_pad]
+    (8-bit) or [n, k_pad/2] (4-bit), d and m fp16 [n, groups]."""
+    u, d, m = unpack_weight(packed)
+    u, d, m = u[: packed.n], d[: packed.n], m[: packed.n]
+    if packed.bits == 4:
+        u = u[:, 0::2] | (u[:, 1::2] << 4)
+    return u.contiguous(), d.contiguous(), m.contiguous()
+
+
+class TritonQuantLinear(nn.Module):
+    """A linear layer with 8- or 4-bit weights on the Triton kernel, for the Triton backend."""
+
+    def __init__(
+        self,
+        packed: PackedWeight,
+        bias: torch.Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = packed.k, packed.n
+        self.bits, self.group = packed.bits, packed.group
+        u, d, m = device_layout(packed)
+        self.register_buffer("qweight", u.to(device))
+        self.register_buffer("d", d.to(device))
+        self.register_buffer("m", m.to(device))
+        self.bias = None
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows == 0:  # a step whose rows all belong to unfinished prefill chunks samples none
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        out = quant_matmul(
+            x.reshape(rows, self.in_features),
+            self.qweight,
+            self.d,
+            self.m,
+            bits=self.bits,
+            group=self.group,
+            n=self.out_features,
+            bias=self.bias,
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group={self.group}"
+        )
