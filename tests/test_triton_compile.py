@@ -5,7 +5,8 @@ each tile height), on a machine without a GPU.
 The interpreter that test_triton_kernels.py runs the kernels in accepts code that the compiler
 rejects, so this test records the launches the kernel wrappers make for real model shapes (the
 kernels do not run) and compiles each in a child without ``TRITON_INTERPRET``
-(tests/triton_compile.py), checking the shared memory each needs against the target's limit.
+(tests/triton_compile.py), checking the shared memory each needs against the target's limit and,
+from cuobjdump's resource usage, that none spills registers on sm_90.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def test_the_recorder_sees_every_kernel_with_its_constexprs() -> None:
         == (decode["constexprs"])
     )
     assert launches[6]["constexprs"]["NUM_SPLITS"] == MAX_SPLITS
+    assert decode["options"] == {"num_warps": 4} and launches[8]["options"] == {"num_warps": 8}
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) -> None:
@@ -176,3 +178,16 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) 
         "_decode_merge_kernel", "_extend_kernel", "_quant_matmul_kernel",
     }  # fmt: skip
     assert {row["capability"] for row in compiled} == {90, 80}
+
+
+def test_no_kernel_spills_registers_on_sm90(compiled) -> None:
+    """Spilled registers go to local memory (the stack): each such access is a memory round
+    trip in the kernel's inner loop. The tile sizes (attention.decode_tiles/extend_tiles,
+    quant_matmul's) are chosen so that none does on the H100/H200."""
+    spilling = [
+        f"{row['kernel']} {row['signature']} {row['constexprs']} {row['options']}: "
+        f"{row['registers']} registers, {row['stack']} stack bytes"
+        for row in compiled
+        if row["capability"] == 90 and row["stack"]
+    ]
+    assert not spilling, "\n".join(spilling)

@@ -6,7 +6,7 @@ for. So the tests record the launches that the kernel wrappers make under the in
 (``record_launches``: the kernel, its argument types and its constexprs), and this file, run as
 a script without ``TRITON_INTERPRET``, compiles each one for real GPU targets with Triton's own
 compiler and ``ptxas`` (both in the triton wheel; no driver is needed) and reports the shared
-memory each compiled kernel needs.
+memory, registers and stack (spilled registers) each compiled kernel needs.
 
     python tests/triton_compile.py < launches.json > results.json
 """
@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages")  # what a launch may set beside the arguments
 # what each target allows a block to use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SHARED_LIMITS = {90: 232448, 80: 166912}
 _POINTER_TYPES = {
@@ -61,6 +62,7 @@ def record_launches(execute: bool = True) -> Iterator[list[dict]]:
     def recording(self, *args, grid, warmup, **kwargs):
         import inspect
 
+        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
         params = inspect.signature(self.fn).parameters
@@ -72,9 +74,11 @@ def record_launches(execute: bool = True) -> Iterator[list[dict]]:
             else:
                 signature[name] = _type_of(value)
         kernel = {"module": self.fn.__module__, "name": self.fn.__name__}
-        launches.append(kernel | {"signature": signature, "constexprs": constexprs})
+        launches.append(
+            kernel | {"signature": signature, "constexprs": constexprs, "options": options}
+        )
         if execute:
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
         return None
 
     InterpretedFunction.run = recording
@@ -103,11 +107,13 @@ def compile_one(launch: dict, capability: int) -> dict:
     source = ASTSource(kernel, launch["signature"], launch["constexprs"])
     row = {"kernel": launch["name"], "capability": capability}
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+        target = GPUTarget("cuda", capability, 32)
+        compiled = triton.compile(source, target=target, options=launch.get("options") or None)
     except Exception as e:
         return row | {"error": f"{type(e).__name__}: {e}"[:3000]}
     shared = int(compiled.metadata.shared)
     row |= {"shared": shared, "num_warps": compiled.metadata.num_warps}
+    row |= resource_usage(compiled.asm["cubin"])
     if shared > SHARED_LIMITS[capability]:
         row["error"] = f"needs {shared} bytes of shared memory, sm_{capability} allows "
         row["error"] += str(SHARED_LIMITS[capability])
@@ -116,7 +122,31 @@ def compile_one(launch: dict, capability: int) -> dict:
 
 def _compile_job(job: tuple[dict, int]) -> dict:
     launch, capability = job
-    return compile_one(launch, capability) | {"constexprs": launch["constexprs"]}
+    described = {k: launch[k] for k in ("signature", "constexprs", "options")}
+    return compile_one(launch, capability) | described
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers a thread and stack bytes (where ptxas spills registers) of a compiled kernel,
+    from the cuobjdump in the triton wheel."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {text[-500:]}")
+    return {"registers": int(found[1]), "stack": int(found[2])}
 
 
 def main() -> int:

@@ -220,6 +220,23 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def decode_tiles(head_dim: int) -> tuple[int, int]:
+    """(keys a step, warps) of the decode kernel: no register spills at sm_90 for head dims up
+    to 256 (tests/test_triton_compile.py checks; 64 keys of 128 dims spilled)."""
+    block_d = _pow2(head_dim)
+    return (64 if block_d <= 64 else 32 if block_d <= 128 else 16), 4
+
+
+def extend_tiles(head_dim: int, exact: bool = False) -> tuple[int, int]:
+    """(keys a step, warps) of the extend kernel, likewise: 8 warps from 128 dims on, and in
+    float32 (``exact``) half the keys and always 8 warps."""
+    block_d = _pow2(head_dim)
+    block_n = 64 if block_d <= 128 else 16
+    if exact:
+        return block_n // 2, 8
+    return block_n, (8 if block_d >= 128 else 4)
+
+
 def _precision(dtype) -> str:
     import torch
 
@@ -230,7 +247,7 @@ def _precision(dtype) -> str:
 def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
-    num_splits: int, block_n: int = 64,
+    num_splits: int, block_n: int | None = None,
 ) -> None:  # fmt: skip
     """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
 
@@ -242,6 +259,8 @@ def paged_decode_attention(
 
     num_rows, num_heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
+    chosen, num_warps = decode_tiles(head_dim)
+    block_n = block_n or chosen
     split_tokens = -(-max_context // num_splits)
     split_tokens = -(-split_tokens // block_n) * block_n
     parts = torch.empty(
@@ -255,7 +274,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0),
@@ -267,11 +286,13 @@ def paged_decode_attention(
 def paged_extend_attention(
     q, k_cache, v_cache, out, tables, q_start, q_len, prefix, *, max_q_len: int,
     block_size: int, num_kv_heads: int, scale: float, softcap: float | None,
-    window: int | None, block_m: int = 32, block_n: int = 64,
+    window: int | None, block_m: int = 32, block_n: int | None = None,
 ) -> None:  # fmt: skip
     """Causal attention of each prefill entry's rows (``q_start``/``q_len`` [E]) over its cached
     prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
+    chosen, num_warps = extend_tiles(head_dim, exact=_precision(q.dtype) == "ieee")
+    block_n = block_n or chosen
     grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, tables, q_start, q_len, prefix,
@@ -279,5 +300,5 @@ def paged_extend_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
