@@ -4,6 +4,8 @@ vocabulary and tokenizer (so text prompts and chat templates work) and the famil
 GELU-tanh, two rope tables). Prompts are prefilled in small chunks; a prompt whose prefix the
 cache holds gives the same tokens as the same prompt cold, and both equal Hugging Face's greedy
 output on the same weights (K/V in float32, so that the only differences are HF's own near-ties).
+Qwen3 is also served with ``--backend triton``: the GPU backend end to end, its kernels in
+Triton's interpreter (conftest.py sets TRITON_INTERPRET=1, which the server's worker inherits).
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ FAMILIES = {
     },
 }
 LONG_PROMPTS = [p + " and then, after a long while, it went on" for p in REFERENCE_PROMPTS]
+# server: (family, backend); the default backend is the CPU kernels where they apply
+SERVERS = {
+    "qwen3": ("qwen3", None),
+    "gemma3": ("gemma3", None),
+    "qwen3-triton": ("qwen3", "triton"),
+}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(SERVERS))
 def server(request, tmp_path_factory):
-    family = request.param
-    directory = tmp_path_factory.mktemp(f"http-{family}")
+    family, backend = SERVERS[request.param]
+    directory = tmp_path_factory.mktemp(f"http-{request.param}")
     build_tiny_smollm(
         directory,
         seed=77,
@@ -53,10 +61,10 @@ def server(request, tmp_path_factory):
     )
     args = ["--model", str(directory), "--dtype", "float32", "--kv-cache-dtype", "float32"]
     args += ["--chunked-prefill-size", "8", "--max-prefill-tokens", "8", "--block-size", "4"]
-    args += ["--torch-threads", "1"]
+    args += ["--torch-threads", "1"] + (["--backend", backend] if backend else [])
     with running_server(args) as server:
         server.refs = references(directory)
-        server.family = family
+        server.family, server.backend = family, backend
         yield server
 
 
@@ -82,7 +90,8 @@ def test_the_server_names_the_family_and_its_backend(server):
     assert "q/k norm" in info["model_features"]
     if server.family == "gemma3":
         assert any(f.startswith(f"sliding window {WINDOW}") for f in info["model_features"])
-    assert info["backend"]["name"] in ("cpu-kernels", "torch") and info["backend"]["reason"]
+    expected = (server.backend,) if server.backend else ("cpu-kernels", "torch")
+    assert info["backend"]["name"] in expected and info["backend"]["reason"]
 
 
 def test_cold_and_cached_prompts_give_hf_tokens(server):

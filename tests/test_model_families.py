@@ -211,6 +211,24 @@ def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_fa
     assert_all_match(seqs, refs[:3])
 
 
+def test_the_triton_warm_up_writes_only_the_scratch_block(tmp_path_factory):
+    """The start-up prefill + decode that compiles the kernels on a GPU (run here through the
+    interpreter): K/V go to the block no request owns, the pool's blocks stay as they were."""
+    import torch
+
+    family = built_family("qwen3-qk-norm-window", tmp_path_factory)
+    runner = exact_runner(family, "triton", decode_graphs="off")
+    backend, cache = runner.backend, runner.backend.kv_cache
+    scratch = backend._scratch_block
+    assert cache.num_blocks == runner.num_blocks + 1 and scratch == runner.num_blocks
+    before = [k.clone() for k in cache.k]
+    backend.warm_up(runner.model)
+    pool_slots = scratch * cache.block_size  # slot-major: the scratch block's slots come last
+    for layer, k in enumerate(cache.k):
+        assert torch.equal(k[:pool_slots], before[layer][:pool_slots])
+        assert k[pool_slots:].abs().sum() > 0
+
+
 def test_a_cached_prefix_gives_what_a_cold_prompt_gives(family):
     """A request whose first blocks another request wrote (a prefix-cache hit) matches HF."""
     _, _, _, prompts, refs = family

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 SPLIT_TOKENS = 256
 MAX_SPLITS = 16
 GRAPH_MAX_BATCH = 256  # the default --max-running-requests: larger decode steps run eagerly
+# a warm-up prefill's rows: past the quantized matmul's largest tile height (64 rows), so that
+# every kernel a prefill launches is compiled before the first request
+WARM_UP_TOKENS = 80
 
 
 def fixed_splits(max_context: int) -> int:
@@ -137,12 +140,14 @@ class TritonBackend(Backend):
         return BackendInfo(self.name, self.reason, kernels)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
-        # decode graphs pad their batches with rows that write into one extra, scratch block
-        extra = 0 if self.decode_graphs_mode == "off" else 1
+        # one extra block that no request owns: decode graphs pad their batches with rows that
+        # write into it, and the warm-up writes its K/V there
         self._scratch_block = num_blocks
-        return super().allocate_kv_cache(num_blocks + extra, block_size, dtype)
+        return super().allocate_kv_cache(num_blocks + 1, block_size, dtype)
 
     def prepare_model(self, model) -> None:
+        if self.device.type == "cuda":
+            self.warm_up(model)
         if self.decode_graphs_mode != "off":
             from pyserve.worker.backends.decode_graphs import DecodeGraphs
 
@@ -153,6 +158,28 @@ class TritonBackend(Backend):
                 scratch_block=self._scratch_block,
                 capture=self.decode_graphs_mode == "capture",
             )
+
+    def warm_up(self, model) -> None:
+        """A prefill and a decode step into the scratch block, their outputs dropped: a GPU
+        compiles each Triton kernel the first time it is launched with new constexprs (about
+        a second each), which would otherwise fall on the first requests' TTFT."""
+        cache = self.kv_cache
+        assert cache is not None, "allocate_kv_cache first"
+        n, bs = WARM_UP_TOKENS, cache.block_size
+        table = [self._scratch_block] * -(-(n + 1) // bs)  # every position in the one block
+        with torch.inference_mode():
+            for start, count in ((0, n), (n, 1)):
+                batch = ForwardBatch(
+                    input_ids=torch.zeros(count, dtype=torch.int64, device=self.device),
+                    positions=torch.arange(start, start + count, device=self.device),
+                    start_pos=[start],
+                    num_tokens=[count],
+                    block_tables=[table],
+                    sample_index=torch.tensor([count - 1], device=self.device),
+                )
+                super().forward(model, batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch):
