@@ -16,6 +16,7 @@ check the padding on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,9 +136,16 @@ class DecodeGraphs:
         # host-side positions (batch.positions may already be on the GPU): a decode's is its
         # start_pos
         positions = np.asarray(batch.start_pos, dtype=np.int64)
-        tables = np.full((size, self.max_blocks), self.scratch_block, dtype=np.int32)
-        for row, table in enumerate(batch.block_tables):
-            tables[row, : len(table)] = table
+        # Only the table columns some row of this step uses are written: the kernel reads a
+        # row's table up to its context, a padding row (context 1) its first entry alone.
+        lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
+        width = int(lengths.max())
+        tables = np.full((size, width), self.scratch_block, dtype=np.int32)
+        flat = np.fromiter(
+            itertools.chain.from_iterable(batch.block_tables), dtype=np.int32, count=lengths.sum()
+        )
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        tables[np.repeat(np.arange(n), lengths), np.arange(len(flat)) - starts] = flat
         slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
         slots[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context = np.ones(size, dtype=np.int32)
@@ -150,6 +158,6 @@ class DecodeGraphs:
             (self.positions, pos),
             (self.meta.slots, slots),
             (self.meta.decode_context, context),
-            (self.meta.decode_tables, tables),
         ):
             static[:size].copy_(torch.from_numpy(host), non_blocking=True)
+        self.meta.decode_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
