@@ -107,11 +107,11 @@ def quantized_launches(dtype: torch.dtype) -> list[dict]:
     height, with and without a bias."""
     launches = []
     for bits in (8, 4):
-        u, d, m = device_layout(quantize_weight(torch.zeros(64, 128), bits))
+        u, d, m = device_layout(quantize_weight(torch.zeros(64, 512), bits))
         bias = torch.zeros(64, dtype=dtype)
         with record_launches(execute=False) as recorded:
             for rows, split in ((1, 4), (16, 1), (32, 1), (200, 1)):
-                x = torch.zeros(rows, 128, dtype=dtype)
+                x = torch.zeros(rows, 512, dtype=dtype)
                 quant_matmul(x, u, d, m, bits=bits, group=32, n=64, split=split)
                 quant_matmul(x, u, d, m, bits=bits, group=32, n=64, bias=bias, split=split)
         launches += recorded

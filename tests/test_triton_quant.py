@@ -43,12 +43,13 @@ def test_the_layer_is_x_times_the_dequantized_weight(bits: int, rows: int, n: in
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("split", [2, 3, 7])  # 7 groups: one each
-def test_split_k_adds_the_same_sums(bits: int, split: int):
-    weight, bias = torch.randn(48, 7 * 32), torch.randn(48)
+# loop steps of 4 groups: 7 groups end in a partial step; 16 in 4 steps, split 3 or 4 ways
+@pytest.mark.parametrize(("groups", "split"), [(7, 2), (16, 3), (16, 4), (16, 9)])
+def test_split_k_adds_the_same_sums(bits: int, groups: int, split: int):
+    weight, bias = torch.randn(48, groups * 32), torch.randn(48)
     packed = quantize_weight(weight, bits)
     u, d, m = device_layout(packed)
-    x = torch.randn(3, 7 * 32)
+    x = torch.randn(3, groups * 32)
     want = F.linear(x.double(), dequantize_weight(packed).double(), bias.double())
     got = quant_matmul(x, u, d, m, bits=bits, group=32, n=48, bias=bias, split=split)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -23,9 +23,12 @@ from pyserve.worker.quant import PackedWeight, unpack_weight
 
 
 @triton.jit
-def _dequantized(u, d, m, dtype: tl.constexpr):
-    """[K, BLOCK_N] weights of the activations' dtype from integers u and per-column d, m."""
-    return (u.to(tl.float32) * d[None, :] + m[None, :]).to(dtype)
+def _dequantized(u, d_at, m_at, ok, dtype: tl.constexpr):
+    """Weights [K, BLOCK_N] of the activations' dtype from the integers u and each input's
+    group scales (pointers d_at, m_at [K, BLOCK_N]: a group's are read once from cache)."""
+    d = tl.load(d_at, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(m_at, mask=ok, other=0.0).to(tl.float32)
+    return (u.to(tl.float32) * d + m).to(dtype)
 
 
 @triton.jit
@@ -33,7 +36,8 @@ def _quant_matmul_kernel(
     x_ptr, w_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, rows, n, k, x_stride, out_stride,
     w_stride, groups, groups_per_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -45,24 +49,27 @@ def _quant_matmul_kernel(
     dtype = x_ptr.dtype.element_ty
     x_rows = x_ptr + m_rows.to(tl.int64)[:, None] * x_stride
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * w_stride
-    scale_at = cols.to(tl.int64) * groups
+    scale_at = cols.to(tl.int64)[None, :] * groups
+    k_pad = groups * GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, groups)
-    for g in range(first, last):
-        d = tl.load(d_ptr + scale_at + g, mask=col_ok, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + scale_at + g, mask=col_ok, other=0.0).to(tl.float32)
+    # BLOCK_K inputs (whole groups) a step; a split's groups are whole steps
+    first = split * groups_per_split * GROUP
+    last = tl.minimum(first + groups_per_split * GROUP, k_pad)
+    for k0 in range(first, last, BLOCK_K):
         if BITS == 8:
-            ks = g * GROUP + tl.arange(0, GROUP)
-            u = tl.load(w_cols + ks[:, None], mask=col_ok[None, :], other=0)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ok = (ks < k_pad)[:, None] & col_ok[None, :]
+            u = tl.load(w_cols + ks[:, None], mask=ok, other=0)
+            at = scale_at + (ks // GROUP)[:, None]
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
-            acc += tl.dot(x, _dequantized(u, d, m, dtype), input_precision=PRECISION)
+            w = _dequantized(u, d_ptr + at, m_ptr + at, ok, dtype)
+            acc += tl.dot(x, w, input_precision=PRECISION)
         else:
-            half = tl.arange(0, GROUP // 2)
-            both = tl.load(
-                w_cols + (g * (GROUP // 2) + half)[:, None], mask=col_ok[None, :], other=0
-            )
-            even = g * GROUP + 2 * half  # the inputs of the low nibbles; odd ones the high
+            half = tl.arange(0, BLOCK_K // 2)
+            even = k0 + 2 * half  # the inputs of the low nibbles; odd ones the high
+            ok = (even < k_pad)[:, None] & col_ok[None, :]
+            both = tl.load(w_cols + (k0 // 2 + half)[:, None], mask=ok, other=0)
+            at = scale_at + (even // GROUP)[:, None]  # a byte's two inputs share a group
             x_even = tl.load(
                 x_rows + even[None, :], mask=row_ok[:, None] & (even < k)[None, :], other=0.0
             )
@@ -71,8 +78,8 @@ def _quant_matmul_kernel(
                 mask=row_ok[:, None] & (even + 1 < k)[None, :],
                 other=0.0,
             )
-            low = _dequantized(both & 0x0F, d, m, dtype)
-            high = _dequantized(both >> 4, d, m, dtype)
+            low = _dequantized(both & 0x0F, d_ptr + at, m_ptr + at, ok, dtype)
+            high = _dequantized(both >> 4, d_ptr + at, m_ptr + at, ok, dtype)
             acc += tl.dot(x_even, low, input_precision=PRECISION)
             acc += tl.dot(x_odd, high, input_precision=PRECISION)
     out_at = out_ptr + split * rows * out_stride + m_rows[:, None] * out_stride + cols[None, :]
@@ -83,6 +90,12 @@ def _quant_matmul_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# inputs a loop step reads (whole groups): two groups in 16-bit dtypes, one in float32; more
+# spill registers at sm_90 (tests/test_triton_compile.py)
+STEP_INPUTS = {torch.float32: 32}
+DEFAULT_STEP_INPUTS = 64
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -125,11 +138,13 @@ def quant_matmul(
     # 8 warps and, in float32, 16 rows a tile: no register spills at sm_90 (test_triton_compile)
     block_m = 16 if rows <= 16 or x.dtype == torch.float32 else 32 if rows <= 32 else 64
     block_n = 64
+    step_groups = max(1, STEP_INPUTS.get(x.dtype, DEFAULT_STEP_INPUTS) // group)
+    steps = triton.cdiv(groups, step_groups)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     if split is None:
         split = _programs_wanted(x.device) // tiles
-    split = max(1, min(groups, split))
-    per_split = triton.cdiv(groups, split)
+    split = max(1, min(steps, split))
+    per_split = triton.cdiv(steps, split) * step_groups  # whole steps
     split = triton.cdiv(groups, per_split)  # no split left without groups
     if split > 1:
         out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
@@ -139,8 +154,9 @@ def quant_matmul(
     _quant_matmul_kernel[grid](
         x, weight, d, m, bias if bias is not None else d, out, rows, n, k, x.stride(0), n,
         weight.stride(0), groups, per_split,
-        BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
-        SPLIT=split > 1, PRECISION=_precision(x.dtype), num_warps=8,
+        BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=step_groups * group, HAS_BIAS=bias is not None, SPLIT=split > 1,
+        PRECISION=_precision(x.dtype), num_warps=8,
     )  # fmt: skip
     if split == 1:
         return out
