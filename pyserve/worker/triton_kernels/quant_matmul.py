@@ -4,10 +4,11 @@ The weights are the CPU kernels' (pyserve/worker/quant.py: w = d·u + m per grou
 and m fp16, u 8 or 4 bits), laid out plainly for the GPU: u as uint8 [n, k] (8-bit) or two to a
 byte [n, k/2] (4-bit: u[2j] in the low nibble of byte j, u[2j+1] in the high one), d and m as
 fp16 [n, groups]. A program computes a [BLOCK_M, BLOCK_N] tile of x·Wᵀ over a range of groups:
-it dequantizes each group's [group, BLOCK_N] weights to the activations' dtype (in float32 from
-the integers and scales) and multiplies them with ``tl.dot``, accumulating in float32. For the
-few rows of a decode step the output tiles are too few to keep a GPU's streaming units busy, so
-the groups are split between programs (split-K) whose float32 partial sums are added after.
+each loop step dequantizes [BLOCK_K, BLOCK_N] weights (whole groups) to the activations' dtype
+(in float32 from the integers and scales) and multiplies them with ``tl.dot``, accumulating in
+float32. For the few rows of a decode step the output tiles are too few to keep a GPU's
+streaming units busy, so the steps are split between programs (split-K) whose float32 partial
+sums are added after.
 """
 
 from __future__ import annotations
