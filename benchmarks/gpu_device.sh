@@ -4,10 +4,12 @@
 #
 #   stage   installs the carried wheels, builds pyserve's extension for the machine's Python,
 #           keeps the first half of the default model; then the sections that need no model
-#           file: environment, bandwidth, decode, ttft (the 8B-shaped random model) and quant_matmul
+#           file: environment, bandwidth, decode, ttft (the 8B-shaped random model) and
+#           quant_matmul
 #   finish  puts the default model together from both halves and checks its SHA-256; then
-#           parity and serving. On a fresh machine (the first went back) it stages first, and
-#           with no whole model parity uses a random SmolLM2-shaped one (gpu_check says so).
+#           parity, serving and serving_quantized. On a fresh machine (the first went back) it
+#           stages first, and with no whole model parity uses a random SmolLM2-shaped one
+#           (gpu_check says so).
 #
 # Each call leaves setup.log, summary.txt, results.json and logs.tar.gz in $OUT (what comes back).
 # BUDGET_S (default 540) is the call's seconds, set-up included; the tool's limit is 600.
@@ -83,7 +85,7 @@ finish)
 	fi
 	assemble_model 2>&1 | tee -a "$LOG"
 	[ "${PIPESTATUS[0]}" = 0 ] || echo "parity will run on a random SmolLM2-shaped model" | tee -a "$LOG"
-	check environment,parity,serving finish "${@:2}"
+	check environment,parity,serving,serving_quantized finish "${@:2}"
 	;;
 *)
 	echo "usage: $0 stage|finish [gpu_check options]" >&2
