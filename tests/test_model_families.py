@@ -197,12 +197,17 @@ def check_mixed_batches(family, backend: str) -> None:
     assert_all_match(seqs, refs)
 
 
-def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_factory):
+def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_factory, monkeypatch):
     """The Triton backend's decode-graph path (static buffers, padded batch sizes, a scratch
-    block for the padding rows) run eagerly, as a GPU replays it: the same tokens as HF."""
+    block for the padding rows, the split count fixed by the model's context and each split's
+    positions set per step) run eagerly, as a GPU replays it: the same tokens as HF."""
+    from pyserve.worker.backends import triton_gpu
+
+    monkeypatch.setattr(triton_gpu, "SPLIT_TOKENS", 128)  # 4 splits of the 512-token context
     family = built_family("qwen3-qk-norm-window", tmp_path_factory)
     _, _, _, prompts, refs = family
     runner = exact_runner(family, "triton", decode_graphs="eager", graph_max_batch=8)
+    assert runner.backend.graphs.meta.num_splits > 1
     driver = Driver(runner)
     seqs = [driver.new_seq(p) for p in prompts[:3]]  # 3 rows: padded to a graph of 4
     driver.step([(s, s.pending) for s in seqs])

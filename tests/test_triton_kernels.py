@@ -141,6 +141,29 @@ def test_paged_decode_matches_a_plain_softmax(
     assert (out[[1, 4]] == 7.0).all()  # rows that are not decode rows are left alone
 
 
+@pytest.mark.parametrize("split_tokens", [16, 32, 160])  # 6 x 16 just covers 90; 160: one
+def test_a_split_size_from_the_device_sets_what_each_split_covers(split_tokens: int):
+    """As a decode graph runs it: the split count fixed by the model's whole context, the
+    positions each split covers given in a device buffer for the step's longest context;
+    splits past a request's context are empty."""
+    heads, kv_heads, dim, contexts, num_splits = 4, 2, 16, [1, 37, 90], 6
+    k_cache, v_cache, tables, per_request = paged_cache(contexts, 16, kv_heads, dim, 5)
+    rows = torch.arange(3, dtype=torch.int32)
+    q = torch.randn(3, heads, dim)
+    out = torch.zeros_like(q)
+    scale = 1 / math.sqrt(dim)
+    attention.paged_decode_attention(
+        q, k_cache, v_cache, out, tables, torch.tensor(contexts, dtype=torch.int32), rows,
+        max_context=4096, block_size=16, num_kv_heads=kv_heads, scale=scale, softcap=None,
+        window=None, num_splits=num_splits, block_n=16,
+        split_tokens=torch.tensor([split_tokens], dtype=torch.int32),
+    )  # fmt: skip
+    for i, context in enumerate(contexts):
+        keys, values = per_request[i]
+        expected = reference(q[i], keys, values, context - 1, scale, None, None)
+        torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "heads, kv_heads, softcap, window",
     [(4, 2, None, None), (4, 4, 50.0, None), (2, 1, None, 9)],

@@ -6,8 +6,10 @@ then steps of 16 up to the largest) replays all of a step's kernels in one launc
 live in static buffers: a step of ``n`` requests fills the first ``n`` rows and replays the
 smallest graph with at least ``n``; the padding rows decode token 0 at position 0 into a scratch
 block that no request owns (the backend allocates it past the pool), so they never touch a real
-request's K/V. The decode kernel's split of the context is fixed per graph (by the longest
-context the model serves), since a graph replays the launch parameters it was captured with.
+request's K/V. A graph replays the launch parameters it was captured with, so the decode
+kernel's number of splits is fixed per graph (by the longest context the model serves); the
+positions each split covers are read from a device buffer that every step sets from its longest
+context, so that a short context is still spread over all the splits.
 
 Without CUDA (``capture=False``) the same static buffers run eagerly: that is how the tests
 check the padding on the CPU.
@@ -71,6 +73,7 @@ class DecodeGraphs:
             ),
             max_context=max_context,
             num_splits=fixed_splits(max_context),
+            split_tokens=torch.ones(1, dtype=torch.int32, device=device),
             prefill_start=None,
             prefill_len=None,
             prefill_prefix=None,
@@ -150,6 +153,9 @@ class DecodeGraphs:
         slots[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context = np.ones(size, dtype=np.int32)
         context[:n] = positions + 1
+        # the split for this step's longest context (the graph's split count is fixed)
+        split = self.backend.split_tokens(int(context.max()), self.meta.num_splits)
+        self.meta.split_tokens.fill_(split)
         pos = np.zeros(size, dtype=np.int64)
         pos[:n] = positions
         self.input_ids[n:size].zero_()

@@ -91,6 +91,7 @@ class TritonMetadata:
     decode_tables: torch.Tensor | None
     max_context: int
     num_splits: int
+    split_tokens: torch.Tensor | None  # int32 [1]: positions a decode split covers
     # prefill entries: first row, rows, cached positions before them, block tables
     prefill_start: torch.Tensor | None
     prefill_len: torch.Tensor | None
@@ -210,6 +211,7 @@ class TritonBackend(Backend):
             decode_tables=None,
             max_context=0,
             num_splits=1,
+            split_tokens=None,
             prefill_start=None,
             prefill_len=None,
             prefill_prefix=None,
@@ -223,6 +225,7 @@ class TritonBackend(Backend):
             meta.decode_tables = tables(split.decode_entries)
             meta.max_context = max(contexts)
             meta.num_splits = self.num_splits or fixed_splits(meta.max_context)
+            meta.split_tokens = ints([self.split_tokens(meta.max_context, meta.num_splits)])
         if split.prefill_entries:
             meta.prefill_start = ints([row for row, _, _ in split.spans])
             meta.prefill_len = ints([n for _, n, _ in split.spans])
@@ -230,6 +233,11 @@ class TritonBackend(Backend):
             meta.prefill_tables = tables(split.prefill_entries)
             meta.max_prefill_len = max(n for _, n, _ in split.spans)
         return meta
+
+    def split_tokens(self, max_context: int, num_splits: int) -> int:
+        """Positions a decode split covers for contexts up to ``max_context``."""
+        head_dim = self.config.head_dim
+        return self._attention.decode_split_tokens(max_context, num_splits, head_dim)
 
     # ------------------------------------------------------------------ ops
 
@@ -276,7 +284,7 @@ class TritonBackend(Backend):
             self._attention.paged_decode_attention(
                 q, k_cache, v_cache, out, meta.decode_tables, meta.decode_context,
                 meta.decode_rows, max_context=meta.max_context, num_splits=meta.num_splits,
-                **common,
+                split_tokens=meta.split_tokens, **common,
             )  # fmt: skip
         if meta.prefill_start is not None:
             self._attention.paged_extend_attention(

@@ -16,8 +16,13 @@ from the window's start to its last row's position, causally masked.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    import torch
 
 # jit code reads module globals only when they are constexprs (the interpreter reads any)
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -75,7 +80,7 @@ def _accumulate(scores, v, best, total, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, rows_ptr, out_ptr, lse_ptr,
-    q_row_stride, table_stride, scale, softcap, window, split_tokens,
+    q_row_stride, table_stride, scale, softcap, window, split_tokens_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -86,6 +91,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     row = tl.load(rows_ptr + entry).to(tl.int64)  # the query's row in the batch
     context = tl.load(context_ptr + entry)  # positions it attends to, its own included
+    # read from the device: a captured graph replays with the split its step's contexts need
+    split_tokens = tl.load(split_tokens_ptr)
     lo = split * split_tokens
     hi = tl.minimum(lo + split_tokens, context)
     if HAS_WINDOW:
@@ -237,6 +244,17 @@ def extend_tiles(head_dim: int, exact: bool = False) -> tuple[int, int]:
     return block_n, (8 if block_d >= 128 else 4)
 
 
+def decode_split_tokens(max_context: int, num_splits: int, head_dim: int) -> int:
+    """Positions each of ``num_splits`` splits covers for contexts up to ``max_context``: whole
+    steps of the decode kernel."""
+    return _split_tokens(max_context, num_splits, decode_tiles(head_dim)[0])
+
+
+def _split_tokens(max_context: int, num_splits: int, block_n: int) -> int:
+    per_split = -(-max_context // num_splits)
+    return -(-per_split // block_n) * block_n
+
+
 def _precision(dtype) -> str:
     import torch
 
@@ -247,13 +265,14 @@ def _precision(dtype) -> str:
 def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
-    num_splits: int, block_n: int | None = None,
+    num_splits: int, block_n: int | None = None, split_tokens: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
 
     tables: int32 [D, W] block tables; context: int32 [D] positions each attends to (its own
     included, at most ``max_context``); ``num_splits`` splits of the longest context are
-    computed apart and merged.
+    computed apart and merged. ``split_tokens``: int32 [1] on the device, the positions a
+    split covers (None: decode_split_tokens of ``max_context``; a multiple of ``block_n``).
     """
     import torch
 
@@ -261,8 +280,9 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     chosen, num_warps = decode_tiles(head_dim)
     block_n = block_n or chosen
-    split_tokens = -(-max_context // num_splits)
-    split_tokens = -(-split_tokens // block_n) * block_n
+    if split_tokens is None:
+        split = _split_tokens(max_context, num_splits, block_n)
+        split_tokens = torch.tensor([split], dtype=torch.int32, device=q.device)
     parts = torch.empty(
         num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
     )
