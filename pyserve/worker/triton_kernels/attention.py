@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
+from pyserve.worker.triton_kernels import dot_precision
+
 if TYPE_CHECKING:
     import torch
 
@@ -255,13 +257,6 @@ def _split_tokens(max_context: int, num_splits: int, block_n: int) -> int:
     return -(-per_split // block_n) * block_n
 
 
-def _precision(dtype) -> str:
-    import torch
-
-    # float32 in float32 (tl.dot would otherwise round to tf32 on a GPU); the GPU's fastest else
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
@@ -294,7 +289,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=_precision(q.dtype), num_warps=num_warps,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0),
@@ -311,7 +306,7 @@ def paged_extend_attention(
     """Causal attention of each prefill entry's rows (``q_start``/``q_len`` [E]) over its cached
     prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    chosen, num_warps = extend_tiles(head_dim, exact=_precision(q.dtype) == "ieee")
+    chosen, num_warps = extend_tiles(head_dim, exact=dot_precision(q.dtype) == "ieee")
     block_n = block_n or chosen
     grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
@@ -320,5 +315,5 @@ def paged_extend_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=_precision(q.dtype), num_warps=num_warps,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip

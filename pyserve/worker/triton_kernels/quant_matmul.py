@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import nn
 
 from pyserve.worker.quant import PackedWeight, unpack_weight
+from pyserve.worker.triton_kernels import dot_precision
 
 
 @triton.jit
@@ -113,10 +114,6 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def quant_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -157,7 +154,7 @@ def quant_matmul(
         weight.stride(0), groups, per_split,
         BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=step_groups * group, HAS_BIAS=bias is not None, SPLIT=split > 1,
-        PRECISION=_precision(x.dtype), num_warps=8,
+        PRECISION=dot_precision(x.dtype), num_warps=8,
     )  # fmt: skip
     if split == 1:
         return out
