@@ -635,9 +635,9 @@ def serve_load(ctx: Ctx, spec, prompts: list, warm: list, timeout: float) -> dic
     return row | {"argv": spec.argv, "backend": info.get("backend"), "dtype": info.get("dtype")}
 
 
-def _pyserve_load(ctx: Ctx, quantization: str) -> tuple[dict, str, tuple]:
+def _pyserve_load(ctx: Ctx, quantization: str, label: str) -> tuple[dict, str, tuple]:
     """pyserve on the default model with the Triton backend at concurrency c: (its row, a
-    summary, the prompts and warm-up prompts for a peer)."""
+    summary line that calls it ``label``, the prompts and warm-up prompts for a peer)."""
     import compare
     import serving
 
@@ -652,7 +652,7 @@ def _pyserve_load(ctx: Ctx, quantization: str) -> tuple[dict, str, tuple]:
     spec = compare.pyserve_spec(f"pyserve quantization {quantization}", extra)
     ours = serve_load(ctx, spec, prompts, warm, timeout)
     backend = (ours.get("backend") or {}).get("name")
-    line = f"pyserve {ours['output_tok_per_s']:.1f} output tok/s at c={concurrency} (backend "
+    line = f"{label} {ours['output_tok_per_s']:.1f} output tok/s at c={concurrency} (backend "
     line += f"{backend}, {ours['completed']} ok, {ours['failed']} failed)"
     return ours, line, (prompts, warm, timeout, dtype)
 
@@ -664,8 +664,8 @@ def serving_quantized(ctx: Ctx) -> dict:
     if ctx.args.cpu_smoke:  # the 49152-row output projection alone takes minutes interpreted
         why = "skipped in Triton's interpreter (tests/test_triton_quant.py checks the kernel)"
         return {"skipped": why, "summary": why}
-    ours, line, _ = _pyserve_load(ctx, "auto")
-    return {"pyserve": ours, "summary": line.replace("pyserve", "pyserve int4/int8", 1)}
+    ours, line, _ = _pyserve_load(ctx, "auto", "pyserve int4/int8")
+    return {"pyserve": ours, "summary": line}
 
 
 def serving_check(ctx: Ctx) -> dict:
@@ -675,7 +675,7 @@ def serving_check(ctx: Ctx) -> dict:
 
     concurrency = ctx.sizes.serve[1]
     result: dict = {"concurrency": concurrency}
-    ours, line, (prompts, warm, timeout, dtype) = _pyserve_load(ctx, "none")
+    ours, line, (prompts, warm, timeout, dtype) = _pyserve_load(ctx, "none", "pyserve")
     result["pyserve"] = ours
     binary = compare.VENV_BIN / "transformers"
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -796,9 +796,8 @@ def run_groups(
     args: argparse.Namespace, results: dict, budget: float, started: float, scratch: str
 ) -> None:
     out, mode = Path(args.out), results["mode"]
-    only = args.only.split(",") if args.only else list(SECTIONS)
     for group, cap in GROUPS:
-        names = tuple(n for n in group if n in only)
+        names = tuple(n for n in group if n in args.only)
         if not names:
             continue
         left = budget - (time.monotonic() - started)
@@ -831,7 +830,8 @@ def main() -> int:
     p.add_argument("--scratch", default=None, help=argparse.SUPPRESS)  # the model's directory
     p.add_argument("--bandwidth-gbs", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    unknown = set(args.only.split(",")) - set(SECTIONS) if args.only else set()
+    args.only = args.only.split(",") if args.only else list(SECTIONS)
+    unknown = set(args.only) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}: {', '.join(SECTIONS)}")
     if args.section:

@@ -78,7 +78,7 @@ def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
         window=shape.window,
     )
     x = torch.zeros(tokens, shape.hidden, dtype=dtype)
-    with record_launches(execute=False) as launches:
+    with record_launches() as launches:
         fused.rms_norm(x, torch.ones(shape.hidden, dtype=dtype), 1e-5)
         fused.rms_norm(x, torch.ones(shape.hidden, dtype=dtype), 1e-5, residual=x.clone())
         fused.gated_activation(
@@ -109,7 +109,7 @@ def quantized_launches(dtype: torch.dtype) -> list[dict]:
     for bits in (8, 4):
         u, d, m = device_layout(quantize_weight(torch.zeros(64, 512), bits))
         bias = torch.zeros(64, dtype=dtype)
-        with record_launches(execute=False) as recorded:
+        with record_launches() as recorded:
             for rows, split in ((1, 4), (16, 1), (32, 1), (200, 1)):
                 x = torch.zeros(rows, 512, dtype=dtype)
                 quant_matmul(x, u, d, m, bits=bits, group=32, n=64, split=split)

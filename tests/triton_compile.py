@@ -14,6 +14,7 @@ memory, registers and stack (spilled registers) each compiled kernel needs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -50,22 +51,21 @@ def _type_of(value: object) -> str:
 
 
 @contextlib.contextmanager
-def record_launches(execute: bool = True) -> Iterator[list[dict]]:
+def record_launches() -> Iterator[list[dict]]:
     """Under ``TRITON_INTERPRET=1``: every kernel launch in the block, as the kernel's module
-    and name, the type of each runtime argument and the value of each constexpr. With
-    ``execute=False`` the kernels do not run (the outputs stay as they were)."""
+    and name, the type of each runtime argument and the value of each constexpr. The kernels
+    do not run (their outputs stay as they were)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[dict] = []
     run = InterpretedFunction.run
 
     def recording(self, *args, grid, warmup, **kwargs):
-        import inspect
-
         options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        declared = inspect.signature(self.fn)
+        bound = declared.bind(*args, **kwargs)
         bound.apply_defaults()
-        params = inspect.signature(self.fn).parameters
+        params = declared.parameters
         signature, constexprs = {}, {}
         for name, value in bound.arguments.items():
             if "constexpr" in str(params[name].annotation):
@@ -77,9 +77,6 @@ def record_launches(execute: bool = True) -> Iterator[list[dict]]:
         launches.append(
             kernel | {"signature": signature, "constexprs": constexprs, "options": options}
         )
-        if execute:
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
-        return None
 
     InterpretedFunction.run = recording
     try:

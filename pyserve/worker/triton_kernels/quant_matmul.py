@@ -195,7 +195,6 @@ class TritonQuantLinear(nn.Module):
         self.bias = None
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
-        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
