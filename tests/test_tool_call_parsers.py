@@ -16,11 +16,10 @@ from pyserve.chat.tool_calls import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
-    ParsedOutput,
     ToolCallParser,
-    new_call_id,
     parser_for_template,
 )
+from pyserve.chat.tool_stream import ParsedOutput, new_call_id
 
 HERMES = HermesToolParser()
 LLAMA = Llama3JsonToolParser()

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyserve.chat.reasoning import ReasoningParser, ReasoningStream
-from pyserve.chat.tool_calls import ToolCallDelta, ToolCallParser, ToolCallStream
+from pyserve.chat.tool_calls import ToolCallParser
+from pyserve.chat.tool_stream import ToolCallDelta, ToolCallStream
 
 
 @dataclass(frozen=True)
