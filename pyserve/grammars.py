@@ -46,7 +46,7 @@ def after_thought(
     end: str,
     *,
     opened: bool,
-    special_tokens: Mapping[str, int] | None = None,
+    added_tokens: Mapping[str, int] | None = None,
 ) -> Grammar:
     """``grammar`` applied to the answer of a reasoning model: the output may first think
     (``start`` ... ``end``, the thought free and ending at the first ``end``), then must follow
@@ -59,7 +59,7 @@ def after_thought(
     from llguidance import regex_to_lark
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    specials = dict(special_tokens or {})
+    specials = dict(added_tokens or {})
     opening = "" if opened else lark_text(start, specials) + " "
     thought = f"thought[lazy]: {opening}/(.|\\n)*/ {lark_text(end, specials)}\n"
     optional = "" if opened else "?"
@@ -80,18 +80,28 @@ def after_thought(
     return Grammar("lark", f"{answer}\nstart: thought{optional} answer\n{thought}")
 
 
-def lark_text(text: str, special_tokens: Mapping[str, int]) -> str:
-    """``text`` as Lark terminals: literals, and special tokens by id ("" for no text). A
-    special token is one piece of the vocabulary that no spelling in plain text produces."""
+def lark_text(text: str, added_tokens: Mapping[str, int]) -> str:
+    """``text`` as Lark terminals: literals, and the tokenizer's added tokens by id ("" for no
+    text). An added token, special or not (Qwen's ``<tool_call>`` and ``<think>`` are not), is
+    one piece of the vocabulary that llguidance never spells as text: a literal ``<tool_call>``
+    could only be written piece by piece, and llguidance's forced-token shortcut would even let
+    the added token through only to reject it. At each place the longest added token wins."""
     if not text:
         return ""
-    for special, token_id in special_tokens.items():
-        at = text.find(special) if special else -1
-        if at >= 0:
-            parts = (text[:at], f"<[{token_id}]>", text[at + len(special) :])
-            before, ref, after = lark_text(parts[0], special_tokens), parts[1], parts[2]
-            return " ".join(p for p in (before, ref, lark_text(after, special_tokens)) if p)
-    return json.dumps(text, ensure_ascii=False)
+    best: tuple[int, int, str] | None = None  # (position, -length, token text)
+    for token in added_tokens:
+        at = text.find(token) if token else -1
+        if at >= 0 and (best is None or (at, -len(token)) < best[:2]):
+            best = (at, -len(token), token)
+    if best is None:
+        return json.dumps(text, ensure_ascii=False)
+    at, _, token = best
+    parts = (
+        lark_text(text[:at], added_tokens),
+        f"<[{added_tokens[token]}]>",
+        lark_text(text[at + len(token) :], added_tokens),
+    )
+    return " ".join(p for p in parts if p)
 
 
 def _with_options(schema_text: str) -> str:

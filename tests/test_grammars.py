@@ -82,7 +82,7 @@ def test_forced_tool_calls_refuse_anything_but_a_valid_call(tokenizer, text: str
 
 def test_a_special_token_marker_is_named_by_id_not_spelled() -> None:
     fmt = PARSERS["mistral"].call_format
-    lark = tool_calls_lark(fmt, TOOLS, parallel=True, special_tokens={"[TOOL_CALLS]": 5})
+    lark = tool_calls_lark(fmt, TOOLS, parallel=True, added_tokens={"[TOOL_CALLS]": 5})
     assert "<[5]>" in lark and "TOOL_CALLS" not in lark
     assert grammar_problem(Grammar("lark", lark)) is None
 

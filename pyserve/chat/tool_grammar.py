@@ -23,18 +23,18 @@ def tool_calls_lark(
     tools: Sequence[tuple[str, dict | None]],
     *,
     parallel: bool,
-    special_tokens: Mapping[str, int] | None = None,
+    added_tokens: Mapping[str, int] | None = None,
 ) -> str:
     """A Lark grammar whose sentences are one call (``parallel=False``) or one or more calls of
     ``tools`` ((name, parameters schema) pairs; None means any object), written as ``fmt`` says.
 
-    ``special_tokens`` maps the text of the tokenizer's special tokens to their ids: a marker
-    such as Mistral's ``[TOOL_CALLS]`` is a single special token, which no spelling in plain
-    text can produce, so the grammar names it by id.
+    ``added_tokens`` maps the text of the tokenizer's added tokens (special or not) to their
+    ids: a marker such as Mistral's ``[TOOL_CALLS]`` or Qwen's ``<tool_call>`` is a single added
+    token, which no spelling in plain text can produce, so the grammar names it by id.
     """
     if not tools:
         raise ValueError("no tools to call")
-    specials = dict(special_tokens or {})
+    specials = dict(added_tokens or {})
     separator = lark_text(fmt.separator, specials)
     calls = f"call ({separator} call)*" if parallel else "call"
     rules = [

@@ -604,6 +604,13 @@ class Engine:
         decoder = self.tokenizer.added_tokens_decoder
         return {token.content: i for i, token in decoder.items() if token.special}
 
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The text of each added token of the vocabulary (special or not), and its id: what a
+        grammar names by id, since the grammar engine never spells one as text."""
+        decoder = self.tokenizer.added_tokens_decoder
+        return {token.content: i for i, token in decoder.items()}
+
     def prompt_opens_thought(self, prompt_ids: Sequence[int], parser: ReasoningParser) -> bool:
         """Whether a rendered prompt ends inside a thought (the template opened ``<think>``),
         so that the output starts in it; a prompt that closed it (thinking disabled) does not.

@@ -51,9 +51,7 @@ class ChatPlan:
                     "this model's chat template writes no tool calls that pyserve can read; "
                     "start it with --tool-call-parser hermes, llama3_json or mistral",
                 )
-            grammar, param = _tool_grammar(
-                req, parser, choice, grammar, param, engine.special_tokens
-            )
+            grammar, param = _tool_grammar(req, parser, choice, grammar, param, engine.added_tokens)
         keep_special = parser is not None and any(
             special in marker
             for special in engine.special_tokens
@@ -88,7 +86,7 @@ class ChatPlan:
                     parser.start,
                     parser.end,
                     opened=opened,
-                    special_tokens=engine.special_tokens,
+                    added_tokens=engine.added_tokens,
                 )
             except ValueError as exc:
                 raise params.unsupported(self.grammar_param, str(exc)) from None
@@ -101,7 +99,7 @@ def _tool_grammar(
     choice: str | NamedToolChoice,
     grammar: Grammar | None,
     param: str,
-    special_tokens: dict[str, int],
+    added_tokens: dict[str, int],
 ) -> tuple[Grammar | None, str]:
     """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any);
     ``grammar`` came from the request field ``param``."""
@@ -123,7 +121,7 @@ def _tool_grammar(
             parser.call_format,
             [(f.name, f.parameters) for f in named],
             parallel=False,
-            special_tokens=special_tokens,
+            added_tokens=added_tokens,
         )
         return Grammar("lark", lark), "tool_choice"
     parallel = req.parallel_tool_calls is not False
@@ -131,7 +129,7 @@ def _tool_grammar(
         parser.call_format,
         [(f.name, f.parameters) for f in functions],
         parallel=parallel,
-        special_tokens=special_tokens,
+        added_tokens=added_tokens,
     )
     if choice == "required":  # the answer is calls: a response_format has no text to apply to
         return Grammar("lark", lark), "tool_choice"
