@@ -53,15 +53,22 @@ def after_thought(
     ``grammar``. ``opened``: the prompt already opened the thought, so the output starts in it.
 
     JSON and regex grammars become the rule ``answer``; a Lark (or EBNF) grammar keeps its
-    rules, its ``start`` renamed ``answer`` (so it must not have rules named ``thought`` or
-    ``answer``: ValueError).
+    rules, its ``start`` renamed ``answer`` (so it must not have rules named ``thought``,
+    ``thought_text`` or ``answer``: ValueError).
     """
     from llguidance import regex_to_lark
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    specials = dict(added_tokens or {})
-    opening = "" if opened else lark_text(start, specials) + " "
-    thought = f"thought[lazy]: {opening}/(.|\\n)*/ {lark_text(end, specials)}\n"
+    tokens = dict(added_tokens or {})
+    opening = "" if opened else lark_text(start, tokens) + " "
+    closing = lark_text(end, tokens)
+    if "<[" in closing:
+        # A marker that is a token cannot sit inside a lexeme: the thought's text is a greedy
+        # lexeme that the end token (never part of any text) closes.
+        thought = f"thought_text: /(.|\\n)*/\nthought: {opening}thought_text {closing}\n"
+    else:  # the thought ends at the first spelling of the end marker
+        thought = f"thought_text[lazy]: /(.|\\n)*/ {closing}\nthought: {opening}thought_text\n"
+
     optional = "" if opened else "?"
     if grammar.kind in ("json_object", "json_schema", "regex"):
         if grammar.kind == "regex":
@@ -71,10 +78,10 @@ def after_thought(
         return Grammar("lark", f"start: thought{optional} answer\n{thought}answer: {answer}\n")
     text = gbnf_to_lark(grammar.text) if grammar.kind == "ebnf" else grammar.text
     rules = set(re.findall(r"(?m)^\s*([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?\s*:", text))
-    if "start" not in rules or rules & {"thought", "answer"}:
+    if "start" not in rules or rules & {"thought", "thought_text", "answer"}:
         raise ValueError(
             f"a {_describe(grammar)} after a thought needs a start rule, and no rules named "
-            "thought or answer"
+            "thought, thought_text or answer"
         )
     answer = re.sub(r"(?m)^(\s*)start(\s*(?:\[[^\]]*\])?\s*:)", r"\1answer\2", text)
     return Grammar("lark", f"{answer}\nstart: thought{optional} answer\n{thought}")

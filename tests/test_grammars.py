@@ -118,7 +118,7 @@ def test_an_answer_grammar_applies_after_the_thought(tokenizer, grammar, answer,
 
 
 def test_a_lark_grammar_with_rules_named_like_the_wrapper_is_refused() -> None:
-    with pytest.raises(ValueError, match="thought or answer"):
+    with pytest.raises(ValueError, match="thought, thought_text or answer"):
         after_thought(
             Grammar("lark", 'start: answer\nanswer: "x"'), "<think>", "</think>", opened=True
         )
@@ -187,3 +187,79 @@ def test_applied_masks_keep_the_grammars_choice_when_other_bans_leave_nothing() 
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]
     assert torch.isfinite(logits[1]).all()  # an unconstrained row is untouched
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [4]
+
+
+# ----------------------------------------------------------------------------- added tokens
+
+# Qwen2.5's and Qwen3's tokenizers add their tool and thought markers as tokens that are not
+# flagged special; Mistral's [TOOL_CALLS] is special. Grammars must take both as the model
+# writes them: one token each.
+ADDED = [("<tool_call>", False), ("</tool_call>", False), ("<think>", False), ("</think>", False)]
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tokenizer_file, tmp_path_factory):
+    """SmolLM2's tokenizer with Qwen's markers added as non-special tokens: the HF tokenizer
+    (what writes the model's text), llguidance's view of it, and the markers' ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    hf = Tokenizer.from_file(tokenizer_file)
+    hf.add_tokens([AddedToken(text, special=special, normalized=False) for text, special in ADDED])
+    path = tmp_path_factory.mktemp("qwen-like") / "tokenizer.json"
+    hf.save(str(path))
+    ids = {text: hf.token_to_id(text) for text, _ in ADDED}
+    return hf, LLTokenizer(path.read_text(), n_vocab=hf.get_vocab_size(), eos_token=2), ids
+
+
+def mask_and_matcher_agree(tokenizer: LLTokenizer, grammar: Grammar, tokens: list[int]) -> bool:
+    """Feeds ``tokens`` one by one, checking at each that the mask allows it and that the matcher
+    then takes it; True when both hold throughout and the grammar accepts the end."""
+    matcher = LLMatcher(tokenizer, llguidance_grammar(grammar), log_level=0)
+    for token in tokens:
+        allowed = bytearray(matcher.compute_logit_bias())
+        if not allowed[token] or not matcher.consume_token(token):
+            return False
+    return matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_non_special_added_markers_are_taken_as_the_one_token_the_model_writes(
+    qwen_like, parallel: bool
+) -> None:
+    hf, tokenizer, ids = qwen_like
+    fmt = PARSERS["hermes"].call_format
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("now", {})][: 2 if parallel else 1]
+    written = hf.encode(fmt.render(calls), add_special_tokens=False).ids
+    assert ids["<tool_call>"] in written and ids["</tool_call>"] in written
+    added = {text: i for text, i in ids.items()}
+    grammar = Grammar("lark", tool_calls_lark(fmt, TOOLS, parallel=parallel, added_tokens=added))
+    assert mask_and_matcher_agree(tokenizer, grammar, written)
+    # Spelled as a literal, the marker is where llguidance's mask lets the added token through
+    # and its matcher then rejects it: the worker's guard against that is tested in
+    # test_worker_process.py.
+    literal = Grammar("lark", tool_calls_lark(fmt, TOOLS, parallel=parallel))
+    assert not mask_and_matcher_agree(tokenizer, literal, written)
+
+
+def test_a_thought_between_non_special_added_markers_precedes_the_answer(qwen_like) -> None:
+    hf, tokenizer, ids = qwen_like
+    grammar = after_thought(
+        Grammar("json_schema", json.dumps(WEATHER)),
+        "<think>",
+        "</think>",
+        opened=False,
+        added_tokens=ids,
+    )
+    for text in (
+        '<think>\nrain?\n</think>{"city": "Oslo", "days": 2}',
+        '{"city": "Oslo", "days": 2}',
+    ):
+        written = hf.encode(text, add_special_tokens=False).ids
+        assert mask_and_matcher_agree(tokenizer, grammar, written), text
+
+
+def test_the_longest_added_token_at_a_place_names_the_marker() -> None:
+    from pyserve.grammars import lark_text
+
+    tokens = {"<tool": 7, "<tool_call>": 9, "\n": 4}
+    assert lark_text("a<tool_call>\nb", tokens) == '"a" <[9]> <[4]> "b"'

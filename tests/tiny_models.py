@@ -88,6 +88,7 @@ def build_tiny_smollm(
     vocab_size: int = SMOLLM2_VOCAB,
     family: str = "llama",
     overrides: dict | None = None,
+    added_tokens: Sequence[tuple[str, bool]] = (),
 ) -> Path:
     """Saves the SmolLM2-vocabulary model in ``directory`` (from a subprocess) and writes
     ``references.json``: for each text, its prompt ids, HF's greedy output of
@@ -96,6 +97,9 @@ def build_tiny_smollm(
     A ``vocab_size`` below SmolLM2's keeps only its first ids (still decoded by its tokenizer):
     the output projection then costs next to nothing, which the overhead benchmark wants.
     ``family`` (FAMILY_CLASSES) and ``overrides`` choose another architecture of the same size.
+    ``added_tokens``: (text, special) pairs added to the tokenizer after SmolLM2's vocabulary, as
+    real tokenizers add theirs (Qwen's ``<tool_call>`` is added and not special); the
+    ``vocab_size`` must leave room for them.
     """
     spec = {
         "vocab_size": vocab_size,
@@ -106,6 +110,7 @@ def build_tiny_smollm(
         "max_new_tokens": max_new_tokens,
         "family": family,
         "overrides": overrides or {},
+        "added_tokens": [list(t) for t in added_tokens],
     }
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
@@ -137,6 +142,15 @@ def _build_tiny_smollm_here(spec: dict) -> None:
     for f in tokenizer_dir(source).iterdir():
         shutil.copy(f, out / f.name)
     tok = load_tokenizer(source)
+    if spec["added_tokens"]:
+        from tokenizers import AddedToken
+
+        for text, special in spec["added_tokens"]:
+            tok.add_tokens(
+                [AddedToken(text, special=special, normalized=False)], special_tokens=special
+            )
+        assert len(tok) <= spec["vocab_size"], "the model's vocabulary must hold the added tokens"
+        tok.save_pretrained(out)
     refs = []
     max_new = spec["max_new_tokens"]
     with torch.no_grad():

@@ -30,7 +30,12 @@ from pyserve.wire import worker_to_detok as inp
 
 log = logging.getLogger("pyserve.detokenizer")
 
-_FINISH_REASONS = {inp.FINISH_STOP: "stop", inp.FINISH_LENGTH: "length", inp.FINISH_GRAMMAR: "stop"}
+_FINISH_REASONS = {
+    inp.FINISH_STOP: "stop",
+    inp.FINISH_LENGTH: "length",
+    inp.FINISH_GRAMMAR: "stop",
+    inp.FINISH_GRAMMAR_ERROR: "error",
+}
 
 
 class DetokenizerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -99,6 +104,11 @@ class Detokenizer:
                 delta.finish_reason = _FINISH_REASONS.get(msg.finish[i], "stop")
                 if msg.finish[i] == inp.FINISH_STOP:
                     delta.matched_stop = tokens[i]
+                elif msg.finish[i] == inp.FINISH_GRAMMAR_ERROR:
+                    delta.error = (
+                        f"the request's grammar could not go on at the sampled token {tokens[i]} "
+                        "(the worker's log says why)"
+                    )
             delta.text = released
             if delta.finish_reason is not None:
                 state.finished = True

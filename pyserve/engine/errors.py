@@ -31,3 +31,9 @@ class ContextLengthExceeded(ValueError):
 
 class KVCacheTooSmall(ValueError):
     """The request could never fit in the KV pool, however empty (a 400 rather than a wait)."""
+
+
+class GrammarBroken(RuntimeError):
+    """A request's grammar could not go on in the worker (it rejected a token sampled under its
+    own mask, or did not compile there): the request fails rather than ending as if complete.
+    Not the client's fault: a 500."""

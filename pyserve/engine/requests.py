@@ -17,6 +17,7 @@ import collections
 import logging
 from collections.abc import Callable
 
+from pyserve.engine.errors import GrammarBroken
 from pyserve.outputs import GenerationChunk, TokenLogprob
 from pyserve.wire.detok_to_main import RequestDelta
 
@@ -92,6 +93,11 @@ class RequestState:
         if self.want_logprobs and delta.logprob is not None:
             top = delta.top_logprobs or []
             self._logprobs.extend(TokenLogprob(t, delta.logprob, top) for t in ids)
+        if delta.error is not None:
+            if self._ids:
+                self._flush(None, None)  # what came before the failure, then the error
+            self.fail(GrammarBroken(delta.error))
+            return
         if (
             delta.finish_reason is not None
             or not self._sent_first  # the first token goes out at once (time to first token)

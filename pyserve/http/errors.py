@@ -78,8 +78,8 @@ def not_ready(message: str = "The server is not ready yet.") -> APIError:
     return APIError(503, message, type="service_unavailable", code="server_not_ready")
 
 
-def server_error(message: str) -> APIError:
-    return APIError(500, message, type="server_error", code="internal_error")
+def server_error(message: str, code: str = "internal_error") -> APIError:
+    return APIError(500, message, type="server_error", code=code)
 
 
 _PATH_IN_MESSAGE = re.compile(r" - at `\$\.?([^`]*)`$")

@@ -15,6 +15,7 @@ from pyserve.engine.errors import (
     ContextLengthExceeded,
     EngineDeadError,
     EngineError,
+    GrammarBroken,
     KVCacheTooSmall,
 )
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
@@ -47,6 +48,9 @@ def engine_error(exc: BaseException) -> APIError:
         return bad_request(str(exc), code="kv_cache_too_small")
     if isinstance(exc, ValueError):
         return bad_request(str(exc), param=getattr(exc, "param", None), code="invalid_value")
+    if isinstance(exc, GrammarBroken):
+        log.error("request failed: %s", exc)
+        return server_error(str(exc), code="grammar_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, EngineError):  # not started, or shutting down

@@ -15,6 +15,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     logprob: float | None = None  # of the sampled token, when asked for
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # the request failed in the worker (its grammar broke): why
 
 
 class StepDone(msgspec.Struct, tag=True, omit_defaults=True):

@@ -11,6 +11,9 @@ FINISH_NONE = 0
 FINISH_STOP = 1  # EOS or a stop_token_id
 FINISH_LENGTH = 2  # max_new_tokens reached
 FINISH_GRAMMAR = 3  # the request's grammar is complete: a "stop" whose token is output text
+# The grammar could not go on: it rejected the token sampled under its own mask, or it failed to
+# compile. Never a quiet stop: the request fails with an error.
+FINISH_GRAMMAR_ERROR = 4
 
 
 class DetokRequest(msgspec.Struct, tag=True, omit_defaults=True):

@@ -41,6 +41,7 @@ class GrammarState:
 
     matcher: Future[LLMatcher]
     done: bool = False  # the grammar is complete (or failed): the request ends
+    failed: bool = False  # it ends in error: its matcher did not build, or rejected a token
 
 
 _BIAS_OF_BIT = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed
@@ -140,7 +141,7 @@ class GrammarMasks:
                 matchers.append((state.matcher.result(), k))
             except Exception as exc:  # the main process checked it: not expected
                 log.error("a grammar failed to compile in the worker: %s", exc)
-                state.done = True  # the request ends at this step's token
+                state.done = state.failed = True  # the request fails at this step's token
         if matchers:
             assert self._executor is not None  # made with the tokenizer the matchers needed
             # one call for the batch (llguidance's own helper module would import torch.compile)
@@ -151,13 +152,20 @@ class GrammarMasks:
         return StepMasks.from_allowed(rows, bits[:, : self.vocab_size])
 
     def advance(self, state: GrammarState, token: int) -> bool:
-        """Feeds the sampled ``token``; True when the grammar is complete (the request ends)."""
+        """Feeds the sampled ``token``; True when the grammar is done (the request ends): it is
+        complete, or it failed (``state.failed``)."""
         if state.done:
             return True
         matcher = state.matcher.result()
         if not matcher.consume_token(token) or matcher.is_error():
-            log.warning("a grammar rejected the sampled token %d: %s", token, matcher.get_error())
-            state.done = True
+            # The token was sampled under this matcher's own mask: a rejection means the mask
+            # and the matcher disagree, a bug to surface rather than an end of the answer.
+            log.error(
+                "a grammar rejected the token %d sampled under its mask: %s",
+                token,
+                matcher.get_error(),
+            )
+            state.done = state.failed = True
         elif matcher.is_stopped():
             state.done = True
         return state.done

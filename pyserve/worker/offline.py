@@ -22,17 +22,23 @@ from pyserve.wire.main_to_worker import (
     check_sampling,
     step_from_plan,
 )
-from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
+from pyserve.wire.worker_to_detok import (
+    FINISH_GRAMMAR_ERROR,
+    FINISH_LENGTH,
+    FINISH_NONE,
+    StepTokens,
+)
 from pyserve.worker.executor import Runner, StepExecutor
 from pyserve.worker.settings import WorkerSettings
 
-_FINISH_REASONS = {FINISH_LENGTH: "length"}  # anything else non-zero is "stop"
+# anything else non-zero is "stop"; "error": the request's grammar could not go on
+_FINISH_REASONS = {FINISH_LENGTH: "length", FINISH_GRAMMAR_ERROR: "error"}
 
 
 @dataclass
 class Output:
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error"
     logprobs: list[float] | None = None  # of each sampled token, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -20,6 +20,7 @@ import torch
 from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step, UncheckedNewRequest
 from pyserve.wire.worker_to_detok import (
     FINISH_GRAMMAR,
+    FINISH_GRAMMAR_ERROR,
     FINISH_LENGTH,
     FINISH_NONE,
     FINISH_STOP,
@@ -236,7 +237,7 @@ class RequestTable:
             if state.grammar is not None and finish == FINISH_NONE:
                 assert self.grammars is not None
                 if self.grammars.advance(state.grammar, token):
-                    finish = FINISH_GRAMMAR
+                    finish = FINISH_GRAMMAR_ERROR if state.grammar.failed else FINISH_GRAMMAR
             state.finished = finish != FINISH_NONE
             if out.logprobs is not None:
                 logprobs.append(out.logprobs[row])
