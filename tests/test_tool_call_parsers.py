@@ -135,6 +135,28 @@ EXACT = {
         '[TOOL_CALLS] [{"name": "a", "arguments": {}}, 3]',
         '[TOOL_CALLS] [{"name": "a", "arguments": {}} oops',
     ],
+    "generic": [
+        "",
+        "  \n",
+        "Plain answer, not the JSON object.",
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
+        '\n { "tool_calls" :[{"name":"a","arguments":{"x":1}} , {"name": "b", "arguments": {}}]}\n',
+        '{"tool_calls": [{"arguments": {"q": "x"}, "name": "search"}]}',
+        '{"tool_calls": [{"name": "a", "arguments": "{\\"y\\": 2}"}, {"name": "b"}]}',
+        '{"tool_calls": [{"name": "a", "arguments": {}}] } and words after',
+        '{"tool_calls": [{"name": "a", "arguments": {}}]',
+        '{"tool_calls": [{"name": "a", "arguments": {}}, {"bad": 1}]}',
+        # Not the object, found out before anything was sent.
+        '{"response": 42}',
+        '{"tool_calls": []}',
+        '{"tool_calls": 3}',
+        '{"tool_calls": [not json]}',
+        '{"tool_calls": [{"name": "a", "arguments": [1]}]}',
+        '{"answer": "x"}',
+        '{"tool',
+        "{",
+        '["tool_calls"]',
+    ],
 }
 
 # Calls that break after they could be announced: the stream's content still matches.
@@ -153,6 +175,10 @@ LATE_FAILURES = {
     "mistral": [
         '[TOOL_CALLS] [{"name": "a", "arguments": {"x": "y',
         '[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1, }}]',
+    ],
+    "generic": [
+        '{"tool_calls": [{"name": "a", "arguments": {"x": "y',
+        '{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1, }}]}',
     ],
 }
 
@@ -425,7 +451,7 @@ def test_text_before_calls_streams_back_as_content(fmt, before, calls, cuts):
 
 
 def test_every_parser_is_registered_under_its_name():
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert sorted(PARSERS) == ["generic", "hermes", "llama3_json", "mistral"]
     for name, parser in PARSERS.items():
         assert parser.name == name
         assert isinstance(parser.call_format, CallFormat)

@@ -7,6 +7,9 @@ Formats (``PARSERS``):
 * ``llama3_json`` (Llama 3.1 to 3.3): the output is ``{"name": ..., "parameters": {...}}``
   (``"arguments"`` accepted too), optionally after ``<|python_tag|>``, calls separated by ``;``.
 * ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}``.
+* ``generic`` (any model, for templates with no format of their own): the output is one JSON
+  object, ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` or ``{"response": "..."}``,
+  whose decoded string is the content (``generic_tools``).
 
 Rules shared by all formats:
 
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pyserve.chat.generic_tools import GenericStream
 from pyserve.chat.tool_stream import ParsedOutput, ToolCallStream
 
 
@@ -232,8 +236,38 @@ class MistralToolParser(ToolCallParser):
     stream_class = _MistralStream
 
 
+class GenericToolParser(ToolCallParser):
+    """Any model: one JSON object of calls, ``{"tool_calls": [...]}``, or a reply,
+    ``{"response": "..."}``; the tools are described in the system message (``generic_tools``).
+
+    ``replies=False`` when an answer that is not calls is a response format's JSON: such an
+    answer is then the content as written, even with a ``response`` key.
+    """
+
+    name = "generic"
+    call_format = CallFormat(
+        begin='{"tool_calls": [',
+        call_prefix="",
+        call_suffix="",
+        separator=", ",
+        end="]}",
+        arguments_key="arguments",
+    )
+    stream_class = GenericStream
+
+    def __init__(self, replies: bool = True) -> None:
+        self.replies = replies
+
+    def parse(self, text: str) -> ParsedOutput:
+        return self.stream().parse_all(text)
+
+    def stream(self) -> ToolCallStream:
+        return GenericStream(replies=self.replies)
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, GenericToolParser)
 }
 
 # Checked in this order: what each format's chat template writes around tool calls.
@@ -245,7 +279,8 @@ _TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def parser_for_template(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template uses (a PARSERS key), or None if it has none."""
+    """The tool-call format a chat template writes (a PARSERS key), or None if it has none (a
+    server then uses ``generic``)."""
     if not chat_template:
         return None
     for name, markers in _TEMPLATE_MARKERS:

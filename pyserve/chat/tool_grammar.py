@@ -1,21 +1,24 @@
 """The Lark grammar that makes a model write tool calls in its format (for llguidance).
 
 ``tool_choice: "required"`` or a named function must produce a call that parses, even from a
-model that has never seen the format: the grammar spells the format's markers, and each call's
-object is ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``, through
-llguidance's ``%json`` (a JSON schema inside a Lark rule). With ``auto`` and a response format,
-the answer is either tool calls or the response's JSON.
-"""
+model that has never seen the format: the grammar spells the format's markers (the generic
+format's are JSON, ``{"tool_calls": [...]}``), and each call's object is ``{"name": <one of the
+tools>, "arguments": <that tool's parameters schema>}``, through llguidance's ``%json`` (a JSON
+schema inside a Lark rule). With ``auto`` and a response format, the answer is either tool calls
+or the response's JSON (in the generic format, without one: calls or its reply object)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 
 from pyserve.chat.tool_calls import CallFormat
 from pyserve.grammars import JSON_OPTIONS, lark_text
 
 ANY_OBJECT: dict = {"type": "object"}
+# The pieces llguidance's JSON is lexed into (with JSON_OPTIONS' separators).
+_JSON_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|: |, |[{}\[\]]')
 
 
 def tool_calls_lark(
@@ -35,19 +38,30 @@ def tool_calls_lark(
     if not tools:
         raise ValueError("no tools to call")
     specials = dict(added_tokens or {})
-    separator = lark_text(fmt.separator, specials)
+    separator = _marker(fmt.separator, specials)
     calls = f"call ({separator} call)*" if parallel else "call"
     rules = [
-        _rule("tool_calls", lark_text(fmt.begin, specials), calls, lark_text(fmt.end, specials)),
+        _rule("tool_calls", _marker(fmt.begin, specials), calls, _marker(fmt.end, specials)),
         _rule(
             "call",
-            lark_text(fmt.call_prefix, specials),
+            _marker(fmt.call_prefix, specials),
             "call_object",
-            lark_text(fmt.call_suffix, specials),
+            _marker(fmt.call_suffix, specials),
         ),
         f"call_object: %json {json.dumps(call_schema(fmt, tools))}",
     ]
     return "start: tool_calls\n" + "\n".join(rules) + "\n"
+
+
+def _marker(text: str, added_tokens: Mapping[str, int]) -> str:
+    """A marker as Lark terminals. One that is JSON text (the generic format's
+    ``{"tool_calls": [``) is written piece by piece, as llguidance lexes a JSON answer: the
+    lexer does not back out of a longer literal, so an answer object beside one literal
+    ``{"tool_calls": [`` could never get past ``{"``."""
+    pieces = _JSON_PIECE.findall(text)
+    if not text or "".join(pieces) != text or any(t and t in text for t in added_tokens):
+        return lark_text(text, added_tokens)
+    return " ".join(json.dumps(piece, ensure_ascii=False) for piece in pieces)
 
 
 def _rule(name: str, *parts: str) -> str:

@@ -2,8 +2,9 @@
 
 A reasoning parser splits ``<think>...</think>`` off into ``reasoning_content``; a tool-call
 parser turns the format's call blocks into ``tool_calls`` (and the finish reason into
-"tool_calls"). Streamed, each generated chunk becomes one delta carrying whichever of the three
-it advanced; a stream holds back text that may still turn out to be a marker.
+"tool_calls"), and the generic format's reply object into its text. Streamed, each generated
+chunk becomes one delta carrying whichever of the three it advanced; a stream holds back text
+that may still turn out to be a marker.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ class ChatOutput:
             message["reasoning_content"] = reasoning
         if self.tools is not None and content:
             parsed = self.tools.parse(content)
+            # The content may change without calls: the generic format's reply is the string
+            # inside its object. Beside calls, no content is null, as OpenAI writes it.
+            message["content"] = parsed.content or (None if parsed.tool_calls else "")
             if parsed.tool_calls:
-                message["content"] = parsed.content or None
                 message["tool_calls"] = [
                     {
                         "id": call.id,

@@ -1,9 +1,10 @@
 """What a chat request's tools, tool_choice, response_format and reasoning ask of generation.
 
 ``ChatPlan.of`` reads the request (before its prompt is rendered): the tools the template is
-given, the grammar that enforces ``tool_choice`` or ``response_format``, and how the output is
-parsed back. ``ChatPlan.for_prompt`` then fits the grammar to a reasoning model's thought once
-the rendered prompt shows whether the template opened it.
+given (or, in the generic format, the messages that describe them), the grammar that enforces
+``tool_choice`` or ``response_format``, and how the output is parsed back.
+``ChatPlan.for_prompt`` then fits the grammar to a reasoning model's thought once the rendered
+prompt shows whether the template opened it.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pyserve.chat import generic_tools
+from pyserve.chat.generic_tools import GenericPrompt
 from pyserve.chat.reasoning import ReasoningParser
-from pyserve.chat.tool_calls import ToolCallParser
+from pyserve.chat.tool_calls import GenericToolParser, ToolCallParser
 from pyserve.chat.tool_grammar import tool_calls_lark, tool_calls_or_json_lark
 from pyserve.engine import Engine
 from pyserve.grammars import after_thought
 from pyserve.http import params
 from pyserve.http.chat_output import ChatOutput
 from pyserve.http.errors import bad_request
-from pyserve.http.protocol import ChatCompletionRequest, NamedToolChoice
+from pyserve.http.protocol import ChatCompletionRequest, NamedToolChoice, TextFormat
 from pyserve.wire.main_to_worker import Grammar
 
 
@@ -32,6 +35,14 @@ class ChatPlan:
     grammar_param: str  # the request field the grammar comes from, for errors
     output: ChatOutput | None  # how the output is parsed; None: all of it is the content
     keep_special_tokens: bool  # a tool marker is a special token: the parser must see it
+    # The generic format: how the messages are rewritten for a template that renders no tools.
+    generic_prompt: GenericPrompt | None = None
+
+    def template_messages(self, messages: list[dict]) -> list[dict]:
+        """The messages the chat template renders (``ChatMessage.as_template_input`` dicts)."""
+        if self.generic_prompt is None:
+            return messages
+        return self.generic_prompt.messages(messages)
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, engine: Engine) -> ChatPlan:
@@ -47,10 +58,10 @@ class ChatPlan:
             parser = engine.tool_call_parser
             if parser is None:
                 raise params.unsupported(
-                    "tools",
-                    "this model's chat template writes no tool calls that pyserve can read; "
-                    "start it with --tool-call-parser hermes, llama3_json or mistral",
+                    "tools", "this server reads no tool calls (--tool-call-parser none)"
                 )
+            if isinstance(parser, GenericToolParser) and grammar is not None:
+                parser = GenericToolParser(replies=False)  # the answer is the format's JSON
             grammar, param = _tool_grammar(req, parser, choice, grammar, param, engine.added_tokens)
         keep_special = parser is not None and any(
             special in marker
@@ -65,7 +76,13 @@ class ChatPlan:
         template_tools = None
         if choice != "none":
             template_tools = [msgspec.to_builtins(tool) for tool in tools]
-        return cls(template_tools, grammar, param, output, keep_special)
+        generic = None
+        if isinstance(engine.tool_call_parser, GenericToolParser):
+            # The template renders no tools: they go into the system message, and earlier calls
+            # and results are rewritten whether or not tools are offered this time.
+            generic = GenericPrompt(_generic_instructions(req, choice, template_tools))
+            template_tools = None
+        return cls(template_tools, grammar, param, output, keep_special, generic)
 
     def for_prompt(self, prompt_ids: list[int], engine: Engine) -> ChatPlan:
         """The plan for this rendered prompt: a reasoning model thinks before the grammar."""
@@ -133,8 +150,28 @@ def _tool_grammar(
     )
     if choice == "required":  # the answer is calls: a response_format has no text to apply to
         return Grammar("lark", lark), "tool_choice"
-    # auto: free text, unless the answer must follow a response format
+    # auto: free text, unless the answer must follow a response format or the format has
+    # an object of its own for a reply
     if grammar is None:
+        if isinstance(parser, GenericToolParser):
+            reply = tool_calls_or_json_lark(lark, generic_tools.REPLY_SCHEMA)
+            return Grammar("lark", reply), "tool_choice"
         return None, "grammar"
     schema = msgspec.json.decode(grammar.text) if grammar.kind == "json_schema" else None
     return Grammar("lark", tool_calls_or_json_lark(lark, schema)), "response_format"
+
+
+def _generic_instructions(
+    req: ChatCompletionRequest, choice: str | NamedToolChoice, tools: list[dict] | None
+) -> str | None:
+    """The generic format's system text for this request; None when it offers no tools."""
+    if choice == "none" or not tools:
+        return None
+    return generic_tools.instructions(
+        tools,
+        named=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+        required=choice == "required",
+        parallel=req.parallel_tool_calls is not False,
+        json_answer=req.response_format is not None
+        and not isinstance(req.response_format, TextFormat),
+    )

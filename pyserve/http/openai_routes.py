@@ -85,6 +85,7 @@ class OpenAIRoutes:
             "owned_by": "pyserve",
             "root": self.state.model_path(),  # its file or directory, as vLLM and SGLang say
             "max_model_len": self.engine.context_length,
+            "capabilities": self.engine.capabilities,  # generate, embed, rerank
         }
 
     async def models(self, request: web.Request) -> web.Response:
@@ -104,7 +105,7 @@ class OpenAIRoutes:
         params.check_chat_request(req)
         top_logprobs = params.chat_top_logprobs(req)
         plan = ChatPlan.of(req, self.engine)
-        messages = [m.as_template_input() for m in req.messages]
+        messages = plan.template_messages([m.as_template_input() for m in req.messages])
         prompt = await state.call(
             self.engine.apply_chat_template(
                 messages,
