@@ -168,6 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
         "model opens it; deepseek_r1: the prompt does); none: the thought stays in the content",
     )
     add(
+        "--pooling",
+        choices=["last", "mean", "cls"],
+        help="how /v1/embeddings pools the final hidden states: the last token, the mean over "
+        "all tokens, or the first; default: the model's (a sentence-transformers Pooling "
+        "module, last for a decoder embedding model such as Qwen3-Embedding, else mean)",
+    )
+    add(
+        "--embedding-normalize",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scale embeddings to unit length (the default; --no-embedding-normalize: as pooled)",
+    )
+    add(
+        "--rerank-mode",
+        default="auto",
+        choices=["auto", "yes-no", "cosine"],
+        help="how /v1/rerank scores: yes-no (a Qwen3-Reranker-style model's 'yes'/'no' logits "
+        "under its prompt), cosine (of embeddings); auto: yes-no for a model named a reranker",
+    )
+    add(
         "--api-key",
         default=os.environ.get("PYSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -224,6 +244,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         step_timeout=args.step_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        pooling=args.pooling,
+        embedding_normalize=args.embedding_normalize,
+        rerank_mode=args.rerank_mode,
     )
     if args.kv_cache_gib is not None:
         config.kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))

@@ -28,3 +28,18 @@ class GenerationChunk(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+
+
+class Embedding(msgspec.Struct):
+    """What ``Engine.embed`` returns."""
+
+    embedding: list[float]
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (last-token pooling)
+
+
+class RerankResult(msgspec.Struct):
+    """What ``Engine.rerank`` returns: a relevance score per document, in their order."""
+
+    scores: list[float]
+    prompt_tokens: int

@@ -352,6 +352,9 @@ class _Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
+    # False: admissions compute every position (no cached prefix), and its blocks never enter
+    # the cache (they would duplicate cached ones, both held while it runs)
+    match_prefix: bool = True
     output: list[int] = field(default_factory=list)
     state: str = "waiting"  # waiting | running | retracted | done
     table: list[int] = field(default_factory=list)  # one allocator reference held per entry
@@ -426,7 +429,14 @@ class Planner:
 
     # -- requests in and out ------------------------------------------------------------------
 
-    def add_request(self, rid: int, prompt: Sequence[int] | bytes, max_new_tokens: int) -> None:
+    def add_request(
+        self,
+        rid: int,
+        prompt: Sequence[int] | bytes,
+        max_new_tokens: int,
+        *,
+        match_prefix: bool = True,
+    ) -> None:
         tokens = _ints(prompt, "i")
         if rid in self._requests:
             raise ValueError(f"request {rid} already exists")
@@ -441,7 +451,7 @@ class Planner:
                 f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
                 f"({capacity} tokens)"
             )
-        req = _Request(rid, tokens, max_new_tokens)
+        req = _Request(rid, tokens, max_new_tokens, match_prefix)
         self._requests[rid] = req
         self._waiting.append(req)
 
@@ -574,7 +584,7 @@ class Planner:
             tokens = req.tokens
             target = len(tokens)
             # Match at most target - 1 tokens: a prefill computes at least one token.
-            matched, unlocked = self._peek(tokens[:-1])
+            matched, unlocked = self._peek(tokens[:-1]) if req.match_prefix else (0, 0)
             n = min(target - matched, self.chunked_prefill_size, budget)
             blocks_now = self._blocks_for(matched + n) - matched // bs
             later_tokens = target + math.ceil(
@@ -584,7 +594,10 @@ class Planner:
             if self._available() - unlocked < reserved + blocks_now + blocks_later:
                 return
             self._waiting.remove(req)
-            if self.enable_radix_cache:
+            if self.enable_radix_cache and not req.match_prefix:
+                self.cache.lock(0)  # the root: every running request holds one lock
+                req.table, req.handle, req.tree_len = [], 0, 0
+            elif self.enable_radix_cache:
                 matched, blocks, handle = self.cache.match_prefix(tokens[:-1])
                 self.cache.lock(handle)
                 self.allocator.incref(blocks)
@@ -604,7 +617,7 @@ class Planner:
     def _admission_order(self) -> list[_Request]:
         order = list(self._waiting)
         if self.policy == "lpm" and self.enable_radix_cache:
-            hits = {r.rid: self._peek(r.tokens[:-1])[0] for r in order}
+            hits = {r.rid: self._peek(r.tokens[:-1])[0] if r.match_prefix else 0 for r in order}
             order.sort(key=lambda r: -hits[r.rid])  # stable: ties keep queue order
         return order
 
@@ -717,7 +730,7 @@ class Planner:
             if req.state != "done":
                 req.output.append(token)
         for req, _, _ in members:
-            if req.state == "running" and self.enable_radix_cache:
+            if req.state == "running" and self.enable_radix_cache and req.match_prefix:
                 self._cache_computed(req)
             if req.state == "done" and req.inflight == 0:
                 self._requests.pop(req.rid, None)

@@ -269,6 +269,7 @@ class Tracked:
     prefill_done: bool = False  # its latest admission's last prefill chunk was planned
     computed: int = 0  # positions of its current admission computed by reported steps
     cached_tokens: int = -1  # prefix hit at its first admission
+    match_prefix: bool = True  # False: every admission starts at position 0
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -405,17 +406,24 @@ class PlannerMachine(RuleBasedStateMachine):
         prompt = prefix[:cut] + tail
         rid = self.next_rid
         self.next_rid += 1
-        self._begin(f"add_request({rid}, len {len(prompt)}, max_new {max_new})")
+        # one request in four computes its whole prompt, reusing no cached prefix
+        match_prefix = data.draw(st.integers(0, 3), label="match_prefix") > 0
+        self._begin(
+            f"add_request({rid}, len {len(prompt)}, max_new {max_new}, match_prefix={match_prefix})"
+        )
         fits = len(prompt) + max_new <= self.num_blocks * self.bs
         if not prompt or not fits:
             with pytest.raises(ValueError):
                 self.planner.add_request(rid, prompt, max_new)
         else:
             if data.draw(st.booleans()):
-                self.planner.add_request(rid, array("i", prompt).tobytes(), max_new)
+                packed = array("i", prompt).tobytes()
+                self.planner.add_request(rid, packed, max_new, match_prefix=match_prefix)
             else:
-                self.planner.add_request(rid, prompt, max_new)
-            self.requests[rid] = Tracked(rid, prompt, max_new, arrival=len(self.requests))
+                self.planner.add_request(rid, prompt, max_new, match_prefix=match_prefix)
+            self.requests[rid] = Tracked(
+                rid, prompt, max_new, arrival=len(self.requests), match_prefix=match_prefix
+            )
         self._end()
 
     @rule(data=st.data())
@@ -724,6 +732,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"{where}: re-admitted while {req.inflight} steps with it are in flight")
             if not self.cfg["enable_radix_cache"] and e.start != 0:
                 self._fail(f"{where}: prefix hit with the radix cache disabled")
+            if not req.match_prefix and e.start != 0:
+                self._fail(f"{where}: prefix hit for a request that matches none")
             for b in table[: e.start // bs]:
                 if states[b] != CACHED:
                     self._fail(f"{where}: prefix block {b} is not in the cache")

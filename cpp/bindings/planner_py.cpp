@@ -147,11 +147,15 @@ void bind_planner(py::module_& m) {
       .def_property_readonly("num_blocks", [](PyPlanner& p) { return p.obj->config().num_blocks; })
       .def(
           "add_request",
-          [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens) {
+          [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens,
+             bool match_prefix) {
             auto tokens = to_int32s(prompt, "prompt");
-            p.released([&](Planner& x) { x.add_request(rid, std::move(tokens), max_new_tokens); });
+            p.released([&](Planner& x) {
+              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix);
+            });
           },
-          py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"))
+          py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"), py::kw_only(),
+          py::arg("match_prefix") = true)
       .def(
           "plan",
           [](PyPlanner& p) -> std::shared_ptr<Step> {

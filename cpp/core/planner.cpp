@@ -76,7 +76,8 @@ Request* Planner::find(int64_t rid) const {
 // ---------------------------------------------------------------------------------------------
 // Requests in and out
 
-void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens) {
+void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
+                          bool match_prefix) {
   if (find(rid)) throw ValueError("request " + std::to_string(rid) + " already exists");
   require(!prompt.empty(), "request " + std::to_string(rid) + ": the prompt is empty");
   require(max_new_tokens >= 1, "request " + std::to_string(rid) +
@@ -102,6 +103,7 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   r.rid = rid;
   r.prompt = std::move(prompt);
   r.max_new_tokens = max_new_tokens;
+  r.match_prefix = match_prefix;
   r.state = RequestState::kWaiting;
   waiting_.push_back(&r);
   r.queue_pos = std::prev(waiting_.end());
@@ -319,7 +321,9 @@ std::vector<Request*> Planner::lpm_order() {
   for (Request* r : waiting_) {
     if (keyed.size() == kLpmWindow) break;
     const std::vector<int32_t>& seq = sequence(*r);
-    keyed.emplace_back(cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks, r);
+    keyed.emplace_back(r->match_prefix ? cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks
+                                       : 0,
+                       r);
   }
   std::stable_sort(keyed.begin(), keyed.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -368,7 +372,9 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
   // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
   // prompt recomputes its last block rather than writing into a cached one.
   PrefixPeek peek;
-  if (config_.enable_radix_cache) peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
+  if (config_.enable_radix_cache && c.match_prefix) {
+    peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
+  }
   const int64_t matched = peek.num_blocks * block_size_;
   const int64_t chunk = std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
   const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
@@ -381,13 +387,15 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
   if (available < reserved + blocks_now + blocks_later) return false;
 
   waiting_.erase(c.queue_pos);
-  if (config_.enable_radix_cache) {
+  if (config_.enable_radix_cache && c.match_prefix) {
     PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
     cache_.lock(match.node);
     allocator_.incref(match.blocks.data(), match.blocks.size());
     c.table = std::move(match.blocks);
     c.node = match.node;
     c.tree_len = match.num_tokens;
+  } else if (config_.enable_radix_cache) {
+    cache_.lock(kRootNode);  // every running request holds one lock; its blocks go below root
   }
   if (!allocate_blocks(blocks_now, c.table)) {
     throw InvariantError("admission counted " + std::to_string(available) +
@@ -518,7 +526,9 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
   }
   for (const InflightEntry& entry : s.entries) {
     Request& r = *entry.request;
-    if (r.state == RequestState::kRunning && config_.enable_radix_cache) cache_computed_blocks(r);
+    if (r.state == RequestState::kRunning && config_.enable_radix_cache && r.match_prefix) {
+      cache_computed_blocks(r);
+    }
   }
   for (const InflightEntry& entry : s.entries) {
     Request& r = *entry.request;

@@ -83,8 +83,12 @@ class Planner {
   Planner& operator=(const Planner&) = delete;
 
   // ValueError: duplicate rid, empty prompt, token out of range, max_new_tokens < 1, or more
-  // tokens than the pool can ever hold.
-  void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens);
+  // tokens than the pool can ever hold. match_prefix false: its admissions (first and after a
+  // retraction) compute the whole sequence instead of reusing cached blocks, and its blocks
+  // never enter the cache (they would duplicate cached ones, and a running request's lock
+  // would hold both): they are freed when it ends.
+  void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
+                   bool match_prefix = true);
 
   // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
   std::optional<Step> plan();

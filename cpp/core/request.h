@@ -24,6 +24,10 @@ struct Request {
   std::vector<int32_t> prompt;
   std::vector<int32_t> output;  // sampled tokens reported so far
   int64_t max_new_tokens = 0;
+  // false: admission never reuses cached prefix blocks, so every prompt position is computed
+  // (an embedding that pools over all of them needs each one's hidden state); its blocks are
+  // freed at the end, never cached
+  bool match_prefix = true;
   RequestState state = RequestState::kWaiting;
 
   // While running. Positions [0, num_scheduled) are computed or planned in an unreported step;

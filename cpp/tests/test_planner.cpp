@@ -173,6 +173,33 @@ TEST(a_cached_prefix_is_not_computed_again) {
   report(p, s);
 }
 
+TEST(a_request_that_does_not_match_prefixes_computes_every_position_and_caches_nothing) {
+  Planner p(config(32, 2));
+  Worker w;
+  add(p, 1, range(1, 7), 1);
+  report(p, plan(p));
+  p.finish(1);
+  CHECK_EQ(p.cache().cached_blocks(), 3);
+
+  p.add_request(2, range(1, 7), 1, /*match_prefix=*/false);
+  p.check_invariants();
+  Step s = plan(p);
+  w.run(s, 2);
+  const Entry e = *entry_for(s, 2);
+  CHECK_EQ(e.start, 0);
+  CHECK_EQ(e.input, range(1, 7));
+  for (BlockId b : e.blocks) CHECK(!p.cache().in_tree(b));  // its own blocks, none shared
+  CHECK_EQ(p.request(2).cached_tokens, 0);
+  report(p, s);
+  p.check_invariants();
+  for (BlockId b : e.blocks) CHECK(!p.cache().in_tree(b));  // computed, still not cached
+  CHECK_EQ(p.cache().stats().inserted_blocks, 3);
+  p.finish(2);
+  p.check_invariants();
+  CHECK_EQ(p.cache().cached_blocks(), 3);
+  CHECK_EQ(p.num_free_blocks() + p.cache().cached_blocks(), 32);  // its blocks are free again
+}
+
 TEST(a_fully_cached_prompt_recomputes_its_last_block) {
   Planner p(config(32, 2));
   Worker w;

@@ -77,6 +77,7 @@ class Detokenizer:
         tokens = np.frombuffer(msg.token_ids, dtype="<i4").tolist()
         logprobs = np.frombuffer(msg.logprobs, dtype="<f4").tolist() if msg.logprobs else None
         tops = {t.index: t for t in msg.top_logprobs}
+        pooled = {p.index: p.values for p in msg.pooled}
 
         live: list[tuple[int, int, RequestText]] = []  # (entry index, rid, state)
         for i, rid in enumerate(rids):
@@ -123,6 +124,8 @@ class Detokenizer:
                         strict=True,
                     )
                 )
+            if i in pooled:
+                delta.pooled = pooled[i]
             deltas.append(delta)
 
         self.drop(msg.dropped)

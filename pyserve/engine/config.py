@@ -72,6 +72,11 @@ class EngineConfig:
     tool_call_parser: str = "auto"
     # Splits <think>...</think> into reasoning_content: a REASONING_PARSERS name, or None.
     reasoning_parser: str | None = None
+    # Embeddings (pyserve/engine/embeddings.py): last | mean | cls, None: the model's default;
+    # whether they are scaled to unit length; how /v1/rerank scores (auto | yes-no | cosine).
+    pooling: str | None = None
+    embedding_normalize: bool = True
+    rerank_mode: str = "auto"
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
@@ -152,6 +157,12 @@ class EngineConfig:
             names = ", ".join(REASONING_PARSERS)
             raise ValueError(
                 f"reasoning_parser must be one of {names}; got {self.reasoning_parser!r}"
+            )
+        if self.pooling is not None and self.pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling must be last, mean or cls; got {self.pooling!r}")
+        if self.rerank_mode not in ("auto", "yes-no", "cosine"):
+            raise ValueError(
+                f"rerank_mode must be auto, yes-no or cosine; got {self.rerank_mode!r}"
             )
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")

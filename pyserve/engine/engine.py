@@ -28,7 +28,7 @@ from pyserve import early_worker, model_files
 from pyserve.chat.reasoning import REASONING_PARSERS, ReasoningParser
 from pyserve.chat.tool_calls import PARSERS, ToolCallParser, parser_for_template
 from pyserve.detokenizer.process import DetokenizerConfig
-from pyserve.engine import idle_check
+from pyserve.engine import embeddings, idle_check
 from pyserve.engine.channels import RingAddresses, free_port
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
@@ -37,12 +37,13 @@ from pyserve.engine.scheduler_loop import SchedulerLoop
 from pyserve.engine.step_watch import Stall
 from pyserve.engine.subprocesses import Children
 from pyserve.engine.tokenizer_manager import TokenizerManager
-from pyserve.outputs import GenerationChunk
+from pyserve.outputs import Embedding, GenerationChunk, RerankResult
 from pyserve.wire.detok_to_main import Ready, RequestDelta
 from pyserve.wire.main_to_worker import (
     DetokParams,
     Grammar,
     NewRequest,
+    Pooling,
     SamplingParams,
     check_sampling,
 )
@@ -91,6 +92,7 @@ class Engine:
         self._idle_checks = 0
         self._idle_check_failures = 0
         self._stall: Stall | None = None  # a step the worker has not answered in time
+        self._embedding: embeddings.EmbeddingModel | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -121,6 +123,16 @@ class Engine:
             # The detokenizer decodes with exactly this tokenizer, saved where only we can read.
             tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
+            self._embedding = embeddings.describe(
+                path=source.path,
+                kind=source.kind,
+                name=self.model_name,
+                hidden_size=info.hidden_size,
+                tokenizer=tokenizer,
+                pooling=config.pooling,
+                normalize=config.embedding_normalize,
+                rerank_mode=config.rerank_mode,
+            )
             self._spawn_detokenizer(tokenizer_file)
             self._scheduler = SchedulerLoop(
                 addresses=addresses,
@@ -423,6 +435,8 @@ class Engine:
             ),
             "load_seconds": ready.load_seconds if ready is not None else None,
             "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
+            "capabilities": self.capabilities,
+            "embedding": self._embedding.info() if self._embedding is not None else None,
             "versions": _versions(),
         }
 
@@ -505,12 +519,24 @@ class Engine:
         return True
 
     def _submit(
-        self, prompt_ids: list[int], sampling: SamplingParams, detok: DetokParams, rid: str | None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        detok: DetokParams,
+        rid: str | None,
+        pooling: Pooling | None = None,
     ) -> RequestState:
         self._check_serving()
         sampling = check_sampling(sampling)
         tokenizers = self._tokenizer_manager()
-        tokenizers.check_prompt(prompt_ids, sampling.max_new_tokens)
+        if pooling is None:
+            tokenizers.check_prompt(prompt_ids, sampling.max_new_tokens)
+        else:  # its one sampled token is never computed: the prompt may fill the context
+            if not prompt_ids:
+                raise embeddings.InvalidEmbedding("the input is empty", "input")
+            tokenizers.check_token_ids(prompt_ids)
+            if len(prompt_ids) > self.context_length:
+                raise embeddings.InputTooLong(len(prompt_ids), self.context_length)
         tokenizers.check_logit_bias(sampling.logit_bias)
         capacity = self.num_blocks * self.block_size
         if len(prompt_ids) + sampling.max_new_tokens > capacity:
@@ -518,7 +544,8 @@ class Engine:
                 f"the request needs {len(prompt_ids) + sampling.max_new_tokens} tokens of KV "
                 f"cache but the whole pool holds {capacity}; reduce the prompt or max_tokens"
             )
-        state = RequestState(
+        state_class = RequestState if pooling is None else embeddings.PooledRequestState
+        state = state_class(
             rid if rid is not None else uuid.uuid4().hex,
             next(self._core_rids),
             len(prompt_ids),
@@ -531,9 +558,141 @@ class Engine:
             prompt_ids=_int32_bytes(prompt_ids),
             sampling=sampling,
             detok=detok,
+            pooling=pooling,
         )
         self._scheduler_loop().submit(state.core_rid, request)
         return state
+
+    # ------------------------------------------------------------------ embeddings and rerank
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the served model does: every causal LM generates, embeds (its hidden states,
+        pooled) and reranks (by a reranker's yes/no logits or by embeddings)."""
+        return ["generate", "embed", "rerank"]
+
+    @property
+    def embedding_model(self) -> embeddings.EmbeddingModel:
+        """How this model embeds and reranks (its default pooling, Matryoshka dimensions, rerank
+        mode); available once started."""
+        if self._embedding is None:
+            raise EngineError("the engine is not started")
+        return self._embedding
+
+    async def embed(
+        self,
+        input: str | Sequence[int],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        rid: str | None = None,
+    ) -> Embedding:
+        """The embedding of a text or of token ids: the model's final-norm hidden states pooled
+        (``pooling``: last, mean or cls; default: the model's), cut to ``dimensions`` where the
+        model declares Matryoshka dimensions, and normalized (default: ``--embedding-normalize``).
+
+        An input longer than the context is a ValueError (ContextLengthExceeded), unless
+        ``truncate_prompt_tokens`` keeps its last that many tokens (-1: the context's worth).
+        It runs through the scheduler as a prefill-only request, batched with everything else.
+        """
+        self._check_serving()
+        model = self.embedding_model
+        model.check_dimensions(dimensions)
+        kind = pooling or model.pooling
+        if kind not in embeddings.POOLINGS:
+            raise embeddings.InvalidEmbedding(
+                f"pooling must be one of {', '.join(embeddings.POOLINGS)}; got {kind!r}", "pooling"
+            )
+        if isinstance(input, str):
+            prompt_ids = await self._tokenizer_manager().encode(input)
+        else:
+            prompt_ids = list(input)
+        prompt_ids = self._truncated(prompt_ids, truncate_prompt_tokens)
+        raw, chunk = await self._pool(prompt_ids, Pooling(kind=kind), rid)
+        vector = embeddings.finish_vector(
+            raw, dimensions, model.normalize if normalize is None else normalize
+        )
+        return Embedding(
+            embedding=vector, prompt_tokens=len(prompt_ids), cached_tokens=chunk.cached_tokens
+        )
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> RerankResult:
+        """The relevance of each document to ``query``, in the documents' order: P("yes") under
+        a Qwen3-Reranker-style model's prompt (``instruction`` goes in it), or the cosine
+        similarity of embeddings (``embedding_model.rerank_mode`` says which)."""
+        self._check_serving()
+        model = self.embedding_model
+        if model.rerank_mode == "yes-no":
+            assert model.yes_no_ids is not None
+            tokens = self._tokenizer_manager()
+            prefix = await tokens.encode(embeddings.YES_NO_PREFIX, False)
+            suffix = await tokens.encode(embeddings.YES_NO_SUFFIX, False)
+            prompts = []
+            for document in documents:
+                text = embeddings.yes_no_text(query, document, instruction)
+                body = await tokens.encode(text, False)
+                if truncate_prompt_tokens is not None:  # the pair is cut, never the format
+                    body = self._truncated(body, truncate_prompt_tokens)
+                prompts.append(prefix + body + suffix)
+            pooling = Pooling(kind="logits", token_ids=list(model.yes_no_ids))
+            results = await embeddings.gather_all([self._pool(p, pooling, None) for p in prompts])
+            scores = [embeddings.yes_probability(raw) for raw, _ in results]
+            return RerankResult(scores=scores, prompt_tokens=sum(map(len, prompts)))
+        embedded = await embeddings.gather_all(
+            [
+                self.embed(text, normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+                for text in (query, *documents)
+            ]
+        )
+        first, rest = embedded[0], embedded[1:]
+        return RerankResult(
+            scores=[embeddings.cosine(first.embedding, e.embedding) for e in rest],
+            prompt_tokens=sum(e.prompt_tokens for e in embedded),
+        )
+
+    def _truncated(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """The last ``keep`` tokens (vLLM's truncate_prompt_tokens; -1: the context's worth)."""
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.context_length
+        if keep < 1:
+            raise embeddings.InvalidEmbedding(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
+                "truncate_prompt_tokens",
+            )
+        if keep > self.context_length:
+            raise embeddings.InvalidEmbedding(
+                f"truncate_prompt_tokens {keep} is more than the model's context "
+                f"({self.context_length})",
+                "truncate_prompt_tokens",
+            )
+        return prompt_ids[-keep:]
+
+    async def _pool(
+        self, prompt_ids: list[int], pooling: Pooling, rid: str | None
+    ) -> tuple[bytes, GenerationChunk]:
+        """Runs one prefill-only request: (its pooled float32 vector, its last chunk)."""
+        state = self._submit(prompt_ids, _POOL_SAMPLING, _POOL_DETOK, rid, pooling)
+        assert isinstance(state, embeddings.PooledRequestState)
+        try:
+            chunk = await embeddings.last_chunk(state)
+        finally:
+            self._registry.remove(state)
+            if not state.finished or state.error is not None:
+                self._scheduler_loop().abort(state.core_rid)  # the consumer went away
+        if not state.pooled:
+            raise EngineError(f"the request ended ({chunk.finish_reason}) without its vector")
+        return state.pooled, chunk
 
     def _check_serving(self) -> None:
         if self._failure is not None:
@@ -634,6 +793,9 @@ class Engine:
 
 
 _THOUGHT_TAIL_TOKENS = 16  # what the end of a prompt is searched for an open thought
+# A prefill-only request samples one greedy token (its finish), never shown to anyone.
+_POOL_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+_POOL_DETOK = DetokParams(skip_special_tokens=True)
 
 
 def _read_model_files(model: str | None) -> tuple[model_files.ModelSource, model_files.ModelInfo]:

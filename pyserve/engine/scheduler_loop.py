@@ -253,7 +253,13 @@ class SchedulerLoop:
         if kind == "add":
             _, rid, request = command
             try:
-                self._planner.add_request(rid, request.prompt_ids, request.sampling.max_new_tokens)
+                pooling = request.pooling
+                self._planner.add_request(
+                    rid,
+                    request.prompt_ids,
+                    request.sampling.max_new_tokens,
+                    match_prefix=pooling is None or not pooling.needs_every_position,
+                )
             except (ValueError, KeyError) as e:
                 self._post(self._sink.on_request_error, [rid], ValueError(str(e)))
                 return

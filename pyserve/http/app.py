@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.embedding_routes import EmbeddingRoutes
 from pyserve.http.errors import APIError, from_http_exception, server_error
 from pyserve.http.live_stats import LiveStats
 from pyserve.http.native_routes import NativeRoutes
@@ -114,6 +115,7 @@ def create_app(
     app[STATE_KEY] = state
     OpenAIRoutes(state).add_to(app)
     NativeRoutes(state).add_to(app)
+    EmbeddingRoutes(state).add_to(app)
     service.add_to(app)
     live.add_to(app)
     if pages is not None:

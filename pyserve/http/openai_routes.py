@@ -85,6 +85,7 @@ class OpenAIRoutes:
             "owned_by": "pyserve",
             "root": self.state.model_path(),  # its file or directory, as vLLM and SGLang say
             "max_model_len": self.engine.context_length,
+            "capabilities": self.engine.capabilities,  # generate, embed, rerank
         }
 
     async def models(self, request: web.Request) -> web.Response:

@@ -9,7 +9,9 @@ from pyserve.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     GenerateRequest,
+    RerankRequest,
     TokenizeRequest,
 )
 
@@ -18,6 +20,9 @@ ROUTES: list[tuple[str, str, type | None, str]] = [
     ("post", "/v1/chat/completions", ChatCompletionRequest, "OpenAI chat completion"),
     ("post", "/v1/completions", CompletionRequest, "OpenAI legacy completion"),
     ("get", "/v1/models", None, "The served model"),
+    ("post", "/v1/embeddings", EmbeddingRequest, "OpenAI embeddings"),
+    ("post", "/v1/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),
+    ("post", "/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),
     ("post", "/generate", GenerateRequest, "SGLang-style native generation"),
     ("post", "/tokenize", TokenizeRequest, "Text to token ids"),
     ("post", "/detokenize", DetokenizeRequest, "Token ids to text"),

@@ -318,3 +318,47 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 class AbortRequest(msgspec.Struct, kw_only=True):
     rid: str
+
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
+MAX_RERANK_DOCUMENTS = 1024
+# vLLM's truncate_prompt_tokens: keep the input's last N tokens (-1: the context's worth)
+TruncatePromptTokens = Annotated[int, Meta(ge=-1, lt=2**31)]
+
+# A string, a list of strings, a list of token ids, or a list of lists of them (as Prompt: the
+# items are checked after decoding).
+EmbeddingInput = (
+    str
+    | Annotated[
+        list[str | TokenId | list[TokenId]], Meta(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    ]
+)
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's ``/v1/embeddings``, plus vLLM's ``truncate_prompt_tokens`` and ``normalize``."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None  # a Matryoshka size the model declares
+    user: str | None = None  # accepted: changes nothing about the output
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    normalize: bool | None = None  # None: the server's --embedding-normalize
+
+
+class RerankDocument(msgspec.Struct, kw_only=True):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    """Jina's and Cohere's ``/v1/rerank``, plus ``instruction`` (a Qwen3-Reranker-style
+    model's task line) and vLLM's ``truncate_prompt_tokens``."""
+
+    query: str
+    documents: Annotated[list[str | RerankDocument], Meta(max_length=MAX_RERANK_DOCUMENTS)]
+    model: str | None = None
+    top_n: PositiveInt | None = None  # None: every document
+    return_documents: bool = True
+    instruction: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None

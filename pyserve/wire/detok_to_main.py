@@ -16,6 +16,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprob: float | None = None  # of the sampled token, when asked for
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # the request failed in the worker (its grammar broke): why
+    pooled: bytes = b""  # float32: a prefill-only request's vector (NewRequest.pooling)
 
 
 class StepDone(msgspec.Struct, tag=True, omit_defaults=True):

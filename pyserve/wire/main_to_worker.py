@@ -101,6 +101,26 @@ class DetokParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
 
 
+PoolingKind = Literal["last", "mean", "cls", "logits"]
+MAX_POOLED_LOGITS = 16
+
+
+class Pooling(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a prefill-only request returns besides its one sampled token: a float32 vector from
+    its prompt. ``last``, ``mean``, ``cls``: the final-norm hidden state of the last prompt
+    token, the mean over every prompt token, or that of the first; ``logits``: the logits of
+    ``token_ids`` at the last prompt position (a reranker's "yes"/"no")."""
+
+    kind: PoolingKind
+    token_ids: Annotated[list[TokenId], Meta(max_length=MAX_POOLED_LOGITS)] = []
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether the vector reads hidden states of positions a cached prefix would skip:
+        such a request is planned without prefix matching (Planner's ``match_prefix``)."""
+        return self.kind in ("mean", "cls")
+
+
 class NewRequest(msgspec.Struct, tag=True, omit_defaults=True):
     """Sent once, before any Step that names ``rid``."""
 
@@ -108,6 +128,7 @@ class NewRequest(msgspec.Struct, tag=True, omit_defaults=True):
     prompt_ids: bytes  # int32
     sampling: SamplingParams
     detok: DetokParams = msgspec.field(default_factory=DetokParams)
+    pooling: Pooling | None = None  # an embedding or a score (max_new_tokens is then 1)
 
 
 class UncheckedNewRequest(msgspec.Struct, tag="NewRequest", omit_defaults=True):
@@ -118,6 +139,7 @@ class UncheckedNewRequest(msgspec.Struct, tag="NewRequest", omit_defaults=True):
     prompt_ids: bytes
     sampling: dict
     detok: DetokParams = msgspec.field(default_factory=DetokParams)
+    pooling: dict | None = None
 
 
 class Step(msgspec.Struct, tag=True):

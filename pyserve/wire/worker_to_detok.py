@@ -32,6 +32,13 @@ class TopLogprobs(msgspec.Struct, array_like=True):
     logprobs: bytes  # float32[k]
 
 
+class Pooled(msgspec.Struct, array_like=True):
+    """A prefill-only request's vector (NewRequest.pooling), sent with its sampled token."""
+
+    index: int  # entry index in StepTokens.rids
+    values: bytes  # float32
+
+
 class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     """What one Step produced. ``rids`` lists the entries that sampled a token, in step order."""
 
@@ -42,6 +49,7 @@ class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     dropped: bytes = b""  # int64: forwarded from Step.dropped
     logprobs: bytes = b""  # float32, one per rid when any request asked for logprobs
     top_logprobs: list[TopLogprobs] = []
+    pooled: list[Pooled] = []
     forward_ms: float = 0.0  # time the worker spent on the forward pass and sampling
     worker_requests: int = 0  # requests the worker holds state for after this step (accounting)
     # Running totals since the worker started, for utilisation = Δbusy / Δwall: seconds spent

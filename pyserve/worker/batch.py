@@ -23,6 +23,9 @@ class ForwardBatch:
     num_tokens: list[int]  # per entry: new tokens (1 for a decode)
     block_tables: list[list[int]]  # per entry: block ids covering [0, start_pos + num_tokens)
     sample_index: torch.Tensor  # int64 [S]: index into T of each sampling entry's last token
+    # int64 [H]: rows of T whose final-norm hidden states the forward returns too (prefill-only
+    # requests that pool them into an embedding); None: logits only
+    hidden_index: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:

@@ -14,6 +14,7 @@ from pyserve.wire.main_to_worker import NewRequest, Step
 from pyserve.wire.worker_to_detok import StepTokens
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks
+from pyserve.worker.pooling import attach
 from pyserve.worker.sampling import Sampler
 from pyserve.worker.state import RequestState, RequestTable
 from pyserve.worker.tensor_parallel import TensorParallel
@@ -27,6 +28,8 @@ class Runner(Protocol):
     """The part of ModelRunner the executor uses."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class StepExecutor:
@@ -59,6 +62,7 @@ class StepExecutor:
         except Exception as e:  # before any collective: every rank refuses the step alike
             raise MalformedStep(str(e)) from e
         out = None
+        pooled: dict[int, bytes] = {}
         if prepared.batch.num_entries:
             masks = None
             table = self.requests
@@ -67,7 +71,13 @@ class StepExecutor:
                 # computed on the masking thread while the forward pass runs
                 masks = table.grammars.masks([s.grammar for s in prepared.sampling])
             with torch.inference_mode():
-                logits = self.runner.forward(prepared.batch)
+                hidden = None
+                if prepared.batch.hidden_index is not None:
+                    logits, hidden = self.runner.forward_hidden(prepared.batch)
+                else:
+                    logits = self.runner.forward(prepared.batch)
+                if prepared.pooling is not None:  # before sampling, which may change logits
+                    pooled = prepared.pooling.pool(hidden, logits)
                 if prepared.sampling:
                     out = self.sampler(
                         logits, prepared.sampling, masks.result() if masks is not None else None
@@ -75,4 +85,7 @@ class StepExecutor:
                     if self.tp is not None:
                         out.token_ids = self.tp.broadcast_tokens(out.token_ids)
         forward_ms = (time.perf_counter() - started) * 1e3
-        return self.requests.record(prepared, out, forward_ms)
+        tokens = self.requests.record(prepared, out, forward_ms)
+        if pooled:
+            attach(tokens, pooled)
+        return tokens

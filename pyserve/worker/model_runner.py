@@ -177,5 +177,10 @@ class ModelRunner:
         """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
         return self.backend.forward(self.model, batch)
 
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and the final-norm hidden states of ``batch.hidden_index``."""
+        return self.backend.forward_hidden(self.model, batch)
+
 
 __all__ = ["DTYPES", "ModelLoadError", "ModelRunner"]

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step, UncheckedNewRequest
+from pyserve.wire.main_to_worker import (
+    NewRequest,
+    Pooling,
+    SamplingParams,
+    Step,
+    UncheckedNewRequest,
+)
 from pyserve.wire.worker_to_detok import (
     FINISH_GRAMMAR,
     FINISH_GRAMMAR_ERROR,
@@ -29,6 +35,7 @@ from pyserve.wire.worker_to_detok import (
 )
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
+from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
 
 
@@ -43,6 +50,9 @@ class RequestState:
     last_token: int | None = None
     finished: bool = False  # EOS/length seen here, or dropped: later tokens are discarded
     grammar: GrammarState | None = None
+    pooling: Pooling | None = None  # a prefill-only request's vector (pooling.py)
+    pool_sum: torch.Tensor | None = None  # its hidden states summed over the chunks so far
+    pool_rows: int = 0
 
 
 @dataclass
@@ -51,6 +61,7 @@ class PreparedStep:
     batch: ForwardBatch
     sampling: list[RequestState]  # one per sampling entry, in entry order
     dropped: bytes  # int64, forwarded to the detokenizer
+    pooling: PoolingRows | None = None  # the rows its prefill-only requests need
 
 
 class RequestTable:
@@ -69,6 +80,7 @@ class RequestTable:
         self.device = torch.device(device)
         self.grammars = grammars
         self.constrained = 0  # live requests with a grammar: a step without any skips masks
+        self.pooling = 0  # live prefill-only requests: a step without any skips their rows
         self._requests: dict[int, RequestState] = {}
 
     def __len__(self) -> int:
@@ -87,6 +99,8 @@ class RequestTable:
         if prompt.size == 0:
             raise ValueError(f"request {request.rid} has an empty prompt")
         params = request.sampling
+        if request.pooling is not None and params.max_new_tokens != 1:
+            raise ValueError(f"request {request.rid} pools its prompt: max_new_tokens must be 1")
         grammar = None
         if self.grammars is not None:
             self.grammars.warm_up()  # the tokenizer file exists once requests arrive
@@ -101,8 +115,10 @@ class RequestTable:
             prompt_ids=torch.from_numpy(prompt),
             generator=make_generator(params.seed, self.device),
             grammar=grammar,
+            pooling=request.pooling,
         )
         self._requests[request.rid] = state
+        self.pooling += request.pooling is not None
         return state
 
     def add_rejected(self, request: NewRequest | UncheckedNewRequest) -> RequestState:
@@ -139,6 +155,8 @@ class RequestTable:
                 state.finished = True
                 if state.grammar is not None:
                     self.constrained -= 1
+                if state.pooling is not None:
+                    self.pooling -= 1
 
     def prepare(self, step: Step) -> PreparedStep:
         """Applies the Step's block-table entries and builds its ForwardBatch.
@@ -203,8 +221,12 @@ class RequestTable:
             block_tables=[s.block_table for s in states],
             sample_index=torch.from_numpy(ends[arrays.sample] - 1).to(self.device),
         )
-        sampling = [s for s, wants in zip(states, arrays.sample.tolist(), strict=True) if wants]
-        return PreparedStep(step.step_id, batch, sampling, step.dropped)
+        samples = arrays.sample.tolist()
+        sampling = [s for s, wants in zip(states, samples, strict=True) if wants]
+        pooling = PoolingRows.of(states, starts, counts, samples) if self.pooling else None
+        if pooling is not None:
+            batch.hidden_index = pooling.hidden_tensor(self.device)
+        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling)
 
     @staticmethod
     def _decode_input(state: RequestState, step_id: int) -> int:

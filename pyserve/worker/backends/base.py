@@ -117,6 +117,23 @@ class Backend(ABC):
             self.prepare(batch),
         )
 
+    def forward_hidden(
+        self, model: CausalLM, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits ``forward`` gives, float32 final-norm hidden states [H, hidden] of the
+        rows in ``batch.hidden_index``), always through the model's own forward: a captured
+        graph or whole-stack shortcut that ends in logits has no place for the hidden rows."""
+        assert batch.hidden_index is not None
+        device = self.device
+        return model(
+            batch.input_ids.to(device),
+            batch.positions.to(device),
+            batch.sample_index.to(device),
+            self,
+            self.prepare(batch),
+            batch.hidden_index.to(device),
+        )
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> object:
         """Index tensors for this batch, shared by every layer."""

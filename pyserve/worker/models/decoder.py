@@ -161,13 +161,23 @@ class CausalLM(nn.Module):
         sample_index: torch.Tensor,
         backend: Backend,
         metadata: object,
-    ) -> torch.Tensor:
-        """float32 logits [S, vocab] for the rows in ``sample_index`` only."""
+        hidden_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [S, vocab] for the rows in ``sample_index`` only; with
+        ``hidden_index``, also the float32 final-norm hidden states [H, hidden] of those rows
+        (what HF's ``AutoModel(...).last_hidden_state`` gives): (logits, hidden)."""
         hidden = self.embed(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         ropes = [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
         hidden, residual = backend.run_layers(self, hidden, ropes, metadata)
+        pooled = None
+        if hidden_index is not None:  # before the norm below, which adds into its residual
+            pooled = self.norm(
+                hidden.index_select(0, hidden_index),
+                backend,
+                residual.index_select(0, hidden_index),
+            ).float()
         # the last residual add, norm and vocabulary projection only for rows that sample
         last = self.norm(
             hidden.index_select(0, sample_index), backend, residual.index_select(0, sample_index)
@@ -178,7 +188,7 @@ class CausalLM(nn.Module):
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if pooled is None else (logits, pooled)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings: a float table, or a packed one (pyserve.worker.quant's
