@@ -33,8 +33,16 @@ REPLY_SCHEMA: dict = {
 _SPACE = "[ \t\n\r]*"  # JSON's whitespace, not Python's
 _CALLS_OPENING = rf'{_SPACE}\{{{_SPACE}"tool_calls"{_SPACE}:{_SPACE}\['
 _REPLY_OPENING = rf'{_SPACE}\{{{_SPACE}"{REPLY_KEY}"{_SPACE}:{_SPACE}"'
-_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r"}
-_SHORT_ESCAPES["t"] = "\t"
+_SHORT_ESCAPES = {
+    '"': '"',
+    "\\": "\\",
+    "/": "/",
+    "b": "\b",
+    "f": "\f",
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+}
 _STRING_END_OR_ESCAPE = re.compile(r'["\\]')
 _HEX = frozenset("0123456789abcdefABCDEF")
 _REPLACEMENT = "\ufffd"  # for a lone surrogate, which no UTF-8 text can hold
@@ -57,6 +65,20 @@ def _opening_prefix(key: str, value_start: str) -> str:
     return _prefixes(["{", _SPACE, f'"{key}"', _SPACE, ":", _SPACE, value_start])
 
 
+# By whether replies are read: what opens the object (group 1: calls, group 2: a reply), and
+# what may still become such an opening.
+_CALLS_PARTIAL = _opening_prefix("tool_calls", "[")
+_REPLY_PARTIAL = _opening_prefix(REPLY_KEY, '"')
+_OPENINGS = {
+    True: re.compile(f"({_CALLS_OPENING})|({_REPLY_OPENING})"),
+    False: re.compile(f"({_CALLS_OPENING})"),
+}
+_PARTIAL_OPENINGS = {
+    True: re.compile(f"{_SPACE}(?:{_CALLS_PARTIAL}|{_REPLY_PARTIAL})"),
+    False: re.compile(f"{_SPACE}{_CALLS_PARTIAL}"),
+}
+
+
 class GenericStream(ToolCallStream):
     """One output of the generic format, split into content and calls as it is generated.
 
@@ -71,13 +93,8 @@ class GenericStream(ToolCallStream):
 
     def __init__(self, replies: bool = True) -> None:
         super().__init__()
-        self._replies = replies
-        openings = [_CALLS_OPENING] + ([_REPLY_OPENING] if replies else [])
-        self._opening = re.compile("|".join(f"({o})" for o in openings))
-        partial = [_opening_prefix("tool_calls", "[")]
-        if replies:
-            partial.append(_opening_prefix(REPLY_KEY, '"'))
-        self._partial = re.compile(_SPACE + "(?:" + "|".join(partial) + ")")
+        self._opening = _OPENINGS[replies]
+        self._partial = _PARTIAL_OPENINGS[replies]
         self._high: int | None = None  # a high surrogate escape waiting for its low half
 
     # -- the opening: which of the two objects, if either
