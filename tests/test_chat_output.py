@@ -6,24 +6,21 @@ from __future__ import annotations
 import itertools
 import json
 
-import msgspec
+from chat_testlib import openai_message, openai_response, openai_stream
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pyserve.chat.output import ChatOutput
 from pyserve.chat.reasoning import ReasoningParser
 from pyserve.chat.tool_calls import PARSERS
-from pyserve.http.chat_output import ChatOutput
-from pyserve.http.openai_format import ChatFormat, ChoiceResult, ResponseMeta
-from pyserve.outputs import GenerationChunk
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXT = f"The user wants weather.</think>\n\nLet me look.{CALL}"
 OUTPUT = ChatOutput(tools=PARSERS["hermes"](), reasoning=ReasoningParser(starts_inside=True))
-META = ResponseMeta(id="chatcmpl-1", created=0, model="m", include_usage=False)
 
 
 def test_the_whole_message_separates_thought_content_and_calls() -> None:
-    message, finish = OUTPUT.message(TEXT, "stop")
+    message, finish = openai_message(OUTPUT, TEXT, "stop")
     assert message["reasoning_content"] == "The user wants weather."
     assert message["content"] == "Let me look."
     [call] = message["tool_calls"]
@@ -34,31 +31,16 @@ def test_the_whole_message_separates_thought_content_and_calls() -> None:
 
 
 def test_a_cut_off_output_keeps_length_and_plain_text_stays_content() -> None:
-    assert OUTPUT.message(TEXT, "length")[1] == "length"
-    message, finish = ChatOutput(tools=PARSERS["hermes"]()).message("Just text.", "stop")
+    assert openai_message(OUTPUT, TEXT, "length")[1] == "length"
+    message, finish = openai_message(ChatOutput(tools=PARSERS["hermes"]()), "Just text.", "stop")
     assert message == {"role": "assistant", "content": "Just text."} and finish == "stop"
-
-
-def stream_events(pieces: list[str], finish_reason: str) -> list[dict]:
-    fmt = ChatFormat(META, 1, None, OUTPUT)
-    assert not fmt.stateless
-    events = [*fmt.opening(0)]
-    for piece in pieces:
-        chunk = GenerationChunk(
-            rid="r", text=piece, token_ids=[1], prompt_tokens=3, completion_tokens=1
-        )
-        payload = fmt.content(0, chunk)
-        if payload is not None:
-            events.append(payload)
-    events += fmt.closing(0, finish_reason)
-    return [msgspec.json.decode(e)["choices"][0] for e in events]
 
 
 @given(st.lists(st.integers(0, len(TEXT)), max_size=12))
 def test_streamed_deltas_assemble_to_the_whole_message(cuts: list[int]) -> None:
     bounds = [0, *sorted(cuts), len(TEXT)]
     pieces = [TEXT[a:b] for a, b in itertools.pairwise(bounds)]
-    choices = stream_events(pieces, "stop")
+    choices = openai_stream(OUTPUT, pieces, "stop")
     thought = content = ""
     calls: dict[int, dict] = {}
     for choice in choices:
@@ -70,7 +52,7 @@ def test_streamed_deltas_assemble_to_the_whole_message(cuts: list[int]) -> None:
                 assert call["index"] not in calls and call["function"]["name"]
                 calls[call["index"]] = {"name": call["function"]["name"], "arguments": ""}
             calls[call["index"]]["arguments"] += call["function"]["arguments"]
-    message, _ = OUTPUT.message(TEXT, "stop")
+    message, _ = openai_message(OUTPUT, TEXT, "stop")
     assert thought == message["reasoning_content"] and content == message["content"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         ("get_weather", {"city": "Paris"})
@@ -80,18 +62,7 @@ def test_streamed_deltas_assemble_to_the_whole_message(cuts: list[int]) -> None:
 
 
 def test_a_collected_response_has_the_parsed_message() -> None:
-    result = ChoiceResult()
-    result.add(
-        GenerationChunk(
-            rid="r",
-            text=TEXT,
-            token_ids=[1, 2],
-            prompt_tokens=3,
-            completion_tokens=2,
-            finish_reason="stop",
-        )
-    )
-    body = msgspec.json.decode(ChatFormat(META, 1, None, OUTPUT).response([result]))
+    body = openai_response(OUTPUT, TEXT, "stop")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["reasoning_content"] == "The user wants weather."

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from pyserve.engine.requests import RequestState
-from pyserve.http.sse import HIGH_WATER, SSEStream
+from pyserve.http.sse import DONE, HIGH_WATER, SSEStream, event
 from pyserve.outputs import GenerationChunk
 from pyserve.wire.detok_to_main import RequestDelta
 
@@ -159,17 +159,19 @@ def test_write_now_puts_on_the_wire_what_send_puts_there():
         sse = SSEStream(request)
         await sse.start()
         for payload in PAYLOADS * 3:
-            await sse.send(payload)
-        return await sse.finish()
+            await sse.send_frame(event(payload))
+        await sse.send_frame(DONE)
+        return await sse.close()
 
     async def direct(request: web.Request) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
-        assert not sse.write_now(PAYLOADS[0])  # the headers are not out yet
-        await sse.send(PAYLOADS[0])
+        assert not sse.write_now(event(PAYLOADS[0]))  # the headers are not out yet
+        await sse.send_frame(event(PAYLOADS[0]))
         for payload in PAYLOADS[1:] + PAYLOADS * 2:
-            assert sse.write_now(payload)
-        return await sse.finish()
+            assert sse.write_now(event(payload))
+        await sse.send_frame(DONE)
+        return await sse.close()
 
     async def scenario() -> None:
         async with serving({"/awaited": awaited, "/direct": direct}) as port:
@@ -191,14 +193,15 @@ def test_write_now_declines_past_the_high_water_mark_and_order_holds():
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         sse = SSEStream(request)
         await sse.start()
-        await sse.send(events[0])
+        await sse.send_frame(event(events[0]))
         for i, payload in enumerate(events[1:], start=1):
-            if not sse.write_now(payload):
+            if not sse.write_now(event(payload)):
                 declined_at.append(i)
                 assert request.transport.get_write_buffer_size() > HIGH_WATER
                 release.set()
-                await sse.send(payload)  # waits for the client to drain
-        return await sse.finish()
+                await sse.send_frame(event(payload))  # waits for the client to drain
+        await sse.send_frame(DONE)
+        return await sse.close()
 
     async def scenario() -> None:
         async with serving({"/flood": flood}) as port:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
+from chat_testlib import openai_message, openai_stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer
@@ -16,12 +16,10 @@ from test_tool_call_parsers import CUTS, split, stream_pieces
 
 from pyserve import model_files
 from pyserve.chat.generic_tools import REPLY_SCHEMA, GenericPrompt, instructions
+from pyserve.chat.output import ChatOutput
 from pyserve.chat.tool_calls import PARSERS, GenericToolParser
 from pyserve.chat.tool_grammar import tool_calls_lark, tool_calls_or_json_lark
 from pyserve.grammars import llguidance_grammar
-from pyserve.http.chat_output import ChatOutput
-from pyserve.http.openai_format import ChatFormat, ResponseMeta
-from pyserve.outputs import GenerationChunk
 from pyserve.wire.main_to_worker import Grammar
 
 GENERIC = GenericToolParser()
@@ -249,17 +247,16 @@ def test_calls_and_results_in_the_history_become_text_the_template_renders() -> 
 # ---------------------------------------------------------------------------------------------
 # The assistant message
 
-META = ResponseMeta(id="chatcmpl-1", created=0, model="m", include_usage=False)
 OUTPUT = ChatOutput(tools=GENERIC)
 
 
 def test_a_reply_is_the_content_and_calls_are_tool_calls() -> None:
-    message, finish = OUTPUT.message('{"response": "Hi there"}', "stop")
+    message, finish = openai_message(OUTPUT, '{"response": "Hi there"}', "stop")
     assert message == {"role": "assistant", "content": "Hi there"} and finish == "stop"
-    message, finish = OUTPUT.message('{"response": ""}', "stop")
+    message, finish = openai_message(OUTPUT, '{"response": ""}', "stop")
     assert message["content"] == ""
     calls = '{"tool_calls": [{"name": "now", "arguments": {}}]}'
-    message, finish = OUTPUT.message(calls, "stop")
+    message, finish = openai_message(OUTPUT, calls, "stop")
     assert message["content"] is None and finish == "tool_calls"
     assert message["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
 
@@ -274,17 +271,7 @@ CALLS_TEXT = (
 @settings(max_examples=40, deadline=None)
 @given(cuts=CUTS)
 def test_streamed_chunks_assemble_to_the_whole_message(text, cuts) -> None:
-    fmt = ChatFormat(META, 1, None, OUTPUT)
-    events = [*fmt.opening(0)]
-    for piece in split(text, cuts):
-        chunk = GenerationChunk(
-            rid="r", text=piece, token_ids=[1], prompt_tokens=3, completion_tokens=1
-        )
-        payload = fmt.content(0, chunk)
-        if payload is not None:
-            events.append(payload)
-    events += fmt.closing(0, "stop")
-    choices = [msgspec.json.decode(e)["choices"][0] for e in events]
+    choices = openai_stream(OUTPUT, split(text, cuts), "stop")
     content, calls = "", {}
     for choice in choices:
         delta = choice["delta"]
@@ -293,7 +280,7 @@ def test_streamed_chunks_assemble_to_the_whole_message(text, cuts) -> None:
             if "id" in call:
                 calls[call["index"]] = [call["function"]["name"], ""]
             calls[call["index"]][1] += call["function"]["arguments"]
-    message, finish = OUTPUT.message(text, "stop")
+    message, finish = openai_message(OUTPUT, text, "stop")
     assert content == (message["content"] or "")
     whole = [
         [c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])

@@ -12,13 +12,9 @@ from pyserve.http import params
 from pyserve.http.bodies import decode
 from pyserve.http.errors import APIError
 from pyserve.http.merge import merge_choices
-from pyserve.http.openai_format import (
-    ChoiceResult,
-    chat_logprobs,
-    completion_logprobs,
-    usage_of,
-)
+from pyserve.http.openai_format import chat_logprobs, completion_logprobs, usage_of
 from pyserve.http.openapi import ROUTES, openapi_document
+from pyserve.http.pipeline import ChoiceResult
 from pyserve.http.protocol import (
     MAX_N,
     ChatCompletionRequest,
@@ -104,7 +100,7 @@ def test_sampling_parameters_map_to_the_engine():
         ChatCompletionRequest,
     )
     assert params.chat_max_tokens(req) == 5  # the current name wins over the deprecated one
-    second = params.openai_sampling(req, max_new_tokens=5, choice=1, top_logprobs=None)
+    second = params.openai_sampling(req, None).params(max_new_tokens=5, choice=1)
     assert second.seed == 11 and second.top_k == 0 and second.logprobs is False
     assert second.temperature == 1.0 and second.max_new_tokens == 5
     with pytest.raises(APIError):
@@ -115,7 +111,9 @@ def test_sampling_parameters_map_to_the_engine():
             params.check_completion_request(
                 decode(b'{"prompt": "a"' + extra + b"}", CompletionRequest)
             )
-    detok = params.openai_detok(decode(chat(b', "stop": "END"'), ChatCompletionRequest))
+    detok = params.openai_sampling(
+        decode(chat(b', "stop": "END"'), ChatCompletionRequest), None
+    ).detok()
     assert detok.stop == ["END"] and detok.skip_special_tokens is True
 
 

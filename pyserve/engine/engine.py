@@ -25,8 +25,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pyserve import early_worker, model_files
-from pyserve.chat.reasoning import REASONING_PARSERS, ReasoningParser
-from pyserve.chat.tool_calls import PARSERS, ToolCallParser, parser_for_template
 from pyserve.detokenizer.process import DetokenizerConfig
 from pyserve.engine import embeddings, idle_check
 from pyserve.engine.channels import RingAddresses, free_port
@@ -485,7 +483,7 @@ class Engine:
         tools: list[dict] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """``generate`` over the model's chat template applied to ``messages`` (and ``tools``,
-        OpenAI tool definitions; the output text is not parsed here: see ``tool_call_parser``)."""
+        OpenAI tool definitions; the output is not parsed here: ``pyserve.chat.policy`` does)."""
         self._check_serving()
         prompt_ids = await self.apply_chat_template(
             messages,
@@ -743,45 +741,6 @@ class Engine:
         schema with features the grammar engine lacks, a regex or grammar that does not parse."""
         await self._tokenizer_manager().check_grammar(grammar, param)
 
-    @functools.cached_property
-    def tool_call_parser(self) -> ToolCallParser | None:
-        """How this model's tool calls are read (``--tool-call-parser``, or its template's
-        format, or the generic format when the template has none); None when they are off."""
-        name: str | None = self.config.tool_call_parser
-        if name == "auto":
-            name = parser_for_template(self.tokenizer.chat_template) or "generic"
-        return PARSERS[name]() if name and name != "none" else None
-
-    @functools.cached_property
-    def reasoning_parser(self) -> ReasoningParser | None:
-        name = self.config.reasoning_parser
-        return REASONING_PARSERS[name] if name is not None else None
-
-    @functools.cached_property
-    def special_tokens(self) -> dict[str, int]:
-        """The text of each special token of the vocabulary, and its id."""
-        decoder = self.tokenizer.added_tokens_decoder
-        return {token.content: i for i, token in decoder.items() if token.special}
-
-    @functools.cached_property
-    def added_tokens(self) -> dict[str, int]:
-        """The text of each added token of the vocabulary (special or not), and its id: what a
-        grammar names by id, since the grammar engine never spells one as text."""
-        decoder = self.tokenizer.added_tokens_decoder
-        return {token.content: i for i, token in decoder.items()}
-
-    def prompt_opens_thought(self, prompt_ids: Sequence[int], parser: ReasoningParser) -> bool:
-        """Whether a rendered prompt ends inside a thought (the template opened ``<think>``),
-        so that the output starts in it; a prompt that closed it (thinking disabled) does not.
-        """
-        tail = self.tokenizer.backend_tokenizer.decode(
-            list(prompt_ids[-_THOUGHT_TAIL_TOKENS:]), skip_special_tokens=False
-        )
-        opened, closed = tail.rfind(parser.start), tail.rfind(parser.end)
-        if opened < 0 and closed < 0:
-            return parser.starts_inside
-        return opened > closed
-
     def chat_template_reads(self, name: str) -> bool:
         """Whether the model's chat template mentions ``name`` (``tools``, ``enable_thinking``)."""
         return self._tokenizer_manager().template_reads(name)
@@ -792,7 +751,6 @@ class Engine:
         return await self._on_scheduler(lambda planner: planner.flush_cache())
 
 
-_THOUGHT_TAIL_TOKENS = 16  # what the end of a prompt is searched for an open thought
 # A prefill-only request samples one greedy token (its finish), never shown to anyone.
 _POOL_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
 _POOL_DETOK = DetokParams(skip_special_tokens=True)

@@ -23,6 +23,7 @@ from pyserve.http.errors import APIError, from_http_exception, server_error
 from pyserve.http.live_stats import LiveStats
 from pyserve.http.native_routes import NativeRoutes
 from pyserve.http.openai_routes import OpenAIRoutes
+from pyserve.http.pipeline import Pipeline
 from pyserve.http.service_routes import ServiceRoutes
 from pyserve.http.state import ServerOptions, ServerState
 from pyserve.http.web_ui import WebUI
@@ -113,8 +114,9 @@ def create_app(
 
     app = web.Application(middlewares=[errors, auth, gate], client_max_size=max_body_bytes)
     app[STATE_KEY] = state
-    OpenAIRoutes(state).add_to(app)
-    NativeRoutes(state).add_to(app)
+    pipeline = Pipeline(state)
+    OpenAIRoutes(state, pipeline).add_to(app)
+    NativeRoutes(state, pipeline).add_to(app)
     EmbeddingRoutes(state).add_to(app)
     service.add_to(app)
     live.add_to(app)

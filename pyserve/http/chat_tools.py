@@ -16,15 +16,16 @@ import msgspec
 
 from pyserve.chat import generic_tools
 from pyserve.chat.generic_tools import GenericPrompt
+from pyserve.chat.output import ChatOutput
+from pyserve.chat.policy import ChatPolicy
 from pyserve.chat.reasoning import ReasoningParser
 from pyserve.chat.tool_calls import GenericToolParser, ToolCallParser
 from pyserve.chat.tool_grammar import tool_calls_lark, tool_calls_or_json_lark
-from pyserve.engine import Engine
 from pyserve.grammars import after_thought
 from pyserve.http import params
-from pyserve.http.chat_output import ChatOutput
 from pyserve.http.errors import bad_request
-from pyserve.http.protocol import ChatCompletionRequest, NamedToolChoice, TextFormat
+from pyserve.http.generation import ChatSpec
+from pyserve.http.protocol import NamedToolChoice, TextFormat
 from pyserve.wire.main_to_worker import Grammar
 
 
@@ -45,8 +46,9 @@ class ChatPlan:
         return self.generic_prompt.messages(messages)
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, engine: Engine) -> ChatPlan:
-        grammar, param = params.request_grammar(req, req.response_format)
+    def of(cls, req: ChatSpec, grammar: Grammar | None, param: str, policy: ChatPolicy) -> ChatPlan:
+        """The plan of a conversation whose answer ``grammar`` (from the request field
+        ``param``) constrains, under the served model's chat policy."""
         tools = req.tools or []
         choice = req.tool_choice if req.tool_choice is not None else "auto"
         if choice != "none" and not tools:
@@ -55,21 +57,21 @@ class ChatPlan:
             choice = "none"
         parser: ToolCallParser | None = None
         if choice != "none":
-            parser = engine.tool_call_parser
+            parser = policy.tool_call_parser
             if parser is None:
                 raise params.unsupported(
                     "tools", "this server reads no tool calls (--tool-call-parser none)"
                 )
             if isinstance(parser, GenericToolParser) and grammar is not None:
                 parser = GenericToolParser(replies=False)  # the answer is the format's JSON
-            grammar, param = _tool_grammar(req, parser, choice, grammar, param, engine.added_tokens)
+            grammar, param = _tool_grammar(req, parser, choice, grammar, param, policy.added_tokens)
         keep_special = parser is not None and any(
             special in marker
-            for special in engine.special_tokens
+            for special in policy.special_tokens
             for marker in dataclasses.astuple(parser.call_format)
             if special
         )
-        reasoning = engine.reasoning_parser
+        reasoning = policy.reasoning_parser
         output = None
         if parser is not None or reasoning is not None:
             output = ChatOutput(tools=parser, reasoning=reasoning)
@@ -77,19 +79,19 @@ class ChatPlan:
         if choice != "none":
             template_tools = [msgspec.to_builtins(tool) for tool in tools]
         generic = None
-        if isinstance(engine.tool_call_parser, GenericToolParser):
+        if isinstance(policy.tool_call_parser, GenericToolParser):
             # The template renders no tools: they go into the system message, and earlier calls
             # and results are rewritten whether or not tools are offered this time.
             generic = GenericPrompt(_generic_instructions(req, choice, template_tools))
             template_tools = None
         return cls(template_tools, grammar, param, output, keep_special, generic)
 
-    def for_prompt(self, prompt_ids: list[int], engine: Engine) -> ChatPlan:
+    def for_prompt(self, prompt_ids: list[int], policy: ChatPolicy) -> ChatPlan:
         """The plan for this rendered prompt: a reasoning model thinks before the grammar."""
-        parser = engine.reasoning_parser
+        parser = policy.reasoning_parser
         if parser is None:
             return self
-        opened = engine.prompt_opens_thought(prompt_ids, parser)
+        opened = policy.prompt_opens_thought(prompt_ids, parser)
         reasoning = ReasoningParser(
             parser.start, parser.end, opened, strip_newlines=parser.strip_newlines
         )
@@ -103,7 +105,7 @@ class ChatPlan:
                     parser.start,
                     parser.end,
                     opened=opened,
-                    added_tokens=engine.added_tokens,
+                    added_tokens=policy.added_tokens,
                 )
             except ValueError as exc:
                 raise params.unsupported(self.grammar_param, str(exc)) from None
@@ -111,7 +113,7 @@ class ChatPlan:
 
 
 def _tool_grammar(
-    req: ChatCompletionRequest,
+    req: ChatSpec,
     parser: ToolCallParser,
     choice: str | NamedToolChoice,
     grammar: Grammar | None,
@@ -162,7 +164,7 @@ def _tool_grammar(
 
 
 def _generic_instructions(
-    req: ChatCompletionRequest, choice: str | NamedToolChoice, tools: list[dict] | None
+    req: ChatSpec, choice: str | NamedToolChoice, tools: list[dict] | None
 ) -> str | None:
     """The generic format's system text for this request; None when it offers no tools."""
     if choice == "none" or not tools:

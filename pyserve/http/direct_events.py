@@ -16,24 +16,27 @@ to the handler, and the handler only installs it for a single choice without log
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pyserve.http.metrics import RequestLatencies
-from pyserve.http.openai_format import ChatFormat, ChoiceResult, CompletionFormat
 from pyserve.http.sse import SSEStream
 from pyserve.outputs import GenerationChunk
+
+if TYPE_CHECKING:
+    from pyserve.http.pipeline import ChoiceResult, Format
 
 
 def direct_events(
     sse: SSEStream,
-    fmt: ChatFormat | CompletionFormat,
+    fmt: Format,
     result: ChoiceResult,
     latency: RequestLatencies,
 ) -> Callable[[GenerationChunk], bool]:
     """A sink for choice 0's mid-stream chunks; True when it took the chunk."""
 
     def take(chunk: GenerationChunk) -> bool:
-        payload = fmt.content(0, chunk)  # without logprobs: a pure render, safe to repeat
-        if payload is not None and not sse.write_now(payload):
+        frame = fmt.content(0, chunk, None)  # without logprobs: a pure render, safe to repeat
+        if frame is not None and not sse.write_now(frame):
             return False
         latency.chunk(chunk)
         result.add(chunk)

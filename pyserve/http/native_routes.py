@@ -3,31 +3,27 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
 
+from pyserve.chat.output import OutputDelta, ParsedMessage
 from pyserve.http import params
 from pyserve.http.bodies import read_body, read_request
-from pyserve.http.errors import bad_request, json_response
-from pyserve.http.merge import merge_choices
-from pyserve.http.openai_format import ChoiceResult
+from pyserve.http.errors import APIError, bad_request, json_response
+from pyserve.http.generation import GenerationRequest
+from pyserve.http.pipeline import ChoiceResult, Pipeline
 from pyserve.http.protocol import (
     AbortRequest,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
 )
-from pyserve.http.sse import SSEStream
-from pyserve.http.state import ServerState, engine_error, next_item
+from pyserve.http.sse import DONE, event
+from pyserve.http.state import ServerState
 from pyserve.outputs import GenerationChunk
-
-log = logging.getLogger("pyserve.http")
 
 
 def _finish_reason(result: ChoiceResult) -> dict | None:
@@ -57,10 +53,62 @@ def _generate_output(result: ChoiceResult, rid: str, arrival: float, logprobs: b
     return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
 
 
+class GenerateFormat:
+    """SGLang's /generate bodies: one output per prompt (a list for a batch); a stream sends the
+    cumulative text and output ids in every event."""
+
+    token_text = None  # logprobs are written as token ids
+    stateless = False
+    eager = False
+
+    def __init__(self, rids: list[str], batched: bool, arrival: float, logprobs: bool) -> None:
+        self.id = rids[0]
+        self.rids = rids
+        self.batched = batched
+        self.arrival = arrival
+        self.logprobs = logprobs
+        self._streamed = ChoiceResult()
+
+    def preamble(self) -> list[bytes]:
+        return []
+
+    def ping(self) -> bytes | None:
+        return None
+
+    def opening(self, index: int) -> list[bytes]:
+        return []
+
+    def content(
+        self, index: int, chunk: GenerationChunk, delta: OutputDelta | None
+    ) -> bytes | None:
+        self._streamed.add(chunk)  # a stream has one prompt
+        output = _generate_output(self._streamed, self.rids[0], self.arrival, logprobs=False)
+        return event(msgspec.json.encode(output))
+
+    def closing(
+        self, index: int, result: ChoiceResult, held: OutputDelta | None, finish: str | None
+    ) -> list[bytes]:
+        return []
+
+    def end(self, results: list[ChoiceResult]) -> list[bytes]:
+        return [DONE]
+
+    def error(self, error: APIError) -> list[bytes]:
+        return [event(error.body()), DONE]
+
+    def response(self, results: list[ChoiceResult], messages: list[ParsedMessage] | None) -> bytes:
+        outputs = [
+            _generate_output(r, rid, self.arrival, self.logprobs)
+            for r, rid in zip(results, self.rids, strict=True)
+        ]
+        return msgspec.json.encode(outputs if self.batched else outputs[0])
+
+
 class NativeRoutes:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, pipeline: Pipeline) -> None:
         self.state = state
         self.engine = state.engine
+        self.pipeline = pipeline
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/generate", self.generate)
@@ -71,74 +119,25 @@ class NativeRoutes:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        state = self.state
-        req = await read_request(request, GenerateRequest, state.options.max_body_bytes)
+        req = await read_request(request, GenerateRequest, self.state.options.max_body_bytes)
         prompts, batched = await self._prompts(req)
         if batched and req.stream:
             raise bad_request("stream is supported for a single prompt only", param="stream")
         top = req.top_logprobs_num if req.return_logprob else None
         grammar, param = params.request_grammar(req.sampling_params, None)
-        if grammar is not None:
-            await state.call(self.engine.check_grammar(grammar, f"sampling_params.{param}"))
-        sampling = params.generate_sampling(req.sampling_params, top, grammar)
-        detok = params.generate_detok(req.sampling_params)
+        generation = GenerationRequest(
+            sampling=params.generate_sampling(req.sampling_params, top),
+            prompts=prompts,
+            max_tokens=req.sampling_params.max_new_tokens,
+            grammar=grammar,
+            grammar_param=f"sampling_params.{param}",
+            stream=req.stream,
+        )
         base = req.rid or uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]
-        if state.options.log_requests:
-            log.info("%s generate: %r", base, req.text if req.text is not None else req.input_ids)
-        ticket = state.admit()
-        try:
-            with state.serving(request, base, rids):
-                streams = [
-                    self.engine.generate(p, sampling, detok, rid)
-                    for p, rid in zip(prompts, rids, strict=True)
-                ]
-                latencies = [state.metrics.request(arrival) for _ in streams]
-                async with contextlib.aclosing(merge_choices(streams, latencies)) as merged:
-                    first = await next_item(merged)  # an error here is a plain HTTP error
-                    ticket.release()
-                    if req.stream:
-                        return await self._stream(request, merged, first, base, arrival)
-                    results = [ChoiceResult() for _ in prompts]
-                    item = first
-                    while item is not None:
-                        results[item[0]].add(item[1])
-                        item = await next_item(merged)
-        finally:
-            ticket.release()
-        outputs = [
-            _generate_output(r, rid, arrival, req.return_logprob)
-            for r, rid in zip(results, rids, strict=True)
-        ]
-        if state.options.log_requests:
-            log.info("%s output: %r", base, [r.text for r in results])
-        return json_response(outputs if batched else outputs[0])
-
-    async def _stream(
-        self,
-        request: web.Request,
-        merged: AsyncIterator[tuple[int, GenerationChunk]],
-        first: tuple[int, GenerationChunk] | None,
-        rid: str,
-        arrival: float,
-    ) -> web.StreamResponse:
-        """SGLang streams the cumulative text and output ids in every event."""
-        result = ChoiceResult()
-        sse = SSEStream(request)
-        await sse.start()
-        item = first
-        try:
-            while item is not None:
-                result.add(item[1])
-                output = _generate_output(result, rid, arrival, logprobs=False)
-                await sse.send(msgspec.json.encode(output))
-                item = await anext(merged, None)
-        except ConnectionError:
-            raise  # the client is gone: there is nobody to tell
-        except Exception as exc:
-            await sse.send_error(engine_error(exc))
-            return sse.response
-        return await sse.finish()
+        job = await self.pipeline.prepare(generation, base, rids)
+        fmt = GenerateFormat(rids, batched, arrival, req.return_logprob)
+        return await self.pipeline.run(request, job, fmt)
 
     async def _prompts(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
         """The prompts as token ids, and whether the request was a batch."""

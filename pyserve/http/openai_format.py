@@ -7,12 +7,19 @@ by the caller first and passed in as ``token_text``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from pyserve.http.chat_output import ChatOutput, ChatOutputStream
+from pyserve.chat.output import OutputDelta, ParsedMessage
+from pyserve.chat.tool_stream import ToolCallDelta
+from pyserve.http.errors import APIError
+from pyserve.http.sse import DONE, event
 from pyserve.outputs import GenerationChunk, TokenLogprob
+
+if TYPE_CHECKING:
+    from pyserve.http.pipeline import ChoiceResult
 
 TokenText = Callable[[int], str]
 
@@ -25,37 +32,6 @@ class ResponseMeta:
     created: int
     model: str
     include_usage: bool = False  # streams only: every chunk then carries "usage": null
-
-
-@dataclass
-class ChoiceResult:
-    """One choice, accumulated from its chunks."""
-
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    matched_stop: str | int | None = None
-
-    def add(self, chunk: GenerationChunk) -> None:
-        if chunk.text:
-            self.text_parts.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        if chunk.logprobs:
-            self.logprobs.extend(chunk.logprobs)
-        self.prompt_tokens = chunk.prompt_tokens
-        self.completion_tokens = chunk.completion_tokens
-        self.cached_tokens = chunk.cached_tokens
-        if chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
-            self.matched_stop = chunk.matched_stop
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -160,19 +136,60 @@ def usage_chunk(meta: ResponseMeta, obj: str, usage_body: dict) -> bytes:
     )
 
 
+def chat_message(message: ParsedMessage) -> dict:
+    """OpenAI's assistant message of a parsed output."""
+    body: dict = {"role": "assistant", "content": message.content}
+    if message.reasoning is not None:
+        body["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        body["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    return body
+
+
+def chat_delta(delta: OutputDelta) -> dict:
+    """OpenAI's streamed delta of what a piece of output advanced."""
+    body: dict = {}
+    if delta.reasoning:
+        body["reasoning_content"] = delta.reasoning
+    if delta.content:
+        body["content"] = delta.content
+    if delta.tool_calls:
+        body["tool_calls"] = [_call_delta(call) for call in delta.tool_calls]
+    return body
+
+
+def _call_delta(call: ToolCallDelta) -> dict:
+    """OpenAI's streamed tool call: index, id, type and name first, then argument fragments."""
+    if call.id is not None:
+        return {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+    return {"index": call.index, "function": {"arguments": call.arguments}}
+
+
 def chat_response(
     meta: ResponseMeta,
     choices: list[ChoiceResult],
     n: int,
     token_text: TokenText | None,
-    output: ChatOutput | None = None,
+    messages: list[ParsedMessage] | None = None,
 ) -> bytes:
     bodies = []
     for i, c in enumerate(choices):
         message: dict = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
-        if output is not None:
-            message, finish_reason = output.message(c.text, finish_reason)
+        if messages is not None:
+            message, finish_reason = chat_message(messages[i]), messages[i].finish_reason
         bodies.append(
             {
                 "index": i,
@@ -259,52 +276,78 @@ _encode_text = msgspec.json.encode
 
 
 class ContentTemplate:
-    """A content chunk of one choice cut around its text: every token of a stream repeats the
-    same id, model and choice, so only the text is encoded per chunk."""
+    """The SSE frame of one choice's content chunk cut around its text: every token of a stream
+    repeats the same id, model and choice, so only the text is encoded per chunk."""
 
     __slots__ = ("prefix", "suffix")
 
     def __init__(self, sample: bytes) -> None:
         # ``sample``: the chunk encoded with _PLACEHOLDER as its text
-        self.prefix, self.suffix = sample.rsplit(_ENCODED_PLACEHOLDER, 1)  # text comes last
+        frame = event(sample)
+        self.prefix, self.suffix = frame.rsplit(_ENCODED_PLACEHOLDER, 1)  # text comes last
 
     def render(self, text: str) -> bytes:
         return self.prefix + _encode_text(text) + self.suffix
 
 
-class ChatFormat:
-    """Chat completion bodies; for streams, the chunks of each choice in order."""
+class _OpenAIStream:
+    """What chat and completion streams share: no preamble, no pings, usage and [DONE] at the
+    end, an error as an error event and [DONE]."""
+
+    eager = False
+    object_name = ""
+
+    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText | None) -> None:
+        self.meta = meta
+        self.id = meta.id
+        self.n = n
+        self.token_text = token_text  # None: no logprobs asked for
+        self._templates: dict[int, ContentTemplate] = {}
+
+    def preamble(self) -> list[bytes]:
+        return []
+
+    def ping(self) -> bytes | None:
+        return None
+
+    def end(self, results: list[ChoiceResult]) -> list[bytes]:
+        if not self.meta.include_usage:
+            return [DONE]
+        return [event(usage_chunk(self.meta, self.object_name, usage_of(results, self.n))), DONE]
+
+    def error(self, error: APIError) -> list[bytes]:
+        return [event(error.body()), DONE]
+
+
+class ChatFormat(_OpenAIStream):
+    """Chat completion bodies; for streams, the chunks of each choice in order. ``parsed``:
+    the output is read by the chat policy (each chunk comes with its OutputDelta)."""
 
     object_name = "chat.completion.chunk"
 
     def __init__(
-        self,
-        meta: ResponseMeta,
-        n: int,
-        token_text: TokenText | None,
-        output: ChatOutput | None = None,
+        self, meta: ResponseMeta, n: int, token_text: TokenText | None, parsed: bool = False
     ) -> None:
-        self.meta = meta
-        self.n = n
-        self.token_text = token_text  # None: no logprobs asked for
-        self.output = output  # reasoning and tool-call parsing; None: the text is the content
-        self._templates: dict[int, ContentTemplate] = {}
-        self._streams: dict[int, ChatOutputStream] = {}
-
-    @property
-    def stateless(self) -> bool:
-        """Whether ``content`` is a pure render (it may be called twice for one chunk)."""
-        return self.output is None
+        super().__init__(meta, n, token_text)
+        self.parsed = parsed
+        self.stateless = not parsed  # content() is then a pure render
 
     def opening(self, index: int) -> list[bytes]:
-        return [chat_chunk(self.meta, index, {"role": "assistant", "content": ""})]
+        return [event(chat_chunk(self.meta, index, {"role": "assistant", "content": ""}))]
 
-    def content(self, index: int, chunk: GenerationChunk) -> bytes | None:
-        if self.output is not None:
-            return self._parsed_content(index, chunk)
+    def content(
+        self, index: int, chunk: GenerationChunk, delta: OutputDelta | None
+    ) -> bytes | None:
+        logprobs = None
         if self.token_text is not None and chunk.logprobs:
             logprobs = chat_logprobs(chunk.logprobs, self.token_text)
-            return chat_chunk(self.meta, index, {"content": chunk.text}, logprobs=logprobs)
+        if self.parsed:
+            if delta is None and logprobs is None:
+                return None
+            body = chat_delta(delta) if delta is not None else {}
+            return event(chat_chunk(self.meta, index, body, logprobs=logprobs))
+        if logprobs is not None:
+            return event(chat_chunk(self.meta, index, {"content": chunk.text}, logprobs=logprobs))
         if not chunk.text:
             return None
         template = self._templates.get(index)
@@ -313,62 +356,44 @@ class ChatFormat:
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 
-    def _parsed_content(self, index: int, chunk: GenerationChunk) -> bytes | None:
-        stream = self._streams.get(index)
-        if stream is None:
-            assert self.output is not None
-            stream = self._streams[index] = self.output.stream()
-        delta = stream.feed(chunk.text) if chunk.text else None
-        logprobs = None
-        if self.token_text is not None and chunk.logprobs:
-            logprobs = chat_logprobs(chunk.logprobs, self.token_text)
-        if delta is None and logprobs is None:
-            return None
-        return chat_chunk(self.meta, index, delta or {}, logprobs=logprobs)
+    def closing(
+        self, index: int, result: ChoiceResult, held: OutputDelta | None, finish: str | None
+    ) -> list[bytes]:
+        frames = []
+        if held is not None:
+            frames.append(event(chat_chunk(self.meta, index, chat_delta(held))))
+        frames.append(event(chat_chunk(self.meta, index, {}, finish_reason=finish)))
+        return frames
 
-    def closing(self, index: int, finish_reason: str | None) -> list[bytes]:
-        events = []
-        stream = self._streams.get(index)
-        if stream is not None:
-            held = stream.finish()
-            if held is not None:
-                events.append(chat_chunk(self.meta, index, held))
-            finish_reason = stream.finish_reason(finish_reason)
-        events.append(chat_chunk(self.meta, index, {}, finish_reason=finish_reason))
-        return events
-
-    def usage(self, choices: list[ChoiceResult]) -> bytes:
-        return usage_chunk(self.meta, self.object_name, usage_of(choices, self.n))
-
-    def response(self, choices: list[ChoiceResult]) -> bytes:
-        return chat_response(self.meta, choices, self.n, self.token_text, self.output)
+    def response(self, results: list[ChoiceResult], messages: list[ParsedMessage] | None) -> bytes:
+        return chat_response(self.meta, results, self.n, self.token_text, messages)
 
 
-class CompletionFormat:
+class CompletionFormat(_OpenAIStream):
     """Legacy completion bodies; ``echoes[i]`` is the prompt text echoed before choice i."""
 
     object_name = "text_completion"
+    stateless = True
 
     def __init__(
         self, meta: ResponseMeta, n: int, echoes: list[str], token_text: TokenText | None
     ) -> None:
-        self.meta = meta
-        self.n = n
+        super().__init__(meta, n, token_text)
         self.echoes = echoes
-        self.token_text = token_text
         self._offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
-        self._templates: dict[int, ContentTemplate] = {}
 
     def opening(self, index: int) -> list[bytes]:
         echo = self.echoes[index]
-        return [completion_chunk(self.meta, index, echo)] if echo else []
+        return [event(completion_chunk(self.meta, index, echo))] if echo else []
 
-    def content(self, index: int, chunk: GenerationChunk) -> bytes | None:
+    def content(
+        self, index: int, chunk: GenerationChunk, delta: OutputDelta | None
+    ) -> bytes | None:
         if self.token_text is not None and chunk.logprobs:
             logprobs, self._offsets[index] = completion_logprobs(
                 chunk.logprobs, self.token_text, self._offsets[index]
             )
-            return completion_chunk(self.meta, index, chunk.text, logprobs=logprobs)
+            return event(completion_chunk(self.meta, index, chunk.text, logprobs=logprobs))
         if not chunk.text:
             return None
         template = self._templates.get(index)
@@ -377,13 +402,10 @@ class CompletionFormat:
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 
-    stateless = True
+    def closing(
+        self, index: int, result: ChoiceResult, held: OutputDelta | None, finish: str | None
+    ) -> list[bytes]:
+        return [event(completion_chunk(self.meta, index, "", finish_reason=finish))]
 
-    def closing(self, index: int, finish_reason: str | None) -> list[bytes]:
-        return [completion_chunk(self.meta, index, "", finish_reason=finish_reason)]
-
-    def usage(self, choices: list[ChoiceResult]) -> bytes:
-        return usage_chunk(self.meta, self.object_name, usage_of(choices, self.n))
-
-    def response(self, choices: list[ChoiceResult]) -> bytes:
-        return completion_response(self.meta, choices, self.n, self.echoes, self.token_text)
+    def response(self, results: list[ChoiceResult], messages: list[ParsedMessage] | None) -> bytes:
+        return completion_response(self.meta, results, self.n, self.echoes, self.token_text)

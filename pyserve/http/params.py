@@ -1,10 +1,12 @@
-"""Turning validated request bodies into the engine's SamplingParams and DetokParams."""
+"""Turning validated request bodies into the pipeline's Sampling and Grammar, and the checks
+of fields accepted for some values only."""
 
 from __future__ import annotations
 
 import msgspec
 
 from pyserve.http.errors import APIError, bad_request
+from pyserve.http.generation import Sampling
 from pyserve.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,7 +21,7 @@ from pyserve.http.protocol import (
     TextPart,
     Unsupported,
 )
-from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
+from pyserve.wire.main_to_worker import Grammar
 
 _UNSUPPORTED: dict[type, list[str]] = {}
 
@@ -99,41 +101,25 @@ def _or(value, default):
     return default if value is None else value
 
 
-def openai_sampling(
-    req: SamplingFields,
-    *,
-    max_new_tokens: int,
-    choice: int,
-    top_logprobs: int | None,
-    grammar: Grammar | None = None,
-) -> SamplingParams:
-    """Sampling for choice ``choice`` of an OpenAI request; seeded choices use seed + choice.
-
-    ``top_logprobs`` is None when logprobs were not asked for, else the alternatives per token.
-    """
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
+def openai_sampling(req: SamplingFields, top_logprobs: int | None) -> Sampling:
+    """The sampling of an OpenAI request (chat or legacy completions): unset fields take the
+    engine's defaults. ``top_logprobs``: None when logprobs were not asked for, else the
+    alternatives per token."""
+    return Sampling(
         temperature=_or(req.temperature, 1.0),
         top_p=_or(req.top_p, 1.0),
-        top_k=max(_or(req.top_k, 0), 0),
+        top_k=_or(req.top_k, 0),
         min_p=_or(req.min_p, 0.0),
         repetition_penalty=_or(req.repetition_penalty, 1.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         presence_penalty=_or(req.presence_penalty, 0.0),
-        seed=None if req.seed is None else req.seed + choice,
+        seed=req.seed,
+        stop=_stop_list(req.stop),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
-        logprobs=top_logprobs is not None,
-        top_logprobs=top_logprobs or 0,
         logit_bias=dict(req.logit_bias or {}),
-        grammar=grammar,
-    )
-
-
-def openai_detok(req: SamplingFields) -> DetokParams:
-    return DetokParams(
-        stop=_stop_list(req.stop),
+        top_logprobs=top_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
@@ -165,28 +151,22 @@ def check_completion_request(req: CompletionRequest) -> None:
         )
 
 
-def generate_sampling(
-    params: GenerateSamplingParams, top_logprobs: int | None, grammar: Grammar | None = None
-) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=params.max_new_tokens,
+def generate_sampling(params: GenerateSamplingParams, top_logprobs: int | None) -> Sampling:
+    """The sampling of SGLang's ``sampling_params``."""
+    return Sampling(
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=max(params.top_k, 0),
+        top_k=params.top_k,
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
         seed=params.seed,
+        stop=_stop_list(params.stop),
         stop_token_ids=list(params.stop_token_ids or []),
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_new_tokens,
-        logprobs=top_logprobs is not None,
-        top_logprobs=top_logprobs or 0,
         logit_bias=dict(params.logit_bias or {}),
-        grammar=grammar,
+        top_logprobs=top_logprobs,
+        skip_special_tokens=params.skip_special_tokens,
     )
-
-
-def generate_detok(params: GenerateSamplingParams) -> DetokParams:
-    return DetokParams(stop=_stop_list(params.stop), skip_special_tokens=params.skip_special_tokens)

@@ -1,4 +1,6 @@
-"""Server-sent events as OpenAI writes them: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``."""
+"""Server-sent events: frames of ``data: <json>\\n\\n`` (OpenAI ends them with
+``data: [DONE]``), or ``event: <name>\\ndata: <json>\\n\\n`` (the Responses and Messages APIs
+name each event)."""
 
 from __future__ import annotations
 
@@ -6,17 +8,17 @@ import asyncio
 
 from aiohttp import web
 
-from pyserve.http.errors import APIError
-
 DONE = b"data: [DONE]\n\n"
 # Past this many bytes waiting in a connection's send buffer, write_now declines and events take
 # the awaited path, which waits for the client to catch up (aiohttp's writer drains at 64 KiB).
 HIGH_WATER = 0x10000
 
 
-def event(payload: bytes) -> bytes:
-    """One SSE event carrying an already-encoded JSON payload (never contains a newline)."""
-    return b"data: " + payload + b"\n\n"
+def event(payload: bytes, name: bytes | None = None) -> bytes:
+    """One SSE frame carrying an already-encoded JSON payload (never contains a newline)."""
+    if name is None:
+        return b"data: " + payload + b"\n\n"
+    return b"event: " + name + b"\ndata: " + payload + b"\n\n"
 
 
 class SSEStream:
@@ -43,19 +45,20 @@ class SSEStream:
         await self._response.prepare(self._request)
         self.started = True
 
-    async def send(self, payload: bytes) -> None:
+    async def send_frame(self, frame: bytes) -> None:
+        """Writes one frame (``event``), starting the response if needed."""
         if not self.started:
             await self.start()
-        await self._response.write(event(payload))
+        await self._response.write(frame)
         if not self._wrote:
             self._wrote = True
             self._transport = self._direct_transport()
 
-    def write_now(self, payload: bytes) -> bool:
-        """Writes one event at once, without awaiting, if the connection can take it; False
-        (nothing written) when it cannot: before the first ``send``, on a connection that is
-        closing or whose send buffer is past HIGH_WATER, or a response that is not plain
-        chunked HTTP/1.1. The bytes on the wire are the ones ``send`` writes."""
+    def write_now(self, frame: bytes) -> bool:
+        """Writes one frame at once, without awaiting, if the connection can take it; False
+        (nothing written) when it cannot: before the first ``send_frame``, on a connection that
+        is closing or whose send buffer is past HIGH_WATER, or a response that is not plain
+        chunked HTTP/1.1. The bytes on the wire are the ones ``send_frame`` writes."""
         transport = self._transport
         if (
             transport is None
@@ -63,8 +66,7 @@ class SSEStream:
             or transport.get_write_buffer_size() > HIGH_WATER
         ):
             return False
-        data = event(payload)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one HTTP/1.1 chunk
+        transport.write(b"%x\r\n%b\r\n" % (len(frame), frame))  # one HTTP/1.1 chunk
         return True
 
     def _direct_transport(self) -> asyncio.Transport | None:
@@ -74,15 +76,10 @@ class SSEStream:
             return None
         return self._request.transport  # type: ignore[return-value]  (uvloop's is no subclass)
 
-    async def send_error(self, error: APIError) -> None:
-        """An error after the stream began: an error event, then the terminator."""
-        await self.send(error.body())
-        await self.finish()
-
-    async def finish(self) -> web.StreamResponse:
+    async def close(self) -> web.StreamResponse:
+        """Ends the response (after the dialect's own terminator, if it has one)."""
         if not self.started:
             await self.start()
-        await self._response.write(DONE)
         await self._response.write_eof()
         return self._response
 
