@@ -321,9 +321,8 @@ std::vector<Request*> Planner::lpm_order() {
   for (Request* r : waiting_) {
     if (keyed.size() == kLpmWindow) break;
     const std::vector<int32_t>& seq = sequence(*r);
-    keyed.emplace_back(r->match_prefix ? cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks
-                                       : 0,
-                       r);
+    keyed.emplace_back(
+        r->match_prefix ? cache_.peek_prefix(seq.data(), seq.size() - 1).num_blocks : 0, r);
   }
   std::stable_sort(keyed.begin(), keyed.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
