@@ -17,13 +17,17 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from pyserve.http.anthropic_errors import anthropic_errors
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.embedding_routes import EmbeddingRoutes
 from pyserve.http.errors import APIError, from_http_exception, server_error
 from pyserve.http.live_stats import LiveStats
+from pyserve.http.messages_routes import MessagesRoutes
 from pyserve.http.native_routes import NativeRoutes
 from pyserve.http.openai_routes import OpenAIRoutes
 from pyserve.http.pipeline import Pipeline
+from pyserve.http.responses_routes import ResponsesRoutes
+from pyserve.http.responses_store import ResponseStore
 from pyserve.http.service_routes import ServiceRoutes
 from pyserve.http.state import ServerOptions, ServerState
 from pyserve.http.web_ui import WebUI
@@ -43,9 +47,13 @@ def create_app(
     max_queued_requests: int | None = None,
     log_requests: bool = False,
     web_ui: bool = True,
+    state_dir: str | None = None,
+    responses_store_mb: float = 256,
 ) -> web.Application:
     """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting); with
-    ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``."""
+    ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``. Stored
+    Responses API responses are kept under ``state_dir`` (None: in memory only), at most
+    ``responses_store_mb`` MB of them (0: none)."""
     options = ServerOptions(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
@@ -92,16 +100,18 @@ def create_app(
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if options.api_key is not None and request.match_info.handler not in no_auth:
-            given = request.headers.get("Authorization", "")
-            expected = f"Bearer {options.api_key}"
-            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode()):
-                raise APIError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if (
+            options.api_key is not None
+            and request.match_info.handler not in no_auth
+            and not _key_matches(request, options.api_key)
+        ):
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return await handler(request)
 
     @web.middleware
@@ -112,11 +122,16 @@ def create_app(
             state.check_serving()
         return await handler(request)
 
-    app = web.Application(middlewares=[errors, auth, gate], client_max_size=max_body_bytes)
+    # anthropic_errors answers the Messages routes' errors (auth's too) in Anthropic's shape
+    middlewares = [errors, anthropic_errors, auth, gate]
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE_KEY] = state
     pipeline = Pipeline(state)
     OpenAIRoutes(state, pipeline).add_to(app)
     NativeRoutes(state, pipeline).add_to(app)
+    responses_store = ResponseStore(state_dir, int(responses_store_mb * (1 << 20)))
+    ResponsesRoutes(state, pipeline, responses_store).add_to(app)
+    MessagesRoutes(state, pipeline).add_to(app)
     EmbeddingRoutes(state).add_to(app)
     service.add_to(app)
     live.add_to(app)
@@ -131,10 +146,26 @@ def create_app(
         await live.stop()
         await state.metrics.loop_lag.stop()
         await state.watcher.close()
+        await responses_store.close()
 
     app.on_startup.append(start_probe)
     app.on_cleanup.append(stop_tasks)
     return app
+
+
+def _key_matches(request: web.Request, key: str) -> bool:
+    """OpenAI's clients send the key as ``Authorization: Bearer``, Anthropic's as ``x-api-key``
+    (or as a bearer token): either header may carry it."""
+    expected = key.encode()
+    bearer = request.headers.get("Authorization")
+    if bearer is not None and bearer.startswith("Bearer "):
+        given = bearer.removeprefix("Bearer ").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, expected):
+            return True
+    given = request.headers.get("x-api-key")
+    return given is not None and hmac.compare_digest(
+        given.encode("utf-8", "surrogateescape"), expected
+    )
 
 
 class HTTP2PrefaceFilter(logging.Filter):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pyserve.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pyserve.http.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -20,6 +21,8 @@ ROUTES: list[tuple[str, str, type | None, str]] = [
     ("post", "/v1/chat/completions", ChatCompletionRequest, "OpenAI chat completion"),
     ("post", "/v1/completions", CompletionRequest, "OpenAI legacy completion"),
     ("get", "/v1/models", None, "The served model"),
+    ("post", "/v1/messages", MessagesRequest, "Anthropic Messages API"),
+    ("post", "/v1/messages/count_tokens", CountTokensRequest, "Anthropic token count"),
     ("post", "/v1/embeddings", EmbeddingRequest, "OpenAI embeddings"),
     ("post", "/v1/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),
     ("post", "/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -357,4 +358,14 @@ class Pipeline:
         return await sse.close()
 
 
-PING_INTERVAL = 10.0  # seconds between keep-alive events while an eager stream waits
+def _ping_interval() -> float:
+    """Seconds between keep-alive events while an eager stream waits: 10, or
+    PYSERVE_PING_INTERVAL (tests set a tiny one to see pings without slow prompts)."""
+    try:
+        value = float(os.environ.get("PYSERVE_PING_INTERVAL", "10"))
+    except ValueError:
+        return 10.0
+    return value if value > 0 else 10.0
+
+
+PING_INTERVAL = _ping_interval()
