@@ -27,6 +27,7 @@ from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
 from pyserve.http.app import HTTP2PrefaceFilter, create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.responses_store import default_state_dir
 from pyserve.http.state import ServerState
 from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
 from pyserve.worker.settings import BACKEND_NAMES
@@ -196,6 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queued-requests", type=int, help="429 once this many requests wait to start")
     add("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="413 above this")
     add("--log-requests", action="store_true", help="log prompts and outputs")
+    add(
+        "--state-dir",
+        default=str(default_state_dir()),
+        help="where stored Responses API responses are kept (a private directory, created "
+        "0700), so that previous_response_id works across restarts; default: %(default)s",
+    )
+    add(
+        "--responses-store-mb",
+        type=float,
+        default=256,
+        help="the most MB of stored responses; the oldest go first (0: store none)",
+    )
     add(
         "--no-web-ui",
         dest="web_ui",
@@ -382,6 +395,8 @@ async def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         log_requests=args.log_requests,
         web_ui=args.web_ui,
+        state_dir=args.state_dir,
+        responses_store_mb=args.responses_store_mb,
     )
     state = server_state(app)
     runner = web.AppRunner(app, shutdown_timeout=HANDLER_GRACE_S, access_log=None)

@@ -26,6 +26,8 @@ from pyserve.http.messages_routes import MessagesRoutes
 from pyserve.http.native_routes import NativeRoutes
 from pyserve.http.openai_routes import OpenAIRoutes
 from pyserve.http.pipeline import Pipeline
+from pyserve.http.responses_routes import ResponsesRoutes
+from pyserve.http.responses_store import ResponseStore
 from pyserve.http.service_routes import ServiceRoutes
 from pyserve.http.state import ServerOptions, ServerState
 from pyserve.http.web_ui import WebUI
@@ -45,9 +47,13 @@ def create_app(
     max_queued_requests: int | None = None,
     log_requests: bool = False,
     web_ui: bool = True,
+    state_dir: str | None = None,
+    responses_store_mb: float = 256,
 ) -> web.Application:
     """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting); with
-    ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``."""
+    ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``. Stored
+    Responses API responses are kept under ``state_dir`` (None: in memory only), at most
+    ``responses_store_mb`` MB of them (0: none)."""
     options = ServerOptions(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
@@ -123,6 +129,8 @@ def create_app(
     pipeline = Pipeline(state)
     OpenAIRoutes(state, pipeline).add_to(app)
     NativeRoutes(state, pipeline).add_to(app)
+    responses_store = ResponseStore(state_dir, int(responses_store_mb * (1 << 20)))
+    ResponsesRoutes(state, pipeline, responses_store).add_to(app)
     MessagesRoutes(state, pipeline).add_to(app)
     EmbeddingRoutes(state).add_to(app)
     service.add_to(app)
@@ -138,6 +146,7 @@ def create_app(
         await live.stop()
         await state.metrics.loop_lag.stop()
         await state.watcher.close()
+        await responses_store.close()
 
     app.on_startup.append(start_probe)
     app.on_cleanup.append(stop_tasks)
