@@ -113,13 +113,20 @@ MessagesToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoic
 class ThinkingEnabled(msgspec.Struct, tag_field="type", tag="enabled", kw_only=True):
     # Anthropic's lower bound; the thought and the answer share max_tokens (README)
     budget_tokens: Annotated[int, Meta(ge=1024)]
+    display: str | None = None  # "summarized" (the thought as written) only
 
 
 class ThinkingDisabled(msgspec.Struct, tag_field="type", tag="disabled", kw_only=True):
     pass
 
 
-ThinkingConfig = ThinkingEnabled | ThinkingDisabled
+class ThinkingAdaptive(msgspec.Struct, tag_field="type", tag="adaptive", kw_only=True):
+    """The model decides whether to think: the chat template's default."""
+
+    display: str | None = None  # "summarized" (the thought as written) only
+
+
+ThinkingConfig = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
 
 
 class MessagesMetadata(msgspec.Struct, kw_only=True):
@@ -135,6 +142,7 @@ class MessagesPrompt(msgspec.Struct, kw_only=True):
     tools: Annotated[list[ToolParam], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: MessagesToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: dict | None = None  # accepted: prefix caching is automatic
     # Anthropic's, not implemented: a 400 names each one that is set
     mcp_servers: Unsupported = None
     container: Unsupported = None

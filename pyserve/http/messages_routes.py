@@ -28,6 +28,7 @@ from pyserve.http.anthropic_protocol import (
     MessagesToolChoice,
     RedactedThinkingBlockParam,
     TextBlockParam,
+    ThinkingAdaptive,
     ThinkingBlockParam,
     ThinkingEnabled,
     ToolChoiceAny,
@@ -119,9 +120,12 @@ class MessagesRoutes:
         for i, message in enumerate(req.messages):
             messages += _template_messages(message, f"messages[{i}]")
         enable_thinking = None
-        if req.thinking is not None:
-            enable_thinking = isinstance(req.thinking, ThinkingEnabled)
+        thinking = req.thinking
+        if thinking is not None and not isinstance(thinking, ThinkingAdaptive):
+            enable_thinking = isinstance(thinking, ThinkingEnabled)
             self.pipeline.check_thinking(enable_thinking, "thinking")
+        if getattr(thinking, "display", None) not in (None, "summarized"):
+            raise params.unsupported("thinking.display", "thoughts are shown as written")
         tool_choice, parallel = _tool_choice(req.tool_choice)
         return ChatSpec(
             messages=messages,
