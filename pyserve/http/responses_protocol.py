@@ -74,7 +74,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     """OpenAI's ``POST /v1/responses`` body (the fields pyserve serves or names in a 400)."""
 
     input: (
-        Annotated[str, Meta(min_length=1)] | Annotated[list[dict], Meta(max_length=MAX_INPUT_ITEMS)]
+        Annotated[str, Meta(min_length=1)]
+        | Annotated[list[dict], Meta(min_length=1, max_length=MAX_INPUT_ITEMS)]
     )
     model: str | None = None
     instructions: str | None = None
@@ -201,7 +202,6 @@ _OTHER_ITEM_TYPES = {
     "mcp_call", "custom_tool_call", "custom_tool_call_output", "compaction", "tool_search_call",
     "tool_search_output",
 }  # fmt: skip
-
 
 
 class ResponsesFunctionTool(msgspec.Struct, kw_only=True):
