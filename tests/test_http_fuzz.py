@@ -1,4 +1,4 @@
-"""Bad input never gets a 5xx and never hurts the server: 1,300 malformed or extreme requests
+"""Bad input never gets a 5xx and never hurts the server: 1,400 malformed or extreme requests
 (wrong types, huge and negative numbers, empty and long strings, invalid UTF-8, deep nesting,
 unknown fields, huge n, non-JSON bodies, odd content types) against a real `pyserve run`.
 
@@ -25,6 +25,7 @@ VALID = {
     "/v1/embeddings": {"input": ["hi", "there"]},
     "/v1/rerank": {"query": "hi", "documents": ["a", "b"], "top_n": 1},
     "/rerank": {"query": "hi", "documents": [{"text": "a"}]},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
 }
 FIELDS = [
     "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -34,7 +35,8 @@ FIELDS = [
     "sampling_params", "tokens", "rid", "return_logprob", "top_logprobs_num", "suffix",
     "best_of", "user", "skip_special_tokens", "unknown_field", "input", "encoding_format",
     "dimensions", "truncate_prompt_tokens", "normalize", "query", "documents", "top_n",
-    "return_documents", "instruction",
+    "return_documents", "instruction", "instructions", "max_output_tokens", "text", "reasoning",
+    "previous_response_id", "store", "include", "parallel_tool_calls", "tools", "tool_choice",
 ]  # fmt: skip
 
 scalars = (
@@ -60,7 +62,8 @@ def encode(value: object) -> bytes:
 
 @st.composite
 def bodies(draw) -> tuple[str, bytes]:
-    path = draw(st.sampled_from([*VALID, "/v1/models"]))  # a GET route: 405 for POST
+    # GET routes: 405 for POST
+    path = draw(st.sampled_from([*VALID, "/v1/models", "/v1/responses/resp_x"]))
     base = dict(VALID.get(path, {}))
     kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "junk", "bytes", "nested"]))
     if kind == "mutate":  # a valid body with some fields replaced by anything
@@ -79,6 +82,7 @@ def bodies(draw) -> tuple[str, bytes]:
 def url(tmp_path_factory):
     model = tiny_model(tmp_path_factory.getbasetemp())
     args = ["--model", str(model), "--context-length", "48", "--kv-cache-tokens", "4096"]
+    args += ["--state-dir", str(tmp_path_factory.mktemp("fuzz-state"))]
     with running_server([*args, "--torch-threads", "1"]) as server:
         yield server.url
 
@@ -87,7 +91,7 @@ CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlen
 
 
 @settings(
-    max_examples=1300,  # ~100 a route
+    max_examples=1400,  # ~100 a route
     deadline=None,
     derandomize=True,
     database=None,
