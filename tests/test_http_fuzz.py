@@ -1,6 +1,8 @@
-"""Bad input never gets a 5xx and never hurts the server: 1,400 malformed or extreme requests
+"""Bad input never gets a 5xx and never hurts the server: 1,600 malformed or extreme requests
 (wrong types, huge and negative numbers, empty and long strings, invalid UTF-8, deep nesting,
-unknown fields, huge n, non-JSON bodies, odd content types) against a real `pyserve run`.
+unknown fields, huge n, non-JSON bodies, odd content types) against a real `pyserve run`; an
+error's body is OpenAI's or, on the Messages routes, Anthropic's (both carry error.message and
+error.type).
 
 The server's context is capped at 48 tokens, so that a body that happens to be valid generates
 a few tokens at most; hypothesis is derandomized, so the run is the same every time."""
@@ -26,6 +28,15 @@ VALID = {
     "/v1/rerank": {"query": "hi", "documents": ["a", "b"], "top_n": 1},
     "/rerank": {"query": "hi", "documents": [{"text": "a"}]},
     "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
+    "/v1/messages": {
+        "model": "http-tiny-model",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    "/v1/messages/count_tokens": {
+        "model": "http-tiny-model",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    },
 }
 FIELDS = [
     "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -37,6 +48,8 @@ FIELDS = [
     "dimensions", "truncate_prompt_tokens", "normalize", "query", "documents", "top_n",
     "return_documents", "instruction", "instructions", "max_output_tokens", "text", "reasoning",
     "previous_response_id", "store", "include", "parallel_tool_calls", "tools", "tool_choice",
+    "system", "stop_sequences",
+    "thinking", "metadata",
 ]  # fmt: skip
 
 scalars = (
@@ -91,7 +104,7 @@ CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlen
 
 
 @settings(
-    max_examples=1400,  # ~100 a route
+    max_examples=1600,  # ~100 a route
     deadline=None,
     derandomize=True,
     database=None,
