@@ -18,6 +18,11 @@ them (an aiohttp client parsing JSON per event eats a core by itself at these ra
 
     python benchmarks/overhead.py                       # 256 streams, 512 tokens each
     python benchmarks/overhead.py --streams 64 --duration 10 --json out/overhead.json
+    python benchmarks/overhead.py --streams 32 --route chat        # the same over a route's
+    python benchmarks/overhead.py --streams 32 --route responses   # own events (no store)
+
+``--route`` picks what the streams ask: ``completions`` (token-id prompts), ``chat`` or
+``responses`` (the same prompt as text in one user message, so both render the same template).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from http_testlib import Server, metrics, server_processes  # noqa: E402
-from tiny_models import build_tiny_smollm  # noqa: E402
+from tiny_models import SMOLLM2_VOCAB, build_tiny_smollm  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # SmolLM2's first 4096 ids: a 49152-token output projection would cost 1.6 GFLOP a step of
@@ -57,23 +63,49 @@ def cpu_seconds(pid: int) -> float:
 # ----------------------------------------------------------------------------- client
 
 
-def request_bytes(host: str, port: int, prompt: list[int], output_len: int) -> bytes:
-    body = json.dumps(
-        {
-            "prompt": prompt,
-            "max_tokens": output_len,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+@dataclass(frozen=True)
+class Route:
+    """How a route's stream is asked for and read: its path, the marker of its last event, how
+    many of its events carry no content, and the usage field of its output tokens."""
+
+    path: str
+    end: bytes
+    bare_events: int
+    output_tokens: bytes
+
+
+ROUTES = {
+    # a finish chunk, the usage chunk, [DONE]
+    "completions": Route("/v1/completions", b"data: [DONE]", 3, b'"completion_tokens":'),
+    # the role chunk too
+    "chat": Route("/v1/chat/completions", b"data: [DONE]", 4, b'"completion_tokens":'),
+    # created, in_progress, item and part added, text done, part and item done, and the last
+    # (response.incomplete: max_output_tokens ends every stream), the one with usage
+    "responses": Route("/v1/responses", b'"usage":{', 8, b'"output_tokens":'),
+}
+
+
+def request_bytes(
+    host: str, port: int, prompt: list[int], output_len: int, route: str, store: bool
+) -> bytes:
+    text = " ".join(f"w{token}" for token in prompt)
+    body: dict = {"max_tokens": output_len, "ignore_eos": True, "temperature": 0, "stream": True}
+    if route == "completions":
+        body["prompt"] = prompt
+    elif route == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body = {"input": text, "max_output_tokens": output_len, "ignore_eos": True,
+                "temperature": 0, "stream": True, "store": store}  # fmt: skip
+    if route != "responses":
+        body["stream_options"] = {"include_usage": True}
+    payload = json.dumps(body).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"POST {ROUTES[route].path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         "Connection: close\r\n\r\n"
     ).encode()
-    return head + body
+    return head + payload
 
 
 async def one_stream(
@@ -84,6 +116,7 @@ async def one_stream(
     slot: int,
     stop: asyncio.Event,
     read_interval: float,
+    route: Route,
 ) -> tuple[int, int] | None:
     """One request read to its end (or until ``stop``); counts its content events into
     ``counter[slot]`` as they come. For a complete 200 stream, (content events, completion
@@ -95,17 +128,20 @@ async def one_stream(
         if not first.startswith(b"HTTP/1.1 200"):
             return None
         data, tail, seen = first[first.find(b"\r\n\r\n") + 4 :], b"", 0
+        last = b""  # from the read that began the last event, once it has begun
         while not stop.is_set():
             joined = tail + data
-            # Every event ends in a blank line; the closing, usage and [DONE] events carry no
-            # content.
+            # Every event ends in a blank line; route.bare_events of them carry no content.
             events = joined.count(b"\n\n") - tail.count(b"\n\n")
-            done = b"data: [DONE]" in joined
-            events -= 3 if done else 0
+            if last or route.end in joined:
+                last = last + data if last else joined
+            # the last event has ended (HTTP chunk framing may follow its blank line)
+            done = bool(last) and b"\n\n" in last[last.find(route.end) :]
+            events -= route.bare_events if done else 0
             counter[slot] += events
             seen += events
             if done:
-                usage = joined.rsplit(b'"completion_tokens":', 1)[1]
+                usage = last.rsplit(route.output_tokens, 1)[1]
                 return seen, int(usage[: usage.find(b",")])
             tail = joined[-512:]  # holds the usage event when [DONE] comes in the next read
             if read_interval:  # let events gather: one read takes several
@@ -122,7 +158,7 @@ async def one_stream(
 
 async def client_streams(
     host: str, port: int, streams: int, output_len: int, prompt_len: int, seed: int,
-    counter, slot: int, stop_flag, results, read_interval: float,
+    counter, slot: int, stop_flag, results, read_interval: float, route: str, store: bool,
 ) -> None:  # fmt: skip
     stop = asyncio.Event()
 
@@ -136,8 +172,8 @@ async def client_streams(
         while not stop.is_set():
             prompt = [rng.randrange(100, VOCAB) for _ in range(prompt_len)]
             done = await one_stream(
-                host, port, request_bytes(host, port, prompt, output_len), counter, slot, stop,
-                read_interval,
+                host, port, request_bytes(host, port, prompt, output_len, route, store), counter,
+                slot, stop, read_interval, ROUTES[route],
             )  # fmt: skip
             if stop.is_set():
                 return
@@ -189,6 +225,8 @@ def summarize(a: dict, b: dict, args: argparse.Namespace, results) -> dict:
         "clients": args.clients,
         "read_interval": args.read_interval,
         "stream_interval": args.stream_interval,
+        "route": args.route,
+        "store": args.store,
         "window_s": wall,
         "streamed_tokens": tokens,
         "tokens_per_s": tokens / wall,
@@ -209,7 +247,8 @@ def summarize(a: dict, b: dict, args: argparse.Namespace, results) -> dict:
 
 def print_summary(s: dict) -> None:
     print(
-        f"{s['streams']} streams × {s['output_len']} tokens, {s['window_s']:.1f} s window: "
+        f"{s['route']}: {s['streams']} streams × {s['output_len']} tokens, "
+        f"{s['window_s']:.1f} s window: "
         f"{s['tokens_per_s']:,.0f} streamed tokens/s, {s['events_per_s']:,.0f} SSE events/s "
         f"({s['requests_completed']} requests done, {s['requests_failed']} failed, "
         f"{s['events_per_token']:.3f} events a token)"
@@ -254,8 +293,9 @@ def start_profilers(args: argparse.Namespace, pids: dict[str, int]) -> list:
 # ----------------------------------------------------------------------------- main
 
 
-def run(args: argparse.Namespace, model: Path) -> dict:
+def run(args: argparse.Namespace, model: Path, state_dir: Path) -> dict:
     server_args = ["--model", str(model), "--stream-interval", str(args.stream_interval)]
+    server_args += ["--state-dir", str(state_dir)]  # stored responses (--store): not the user's
     server_args += ["--max-running-requests", str(max(256, args.streams)), *args.server_arg]
     server = Server(server_args)
     ctx = multiprocessing.get_context("spawn")
@@ -272,7 +312,7 @@ def run(args: argparse.Namespace, model: Path) -> dict:
             proc = ctx.Process(
                 target=client_process,
                 args=(host, int(port), streams, args.output_len, args.prompt_len, slot,
-                      counter, slot, stop, results, args.read_interval),
+                      counter, slot, stop, results, args.read_interval, args.route, args.store),
             )  # fmt: skip
             proc.start()
             clients.append(proc)
@@ -321,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=6.0, help="seconds before measuring")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds measured")
     parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument(
+        "--route", default="completions", choices=list(ROUTES), help="what the streams ask"
+    )
+    parser.add_argument(
+        "--store", action="store_true", help="responses: store each (OpenAI's default)"
+    )
     parser.add_argument("--model", help="a model directory; default: build the tiny model")
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra `pyserve run` argument"
@@ -332,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pyserve-overhead-") as tmp:
         model = Path(args.model) if args.model else None
         if model is None:
+            # A text prompt and its chat template need the whole vocabulary.
+            vocab = VOCAB if args.route == "completions" else SMOLLM2_VOCAB
             model = build_tiny_smollm(
-                Path(tmp) / "tiny", seed=0, max_position_embeddings=4096, vocab_size=VOCAB
+                Path(tmp) / "tiny", seed=0, max_position_embeddings=4096, vocab_size=vocab
             )
-        summary = run(args, model)
+        summary = run(args, model, Path(tmp) / "state")
     print_summary(summary)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
