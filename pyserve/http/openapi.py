@@ -15,6 +15,7 @@ from pyserve.http.protocol import (
     RerankRequest,
     TokenizeRequest,
 )
+from pyserve.http.responses_protocol import ResponsesRequest
 
 # (method, path, request body type, summary) of every route
 ROUTES: list[tuple[str, str, type | None, str]] = [
@@ -23,6 +24,11 @@ ROUTES: list[tuple[str, str, type | None, str]] = [
     ("get", "/v1/models", None, "The served model"),
     ("post", "/v1/messages", MessagesRequest, "Anthropic Messages API"),
     ("post", "/v1/messages/count_tokens", CountTokensRequest, "Anthropic token count"),
+    ("post", "/v1/responses", ResponsesRequest, "OpenAI Responses API"),
+    ("get", "/v1/responses/{id}", None, "A stored response"),
+    ("delete", "/v1/responses/{id}", None, "Delete a stored response"),
+    ("get", "/v1/responses/{id}/input_items", None, "A stored response's input items"),
+    ("post", "/v1/responses/{id}/cancel", None, "Refused: background responses are not served"),
     ("post", "/v1/embeddings", EmbeddingRequest, "OpenAI embeddings"),
     ("post", "/v1/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),
     ("post", "/rerank", RerankRequest, "Rerank documents (Jina/Cohere shape)"),
