@@ -13,6 +13,7 @@ import json
 
 import pytest
 from http_testlib import openai_client, running_server, tiny_model
+from openai import BadRequestError
 from pydantic import BaseModel
 
 MAX_TOKENS = 512
@@ -279,3 +280,43 @@ def test_tool_choice_none_renders_no_tools_and_the_text_is_content(client, model
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
     assert none.choices[0].message.content == plain.choices[0].message.content
     assert not none.choices[0].message.tool_calls
+
+
+# A schema the grammar engine cannot enforce (uniqueItems), as agents' tools sometimes have.
+TAGS = {
+    "type": "function",
+    "function": {
+        "name": "set_tags",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+            },
+        },
+    },
+}
+
+
+def test_a_tool_whose_schema_cannot_be_enforced_is_called_with_any_object(
+    server, client, model_id
+) -> None:
+    completion = client.chat.completions.create(
+        model=model_id,
+        messages=ASK,
+        tools=[*TOOLS, TAGS],
+        tool_choice={"type": "function", "function": {"name": "set_tags"}},
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )  # not a 400: the call is held to a JSON object of arguments
+    choice = completion.choices[0]
+    if choice.finish_reason == "tool_calls":  # a random model may write past max_tokens
+        [(name, arguments)] = calls_of(choice.message)
+        assert name == "set_tags" and isinstance(arguments, dict)
+    assert any("'set_tags': its calls are held to any JSON object" in x for x in server.lines)
+    strict = {"type": "function", "function": {**TAGS["function"], "strict": True}}
+    with pytest.raises(BadRequestError) as info:
+        client.chat.completions.create(
+            model=model_id, messages=ASK, tools=[strict], tool_choice="required", max_tokens=8
+        )
+    assert info.value.body["param"] == "tools[0].function.parameters"
+    assert "uniqueItems" in info.value.body["message"]

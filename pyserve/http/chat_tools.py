@@ -10,6 +10,7 @@ prompt shows whether the template opened it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -46,9 +47,18 @@ class ChatPlan:
         return self.generic_prompt.messages(messages)
 
     @classmethod
-    def of(cls, req: ChatSpec, grammar: Grammar | None, param: str, policy: ChatPolicy) -> ChatPlan:
+    def of(
+        cls,
+        req: ChatSpec,
+        grammar: Grammar | None,
+        param: str,
+        policy: ChatPolicy,
+        loose: Collection[str] = (),
+    ) -> ChatPlan:
         """The plan of a conversation whose answer ``grammar`` (from the request field
-        ``param``) constrains, under the served model's chat policy."""
+        ``param``) constrains, under the served model's chat policy. ``loose``: the tools whose
+        parameters schema the grammar engine cannot enforce; a forced call of one is held to a
+        JSON object of arguments."""
         tools = req.tools or []
         choice = req.tool_choice if req.tool_choice is not None else "auto"
         if choice != "none" and not tools:
@@ -64,7 +74,9 @@ class ChatPlan:
                 )
             if isinstance(parser, GenericToolParser) and grammar is not None:
                 parser = GenericToolParser(replies=False)  # the answer is the format's JSON
-            grammar, param = _tool_grammar(req, parser, choice, grammar, param, policy.added_tokens)
+            grammar, param = _tool_grammar(
+                req, parser, choice, grammar, param, policy.added_tokens, loose
+            )
         keep_special = parser is not None and any(
             special in marker
             for special in policy.special_tokens
@@ -119,6 +131,7 @@ def _tool_grammar(
     grammar: Grammar | None,
     param: str,
     added_tokens: dict[str, int],
+    loose: Collection[str] = (),
 ) -> tuple[Grammar | None, str]:
     """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any);
     ``grammar`` came from the request field ``param``."""
@@ -129,6 +142,10 @@ def _tool_grammar(
             param=param,
         )
     functions = [tool.function for tool in req.tools or []]
+
+    def schemas(chosen: list) -> list[tuple[str, dict | None]]:
+        return [(f.name, None if f.name in loose else f.parameters) for f in chosen]
+
     if isinstance(choice, NamedToolChoice):
         named = [f for f in functions if f.name == choice.function.name]
         if not named:
@@ -138,7 +155,7 @@ def _tool_grammar(
             )
         lark = tool_calls_lark(
             parser.call_format,
-            [(f.name, f.parameters) for f in named],
+            schemas(named),
             parallel=False,
             added_tokens=added_tokens,
         )
@@ -146,7 +163,7 @@ def _tool_grammar(
     parallel = req.parallel_tool_calls is not False
     lark = tool_calls_lark(
         parser.call_format,
-        [(f.name, f.parameters) for f in functions],
+        schemas(functions),
         parallel=parallel,
         added_tokens=added_tokens,
     )

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from aiohttp import web
 
 from pyserve.chat.output import ChatOutput, ChatOutputStream, OutputDelta, ParsedMessage
@@ -31,14 +32,14 @@ from pyserve.chat.policy import ChatPolicy
 from pyserve.http.chat_tools import ChatPlan
 from pyserve.http.direct_events import direct_events
 from pyserve.http.errors import APIError
-from pyserve.http.generation import GenerationRequest
+from pyserve.http.generation import ChatSpec, GenerationRequest
 from pyserve.http.merge import merge_choices
 from pyserve.http.metrics import RequestLatencies
 from pyserve.http.params import unsupported
 from pyserve.http.sse import SSEStream
 from pyserve.http.state import QueueTicket, ServerState, engine_error, next_item
 from pyserve.outputs import GenerationChunk, TokenLogprob
-from pyserve.wire.main_to_worker import DetokParams, SamplingParams
+from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
 
 log = logging.getLogger("pyserve.http")
 
@@ -171,7 +172,8 @@ class Pipeline:
         grammar, output, keep_special = req.grammar, None, False
         if req.chat is not None:
             spec = req.chat
-            plan = ChatPlan.of(spec, req.grammar, req.grammar_param, self.policy)
+            loose = await self._loose_tools(spec)
+            plan = ChatPlan.of(spec, req.grammar, req.grammar_param, self.policy, loose)
             kwargs = dict(spec.template_kwargs)
             if spec.enable_thinking is not None and engine.chat_template_reads("enable_thinking"):
                 kwargs.setdefault("enable_thinking", spec.enable_thinking)
@@ -220,6 +222,30 @@ class Pipeline:
             rids=list(rids or []),
             prompt_tokens=prompts,
         )
+
+    async def _loose_tools(self, spec: ChatSpec) -> set[str]:
+        """The tools whose parameters schema the grammar engine cannot enforce (a ``uniqueItems``
+        or an ``if``/``then`` somewhere in an agent's tool). A forced call of one is held to a
+        JSON object of arguments rather than failing the whole request, since the template still
+        shows the model the schema; a tool marked ``strict`` is refused instead."""
+        if spec.tool_choice == "none" or not spec.tools:
+            return set()
+        loose = set()
+        for i, tool in enumerate(spec.tools):
+            function = tool.function
+            if function.parameters is None:
+                continue
+            schema = Grammar("json_schema", msgspec.json.encode(function.parameters).decode())
+            try:
+                await self.engine.check_grammar(schema, f"tools[{i}].function.parameters")
+            except ValueError as exc:
+                if function.strict:
+                    raise engine_error(exc) from exc
+                loose.add(function.name)
+                log.warning(
+                    "tool %r: its calls are held to any JSON object: %s", function.name, exc
+                )
+        return loose
 
     def check_thinking(self, enable: bool | None, param: str) -> None:
         """A request that asks for a thought from a model that writes none is refused."""
