@@ -119,6 +119,20 @@ def _with_options(schema_text: str) -> str:
     return json.dumps(schema)
 
 
+def schema_error(schema: object) -> str | None:
+    """What makes ``schema`` an invalid JSON Schema (against its own draft's meta-schema, 2020-12
+    by default), or None: a valid schema may still use what the grammar engine lacks."""
+    from jsonschema import SchemaError, validators
+
+    if not isinstance(schema, dict | bool):
+        return "a JSON Schema is an object or a boolean"
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        return exc.message
+    return None
+
+
 def grammar_problem(grammar: Grammar) -> str | None:
     """What is wrong with ``grammar`` (a JSON schema llguidance cannot enforce, a regex or
     grammar that does not compile), or None. Builds the grammar without the vocabulary."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Literal
 
 import anthropic
 import pytest
@@ -26,6 +27,7 @@ from http_testlib import (
     wait_for_metrics,
 )
 from messages_testlib import assemble, check_order, parse_sse
+from pydantic import BaseModel
 
 KEY = "sk-test-messages"
 MAX_TOKENS = 512  # more than the longest call the bounded schemas allow
@@ -249,6 +251,45 @@ def test_a_named_tool_is_used_exactly_once(client, model_id) -> None:
     assert [name for name, _ in check_tool_uses(message)] == ["get_time"]
 
 
+class Flags(BaseModel):
+    ok: bool
+    level: Literal[1, 2, 3]
+
+
+# bounded (no other keys), so that a random model's answer ends
+FLAGS_SCHEMA = {**Flags.model_json_schema(), "additionalProperties": False}
+
+
+def test_structured_outputs_hold_the_answer_to_the_schema(client, model_id) -> None:
+    parsed = client.messages.parse(
+        model=model_id, max_tokens=MAX_TOKENS, messages=ASK, output_format=Flags, extra_body=GREEDY
+    )  # the SDK sends output_config.format
+    assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Flags)
+    beta = client.messages.create(
+        model=model_id,
+        max_tokens=MAX_TOKENS,
+        messages=ASK,
+        extra_body={
+            **SAMPLED,
+            "output_format": {"type": "json_schema", "schema": FLAGS_SCHEMA},
+        },
+    )
+    Flags.model_validate_json(beta.content[0].text)
+    # beside tools: a tool use, or the answer in its format
+    either = client.messages.create(
+        model=model_id,
+        max_tokens=MAX_TOKENS,
+        messages=ASK,
+        tools=TOOLS,
+        output_config={"format": {"type": "json_schema", "schema": FLAGS_SCHEMA}},
+        extra_body=SAMPLED,
+    )
+    if either.stop_reason == "tool_use":
+        check_tool_uses(either)
+    else:
+        Flags.model_validate_json(either.content[0].text)
+
+
 def test_disable_parallel_tool_use_means_one_tool_use(client, model_id) -> None:
     for _ in range(3):
         message = client.messages.create(
@@ -457,7 +498,17 @@ BAD_BODIES = [
     (_body(stop_sequences=[""]), 400, "stop_sequences"),
     (_body(temperature=-1), 400, "temperature"),
     (_body(top_k=-5), 400, "top_k"),
-    (_body(output_format={"type": "json_schema", "schema": {}}), 400, "output_format"),
+    (_body(output_format={"type": "json_schema", "schema": {"type": 7}}), 400, "output_format"),
+    (_body(output_config={"format": {"type": "json_schema", "schema": {"type": "foo"}}}), 400, ""),
+    (
+        _body(
+            output_format={"type": "json_schema", "schema": {"type": "object"}},
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        ),
+        400,
+        "output_format",
+    ),
+    (_body(output_config={"effort": "high"}), 400, "effort"),  # the template reads none
     (_body(mcp_servers=[{"url": "x"}]), 400, "mcp_servers"),
     (_body(service_tier="priority"), 400, "service_tier"),
     (_body(system=[{"type": "image", "source": {}}]), 400, "image"),

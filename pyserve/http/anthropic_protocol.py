@@ -88,6 +88,7 @@ class ToolParam(msgspec.Struct, kw_only=True):
     input_schema: dict | None = None  # required for a client tool (checked by the route)
     type: str | None = None  # None or "custom"
     cache_control: dict | None = None
+    strict: bool | None = None  # its calls follow input_schema exactly, or the request fails
 
 
 class ToolChoiceAuto(msgspec.Struct, tag_field="type", tag="auto", kw_only=True):
@@ -133,6 +134,17 @@ class MessagesMetadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None  # accepted: changes nothing about the output
 
 
+class JsonOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema", kw_only=True):
+    """Structured outputs: the answer is JSON under ``schema``, enforced by a grammar."""
+
+    schema: dict
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    format: JsonOutputFormat | None = None
+    effort: str | None = None  # passed to a chat template that reads reasoning_effort
+
+
 class MessagesPrompt(msgspec.Struct, kw_only=True):
     """What a Messages request and a token count share: the prompt and its tools."""
 
@@ -147,8 +159,8 @@ class MessagesPrompt(msgspec.Struct, kw_only=True):
     mcp_servers: Unsupported = None
     container: Unsupported = None
     context_management: Unsupported = None
-    output_format: Unsupported = None
-    output_config: Unsupported = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
 
 
 class MessagesRequest(MessagesPrompt, kw_only=True):

@@ -135,7 +135,10 @@ def _tool_grammar(
 ) -> tuple[Grammar | None, str]:
     """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any);
     ``grammar`` came from the request field ``param``."""
-    if grammar is not None and param != "response_format":
+    answer_format = req.response_format is not None and not isinstance(
+        req.response_format, TextFormat
+    )
+    if grammar is not None and not answer_format:
         raise bad_request(
             "json_schema, regex and ebnf constrain a text answer and cannot be combined with "
             "tools: use response_format",
@@ -177,7 +180,7 @@ def _tool_grammar(
             return Grammar("lark", reply), "tool_choice"
         return None, "grammar"
     schema = msgspec.json.decode(grammar.text) if grammar.kind == "json_schema" else None
-    return Grammar("lark", tool_calls_or_json_lark(lark, schema)), "response_format"
+    return Grammar("lark", tool_calls_or_json_lark(lark, schema)), param
 
 
 def _generic_instructions(

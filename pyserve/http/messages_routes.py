@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
 from aiohttp import web
 
 from pyserve.engine.errors import ContextLengthExceeded
@@ -44,11 +45,14 @@ from pyserve.http.pipeline import Job, Pipeline
 from pyserve.http.protocol import (
     FunctionDefinition,
     FunctionTool,
+    JsonSchemaFormat,
+    JsonSchemaResponseFormat,
     NamedFunction,
     NamedToolChoice,
     ToolChoice,
 )
 from pyserve.http.state import ServerState, engine_error
+from pyserve.wire.main_to_worker import Grammar
 
 
 class MessagesRoutes:
@@ -78,6 +82,7 @@ class MessagesRoutes:
             max_tokens=req.max_tokens,
             stream=req.stream,
         )
+        _constrain(generation, req)
         id = f"msg_{uuid.uuid4().hex}"
         job = await self.pipeline.prepare(generation, id)
         self._check_context(job)
@@ -93,6 +98,7 @@ class MessagesRoutes:
         req = await read_request(request, CountTokensRequest, state.options.max_body_bytes)
         state.check_model(req.model)
         generation = GenerationRequest(sampling=Sampling(), chat=self._chat_spec(req), max_tokens=1)
+        _constrain(generation, req)  # a format that cannot be enforced is refused here too
         job = await self.pipeline.prepare(generation, f"count-{uuid.uuid4().hex}")
         return json_response({"input_tokens": len(job.prompt_tokens[0])})
 
@@ -132,8 +138,47 @@ class MessagesRoutes:
             tools=_tools(req),
             tool_choice=tool_choice,
             parallel_tool_calls=parallel,
+            response_format=_response_format(req),
+            template_kwargs=self._template_kwargs(req),
             enable_thinking=enable_thinking,
         )
+
+    def _template_kwargs(self, req: MessagesPrompt) -> dict:
+        effort = req.output_config.effort if req.output_config is not None else None
+        if effort is None:
+            return {}
+        if not self.engine.chat_template_reads("reasoning_effort"):
+            raise params.unsupported(
+                "output_config.effort", "this model's chat template reads no reasoning effort"
+            )
+        return {"reasoning_effort": effort}
+
+
+def _constrain(generation: GenerationRequest, req: MessagesPrompt) -> None:
+    """The grammar of the answer's format, if the request sets one."""
+    assert generation.chat is not None
+    response_format = generation.chat.response_format
+    if isinstance(response_format, JsonSchemaResponseFormat):
+        schema = msgspec.json.encode(response_format.json_schema.schema).decode()
+        generation.grammar = Grammar("json_schema", schema)
+        generation.grammar_param = (
+            "output_format" if req.output_format is not None else "output_config.format"
+        )
+
+
+def _response_format(req: MessagesPrompt) -> JsonSchemaResponseFormat | None:
+    """Structured outputs (``output_config.format``, or the beta's ``output_format``) in the
+    Chat Completions shape that the chat policy reads."""
+    config_format = req.output_config.format if req.output_config is not None else None
+    if config_format is not None and req.output_format is not None:
+        raise bad_request(
+            "output_format and output_config.format both set the answer's format: give one",
+            param="output_format",
+        )
+    chosen = config_format or req.output_format
+    if chosen is None:
+        return None
+    return JsonSchemaResponseFormat(JsonSchemaFormat(name="output", schema=chosen.schema))
 
 
 def _system_text(system: str | list[TextBlockParam] | None) -> str:
@@ -233,7 +278,7 @@ def _tools(req: MessagesPrompt) -> list[FunctionTool]:
             raise bad_request(f"{where}.name: {tool.name!r} is given twice", param=where)
         names.add(tool.name)
         function = FunctionDefinition(
-            name=tool.name, description=tool.description, parameters=schema
+            name=tool.name, description=tool.description, parameters=schema, strict=tool.strict
         )
         tools.append(FunctionTool(function=function))
     return tools

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from pyserve.chat.output import ChatOutput, ChatOutputStream, OutputDelta, ParsedMessage
 from pyserve.chat.policy import ChatPolicy
+from pyserve.grammars import schema_error
 from pyserve.http.chat_tools import ChatPlan
 from pyserve.http.direct_events import direct_events
 from pyserve.http.errors import APIError
@@ -224,10 +225,11 @@ class Pipeline:
         )
 
     async def _loose_tools(self, spec: ChatSpec) -> set[str]:
-        """The tools whose parameters schema the grammar engine cannot enforce (a ``uniqueItems``
-        or an ``if``/``then`` somewhere in an agent's tool). A forced call of one is held to a
-        JSON object of arguments rather than failing the whole request, since the template still
-        shows the model the schema; a tool marked ``strict`` is refused instead."""
+        """The tools whose valid parameters schema the grammar engine cannot enforce (a
+        ``uniqueItems`` or an ``if``/``then`` somewhere in an agent's tool). A forced call of one
+        is held to a JSON object of arguments rather than failing the whole request, since the
+        template still shows the model the schema; a tool marked ``strict``, or a schema that is
+        not valid JSON Schema, is refused instead."""
         if spec.tool_choice == "none" or not spec.tools:
             return set()
         loose = set()
@@ -239,8 +241,8 @@ class Pipeline:
             try:
                 await self.engine.check_grammar(schema, f"tools[{i}].function.parameters")
             except ValueError as exc:
-                if function.strict:
-                    raise engine_error(exc) from exc
+                if function.strict or schema_error(function.parameters) is not None:
+                    raise engine_error(exc) from exc  # refused, or not a schema at all
                 loose.add(function.name)
                 log.warning(
                     "tool %r: its calls are held to any JSON object: %s", function.name, exc
