@@ -73,6 +73,20 @@ LLAMA_CMAKE_FLAGS = [
     "-DGGML_NATIVE=ON",
     "-DCMAKE_BUILD_TYPE=Release",
 ]
+# ggml's AMX kernels die with SIGILL at their first tilezero on an AMX VM here (2026-12-03,
+# Intel Xeon with amx_tile/amx_int8; a plain ldtilecfg + tilezero program runs there), so on a
+# CPU that has AMX the peer is built without it: its AVX-512 VNNI kernels, what it runs elsewhere.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def llama_cmake_flags() -> list[str]:
+    flags = list(LLAMA_CMAKE_FLAGS)
+    cpu_flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if "amx_tile" in cpu_flags:
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
+    return flags
+
+
 # transformers serve rejects ignore_eos (422); an impossible eos id has the same effect.
 TRANSFORMERS_NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
 
@@ -373,7 +387,7 @@ def build_llama_server(root: Path) -> Path:
     if cmake is None:
         raise RuntimeError("cmake not found")
     build = root / "llama.cpp-build"
-    subprocess.run([cmake, "-S", str(source), "-B", str(build), *LLAMA_CMAKE_FLAGS], check=True)
+    subprocess.run([cmake, "-S", str(source), "-B", str(build), *llama_cmake_flags()], check=True)
     jobs = str(os.cpu_count() or 2)
     subprocess.run(
         [cmake, "--build", str(build), "--target", "llama-server", "-j", jobs], check=True
