@@ -82,6 +82,9 @@ ROUTES = {
     # created, in_progress, item and part added, text done, part and item done, and the last
     # (response.incomplete: max_output_tokens ends every stream), the one with usage
     "responses": Route("/v1/responses", b'"usage":{', 8, b'"output_tokens":'),
+    # message_start, the text block's start and stop, message_delta (the one with the final
+    # usage; message_stop follows it)
+    "messages": Route("/v1/messages", b"event: message_delta", 4, b'"output_tokens":'),
 }
 
 
@@ -94,10 +97,13 @@ def request_bytes(
         body["prompt"] = prompt
     elif route == "chat":
         body["messages"] = [{"role": "user", "content": text}]
+    elif route == "messages":  # no ignore_eos in Anthropic's body: a random model rarely ends
+        body = {"model": "overhead", "max_tokens": output_len, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": text}]}  # fmt: skip
     else:
         body = {"input": text, "max_output_tokens": output_len, "ignore_eos": True,
                 "temperature": 0, "stream": True, "store": store}  # fmt: skip
-    if route != "responses":
+    if route in ("completions", "chat"):
         body["stream_options"] = {"include_usage": True}
     payload = json.dumps(body).encode()
     head = (
@@ -295,6 +301,7 @@ def start_profilers(args: argparse.Namespace, pids: dict[str, int]) -> list:
 
 def run(args: argparse.Namespace, model: Path, state_dir: Path) -> dict:
     server_args = ["--model", str(model), "--stream-interval", str(args.stream_interval)]
+    server_args += ["--served-model-name", "overhead"]  # what the Messages route names
     server_args += ["--state-dir", str(state_dir)]  # stored responses (--store): not the user's
     server_args += ["--max-running-requests", str(max(256, args.streams)), *args.server_arg]
     server = Server(server_args)

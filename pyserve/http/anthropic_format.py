@@ -18,6 +18,7 @@ from pyserve.chat.output import OutputDelta, ParsedMessage
 from pyserve.chat.tool_stream import ToolCall
 from pyserve.http.anthropic_errors import error_body
 from pyserve.http.errors import APIError
+from pyserve.http.openai_format import TEXT_PLACEHOLDER, ContentTemplate
 from pyserve.http.sse import event
 from pyserve.outputs import GenerationChunk
 
@@ -90,13 +91,20 @@ def content_blocks(message: ParsedMessage) -> list[dict]:
     return blocks
 
 
+# the text delta of the one block (index 0) of an unparsed output, cut around its text
+_TEXT_DELTA = {
+    "type": "content_block_delta",
+    "index": 0,
+    "delta": {"type": "text_delta", "text": TEXT_PLACEHOLDER},
+}
+
+
 class MessagesFormat:
     """One Messages response (Anthropic has one choice), whole or streamed. ``parsed``: the
     output is read by the chat policy; ``prompt_tokens``: the rendered prompt's length, which
     ``message_start`` reports before the prefix cache has been consulted."""
 
     token_text = None
-    stateless = False
     eager = True  # message_start at once, then pings while the prompt prefills
 
     def __init__(self, id: str, model: str, prompt_tokens: int, parsed: bool) -> None:
@@ -104,6 +112,7 @@ class MessagesFormat:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.parsed = parsed
+        self._text_delta = ContentTemplate(_encode(_TEXT_DELTA), b"content_block_delta")
         self._blocks = 0  # blocks opened so far
         self._open: str | None = None  # the type of the open block (the last one opened)
         self._call_blocks: dict[int, int] = {}  # tool call index → its block's index
@@ -155,6 +164,12 @@ class MessagesFormat:
     def ping(self) -> bytes | None:
         return PING
 
+    @property
+    def stateless(self) -> bool:
+        """Unparsed, the output is one text block, opened with the first text: from then on
+        each chunk's delta is a pure render (the pipeline's direct-write path)."""
+        return not self.parsed and self._open == "text"
+
     def opening(self, index: int) -> list[bytes]:
         return []  # blocks open with the content that needs them
 
@@ -162,7 +177,12 @@ class MessagesFormat:
         self, index: int, chunk: GenerationChunk, delta: OutputDelta | None
     ) -> bytes | None:
         if not self.parsed:
-            delta = OutputDelta(content=chunk.text) if chunk.text else None
+            if not chunk.text:
+                return None
+            if self._open != "text":
+                start = b"".join(self._start({"type": "text", "text": ""}))
+                return start + self._text_delta.render(chunk.text)
+            return self._text_delta.render(chunk.text)
         if delta is None:
             return None
         frames = self._frames(delta)

@@ -270,8 +270,8 @@ def completion_response(
 
 # ----------------------------------------------------------------------------- formats
 
-_PLACEHOLDER = "\x00"
-_ENCODED_PLACEHOLDER = msgspec.json.encode(_PLACEHOLDER)
+TEXT_PLACEHOLDER = "\x00"
+_ENCODEDTEXT_PLACEHOLDER = msgspec.json.encode(TEXT_PLACEHOLDER)
 _encode_text = msgspec.json.encode
 
 
@@ -281,10 +281,10 @@ class ContentTemplate:
 
     __slots__ = ("prefix", "suffix")
 
-    def __init__(self, sample: bytes) -> None:
-        # ``sample``: the chunk encoded with _PLACEHOLDER as its text
-        frame = event(sample)
-        self.prefix, self.suffix = frame.rsplit(_ENCODED_PLACEHOLDER, 1)  # text comes last
+    def __init__(self, sample: bytes, name: bytes | None = None) -> None:
+        # ``sample``: the chunk encoded with TEXT_PLACEHOLDER as its text; ``name``: the event's
+        frame = event(sample, name)
+        self.prefix, self.suffix = frame.rsplit(_ENCODEDTEXT_PLACEHOLDER, 1)  # text comes last
 
     def render(self, text: str) -> bytes:
         return self.prefix + _encode_text(text) + self.suffix
@@ -352,7 +352,7 @@ class ChatFormat(_OpenAIStream):
             return None
         template = self._templates.get(index)
         if template is None:
-            sample = chat_chunk(self.meta, index, {"content": _PLACEHOLDER})
+            sample = chat_chunk(self.meta, index, {"content": TEXT_PLACEHOLDER})
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 
@@ -398,7 +398,7 @@ class CompletionFormat(_OpenAIStream):
             return None
         template = self._templates.get(index)
         if template is None:
-            sample = completion_chunk(self.meta, index, _PLACEHOLDER)
+            sample = completion_chunk(self.meta, index, TEXT_PLACEHOLDER)
             template = self._templates[index] = ContentTemplate(sample)
         return template.render(chunk.text)
 

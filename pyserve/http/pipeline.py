@@ -83,7 +83,7 @@ class Format(Protocol):
 
     id: str  # the response's id: what /abort_request and the logs know it by
     token_text: object | None  # not None: logprobs are written (token ids resolved to text)
-    stateless: bool  # content(0, chunk, None) is a pure render: the direct-sink fast path
+    stateless: bool  # content(0, chunk, None) is now a pure render: the direct-sink fast path
     eager: bool  # the stream opens at once, pinging while the prompt prefills
 
     def preamble(self) -> list[bytes]:
@@ -325,9 +325,9 @@ class Pipeline:
             for frame in fmt.preamble():
                 await sse.send_frame(frame)
         ticket.release()
-        if count == 1 and fmt.token_text is None and fmt.stateless:  # see direct_events
-            sink = direct_events(sse, fmt, results[0], latencies[0])
-            self.engine.stream_directly(job.rids[0], sink)
+        # see direct_events: installed once the format's content is a pure render (a format
+        # may need its first chunks to get there)
+        direct = count == 1 and fmt.token_text is None
         item = first
         try:
             while item is not None:
@@ -350,6 +350,10 @@ class Pipeline:
                         held, finish = parser.finish(), parser.finish_reason(finish)
                     for frame in fmt.closing(index, results[index], held, finish):
                         await sse.send_frame(frame)
+                if direct and fmt.stateless:
+                    direct = False
+                    sink = direct_events(sse, fmt, results[0], latencies[0])
+                    self.engine.stream_directly(job.rids[0], sink)
                 item = await anext(merged, None)
         except ConnectionError:
             raise  # the client is gone: there is nobody to tell
