@@ -312,7 +312,7 @@ def test_dp_without_the_router_says_what_to_install(monkeypatch, caplog):
 
 def test_replicas_get_every_setting_but_the_supervisors():
     parser = cli.build_parser()
-    argv = ["run", "--dp=2", "--po", "8000", "--host", "0.0.0.0", "--api-key", "k"]
+    argv = ["run", "--dp=2", "--por", "8000", "--host", "0.0.0.0", "--api-key", "k"]
     argv += ["--model", "m.gguf", "--tp", "2", "--disable-radix-cache", "--no-web-ui"]
     argv += ["--kv-cache-gib", "0.5", "--router-policy", "round_robin"]
     args = parser.parse_args(argv)

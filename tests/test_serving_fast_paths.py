@@ -24,6 +24,7 @@ from pyserve.http.openai_format import (
     chat_chunk,
     completion_chunk,
 )
+from pyserve.http.sse import event
 from pyserve.outputs import GenerationChunk
 from pyserve.worker.sampling import argmax_rows
 
@@ -56,12 +57,13 @@ def test_templated_content_chunks_equal_the_encoded_chunks(include_usage):
         chunk = GenerationChunk("r", text, [1], prompt_tokens=2, completion_tokens=1)
         for index in (0, 1):
             if not text:  # nothing to send
-                assert chat.content(index, chunk) is None
-                assert completion.content(index, chunk) is None
+                assert chat.content(index, chunk, None) is None
+                assert completion.content(index, chunk, None) is None
                 continue
-            want_chat = chat_chunk(meta, index, {"content": text})
-            assert chat.content(index, chunk) == want_chat
-            assert completion.content(index, chunk) == completion_chunk(meta, index, text)
+            want_chat = event(chat_chunk(meta, index, {"content": text}))
+            assert chat.content(index, chunk, None) == want_chat
+            want_completion = event(completion_chunk(meta, index, text))
+            assert completion.content(index, chunk, None) == want_completion
 
 
 def _samples(exposition: bytes, name: str) -> list[str]:
