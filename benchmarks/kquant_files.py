@@ -16,12 +16,22 @@ for the output projection and some attn_v/ffn_down, F32 norms). So per size:
 - ``llama-quantize`` (built from the llama-cpp-python sdist, in compare.py's llama.cpp build
   directory) turns it into ``model-Q4_K_M.gguf``; the F16 file is deleted unless ``--keep-f16``.
 
-Shapes: 0.5b = 24 layers × hidden 1024, MLP 2816, 16 heads, 4 KV heads, tied embeddings;
-3b = 28 layers × hidden 3072, MLP 8192, 24 heads, 8 KV heads. Every dimension is a multiple of
-256, so llama-quantize uses K-quants everywhere (no fallback types). Files are cached under
-``benchmarks/out/kquant-models/<size>/`` and each step is skipped when its output exists.
+Shapes (all Llama blocks, vocabulary 32000):
 
-    .venv/bin/python benchmarks/kquant_files.py --sizes 0.5b,3b
+- 0.5b = 24 layers × hidden 1024, MLP 2816, 16 heads, 4 KV heads, tied embeddings;
+- 1.5b = Qwen2.5-1.5B's: 28 layers × hidden 1536, MLP 8960, 12 heads, 2 KV heads (head_dim
+  128), tied embeddings (no q/k/v bias: a Llama block);
+- 3b = 28 layers × hidden 3072, MLP 8192, 24 heads, 8 KV heads;
+- 8b = Llama-3-8B's: 32 layers × hidden 4096, MLP 14336, 32 heads, 8 KV heads, untied.
+
+Every dimension is a multiple of 256, so llama-quantize uses K-quants everywhere (no fallback
+types). A model whose bf16 weights pass ``IN_MEMORY_BYTES`` (the 8b: 14.5 GB on a 23 GB machine)
+is not built as a transformers model: its safetensors shards are written tensor by tensor with
+transformers' initialization (normal(0, 0.02) matrices, norms of ones), one 2 GB shard in memory
+at a time. Files are cached under ``benchmarks/out/kquant-models/<size>/`` and each step is
+skipped when its output exists.
+
+    .venv/bin/python benchmarks/kquant_files.py --sizes 0.5b,1.5b,3b,8b
     .venv/bin/python benchmarks/kquant_files.py --sizes 0.5b --keep-f16
 """
 
@@ -61,6 +71,14 @@ SIZES = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": True,
     },
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
     "3b": {
         "hidden_size": 3072,
         "intermediate_size": 8192,
@@ -69,7 +87,18 @@ SIZES = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
 }
+# bf16 bytes above which a model's safetensors are written tensor by tensor (see above)
+IN_MEMORY_BYTES = 8e9
+SHARD_BYTES = 2 * 10**9
 COMMON = {
     "vocab_size": VOCAB,
     "max_position_embeddings": 4096,
@@ -184,6 +213,10 @@ def build_hf_dir(size: str, out: Path) -> None:
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     config = LlamaConfig(**COMMON, **SIZES[size], dtype="bfloat16")
+    if _bf16_bytes(config) > IN_MEMORY_BYTES:
+        _write_hf_shards(config, out)
+        write_tokenizer(out)
+        return
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built (and initialized) in bf16: 2 bytes a weight
     try:
@@ -197,6 +230,64 @@ def build_hf_dir(size: str, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
     del model
     write_tokenizer(out)
+
+
+def _bf16_bytes(config) -> int:
+    """The bf16 bytes of a LlamaForCausalLM of ``config`` (built on the meta device)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return sum(p.numel() for p in model.state_dict().values()) * 2
+
+
+def _write_hf_shards(config, out: Path) -> None:
+    """``config``'s random-weight model as bf16 safetensors shards written tensor by tensor:
+    transformers' initialization for a Llama (matrices and the embedding normal(0,
+    initializer_range), norms ones), one shard in memory at a time, then config.json and the
+    shard index save_pretrained writes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    state = meta.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    generator = torch.Generator().manual_seed(0)
+    std = config.initializer_range
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * 2
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            shape = state[name].shape
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(
+                    0.0, std, generator=generator
+                )
+            weight_map[name] = file
+            total += tensors[name].numel() * 2
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+        print(f"  {file} ({len(names)} tensors)")
+    config.save_pretrained(out)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _state_dict_order(hf_dir: Path) -> list[str]:
