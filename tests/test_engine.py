@@ -375,6 +375,7 @@ def test_tokenizer_services_and_info(engine, loop, hf_tokenizer):
     info = engine.server_info()
     assert info["kv_cache"]["num_blocks"] == engine.num_blocks
     assert info["context_length"] == 1024
+    assert info["weight_bytes"] > 0  # what a decode step reads (tests/test_weight_bytes.py)
     assert info["versions"]["pyserve"]
 
 

@@ -432,6 +432,8 @@ class Engine:
                 )
             ),
             "load_seconds": ready.load_seconds if ready is not None else None,
+            # bytes of weights a decode step reads, as loaded (packed), embeddings aside
+            "weight_bytes": ready.weight_bytes if ready is not None else None,
             "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
             "capabilities": self.capabilities,
             "embedding": self._embedding.info() if self._embedding is not None else None,

@@ -75,6 +75,7 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     device: str
     load_seconds: float = 0.0
     kv_cache_bytes: int = 0
+    weight_bytes: int = 0  # the weights a decode step reads (its ranks' together)
     quantization: str = "none"  # the linear layers' precision: none, int8 or int4
     kv_cache_dtype: str = ""  # what K and V are stored in ("": the model's dtype)
     architecture: str = ""  # the model family that runs

@@ -27,6 +27,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 log = logging.getLogger("pyserve.worker")
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of weights a decode step reads whatever its batch: every module's weights in
+    the form its forward reads (a module holding a ``packed`` form: that form and its bias, not
+    a float copy kept beside it for other batch sizes), each storage counted once (a tied output
+    projection is its embedding's), without the token embeddings (one row a token: an
+    ``*Embedding`` module, or a tensor whose name says ``embed``)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: object) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+
+    for module in model.modules():
+        if "Embedding" in type(module).__name__:
+            continue
+        packed = getattr(module, "packed", None)
+        if packed is None:
+            named = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            for name, t in named:
+                if "embed" not in name:
+                    add(t)
+            continue
+        for t in (packed, *getattr(packed, "__dict__", {}).values()):
+            add(t)
+        add(getattr(module, "bias", None))
+    return total
+
+
 class ModelRunner:
     """One model on one device, with a KV cache of ``settings.num_blocks`` blocks of
     ``settings.block_size`` tokens (WorkerSettings says what each setting means).
@@ -166,6 +197,11 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.nbytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (decode_weight_bytes)."""
+        return decode_weight_bytes(self.model)
 
     @property
     def decoder_stack(self) -> object | None:

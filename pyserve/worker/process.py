@@ -187,6 +187,7 @@ def _ready(config: WorkerConfig, executor: StepExecutor, load_seconds: float) ->
         load_seconds=load_seconds,
         # every rank holds a pool of its own kv heads, of the same size
         kv_cache_bytes=int(getattr(runner, "kv_cache_bytes", 0)) * config.tp_size,
+        weight_bytes=int(getattr(runner, "weight_bytes", 0)) * config.tp_size,
         architecture=runner.config.architecture,
         features=runner.config.features(),
         backend=backend.name,
