@@ -65,7 +65,15 @@ def model_shapes(layers: int) -> list[tuple[int, int]]:
 class Contender:
     """One way to run every matmul of a token step; ``run(M)`` does a whole step."""
 
-    def __init__(self, name: str, weights: list, call, dtype: torch.dtype, nbytes: int):
+    def __init__(
+        self,
+        name: str,
+        weights: list,
+        call,
+        dtype: torch.dtype,
+        nbytes: int,
+        widths: tuple[int, ...] = (HIDDEN, INTERMEDIATE),  # the layers' input sizes
+    ):
         self.name, self.weights, self.call, self.dtype, self.nbytes = (
             name,
             weights,
@@ -73,11 +81,12 @@ class Contender:
             dtype,
             nbytes,
         )
+        self.widths = widths
         self.inputs: dict[int, dict[int, torch.Tensor]] = {}
 
     def run(self, rows: int) -> None:
         xs = self.inputs.setdefault(
-            rows, {k: torch.randn(rows, k).to(self.dtype) for k in (HIDDEN, INTERMEDIATE)}
+            rows, {k: torch.randn(rows, k).to(self.dtype) for k in self.widths}
         )
         for w in self.weights:
             self.call(xs, w)
@@ -143,6 +152,87 @@ def build_contenders(layers: int, which: list[str]) -> list[Contender]:
             )
         )
     return out
+
+
+# ---------------------------------------------------------------- K-quant files' own layouts
+
+# The 0.5b Q4_K_M file of benchmarks/kquant_files.py: 24 Llama layers, hidden 1024, k and v 256
+# rows, intermediate 2816; Q4_K but for v and down in the 12 layers llama.cpp's use_more_bits
+# picks (the first and last eighth, every third between), which are Q6_K.
+KQ_HIDDEN, KQ_KV, KQ_INTERMEDIATE, KQ_LAYERS = 1024, 256, 2816, 24
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * eighth or (layer - eighth) % 3 == 2
+
+
+def random_packed(n: int, k: int, bits: int, gen: torch.Generator) -> quant.PackedWeight:
+    """Random integers and small scales in the kernel's layout (speed does not depend on them)."""
+    tiles, groups = -(-n // quant.TILE_ROWS), k // quant.GROUP
+    data = torch.randint(0, 256, (tiles, groups, quant.GROUP * quant.TILE_ROWS * bits // 8),
+                         dtype=torch.uint8, generator=gen)  # fmt: skip
+    scales = (torch.rand(tiles, groups, 2, quant.TILE_ROWS, generator=gen) * 1e-3).half()
+    return quant.PackedWeight(data, scales, n, k, bits, quant.GROUP)
+
+
+def k_quant_contenders() -> list[Contender]:
+    """One decode step's layer matmuls (no output projection) of the 0.5b Q4_K_M file's shapes:
+    "widened", the fused qkv of a layer whose v is Q6_K packed all at 8 bits (as before), and
+    "segments", its q and k kept at 4 bits beside the 8-bit v. The other projections are the
+    same objects in both (4 bits for Q4_K, 8 for Q6_K)."""
+    gen = torch.Generator().manual_seed(0)
+    shared, widened, segmented = [], [], []
+    qk_rows = KQ_HIDDEN + KQ_KV
+    for i in range(KQ_LAYERS):
+        wide = 8 if more_bits(i, KQ_LAYERS) else 4
+        o = random_packed(KQ_HIDDEN, KQ_HIDDEN, 4, gen)
+        gate_up = random_packed(2 * KQ_INTERMEDIATE, KQ_HIDDEN, 4, gen)
+        down = random_packed(KQ_HIDDEN, KQ_INTERMEDIATE, wide, gen)
+        shared.append((o, gate_up, down))
+        widened.append(random_packed(qk_rows + KQ_KV, KQ_HIDDEN, wide, gen))
+        if wide == 4:
+            segmented.append(widened[-1])
+        else:
+            qk = random_packed(qk_rows, KQ_HIDDEN, 4, gen)
+            v = random_packed(KQ_KV, KQ_HIDDEN, 8, gen)
+            segmented.append(quant.SegmentedWeight((qk, v)))
+    out = []
+    for name, qkvs in (("widened (qkv at its widest part)", widened), ("segments", segmented)):
+        layers = []
+        for qkv, (o, gate_up, down) in zip(qkvs, shared, strict=True):
+            layers += [quant.QuantLinear.from_packed(w, None) for w in (qkv, o, gate_up, down)]
+        nbytes = sum(layer.packed.nbytes for layer in layers)
+        out.append(
+            Contender(
+                name,
+                layers,
+                lambda xs, layer: layer(xs[layer.in_features]),
+                torch.float32,
+                nbytes,
+                widths=(KQ_HIDDEN, KQ_INTERMEDIATE),
+            )
+        )
+    return out
+
+
+def k_quant_table(contenders: list[Contender], rows: list[int], times: dict) -> str:
+    weights = sum(layer.out_features * layer.in_features for layer in contenders[0].weights)
+    lines = [
+        "| M | layout | MB a step | bits a weight | best ms/step | median ms/step | GB/s at best "
+        "| vs widened |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in rows:
+        base = min(times[(contenders[0].name, m)])
+        for c in contenders:
+            best, median = min(times[(c.name, m)]), statistics.median(times[(c.name, m)])
+            lines.append(
+                f"| {m} | {c.name} | {c.nbytes / 1e6:.1f} | {8 * c.nbytes / weights:.3f} | "
+                f"{best * 1e3:.2f} | {median * 1e3:.2f} | {c.nbytes / best / 1e9:.1f} | "
+                f"{base / best:.2f}× |"
+            )
+    return "\n".join(lines)
 
 
 def copy_bandwidth() -> float:
@@ -313,9 +403,17 @@ def main() -> int:
     parser.add_argument("--accuracy-prompts", type=int, default=8)
     parser.add_argument("--accuracy-tokens", type=int, default=48)
     parser.add_argument("--write-results", action="store_true", help="update RESULTS.md")
+    parser.add_argument(
+        "--k-quant",
+        action="store_true",
+        help="only the K-quant layouts on the 0.5b Q4_K_M file's layer shapes (printed, not "
+        "written to RESULTS.md)",
+    )
     args = parser.parse_args()
 
     kernels = quant.kernels()
+    if args.k_quant:
+        return k_quant_main(args)
     load_before = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
     tables = []
@@ -362,6 +460,24 @@ def main() -> int:
                 f"prompts × {args.accuracy_tokens} tokens.\n\n{accuracy}\n"
             )
         write_results(section, ROOT / "benchmarks" / "RESULTS.md")
+    return 0
+
+
+def k_quant_main(args) -> int:
+    kernels = quant.kernels()
+    load_before = os.getloadavg()[0]
+    contenders = k_quant_contenders()
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        kernels.set_num_threads(threads)
+        times = time_contenders(contenders, args.rows, args.rounds)
+        print(f"{threads} thread{'s' if threads > 1 else ''}:\n")
+        print(k_quant_table(contenders, args.rows, times) + "\n")
+    print(
+        f"kernel ISA `{kernels.isa()}`; load average before/after: {load_before:.1f} / "
+        f"{os.getloadavg()[0]:.1f}; {args.rounds} rounds, layouts interleaved; a step = "
+        f"{len(contenders[0].weights)} matmuls"
+    )
     return 0
 
 

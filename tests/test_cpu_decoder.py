@@ -17,8 +17,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gguf_files import write_gguf
 from hf_parity import make_tiny_model
+from test_gguf_packing import MIXED, TYPES
 from test_model_families import FAMILIES, SERVED_CONTEXT
+from test_model_loading import tiny_llama
 from tiny_models import random_llama
 from worker_testlib import load_runner
 
@@ -91,6 +94,17 @@ def assert_stack_matches_layer_loop(model: str, num_prompts: int = 10, **kw) -> 
 @needs_stack
 def test_the_stack_is_the_module_path_bit_for_bit(tiny_model):
     assert_stack_matches_layer_loop(tiny_model)
+
+
+@needs_stack
+def test_projections_kept_at_their_parts_precisions_run_on_the_stack(tmp_path):
+    """A GGUF whose q/k and v (gate and up) differ in precision (test_gguf_packing's mix of
+    types) keeps each at its own, as row segments: the stack computes them as the layer loop."""
+    path = str(tmp_path / "mixed.gguf")
+    write_gguf(tiny_llama(**MIXED), tmp_path / "mixed.gguf", tensor_types=TYPES)
+    model = engine(path, True, quantization="auto").runner.model
+    assert isinstance(model.layers[0].qkv_proj.packed, quant.SegmentedWeight)
+    assert_stack_matches_layer_loop(path, num_prompts=6, quantization="auto")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -209,9 +223,22 @@ def test_the_cpp_stack_checks_the_weights_and_tables_it_is_given():
         stack.add_layer(*layer, rope_table=-1)
     with pytest.raises(ValueError, match="window must be >= 0"):
         stack.add_layer(*layer, window=-1)
+    # a projection as row segments (a list of tuples): their rows add up, their inputs agree
+    q, kv = (quant.quantize_weight(torch.randn(n, 64), bits) for n, bits in ((64, 4), (64, 8)))
+    wide = quant.quantize_weight(torch.randn(64, 96), 8)
+    for segments, match in (
+        ([linear(q)], "qkv: 64x64 weights, expected 128x64"),
+        ([linear(q), linear(wide)], "qkv: 128x64/96 weights, expected 128x64"),
+        ([], "no segments"),
+        ([linear(q), (*linear(kv)[:-1], 8)], "segments must share activation bits"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            stack.add_layer(norm.data_ptr(), norm.data_ptr(), segments, *layer[3:])
     assert stack.num_layers == 0
+    stack.add_layer(norm.data_ptr(), norm.data_ptr(), [linear(q), linear(kv)], *layer[3:])
+    assert stack.num_layers == 1
     stack.add_layer(*layer, q_norm=head_norm.data_ptr(), k_norm=head_norm.data_ptr(), window=4)
-    assert stack.num_layers == 1 and stack.num_rope_tables == 1
+    assert stack.num_layers == 2 and stack.num_rope_tables == 1
 
     # the model-wide arguments: each rope table's rotary dims, the activation, the soft-cap
     shape = {

@@ -23,9 +23,11 @@ from test_model_loading import hf_logits, prefill_logits, runner, tiny_llama
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker.loading import ModelLoadError
+from pyserve.worker.model_runner import decode_weight_bytes
 from pyserve.worker.quant import (
     QuantEmbedding,
     QuantLinear,
+    SegmentedWeight,
     dequantize_weight,
     ggml_largest_u,
     kernels,
@@ -155,15 +157,16 @@ TYPES = {
     "model.layers.1.mlp.up_proj.weight": "Q4_0",
     "model.layers.1.mlp.down_proj.weight": "Q8_0",
 }
-# What each projection is packed at: the highest precision among its tensors
+# What each projection is packed at: each tensor at its own precision, a fused projection whose
+# tensors differ as segments (a tuple: each run of rows' bits, in order)
 EXPECTED_BITS = {
-    "layers.0.qkv_proj": 8,
+    "layers.0.qkv_proj": (4, 8),  # q, k Q4_K; v Q6_K
     "layers.0.o_proj": 8,
     "layers.0.gate_up_proj": 4,
     "layers.0.down_proj": 8,
-    "layers.1.qkv_proj": 8,
+    "layers.1.qkv_proj": (4, 8),  # q Q4_0, k Q4_1; v Q5_0
     "layers.1.o_proj": 8,
-    "layers.1.gate_up_proj": 8,
+    "layers.1.gate_up_proj": (8, 4),  # gate Q8_0, up Q4_0
     "layers.1.down_proj": 8,
     "lm_head": 8,
 }
@@ -205,7 +208,8 @@ def packed_weight(runner_, name: str) -> torch.Tensor:
 def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     path, stored = mixed_gguf
     loaded = runner(path, quantization="auto")
-    assert loaded.packed_precisions == {"int4": 1, "int8": 8}
+    # a segmented projection counts at each of its precisions
+    assert loaded.packed_precisions == {"int4": 4, "int8": 8}
     for name, bits in EXPECTED_BITS.items():
         assert loaded.model.get_submodule(name).bits == bits, name
     # the untied embedding stays packed, at the 8 bits of its Q8_0 blocks, exactly
@@ -223,16 +227,56 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     gate_up = rows(1, "mlp.gate_proj", "mlp.up_proj")
     assert torch.equal(packed_weight(loaded, "layers.1.gate_up_proj"), gate_up)
     assert torch.equal(packed_weight(loaded, "layers.1.down_proj"), rows(1, "mlp.down_proj"))
-    # K-quants: within the fp16 rounding of their group scales
-    for name, parts in (("layers.0.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),):
-        exact = rows(0, *parts)
-        assert (packed_weight(loaded, name) - exact).abs().max() <= exact.abs().max() * 2**-10
+    # K-quants: within the fp16 rounding of their group scales (q and k: the 4-bit segment)
+    qk_rows = sum(stored[f"model.layers.0.{p}.weight"].shape[0] for p in qkv[:2])
+    qkv0 = packed_weight(loaded, "layers.0.qkv_proj")
+    for got, exact in (
+        (packed_weight(loaded, "layers.0.gate_up_proj"), rows(0, "mlp.gate_proj", "mlp.up_proj")),
+        (qkv0[:qk_rows], rows(0, *qkv[:2])),
+    ):
+        assert (got - exact).abs().max() <= exact.abs().max() * 2**-10
     # Q6_K (scales per 16) is quantized to int8: within half an int8 step of its group
-    for name, part in (("layers.0.down_proj", "mlp.down_proj"), ("lm_head", None)):
-        exact = stored[f"model.layers.0.{part}.weight" if part else "lm_head.weight"]
+    for got, exact in (
+        (packed_weight(loaded, "layers.0.down_proj"), rows(0, "mlp.down_proj")),
+        (packed_weight(loaded, "lm_head"), stored["lm_head.weight"]),
+        (qkv0[qk_rows:], rows(0, "self_attn.v_proj")),
+    ):
         step = exact.view(exact.shape[0], -1, 32).abs().amax(-1) / 127
-        error = (packed_weight(loaded, name) - exact).abs().view(exact.shape[0], -1, 32)
+        error = (got - exact).abs().view(exact.shape[0], -1, 32)
         assert torch.all(error <= step[..., None] * 0.5 * 1.01 + 1e-9)
+
+
+def test_a_segmented_projection_is_its_segments_side_by_side(mixed_gguf):
+    """A fused projection kept at its parts' precisions computes each segment's rows exactly as
+    that segment's own layer does (bias included), at any row count."""
+    path, _ = mixed_gguf
+    loaded = runner(path, quantization="auto")
+    for name in ("layers.0.qkv_proj", "layers.1.gate_up_proj"):
+        fused = loaded.model.get_submodule(name)
+        assert isinstance(fused.packed, SegmentedWeight) and len(fused.packed.segments) == 2
+        bias = torch.randn(fused.out_features)
+        with_bias = QuantLinear.from_packed(fused.packed, bias)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, fused.in_features)
+            want, at = [], 0
+            for segment in fused.packed.segments:
+                alone = QuantLinear.from_packed(segment, bias[at : at + segment.n].clone())
+                want.append(alone(x))
+                at += segment.n
+            assert torch.equal(with_bias(x), torch.cat(want, dim=1))
+            alone = [QuantLinear.from_packed(s, None)(x) for s in fused.packed.segments]
+            assert torch.equal(fused(x), torch.cat(alone, dim=1))
+
+
+def test_segments_read_fewer_bytes_than_the_widest_part(mixed_gguf):
+    """q and k stay 4-bit beside an 8-bit v: the projection holds what each part needs."""
+    path, _ = mixed_gguf
+    auto = runner(path, quantization="auto").model.get_submodule("layers.0.qkv_proj")
+    wide = runner(path, quantization="int8").model.get_submodule("layers.0.qkv_proj")
+    q4, v8 = auto.packed.segments
+    assert (q4.bits, v8.bits) == (4, 8)
+    assert auto.packed.nbytes == q4.nbytes + v8.nbytes < wide.packed.nbytes
+    assert decode_weight_bytes(auto) == auto.packed.nbytes  # what a decode step reads
 
 
 def test_mixed_file_auto_close_to_the_exact_model(mixed_gguf, mixed_hf):

@@ -16,11 +16,18 @@ namespace pyserve_kernels {
 namespace {
 
 void check_linear(const StackLinear& linear, int n, int k, const char* name) {
-  const PackedWeights& w = linear.weights;
-  check(w.data != nullptr && w.scales != nullptr,
-        [&] { return std::string(name) + ": no weights"; });
-  check(w.n == n && w.k == k, [&] {
-    return std::string(name) + ": " + std::to_string(w.n) + "x" + std::to_string(w.k) +
+  bool fits = linear.n() == n;
+  auto check_segment = [&](const PackedWeights& w) {
+    check(w.data != nullptr && w.scales != nullptr,
+          [&] { return std::string(name) + ": no weights"; });
+    fits = fits && w.n > 0 && w.k == k;
+  };
+  check_segment(linear.weights);
+  for (const auto& segment : linear.more) check_segment(segment.weights);
+  check(fits, [&] {
+    std::string inputs = std::to_string(linear.weights.k);
+    for (const auto& segment : linear.more) inputs += "/" + std::to_string(segment.weights.k);
+    return std::string(name) + ": " + std::to_string(linear.n()) + "x" + inputs +
            " weights, expected " + std::to_string(n) + "x" + std::to_string(k);
   });
 }
@@ -32,7 +39,14 @@ struct Buffers {
 
 void matmul(const StackLinear& linear, const float* x, int rows, float* out) {
   const PackedWeights& w = linear.weights;
-  quantized_matmul(x, w.k, rows, linear.activation_bits, w, linear.bias, out, w.n);
+  const int n = linear.n();
+  quantized_matmul(x, w.k, rows, linear.activation_bits, w, linear.bias, out, n);
+  int done = w.n;
+  for (const auto& segment : linear.more) {
+    quantized_matmul(x, w.k, rows, linear.activation_bits, segment.weights, segment.bias,
+                     out + done, n);
+    done += segment.weights.n;
+  }
 }
 
 void rms_norm_rows(const float* x, int rows, int hidden, const float* weight, float eps,

@@ -22,10 +22,25 @@
 
 namespace pyserve_kernels {
 
+// Rows of a fused projection after its first segment's, packed at their own precision.
+struct StackSegment {
+  PackedWeights weights;
+  const float* bias;  // this segment's [weights.n] or nullptr
+};
+
 struct StackLinear {
   PackedWeights weights;
   const float* bias;  // [n] or nullptr
   int activation_bits;
+  // A fused projection whose parts a file holds at different precisions (q and k 4-bit, v 8-bit)
+  // keeps them as row segments, each on its own kernel, rather than widening all of them: the
+  // outputs are `weights`' rows, then each segment's, in order.
+  std::vector<StackSegment> more = {};
+  int n() const {
+    int rows = weights.n;
+    for (const auto& segment : more) rows += segment.weights.n;
+    return rows;
+  }
 };
 
 struct StackLayer {

@@ -205,7 +205,7 @@ py::list supported_isas() {
   return names;
 }
 
-pk::StackLinear stack_linear(const py::tuple& t) {
+pk::StackLinear stack_linear_fields(const py::tuple& t) {
   // (weights, scales, n, k, bits, group, bias, activation_bits): QuantLinear's arguments
   pk::check(t.size() == 8,
             [&] { return "a linear layer: expected 8 fields, got " + std::to_string(t.size()); });
@@ -214,6 +214,21 @@ pk::StackLinear stack_linear(const py::tuple& t) {
            t[4].cast<int>(), t[5].cast<int>()},
           address<const float>(t[6].cast<uintptr_t>()),
           t[7].cast<int>()};
+}
+
+// One tuple of fields, or a list of them: a fused projection's row segments, in order
+pk::StackLinear stack_linear(const py::object& linear) {
+  if (py::isinstance<py::tuple>(linear)) return stack_linear_fields(linear.cast<py::tuple>());
+  const auto segments = linear.cast<py::list>();
+  pk::check(!segments.empty(), "a linear layer: no segments");
+  pk::StackLinear first = stack_linear_fields(segments[0].cast<py::tuple>());
+  for (size_t i = 1; i < segments.size(); ++i) {
+    const pk::StackLinear next = stack_linear_fields(segments[i].cast<py::tuple>());
+    pk::check(next.activation_bits == first.activation_bits,
+              "a linear layer's segments must share activation bits");
+    first.more.push_back({next.weights, next.bias});
+  }
+  return first;
 }
 
 pk::GatedActivation gated_activation_named(const std::string& name) {
@@ -243,8 +258,8 @@ pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int hea
 }
 
 void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t post_attention_norm,
-                     const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up,
-                     const py::tuple& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
+                     const py::object& qkv, const py::object& o, const py::object& gate_up,
+                     const py::object& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
                      uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
                      int rope_table, int window) {
   pk::StackLayer layer{address<const float>(input_norm),
@@ -392,7 +407,9 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
            py::arg("window") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
-           "group, bias, activation_bits); q_norm and k_norm (both or neither, 0 for none): "
+           "group, bias, activation_bits), or a list of such tuples: a fused projection's row "
+           "segments at their own precisions, in order; q_norm and k_norm (both or neither, 0 for "
+           "none): "
            "float32 [head_dim] per-head norms before RoPE; attn_out_norm, mlp_out_norm (0 for "
            "none): float32 [hidden] norms of the o and down projections' outputs; rope_table: "
            "the index of the forward's cos/sin this layer rotates with; window > 0: attends to "

@@ -52,8 +52,9 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
                 if "embed" not in name:
                     add(t)
             continue
-        for t in (packed, *getattr(packed, "__dict__", {}).values()):
-            add(t)
+        for part in getattr(packed, "segments", (packed,)):  # a SegmentedWeight: each segment
+            for t in (part, *getattr(part, "__dict__", {}).values()):
+                add(t)
         add(getattr(module, "bias", None))
     return total
 

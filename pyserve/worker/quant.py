@@ -85,6 +85,39 @@ class PackedWeight:
         return self.data.nbytes + self.scales.nbytes
 
 
+@dataclass(frozen=True)
+class SegmentedWeight:
+    """A fused projection kept as row segments, each packed at its own precision (q and k at 4
+    bits beside a v that the file holds at 6 or 8): the segments' rows one after another, every
+    segment on its own kernel call, so no part is widened to the widest one's bits."""
+
+    segments: tuple[PackedWeight, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(segment.n for segment in self.segments)
+
+    @property
+    def k(self) -> int:
+        return self.segments[0].k
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        return tuple(segment.bits for segment in self.segments)
+
+    @property
+    def group(self) -> int:
+        return self.segments[0].group
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.nbytes for segment in self.segments)
+
+
+def segments_of(packed: PackedWeight | SegmentedWeight) -> tuple[PackedWeight, ...]:
+    return packed.segments if isinstance(packed, SegmentedWeight) else (packed,)
+
+
 def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -296,8 +329,10 @@ def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 @torch.no_grad()
-def dequantize_weight(packed: PackedWeight) -> torch.Tensor:
+def dequantize_weight(packed: PackedWeight | SegmentedWeight) -> torch.Tensor:
     """The float32 [n, k] weight that the packed one stands for (w = d·u + m)."""
+    if isinstance(packed, SegmentedWeight):
+        return torch.cat([dequantize_weight(segment) for segment in packed.segments])
     u, d, m = unpack_weight(packed)
     rows, groups = d.shape
     w = d.float()[..., None] * u.view(rows, groups, -1).float() + m.float()[..., None]
@@ -369,7 +404,8 @@ class QuantLinear(nn.Module):
         group: int = GROUP,
         activation_bits: int = DEFAULT_ACTIVATION_BITS,
         max_kernel_rows: int | object | None = _DEFAULT_ROWS,
-        packed: PackedWeight | None = None,  # instead of weight: packed already (from_packed)
+        # instead of weight: packed already (from_packed), maybe as segments of their own bits
+        packed: PackedWeight | SegmentedWeight | None = None,
         dtype: torch.dtype = torch.float32,  # with packed: the model's dtype
     ):
         super().__init__()
@@ -403,17 +439,24 @@ class QuantLinear(nn.Module):
         # everything about the weight is fixed here, x is made float32 and contiguous below.
         self._matmul = kernels().matmul  # fails here, not in a forward, if the module is missing
         # the kernel's weight arguments (addresses, sizes, bias), for forward() and for callers
-        # that run the kernel themselves (backends/cpu_stack.py's decoder stack)
-        self.weight_args = (
-            packed.data.data_ptr(), packed.scales.data_ptr(), packed.n, packed.k,
-            packed.bits, packed.group,
-            0 if self._bias32 is None else self._bias32.data_ptr(),
-        )  # fmt: skip
+        # that run the kernel themselves (backends/cpu_stack.py's decoder stack): one tuple, or
+        # for a SegmentedWeight a list of them, one per segment (its rows of the bias)
+        self._segment_rows: list[int] = []  # each segment's first output
+        args, row0 = [], 0
+        for segment in segments_of(packed):
+            bias_address = 0 if self._bias32 is None else self._bias32.data_ptr() + 4 * row0
+            self._segment_rows.append(row0)
+            row0 += segment.n
+            args.append((
+                segment.data.data_ptr(), segment.scales.data_ptr(), segment.n, segment.k,
+                segment.bits, segment.group, bias_address,
+            ))  # fmt: skip
+        self.weight_args = args if isinstance(packed, SegmentedWeight) else args[0]
 
     @classmethod
     def from_packed(
         cls,
-        packed: PackedWeight,
+        packed: PackedWeight | SegmentedWeight,
         bias: torch.Tensor | None,
         *,
         dtype: torch.dtype = torch.float32,
@@ -445,9 +488,14 @@ class QuantLinear(nn.Module):
         if not flat.is_contiguous():
             flat = flat.contiguous()
         out = torch.empty(rows, n)
-        self._matmul(
-            flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args, out.data_ptr(), n
-        )
+        if isinstance(self.weight_args, tuple):
+            self._matmul(
+                flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args, out.data_ptr(), n
+            )
+        else:  # each segment writes its columns of the rows
+            for row0, args in zip(self._segment_rows, self.weight_args, strict=True):
+                address = out.data_ptr() + 4 * row0
+                self._matmul(flat.data_ptr(), k, rows, self.activation_bits, *args, address, n)
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -5,10 +5,12 @@ Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. Q
 Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are packed from their own integers by the kernels module
 (cpp/kernels/ggml_repack.h), never passing through float32; the others (Q6_K, Q2_K/Q3_K, IQ*)
 are dequantized a piece of rows at a time and quantized to their precision. A projection made
-of several tensors (q, k and v) takes the highest precision among them. The output projection
-is always 8-bit: the logits are the most sensitive to rounding (llama.cpp keeps it at Q6_K or
-above for the same reason). ``Packing("int8")`` and
-``Packing("int4")`` put every projection at that precision, whatever the file holds.
+of several tensors (q, k and v; gate and up) keeps each tensor at its own precision on the CPU
+kernels (a ``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 8-bit ones,
+not all three at 8 bits), and takes the highest precision among them elsewhere. The output
+projection is always 8-bit: the logits are the most sensitive to rounding (llama.cpp keeps it at
+Q6_K or above for the same reason). ``Packing("int8")`` and ``Packing("int4")`` put every
+projection at that precision, whatever the file holds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pyserve.worker.quant import (
     DEFAULT_ACTIVATION_BITS,
     TILE_ROWS,
     PackedWeight,
+    SegmentedWeight,
     concat_packed,
     ggml_fits,
     pack_ggml_blocks,
@@ -64,6 +67,15 @@ class Packing:
         # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision
         return max(part.native_bits or 8 for part in parts)
 
+    def part_bits(self, parts: list[StoredTensor], *, head: bool = False) -> list[int] | None:
+        """Each part's own precision, where the projection made of ``parts`` keeps them as
+        segments (native packing on the CPU kernels, parts at different precisions); None where
+        one precision, ``bits(parts)``, serves the whole projection."""
+        if head or self.mode != "native" or self.kernels != "cpu" or len(parts) < 2:
+            return None
+        bits = [part.native_bits or 8 for part in parts]
+        return bits if len(set(bits)) > 1 else None
+
 
 def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
     """The weight made of ``parts``' rows one after another, packed at ``bits``: straight from
@@ -79,6 +91,18 @@ def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
         blocks = ((part.type_name, _blocks(part)) for part in parts)
         return pack_ggml_blocks(blocks, rows, k, bits)
     return concat_packed((pack_tensor(part, bits) for part in parts), rows)
+
+
+def pack_segments(parts: list[StoredTensor], bits: list[int]) -> SegmentedWeight:
+    """The weight made of ``parts``' rows, each run of parts that share a precision packed as
+    one segment at it (``bits``: each part's)."""
+    runs: list[tuple[int, list[StoredTensor]]] = []
+    for part, part_bits in zip(parts, bits, strict=True):
+        if runs and runs[-1][0] == part_bits:
+            runs[-1][1].append(part)
+        else:
+            runs.append((part_bits, [part]))
+    return SegmentedWeight(tuple(pack_parts(run, run_bits) for run_bits, run in runs))
 
 
 def pack_tensor(tensor: StoredTensor, bits: int) -> PackedWeight:

@@ -30,10 +30,13 @@ if TYPE_CHECKING:
     from pyserve.worker.models.decoder import CausalLM
 
 
-def _linear(module: torch.nn.Module) -> tuple[int, ...] | None:
-    """The stack's arguments for a kernel-backed linear layer at every batch size, else None."""
+def _linear(module: torch.nn.Module) -> tuple[int, ...] | list[tuple[int, ...]] | None:
+    """The stack's arguments for a kernel-backed linear layer at every batch size (a list of
+    them, one per segment, for a projection kept at its parts' precisions), else None."""
     if not isinstance(module, quant.QuantLinear) or module.max_kernel_rows is not None:
         return None
+    if isinstance(module.weight_args, list):
+        return [(*args, module.activation_bits) for args in module.weight_args]
     return (*module.weight_args, module.activation_bits)
 
 

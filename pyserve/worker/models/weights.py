@@ -17,10 +17,12 @@ from pyserve.worker.quant import (
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
+    SegmentedWeight,
     dequantize_weight,
     quantize_weight,
+    segments_of,
 )
-from pyserve.worker.weight_packing import Packing, PackingPool, pack_parts
+from pyserve.worker.weight_packing import Packing, PackingPool, pack_parts, pack_segments
 
 EMBEDDING = "embed_tokens"  # the packing pool's key for a packed embedding table
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
@@ -179,7 +181,8 @@ def load_weights(
                 rows_left[slot.linear] -= slot.rows[1] - slot.rows[0]
                 if rows_left[slot.linear] == 0:
                     parts = [part for _, part in sorted(pending.pop(slot.linear), key=_first)]
-                    bits = packing.bits(parts, head=slot.linear == "lm_head")
+                    head = slot.linear == "lm_head"
+                    bits = packing.part_bits(parts, head=head) or packing.bits(parts, head=head)
                     nbytes = sum(part.nbytes for part in parts)
                     pack = partial(_pack, parts, bits, source)
                     pool.submit(slot.linear, len(parts), nbytes, pack)
@@ -222,12 +225,13 @@ def load_weights(
         layer = _packed_layer(packing, weight, module.bias, head)
         parent, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-        counts[weight.bits] = counts.get(weight.bits, 0) + 1
+        for bits in sorted({segment.bits for segment in segments_of(weight)}):
+            counts[bits] = counts.get(bits, 0) + 1  # a segmented projection counts at each
     return counts
 
 
 def _packed_layer(
-    packing: Packing, weight: PackedWeight, bias: torch.Tensor | None, head: bool
+    packing: Packing, weight: PackedWeight | SegmentedWeight, bias: torch.Tensor | None, head: bool
 ) -> nn.Module:
     if packing.kernels == "triton":
         from pyserve.worker.triton_kernels.quant_matmul import TritonQuantLinear
@@ -245,9 +249,12 @@ def _first(part: tuple[int, StoredTensor]) -> int:
     return part[0]
 
 
-def _pack(parts: list[StoredTensor], bits: int, source: str) -> PackedWeight:
+def _pack(
+    parts: list[StoredTensor], bits: int | list[int], source: str
+) -> PackedWeight | SegmentedWeight:
+    """At ``bits``, or each part at its own (a list: Packing.part_bits)."""
     try:
-        return pack_parts(parts, bits)
+        return pack_segments(parts, bits) if isinstance(bits, list) else pack_parts(parts, bits)
     except ValueError as e:  # a scale that is inf or nan, values that overflow fp16
         names = ", ".join(repr(part.name) for part in parts)
         raise ModelLoadError(f"{source}: cannot pack {names} at {bits} bits: {e}") from None
