@@ -22,6 +22,10 @@ constexpr size_t kChunkBytes = 32 * 1024;
 // shrinks under 32 as its requests finish).
 constexpr int kParallelQuantizeRows = 16;
 constexpr int kQuantizeChunkRows = 8;
+// From this many rows on, int8 activations go to the AMX tiles when they are on (set_amx): a
+// pass covers 16 rows, and fewer passes leave the tiles' fixed costs (the configuration, the
+// 4-bit unpacking) on too few rows.
+constexpr int kAmxMinRows = 32;
 
 bool cpu_has(const std::string& isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -53,6 +57,10 @@ const KernelTable* best_table() {
 }
 
 std::atomic<const KernelTable*> selected{nullptr};
+
+// Off until asked for: on the machine measured, the tiles were no faster than the VNNI loops
+// (benchmarks/RESULTS.md, "AMX").
+std::atomic<bool> amx_on{false};
 
 const KernelTable& kernels() {
   const KernelTable* table = selected.load(std::memory_order_acquire);
@@ -156,6 +164,19 @@ void set_isa(const std::string& name) {
   selected.store(table, std::memory_order_release);
 }
 
+bool amx_enabled() { return amx_on.load(std::memory_order_acquire); }
+
+void set_amx(bool on) {
+  if (on && !amx_status().empty())
+    throw std::invalid_argument("AMX cannot run here: " + amx_status());
+  amx_on.store(on, std::memory_order_release);
+}
+
+const std::string& amx_status() {
+  static const std::string no_vnni = "the CPU lacks AVX-512 VNNI";
+  return cpu_has("avx512_vnni") ? amx_problem() : no_vnni;
+}
+
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride) {
   check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
@@ -165,7 +186,10 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
   check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
-  const KernelTable& table = kernels();
+  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows &&
+                                     &kernels() == &avx512_kernels() && amx_enabled()
+                                 ? amx_kernels()
+                                 : kernels();
   thread_local Scratch scratch;
   quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
                 shift_headroom(w.bits, activation_bits, w.group), scratch);

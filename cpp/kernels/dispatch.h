@@ -14,6 +14,14 @@ std::string current_isa();
 // Switches to `name`; std::invalid_argument when it is unknown or this CPU lacks it.
 void set_isa(const std::string& name);
 
+// Whether int8 activations on many rows run on AMX tiles (with the avx512_vnni ISA only; off
+// until set_amx(true)), and why they cannot ("" where they can: the CPU has AMX-INT8, Linux
+// granted the tile state and a probe process ran the instructions; asked once per process).
+bool amx_enabled();
+// Turns AMX on (std::invalid_argument when it cannot run here) or off (the VNNI path for all).
+void set_amx(bool on);
+const std::string& amx_status();
+
 // out[rows, w.n] = x[rows, w.k] · Wᵀ (+ bias), x quantized to `activation_bits` (8 or 16).
 // Checks its arguments (std::invalid_argument).
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,

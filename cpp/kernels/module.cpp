@@ -435,6 +435,9 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("isa", &pk::current_isa, "the instruction set in use");
   m.def("set_isa", &pk::set_isa, py::arg("name"), "avx512_vnni, avx2 or scalar");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU can run, best first");
+  m.def("amx", &pk::amx_enabled, "whether int8 activations on many rows run on AMX tiles");
+  m.def("set_amx", &pk::set_amx, py::arg("on"), "AMX on (ValueError where it cannot run) or off");
+  m.def("amx_status", &pk::amx_status, "why AMX cannot run here; empty where it can");
   m.def("num_threads", [] { return pk::ThreadPool::instance().size(); }, "threads a matmul uses");
   m.def("set_num_threads", [](int n) { pk::ThreadPool::instance().resize(n); }, py::arg("n"));
   m.def(

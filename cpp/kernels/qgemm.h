@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 namespace pyserve_kernels {
 
@@ -169,5 +170,10 @@ struct KernelTable {
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
+// AMX-INT8 tiles for int8 activations on many rows (qgemm_amx.cpp): the dispatcher uses it when
+// switched on, where amx_problem() is empty (otherwise why not: no AMX, Linux refused the tile
+// state, ...).
+const KernelTable& amx_kernels();
+const std::string& amx_problem();
 
 }  // namespace pyserve_kernels

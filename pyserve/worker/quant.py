@@ -23,6 +23,7 @@ kernel; in a float32 model the kernel wins at every size, so only the packed wei
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,10 +48,16 @@ MODES = ("int8", "int4")
 MAX_KERNEL_ROWS = {torch.float32: None, torch.bfloat16: 64, torch.float16: 64}
 DEFAULT_ACTIVATION_BITS = 16
 ISA_ENV = "PYSERVE_KERNELS_ISA"  # force a kernel path: avx512_vnni, avx2 or scalar
+# 1: int8 activations from 32 rows on run on AMX tiles where the CPU has them and Linux grants
+# the tile state (otherwise a warning says why, and the AVX-512 VNNI loops run: the same outputs
+# bit for bit); 0 or unset: the VNNI loops (the tiles were no faster here: RESULTS.md, "AMX").
+AMX_ENV = "PYSERVE_KERNELS_AMX"
+logger = logging.getLogger(__name__)
 
 
 def kernels():
-    """The compiled module, set up once: the ISA from PYSERVE_KERNELS_ISA, torch's thread count."""
+    """The compiled module, set up once: the ISA from PYSERVE_KERNELS_ISA, AMX tiles from
+    PYSERVE_KERNELS_AMX (why not logged where they cannot run), torch's thread count."""
     global _kernels_module
     if _kernels_module is None:
         from pyserve import _kernels
@@ -61,6 +68,17 @@ def kernels():
                 _kernels.set_isa(isa)
             except ValueError as e:
                 raise ValueError(f"{ISA_ENV}={isa!r}: {e}") from None
+        amx = os.environ.get(AMX_ENV, "")
+        if amx not in ("", "0", "1"):
+            raise ValueError(f"{AMX_ENV}={amx!r}: 0 or 1")
+        if amx == "1":
+            try:
+                _kernels.set_amx(True)
+                logger.info("int8 activations from 32 rows on: AMX tiles")
+            except ValueError:
+                logger.warning(
+                    "%s=1, but the AVX-512 VNNI loops run: %s", AMX_ENV, _kernels.amx_status()
+                )
         _kernels.set_num_threads(torch.get_num_threads())
         _kernels_module = _kernels
     return _kernels_module
