@@ -176,11 +176,23 @@ def random_packed(n: int, k: int, bits: int, gen: torch.Generator) -> quant.Pack
     return quant.PackedWeight(data, scales, n, k, bits, quant.GROUP)
 
 
+def with_super_scales(w: quant.PackedWeight, gen: torch.Generator) -> quant.PackedWeight:
+    """A 4-bit weight's integers with Q4_K's super-block scales (random D, −Dmin, sc, mn)."""
+    if w.bits != 4:
+        return w
+    tiles, groups = w.data.shape[:2]
+    halves = (torch.rand(tiles, groups // quant.SUPER_GROUPS, 32, generator=gen) * 1e-4).half()
+    sc_mn = torch.randint(0, 64, (tiles, groups // quant.SUPER_GROUPS, 256), generator=gen)
+    scales = torch.cat([halves.view(torch.uint8), sc_mn.to(torch.uint8)], dim=-1).contiguous()
+    return quant.PackedWeight(w.data, scales, w.n, w.k, 4, quant.GROUP, super_scales=True)
+
+
 def k_quant_contenders() -> list[Contender]:
     """One decode step's layer matmuls (no output projection) of the 0.5b Q4_K_M file's shapes:
     "widened", the fused qkv of a layer whose v is Q6_K packed all at 8 bits (as before), and
-    "segments", its q and k kept at 4 bits beside the 8-bit v. The other projections are the
-    same objects in both (4 bits for Q4_K, 8 for Q6_K)."""
+    "segments", its q and k kept at 4 bits beside the 8-bit v, both with fp16 scales per group
+    for Q4_K; "+ Q4_K super-block scales": the segments with Q4_K's own scales (4.625 bits a
+    weight). The integers are the same tensors in all three (4 bits for Q4_K, 8 for Q6_K)."""
     gen = torch.Generator().manual_seed(0)
     shared, widened, segmented = [], [], []
     qk_rows = KQ_HIDDEN + KQ_KV
@@ -197,11 +209,25 @@ def k_quant_contenders() -> list[Contender]:
             qk = random_packed(qk_rows, KQ_HIDDEN, 4, gen)
             v = random_packed(KQ_KV, KQ_HIDDEN, 8, gen)
             segmented.append(quant.SegmentedWeight((qk, v)))
+
+    def own_scales(w):
+        if isinstance(w, quant.SegmentedWeight):
+            return quant.SegmentedWeight(tuple(with_super_scales(s, gen) for s in w.segments))
+        return with_super_scales(w, gen)
+
+    def steps(qkvs: list) -> list[tuple]:
+        return [(qkv, *rest) for qkv, rest in zip(qkvs, shared, strict=True)]
+
+    own = [tuple(own_scales(w) for w in weights) for weights in steps(segmented)]
     out = []
-    for name, qkvs in (("widened (qkv at its widest part)", widened), ("segments", segmented)):
+    for name, step in (
+        ("widened (qkv at its widest part)", steps(widened)),
+        ("segments", steps(segmented)),
+        ("segments + Q4_K super-block scales", own),
+    ):
         layers = []
-        for qkv, (o, gate_up, down) in zip(qkvs, shared, strict=True):
-            layers += [quant.QuantLinear.from_packed(w, None) for w in (qkv, o, gate_up, down)]
+        for weights in step:
+            layers += [quant.QuantLinear.from_packed(w, None) for w in weights]
         nbytes = sum(layer.packed.nbytes for layer in layers)
         out.append(
             Contender(
@@ -463,9 +489,55 @@ def main() -> int:
     return 0
 
 
+def q4_k_streamed(rounds: int, threads: int, copies: int = 64) -> str:
+    """Q4_K's two layouts at M = 1 on weights that do not fit the caches: ``copies`` distinct
+    4096 × 4096 matrices (~650 MB in all, past this VM's 480 MB L3), one pass a round."""
+    gen = torch.Generator().manual_seed(1)
+    plain = [random_packed(4096, 4096, 4, gen) for _ in range(copies)]
+    layouts = {
+        "fp16 d, m per group": plain,
+        "super-block scales": [with_super_scales(w, gen) for w in plain],
+    }
+    layers = {
+        name: [quant.QuantLinear.from_packed(w, None) for w in ws] for name, ws in layouts.items()
+    }
+    x = torch.randn(1, 4096)
+    times: dict[str, list[float]] = {name: [] for name in layers}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, ls in layers.items():
+            start = time.perf_counter()
+            for layer in ls:
+                layer(x)
+            times[name].append(time.perf_counter() - start)
+    lines = [
+        "| threads | Q4_K layout | MB | bits a weight | best ms | median ms | GB/s at best "
+        "| GB/s at median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, ls in layers.items():
+        nbytes = sum(layer.packed.nbytes for layer in ls)
+        best, median = min(times[name][1:]), statistics.median(times[name][1:])
+        bits = 8 * nbytes / (copies * 4096 * 4096)
+        lines.append(
+            f"| {threads} | {name} | {nbytes / 1e6:.0f} | {bits:.3f} | {best * 1e3:.1f} | "
+            f"{median * 1e3:.1f} | {nbytes / best / 1e9:.1f} | {nbytes / median / 1e9:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def k_quant_main(args) -> int:
     kernels = quant.kernels()
     load_before = os.getloadavg()[0]
+    streamed = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        kernels.set_num_threads(threads)
+        streamed.append(q4_k_streamed(args.rounds, threads))
+    print(
+        "Q4_K at M = 1 from memory:\n\n"
+        + "\n".join([streamed[0], *(t.split("\n", 2)[2] for t in streamed[1:])])
+        + "\n"
+    )
     contenders = k_quant_contenders()
     for threads in args.threads:
         torch.set_num_threads(threads)

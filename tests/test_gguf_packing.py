@@ -103,6 +103,26 @@ def test_k_quants_packed_within_their_fp16_scales(type_name):
     assert not np.array_equal(got, exact)  # the rounding is real: the bound is what we promise
 
 
+def test_q4_k_with_super_block_scales_is_the_files_weights_exactly():
+    """Q4_K kept in its own form (fp16 D and −Dmin per 256 inputs, 8-bit sc and mn per 32):
+    every weight gguf-py's, the embedding rows too, at 4.625 bits a weight; Q4_K's fp16 group
+    scales (above) round, these do not."""
+    rows, k = 40, 768
+    blocks = file_blocks("Q4_K", rows, k)
+    packed = pack_ggml_blocks([("Q4_K", blocks)], rows, k, 4, super_scales=True)
+    assert packed.super_scales
+    exact = exact_values("Q4_K", blocks)
+    assert np.array_equal(dequantize_weight(packed).numpy(), exact)
+    picked = torch.tensor([0, 17, 39, 5])
+    assert np.array_equal(packed_rows(packed, picked).numpy(), exact[picked.numpy()])
+    tiles = -(-rows // 16)
+    assert packed.nbytes * 8 / (tiles * 16 * k) == 4.625
+    for type_name, bits, kk in (("Q4_0", 4, 256), ("Q5_K", 8, 256), ("Q4_K", 8, 256)):
+        with pytest.raises(ValueError, match="super-block scales"):
+            parts = [(type_name, file_blocks(type_name, 16, kk))]
+            pack_ggml_blocks(parts, 16, kk, bits, super_scales=True)
+
+
 def test_q6_k_rounded_to_int8_as_quantize_weight_rounds_its_values():
     """Q6_K's scales cover 16 weights, the tiles' groups 32: its blocks become exactly the int8
     tiles that quantize_weight makes of the weights gguf-py dequantizes (and a Q4_K block,
@@ -227,14 +247,17 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     gate_up = rows(1, "mlp.gate_proj", "mlp.up_proj")
     assert torch.equal(packed_weight(loaded, "layers.1.gate_up_proj"), gate_up)
     assert torch.equal(packed_weight(loaded, "layers.1.down_proj"), rows(1, "mlp.down_proj"))
-    # K-quants: within the fp16 rounding of their group scales (q and k: the 4-bit segment)
+    # Q4_K: its super-block scales kept, exactly (q and k: the 4-bit segment); Q5_K (o) within
+    # the fp16 rounding of its group scales
     qk_rows = sum(stored[f"model.layers.0.{p}.weight"].shape[0] for p in qkv[:2])
     qkv0 = packed_weight(loaded, "layers.0.qkv_proj")
-    for got, exact in (
-        (packed_weight(loaded, "layers.0.gate_up_proj"), rows(0, "mlp.gate_proj", "mlp.up_proj")),
-        (qkv0[:qk_rows], rows(0, *qkv[:2])),
-    ):
-        assert (got - exact).abs().max() <= exact.abs().max() * 2**-10
+    assert torch.equal(qkv0[:qk_rows], rows(0, *qkv[:2]))
+    gate_up0 = loaded.model.get_submodule("layers.0.gate_up_proj")
+    assert gate_up0.packed.super_scales
+    assert torch.equal(dequantize_weight(gate_up0.packed), rows(0, "mlp.gate_proj", "mlp.up_proj"))
+    exact = rows(0, "self_attn.o_proj")
+    got = packed_weight(loaded, "layers.0.o_proj")
+    assert (got - exact).abs().max() <= exact.abs().max() * 2**-10
     # Q6_K (scales per 16) is quantized to int8: within half an int8 step of its group
     for got, exact in (
         (packed_weight(loaded, "layers.0.down_proj"), rows(0, "mlp.down_proj")),

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -228,6 +229,52 @@ def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, a
     got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
     assert got[1:3].isnan().all()
     assert torch.equal(got[[0, 3]], want[[0, 3]])
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+def test_q4_k_super_block_scales_are_the_integer_formula(isa, activation_bits):
+    """Q4_K's own scales (4.625 bits a weight; qgemm.h): d = D·sc and m = −Dmin·mn per group,
+    from fp16 D, −Dmin per 256 inputs and 8-bit sc, mn, against the float64 formula over the
+    dequantized weights; row counts through the kernels' 4/8/16-row blocks and 8-row panels."""
+    from gguf_files import random_blocks
+
+    shapes = [(1, 1, 256), (2, 37, 512), (5, 100, 256), (19, 33, 768), (40, 17, 256)]
+    for i, (rows, n, k) in enumerate([*shapes, (3, 300, 1024)]):
+        blocks = random_blocks("Q4_K", n, k, np.random.default_rng(i))
+        packed = quant.pack_ggml_blocks([("Q4_K", blocks)], n, k, 4, super_scales=True)
+        x = random_input(rows, k, seed=i)
+        bias = torch.randn(n) if i % 2 else None
+        got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
+        want, magnitude = exact_reference(x, packed, activation_bits, bias)
+        error = (got.double() - want).abs()
+        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+
+
+@pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
+def test_super_block_scales_stay_off_the_amx_tiles():
+    """The AMX path reads fp16 group scales only: a Q4_K weight with its own scales takes the
+    VNNI loops even where int8 activations on many rows would go to the tiles."""
+    from gguf_files import random_blocks
+
+    blocks = random_blocks("Q4_K", 48, 512, np.random.default_rng(3))
+    packed = quant.pack_ggml_blocks([("Q4_K", blocks)], 48, 512, 4, super_scales=True)
+    x = random_input(40, 512, seed=3)
+    before = KERNELS.amx()
+    KERNELS.set_amx(True)
+    try:
+        got = quant.quantized_matmul(x, packed, activation_bits=8)
+    finally:
+        KERNELS.set_amx(before)
+    want, magnitude = exact_reference(x, packed, 8)
+    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all()
+
+
+def test_super_block_scales_need_q4_k_shapes():
+    w = quant.quantize_weight(random_weight(16, 288, seed=1), 4)
+    x, out = random_input(1, 288, seed=1), torch.empty(1, 16)
+    with pytest.raises(ValueError, match="super-block scales need 4-bit weights"):
+        KERNELS.matmul(x.data_ptr(), 288, 1, 16, w.data.data_ptr(), w.scales.data_ptr(), 16, 288,
+                       4, 32, 0, out.data_ptr(), 16, True)  # fmt: skip
 
 
 def test_the_isas_agree():

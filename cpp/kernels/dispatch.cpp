@@ -183,10 +183,12 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
   check(w.bits == 8 || w.bits == 4, "weight bits must be 8 or 4");
   check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
   check_group(w.group);
+  check(!w.super_scales || (w.bits == 4 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
+        "super-block scales need 4-bit weights, groups of 32 and k a multiple of 256");
   check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
-  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows &&
+  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows && !w.super_scales &&
                                      &kernels() == &avx512_kernels() && amx_enabled()
                                  ? amx_kernels()
                                  : kernels();

@@ -183,7 +183,25 @@ struct RepackJob {
   int rows, k, bits;
   uint8_t* data;
   uint16_t* scales;
+  bool super_scales;
 };
+
+// Row r's super-block scales (qgemm.h) of a Q4_K row into its tile's: D, −Dmin, sc, mn.
+void q4_k_super_scales(const uint8_t* row, int r, int blocks, uint16_t* tile_scales) {
+  for (int s = 0; s < blocks; ++s) {
+    const uint8_t* b = row + static_cast<int64_t>(s) * 144;
+    uint16_t* at = tile_scales + static_cast<size_t>(s) * kSuperScaleHalves;
+    at[r] = load_half(b);
+    at[kTileRows + r] = static_cast<uint16_t>(load_half(b + 2) ^ 0x8000u);  // −Dmin, exact
+    auto* bytes = reinterpret_cast<uint8_t*>(at + 2 * kTileRows);
+    for (int j = 0; j < kSuperGroups; ++j) {
+      int sc, mn;
+      k_scale_min(b + 4, j, &sc, &mn);
+      bytes[j * kTileRows + r] = static_cast<uint8_t>(sc);
+      bytes[kSuperMinOffset + j * kTileRows + r] = static_cast<uint8_t>(mn);
+    }
+  }
+}
 
 // One tile: its 16 rows' groups, in the layout qgemm.h describes. Each row is written whole
 // (its lanes of every group); rows past the weight's end stay zero.
@@ -192,23 +210,29 @@ void repack_tile(void* context, int tile) {
   const int groups = job.k / kGroup;
   const size_t group_bytes = static_cast<size_t>(kGroup) * kTileRows * job.bits / 8;
   uint8_t* tile_data = job.data + static_cast<size_t>(tile) * groups * group_bytes;
-  uint16_t* tile_scales = job.scales + static_cast<size_t>(tile) * groups * 2 * kTileRows;
+  const size_t scale_halves = job.super_scales
+                                  ? static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves
+                                  : static_cast<size_t>(groups) * 2 * kTileRows;
+  uint16_t* tile_scales = job.scales + static_cast<size_t>(tile) * scale_halves;
   const int rows = std::min(kTileRows, job.rows - tile * kTileRows);
   if (rows < kTileRows) {
     std::memset(tile_data, 0, static_cast<size_t>(groups) * group_bytes);
-    std::memset(tile_scales, 0, static_cast<size_t>(groups) * 2 * kTileRows * sizeof(uint16_t));
+    std::memset(tile_scales, 0, scale_halves * sizeof(uint16_t));
   }
   uint8_t u[kGroup];
   for (int r = 0; r < rows; ++r) {
     const int64_t row = static_cast<int64_t>(tile) * kTileRows + r;
     const uint8_t* source = job.blocks + row * job.row_bytes;
+    if (job.super_scales) q4_k_super_scales(source, r, groups / kSuperGroups, tile_scales);
     for (int g = 0; g < groups; ++g) {
       uint16_t d, m;
       decode_group(job.type, source, g, u, &d, &m);
       uint8_t* block = tile_data + static_cast<size_t>(g) * group_bytes + r * 4;
-      uint16_t* sc = tile_scales + static_cast<size_t>(g) * 2 * kTileRows;
-      sc[r] = d;
-      sc[kTileRows + r] = m;
+      if (!job.super_scales) {
+        uint16_t* sc = tile_scales + static_cast<size_t>(g) * 2 * kTileRows;
+        sc[r] = d;
+        sc[kTileRows + r] = m;
+      }
       if (job.bits == 8) {  // quad q (inputs 4q..4q+3) at bytes 64q + 4r
         for (int q = 0; q < kGroup / 4; ++q) std::memcpy(block + q * 64, u + 4 * q, 4);
       } else {  // block p: quad 2p in the low nibbles, quad 2p + 1 in the high ones
@@ -254,7 +278,10 @@ int ggml_type_largest_u(GgmlType type) {
 }
 
 void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
-                 uint8_t* data, uint16_t* scales) {
+                 uint8_t* data, uint16_t* scales, bool super_scales) {
+  if (super_scales && (type != GgmlType::kQ4_K || bits != 4)) {
+    throw std::invalid_argument("super-block scales hold Q4_K blocks in 4-bit tiles only");
+  }
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
   if (ggml_type_largest_u(type) >= (1 << bits)) {
     throw std::invalid_argument("the type's integers do not fit the tiles' bits");
@@ -262,7 +289,7 @@ void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int ro
   if (rows <= 0 || k <= 0 || k % block_weights(type)) {
     throw std::invalid_argument("k must be a positive multiple of the type's block");
   }
-  RepackJob job{type, blocks, row_bytes, rows, k, bits, data, scales};
+  RepackJob job{type, blocks, row_bytes, rows, k, bits, data, scales, super_scales};
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   ThreadPool::instance().run(repack_tile, &job, tiles);
 }

@@ -4,7 +4,8 @@
 //   Q4_0 d·(q − 8), Q4_1 d·q + m, Q5_0 d·(q − 16), Q5_1 d·q + m, Q8_0 d·q (q signed, u = q + 128):
 //     d and m are the file's fp16 (m = −8d, −16d, −128d: exact), bit for bit.
 //   Q4_K, Q5_K: super-blocks of 256 with a 6-bit scale sc and min mn per 32 (w = d·sc·q − dmin·mn):
-//     d·sc and dmin·mn are exact in float32 and rounded once to fp16 (nearest even).
+//     d·sc and dmin·mn are exact in float32 and rounded once to fp16 (nearest even); or, Q4_K
+//     with `super_scales`, d, −dmin, sc and mn kept as they are (qgemm.h): bit for bit.
 //   Q6_K's scales cover 16 weights, not 32: its weights are computed as llama.cpp dequantizes them
 //     and rounded to 8-bit groups exactly as pyserve.worker.quant.quantize_weight rounds floats
 //     (within half an int8 step of each group's largest weight / 127).
@@ -28,8 +29,10 @@ int ggml_type_largest_u(GgmlType type);
 // rows × k weights, row r's blocks at blocks + r·row_bytes, into the tiles of `bits`-bit weights:
 // data [ceil(rows/16)][k/32][32·16·bits/8] and scales [ceil(rows/16)][k/32][32] (fp16 bits),
 // padding rows zero. k must be a multiple of the type's block; throws std::invalid_argument if
-// the type's u do not fit `bits`.
+// the type's u do not fit `bits`. `super_scales` (Q4_K into 4 bits only): the scales are
+// [ceil(rows/16)][k/256][kSuperScaleHalves] in qgemm.h's super-block form, the file's D, −Dmin
+// and 6-bit sc, mn as they are: every weight exactly the file's.
 void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
-                 uint8_t* data, uint16_t* scales);
+                 uint8_t* data, uint16_t* scales, bool super_scales = false);
 
 }  // namespace pyserve_kernels

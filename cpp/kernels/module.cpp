@@ -31,9 +31,14 @@ T* address(uintptr_t value) {
 
 void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintptr_t weights,
             uintptr_t scales, int n, int k, int bits, int group, uintptr_t bias, uintptr_t out,
-            int64_t out_stride) {
-  const pk::PackedWeights w{
-      address<const uint8_t>(weights), address<const uint16_t>(scales), n, k, bits, group};
+            int64_t out_stride, bool super_scales) {
+  const pk::PackedWeights w{address<const uint8_t>(weights),
+                            address<const uint16_t>(scales),
+                            n,
+                            k,
+                            bits,
+                            group,
+                            super_scales};
   py::gil_scoped_release released;
   pk::quantized_matmul(address<const float>(x), x_stride, rows, activation_bits, w,
                        address<const float>(bias), address<float>(out), out_stride);
@@ -206,12 +211,13 @@ py::list supported_isas() {
 }
 
 pk::StackLinear stack_linear_fields(const py::tuple& t) {
-  // (weights, scales, n, k, bits, group, bias, activation_bits): QuantLinear's arguments
-  pk::check(t.size() == 8,
-            [&] { return "a linear layer: expected 8 fields, got " + std::to_string(t.size()); });
+  // (weights, scales, n, k, bits, group, bias, activation_bits[, super_scales]): QuantLinear's
+  pk::check(t.size() == 8 || t.size() == 9, [&] {
+    return "a linear layer: expected 8 or 9 fields, got " + std::to_string(t.size());
+  });
   return {{address<const uint8_t>(t[0].cast<uintptr_t>()),
            address<const uint16_t>(t[1].cast<uintptr_t>()), t[2].cast<int>(), t[3].cast<int>(),
-           t[4].cast<int>(), t[5].cast<int>()},
+           t[4].cast<int>(), t[5].cast<int>(), t.size() == 9 && t[8].cast<bool>()},
           address<const float>(t[6].cast<uintptr_t>()),
           t[7].cast<int>()};
 }
@@ -316,11 +322,11 @@ void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, ui
 }
 
 void repack_ggml(const std::string& type, uintptr_t blocks, int64_t row_bytes, int rows, int k,
-                 int bits, uintptr_t data, uintptr_t scales) {
+                 int bits, uintptr_t data, uintptr_t scales, bool super_scales) {
   const pk::GgmlType parsed = pk::ggml_type_named(type);
   py::gil_scoped_release released;
   pk::repack_ggml(parsed, address<const uint8_t>(blocks), row_bytes, rows, k, bits,
-                  address<uint8_t>(data), address<uint16_t>(scales));
+                  address<uint8_t>(data), address<uint16_t>(scales), super_scales);
 }
 
 }  // namespace
@@ -332,8 +338,9 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("matmul", &matmul, py::arg("x"), py::arg("x_stride"), py::arg("rows"),
         py::arg("activation_bits"), py::arg("weights"), py::arg("scales"), py::arg("n"),
         py::arg("k"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("out"),
-        py::arg("out_stride"),
-        "out[rows, n] = x[rows, k] @ W.T (+ bias); float32 addresses, bias 0 for none");
+        py::arg("out_stride"), py::arg("super_scales") = false,
+        "out[rows, n] = x[rows, k] @ W.T (+ bias); float32 addresses, bias 0 for none; "
+        "super_scales: the scales in Q4_K's super-block form (qgemm.h)");
   m.def("quantize_activations", &quantize_activations, py::arg("x"), py::arg("x_stride"),
         py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("weight_bits"),
         py::arg("q"), py::arg("scale"), py::arg("sum"),
@@ -426,7 +433,9 @@ PYBIND11_MODULE(_kernels, m) {
            "table (float32 [rows, rotary_dim]); int64 metadata, float32 rows");
   m.def("repack_ggml", &repack_ggml, py::arg("type"), py::arg("blocks"), py::arg("row_bytes"),
         py::arg("rows"), py::arg("k"), py::arg("bits"), py::arg("data"), py::arg("scales"),
-        "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) straight into the matmul's tiles");
+        py::arg("super_scales") = false,
+        "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) straight into the matmul's tiles; "
+        "super_scales (Q4_K into 4 bits): its scales in super-block form, every weight exact");
   py::dict packed_types;  // name -> the largest u its groups hold (15 fits 4-bit tiles)
   for (const char* name : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
     packed_types[name] = pk::ggml_type_largest_u(pk::ggml_type_named(name));

@@ -49,11 +49,32 @@ struct PackedWeights {
   int k;                   // inputs (unpadded)
   int bits;                // 8 or 4
   int group;               // inputs per group, a multiple of 32
+  // Scales per tile and 256 inputs in llama.cpp's Q4_K form (below) instead of fp16 d and m per
+  // group: 4-bit weights, groups of 32, k padded to a multiple of 256.
+  bool super_scales = false;
   int tiles() const { return (n + kTileRows - 1) / kTileRows; }
   int groups() const { return (k + group - 1) / group; }
   int k_padded() const { return groups() * group; }
   size_t group_bytes() const { return static_cast<size_t>(group) * kTileRows * bits / 8; }
 };
+
+// Super-block scales (PackedWeights::super_scales): per tile and super-block of 8 groups (256
+// inputs), kSuperScaleHalves halves: the 16 rows' fp16 D, their fp16 −Dmin, then 8 × 16 unsigned
+// bytes sc (group-major, the 16 rows within), then 8 × 16 bytes mn. A group's d = D·sc and
+// m = −Dmin·mn, exact in float32 (11-bit by 6-bit products): a Q4_K weight is exactly the file's.
+// 320 bytes for 4096 weights beside their 2048 bytes of nibbles: 4.625 bits a weight, against 5
+// with fp16 d and m per group.
+constexpr int kSuperGroups = 8;
+constexpr int kSuperScaleHalves = 2 * kTileRows + kSuperGroups * kTileRows;
+// The super-block scales of (tile, group), and the group's 16 sc bytes (its mn 128 bytes on).
+inline const uint16_t* super_block_at(const PackedWeights& w, int tile, int group) {
+  const size_t blocks = static_cast<size_t>(w.groups() / kSuperGroups);
+  return w.scales + (tile * blocks + group / kSuperGroups) * kSuperScaleHalves;
+}
+inline const uint8_t* super_sc_at(const uint16_t* block, int group) {
+  return reinterpret_cast<const uint8_t*>(block + 2 * kTileRows) + group % kSuperGroups * kTileRows;
+}
+constexpr int kSuperMinOffset = kSuperGroups * kTileRows;  // from a group's sc to its mn
 
 // Exponents below this are raised to it: 2^−e and 2^(e − H) stay normal floats.
 constexpr int kMinExponent = -100;

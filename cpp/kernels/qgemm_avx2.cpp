@@ -57,10 +57,19 @@ PYSERVE_AVX2 inline __m256i dot_u8_i16(__m256i u, const int16_t* a) {
                           _mm256_madd_epi16(high, broadcast_quad(a + 2)));
 }
 
+// 8 unsigned bytes as floats (half a super-block group's sc or mn, qgemm.h).
+PYSERVE_AVX2 inline __m256 byte_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 template <int R, int BITS, class Q>
 PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                              int tile1, const float* bias, float* out, int64_t out_stride) {
   const int groups = w.groups();
+  const bool super_scales = w.super_scales;
+  // a tile's super-block scales (qgemm.h), where the weight has them
+  const size_t super_tile_halves = static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves;
   const int group = w.group;
   const size_t group_bytes = w.group_bytes();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
@@ -71,6 +80,7 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
       const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
       __m256 acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      __m256 big_d = _mm256_setzero_ps(), neg_dmin = _mm256_setzero_ps();  // a super-block's
       for (int g = 0; g < groups; ++g) {
         __m256i dot[R];
         for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
@@ -118,10 +128,25 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
             }
           }
         }
-        const __m256 d =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kHalfRows * h)));
-        const __m256 m = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTileRows + kHalfRows * h)));
+        __m256 d, m;
+        if (super_scales) {  // D·sc and −Dmin·mn (qgemm.h): exact; D and −Dmin once a block
+          const uint16_t* const from =
+              w.scales + t * super_tile_halves + g / kSuperGroups * kSuperScaleHalves;
+          if (g % kSuperGroups == 0) {
+            big_d = _mm256_cvtph_ps(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + kHalfRows * h)));
+            neg_dmin = _mm256_cvtph_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(from + kTileRows + kHalfRows * h)));
+          }
+          const uint8_t* sc8 = super_sc_at(from, g) + kHalfRows * h;
+          d = _mm256_mul_ps(big_d, byte_floats(sc8));
+          m = _mm256_mul_ps(neg_dmin, byte_floats(sc8 + kSuperMinOffset));
+        } else {
+          d = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kHalfRows * h)));
+          m = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTileRows + kHalfRows * h)));
+        }
         for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
           const int64_t at = static_cast<int64_t>(row0 + r) * groups + g;
           if constexpr (sizeof(Q) == 2) {

@@ -236,6 +236,12 @@ PYSERVE_AVX512 inline __m512i dpbusd_word(__m512i dot, __m512i u, const int32_t*
   return dot;
 }
 
+// 16 unsigned bytes as floats (a super-block group's sc or mn, qgemm.h).
+PYSERVE_AVX512 inline __m512 byte_floats(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // R rows × one tile at a time: R int32 accumulators stay in registers while the tile's groups
 // stream through once, the R float ones in L1. Up to 16 rows, two panels: vpdpwssd / vpdpbusd
 // take ~6 cycles and two issue a cycle, so a tile needs ~12 independent sums in flight.
@@ -246,6 +252,9 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   constexpr int kQuadWords = sizeof(Q) == 1 ? 1 : 2;      // words of q per 4 inputs
   constexpr int kBlockBytes = 32 * kTileRows * BITS / 8;  // 32 inputs of a tile
   const int groups = w.groups();
+  const bool super_scales = w.super_scales;
+  // a tile's super-block scales (qgemm.h), where the weight has them
+  const size_t super_tile_halves = static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves;
   const int blocks = kGroupOf32 ? 1 : w.group / 32;
   const size_t group_bytes = w.group_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
@@ -279,6 +288,7 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     alignas(64) float acc[R][kTileRows];
     for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
     const int32_t* qa = q0;
+    __m512 big_d = _mm512_setzero_ps(), neg_dmin = _mm512_setzero_ps();  // a super-block's
     for (int g = 0; g < groups; ++g) {
       __m512i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
@@ -299,9 +309,22 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
         }
         qa += 8 * kQuadWords * P;
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-      const __m512 m =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
+      __m512 d, m;
+      if (super_scales) {  // D·sc and −Dmin·mn (qgemm.h): exact; D and −Dmin once a super-block
+        const uint16_t* const from =
+            w.scales + t * super_tile_halves + g / kSuperGroups * kSuperScaleHalves;
+        if (g % kSuperGroups == 0) {
+          big_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+          neg_dmin = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + kTileRows)));
+        }
+        const uint8_t* sc8 = super_sc_at(from, g);
+        d = _mm512_mul_ps(big_d, byte_floats(sc8));
+        m = _mm512_mul_ps(neg_dmin, byte_floats(sc8 + kSuperMinOffset));
+      } else {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + kTileRows)));
+      }
       for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
         const int64_t cell = panel_index(r, g, groups, P);
         __m512 sum = _mm512_load_ps(acc[r]);

@@ -78,13 +78,19 @@ void tiles_as(const PackedWeights& w, const QuantizedRows& a, int row0, int rows
       for (int g = 0; g < groups; ++g) {
         const size_t cell = static_cast<size_t>(t) * groups + g;
         const uint8_t* block = w.data + cell * group_bytes;
-        const uint16_t* sc = w.scales + cell * 2 * kTileRows;
+        const uint16_t* sc =
+            w.super_scales ? super_block_at(w, t, g) : w.scales + cell * 2 * kTileRows;
+        const uint8_t* sc8 = w.super_scales ? super_sc_at(sc, g) : nullptr;
         const Q* qa = q + static_cast<int64_t>(r) * a.k_padded + g * w.group;
         const int64_t at = static_cast<int64_t>(r) * groups + g;
         for (int n = 0; n < kTileRows; ++n) {
           int32_t dot = 0;
           for (int i = 0; i < w.group; ++i) dot += unpack(block, w.bits, n, i) * qa[i];
-          const float d = half_to_float(sc[n]), m = half_to_float(sc[kTileRows + n]);
+          float d = half_to_float(sc[n]), m = half_to_float(sc[kTileRows + n]);
+          if (sc8 != nullptr) {  // D·sc and −Dmin·mn: exact
+            d *= static_cast<float>(sc8[n]);
+            m *= static_cast<float>(sc8[kSuperMinOffset + n]);
+          }
           if constexpr (sizeof(Q) == 2) {  // a left shift within the headroom (unsigned: defined)
             const auto shifted = static_cast<int32_t>(static_cast<uint32_t>(dot) << a.shift[at]);
             acc[n] = std::fma(static_cast<float>(shifted), d, acc[n]);

@@ -92,11 +92,15 @@ class PackedWeight:
     """A [n, k] weight in the kernel's layout (cpp/kernels/qgemm.h)."""
 
     data: torch.Tensor  # uint8 [tiles, groups, group·16·bits/8]
-    scales: torch.Tensor  # float16 [tiles, groups, 2, 16]: d of the tile's rows, then m
+    # float16 [tiles, groups, 2, 16]: d of the tile's rows, then m; with super_scales, uint8
+    # [tiles, groups / 8, 320]: per 256 inputs the rows' fp16 D and −Dmin, then 8-bit sc and mn
+    # per group (llama.cpp's Q4_K, d = D·sc and m = −Dmin·mn: cpp/kernels/qgemm.h)
+    scales: torch.Tensor
     n: int
     k: int
     bits: int
     group: int
+    super_scales: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +213,16 @@ def ggml_largest_u() -> dict[str, int]:
     return kernels().GGML_PACKED_TYPES
 
 
+SUPER_GROUPS = 8  # groups of a super-block (256 inputs)
+SUPER_SCALE_BYTES = 2 * (2 * TILE_ROWS) + 2 * SUPER_GROUPS * TILE_ROWS  # of a tile's super-block
+
+
+def super_scales_fit(type_names: Iterable[str], bits: int, k: int) -> bool:
+    """Whether blocks of these types pack into 4-bit tiles with super-block scales: all Q4_K
+    (4.625 bits a weight, every weight the file's, against 5 with fp16 scales per group)."""
+    return bits == 4 and k % (SUPER_GROUPS * GROUP) == 0 and all(t == "Q4_K" for t in type_names)
+
+
 def ggml_fits(type_name: str, bits: int) -> bool:
     """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles."""
     largest = ggml_largest_u().get(type_name)
@@ -216,32 +230,46 @@ def ggml_fits(type_name: str, bits: int) -> bool:
 
 
 def pack_ggml_blocks(
-    parts: Iterable[tuple[str, np.ndarray]], rows: int, k: int, bits: int
+    parts: Iterable[tuple[str, np.ndarray]],
+    rows: int,
+    k: int,
+    bits: int,
+    *,
+    super_scales: bool = False,
 ) -> PackedWeight:
     """A weight of ``rows`` rows made of parts of GGML blocks, (type name, uint8 [rows, bytes of
     a row] as a GGUF file stores them) one after another, packed straight into one weight's
-    ``bits``-bit tiles with no float in between; every part but the last fills whole tiles."""
+    ``bits``-bit tiles with no float in between; every part but the last fills whole tiles.
+    ``super_scales``: Q4_K parts keep their super-block scales (super_scales_fit)."""
     tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
     data = torch.empty(tiles, groups, GROUP * TILE_ROWS * bits // 8, dtype=torch.uint8)
-    scales = torch.empty(tiles, groups, 2, TILE_ROWS, dtype=torch.float16)
+    if super_scales:
+        scales = torch.empty(tiles, groups // SUPER_GROUPS, SUPER_SCALE_BYTES, dtype=torch.uint8)
+    else:
+        scales = torch.empty(tiles, groups, 2, TILE_ROWS, dtype=torch.float16)
     done = 0
     for type_name, part in parts:
         if not ggml_fits(type_name, bits):
             raise ValueError(f"{type_name} blocks do not pack into {bits}-bit tiles")
+        if super_scales and not super_scales_fit([type_name], bits, k):
+            raise ValueError(f"{type_name} blocks do not pack with super-block scales")
         if done % TILE_ROWS or done + part.shape[0] > rows:
             raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
         part = np.ascontiguousarray(part)
         tile = done // TILE_ROWS
         kernels().repack_ggml(
             type_name, part.ctypes.data, part.shape[1], part.shape[0], k, bits,
-            data[tile:].data_ptr(), scales[tile:].data_ptr(),
+            data[tile:].data_ptr(), scales[tile:].data_ptr(), super_scales,
         )  # fmt: skip
         done += part.shape[0]
     if done != rows:
         raise ValueError(f"the parts hold {done} rows, not {rows}")
-    if not torch.isfinite(scales).all():
+    halves = (
+        scales[..., : 4 * TILE_ROWS].contiguous().view(torch.float16) if super_scales else scales
+    )
+    if not torch.isfinite(halves).all():
         raise ValueError("a group's scale or offset is inf or nan")
-    return PackedWeight(data, scales, rows, k, bits, GROUP)
+    return PackedWeight(data, scales, rows, k, bits, GROUP, super_scales)
 
 
 def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
@@ -256,8 +284,10 @@ def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
             tiles = _ceil_to(rows, TILE_ROWS) // TILE_ROWS
             data = part.data.new_empty((tiles, *part.data.shape[1:]))
             scales = part.scales.new_empty((tiles, *part.scales.shape[1:]))
-        elif (part.bits, part.group, part.k) != (first.bits, first.group, first.k):
-            raise ValueError("parts of one weight must share bits, group and inputs")
+        elif (part.bits, part.group, part.k, part.super_scales) != (
+            first.bits, first.group, first.k, first.super_scales,
+        ):  # fmt: skip
+            raise ValueError("parts of one weight must share bits, group, inputs and scales")
         if done % TILE_ROWS:
             raise ValueError(f"parts before the last must hold a multiple of {TILE_ROWS} rows")
         count = part.data.shape[0]
@@ -268,7 +298,7 @@ def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
         tile, done = tile + count, done + part.n
     if first is None or done != rows:
         raise ValueError(f"the parts hold {done} rows, not {rows}")
-    return PackedWeight(data, scales, rows, first.k, first.bits, first.group)
+    return PackedWeight(data, scales, rows, first.k, first.bits, first.group, first.super_scales)
 
 
 @torch.no_grad()
@@ -286,9 +316,13 @@ def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         both = blocks.view(len(rows), groups, -1, TILE_ROWS, 4)[picked, :, :, at]
         u = torch.stack([both & 0x0F, both >> 4], dim=3)
     u = u.reshape(len(rows), groups, packed.group)
-    scales = packed.scales[tile]  # [R, groups, 2, 16]
-    d = scales[picked, :, 0, at].float()
-    m = scales[picked, :, 1, at].float()
+    if packed.super_scales:
+        d, m = _super_group_scales(packed.scales[tile])  # [R, groups, 16] each
+        d, m = d[picked, :, at], m[picked, :, at]
+    else:
+        scales = packed.scales[tile]  # [R, groups, 2, 16]
+        d = scales[picked, :, 0, at].float()
+        m = scales[picked, :, 1, at].float()
     w = d[..., None] * u.float() + m[..., None]
     return w.view(len(rows), -1)[:, : packed.k]
 
@@ -330,10 +364,24 @@ def _pack_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return both.permute(1, 3, 0, 2).contiguous()
 
 
+def _super_group_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Super-block scales uint8 [..., blocks, 320] → each group's float32 d = D·sc and
+    m = −Dmin·mn, [..., blocks · 8, 16] (exact: 11-bit by 6-bit products)."""
+    *lead, blocks, _ = scales.shape
+    halves = scales[..., : 4 * TILE_ROWS].contiguous().view(torch.float16).float()
+    big_d, neg_dmin = halves[..., :TILE_ROWS], halves[..., TILE_ROWS:]
+    sc_mn = scales[..., 4 * TILE_ROWS :].float().view(*lead, blocks, 2, SUPER_GROUPS, TILE_ROWS)
+    d = big_d.unsqueeze(-2) * sc_mn[..., 0, :, :]
+    m = neg_dmin.unsqueeze(-2) * sc_mn[..., 1, :, :]
+    return d.reshape(*lead, blocks * SUPER_GROUPS, TILE_ROWS), m.reshape(
+        *lead, blocks * SUPER_GROUPS, TILE_ROWS
+    )
+
+
 @torch.no_grad()
 def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed integers and scales back in row order: u uint8 [n_pad, k_pad] and fp16 d, m
-    [n_pad, groups], padding included."""
+    """The packed integers and scales back in row order: u uint8 [n_pad, k_pad] and d, m
+    [n_pad, groups], padding included: fp16, or float32 with super-block scales."""
     tiles, groups, _ = packed.data.shape
     group, quads = packed.group, packed.group // 4
     blocks = packed.data.view(tiles, groups, -1, TILE_ROWS * 4)
@@ -342,6 +390,10 @@ def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
         blocks = torch.stack([low, high], dim=3).view(tiles, groups, quads, TILE_ROWS * 4)
     u = blocks.view(tiles, groups, quads, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
     u = u.reshape(tiles * TILE_ROWS, groups * group)
+    if packed.super_scales:
+        d, m = (s.permute(0, 2, 1).reshape(tiles * TILE_ROWS, groups)
+                for s in _super_group_scales(packed.scales))  # fmt: skip
+        return u, d, m
     d, m = packed.scales.permute(2, 0, 3, 1).reshape(2, tiles * TILE_ROWS, groups)
     return u, d, m
 
@@ -399,7 +451,7 @@ def quantized_matmul(
         x.data_ptr(), max(x.stride(0), k), rows, activation_bits,
         packed.data.data_ptr(), packed.scales.data_ptr(),
         packed.n, packed.k, packed.bits, packed.group,
-        bias_address, out.data_ptr(), max(out.stride(0), packed.n),
+        bias_address, out.data_ptr(), max(out.stride(0), packed.n), packed.super_scales,
     )  # fmt: skip
     return out
 
@@ -460,6 +512,8 @@ class QuantLinear(nn.Module):
         # that run the kernel themselves (backends/cpu_stack.py's decoder stack): one tuple, or
         # for a SegmentedWeight a list of them, one per segment (its rows of the bias)
         self._segment_rows: list[int] = []  # each segment's first output
+        # each segment's super_scales, the kernel's last argument
+        self.super_scales = [segment.super_scales for segment in segments_of(packed)]
         args, row0 = [], 0
         for segment in segments_of(packed):
             bias_address = 0 if self._bias32 is None else self._bias32.data_ptr() + 4 * row0
@@ -508,12 +562,16 @@ class QuantLinear(nn.Module):
         out = torch.empty(rows, n)
         if isinstance(self.weight_args, tuple):
             self._matmul(
-                flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args, out.data_ptr(), n
-            )
+                flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args,
+                out.data_ptr(), n, self.super_scales[0],
+            )  # fmt: skip
         else:  # each segment writes its columns of the rows
-            for row0, args in zip(self._segment_rows, self.weight_args, strict=True):
+            calls = zip(self._segment_rows, self.weight_args, self.super_scales, strict=True)
+            for row0, args, super_scales in calls:
                 address = out.data_ptr() + 4 * row0
-                self._matmul(flat.data_ptr(), k, rows, self.activation_bits, *args, address, n)
+                self._matmul(
+                    flat.data_ptr(), k, rows, self.activation_bits, *args, address, n, super_scales
+                )
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -3,7 +3,8 @@
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
 Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are packed from their own integers by the kernels module
-(cpp/kernels/ggml_repack.h), never passing through float32; the others (Q6_K, Q2_K/Q3_K, IQ*)
+(cpp/kernels/ggml_repack.h), never passing through float32 (Q4_K on the CPU kernels with its own
+super-block scales: 4.625 bits a weight, each the file's); the others (Q6_K, Q2_K/Q3_K, IQ*)
 are dequantized a piece of rows at a time and quantized to their precision. A projection made
 of several tensors (q, k and v; gate and up) keeps each tensor at its own precision on the CPU
 kernels (a ``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 8-bit ones,
@@ -37,6 +38,7 @@ from pyserve.worker.quant import (
     pack_ggml_blocks,
     piece_rows,
     quantize_weight,
+    super_scales_fit,
 )
 
 PACKING_MODES = ("native", "int8", "int4")
@@ -67,6 +69,12 @@ class Packing:
         # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision
         return max(part.native_bits or 8 for part in parts)
 
+    @property
+    def super_scales(self) -> bool:
+        """Whether Q4_K blocks keep their super-block scales (4.625 bits a weight, exactly the
+        file's values): the CPU kernels read them; the Triton ones read fp16 scales per group."""
+        return self.kernels == "cpu"
+
     def part_bits(self, parts: list[StoredTensor], *, head: bool = False) -> list[int] | None:
         """Each part's own precision, where the projection made of ``parts`` keeps them as
         segments (native packing on the CPU kernels, parts at different precisions); None where
@@ -77,11 +85,11 @@ class Packing:
         return bits if len(set(bits)) > 1 else None
 
 
-def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
+def pack_parts(parts: list[StoredTensor], bits: int, *, super_scales: bool = False) -> PackedWeight:
     """The weight made of ``parts``' rows one after another, packed at ``bits``: straight from
     the file's blocks into one weight where they fit ``bits``-bit tiles, else from their float
     values a piece of rows at a time; all parts' float values at once only when a part ends
-    mid-tile (rare head sizes)."""
+    mid-tile (rare head sizes). ``super_scales``: all-Q4_K parts keep their super-block scales."""
     rows, k = sum(part.shape[0] for part in parts), parts[0].shape[1]
     if any(part.shape[0] % TILE_ROWS for part in parts[:-1]):
         values = torch.cat([part.values().float() for part in parts])
@@ -89,11 +97,14 @@ def pack_parts(parts: list[StoredTensor], bits: int) -> PackedWeight:
     if all(part.quantized and ggml_fits(part.type_name, bits) for part in parts):
         # each part's bytes are read when its turn comes: one part's at a time
         blocks = ((part.type_name, _blocks(part)) for part in parts)
-        return pack_ggml_blocks(blocks, rows, k, bits)
+        keep = super_scales and super_scales_fit([part.type_name for part in parts], bits, k)
+        return pack_ggml_blocks(blocks, rows, k, bits, super_scales=keep)
     return concat_packed((pack_tensor(part, bits) for part in parts), rows)
 
 
-def pack_segments(parts: list[StoredTensor], bits: list[int]) -> SegmentedWeight:
+def pack_segments(
+    parts: list[StoredTensor], bits: list[int], *, super_scales: bool = False
+) -> SegmentedWeight:
     """The weight made of ``parts``' rows, each run of parts that share a precision packed as
     one segment at it (``bits``: each part's)."""
     runs: list[tuple[int, list[StoredTensor]]] = []
@@ -102,7 +113,7 @@ def pack_segments(parts: list[StoredTensor], bits: list[int]) -> SegmentedWeight
             runs[-1][1].append(part)
         else:
             runs.append((part_bits, [part]))
-    return SegmentedWeight(tuple(pack_parts(run, run_bits) for run_bits, run in runs))
+    return SegmentedWeight(tuple(pack_parts(run, b, super_scales=super_scales) for b, run in runs))
 
 
 def pack_tensor(tensor: StoredTensor, bits: int) -> PackedWeight:

@@ -184,14 +184,15 @@ def load_weights(
                     head = slot.linear == "lm_head"
                     bits = packing.part_bits(parts, head=head) or packing.bits(parts, head=head)
                     nbytes = sum(part.nbytes for part in parts)
-                    pack = partial(_pack, parts, bits, source)
+                    pack = partial(_pack, parts, bits, source, packing.super_scales)
                     pool.submit(slot.linear, len(parts), nbytes, pack)
                 continue
             if pool is not None and slot.embedding and tensor.quantized:
                 # a quantized file's table stays packed (its rows are dequantized on lookup);
                 # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
                 bits = 8 if tied else packing.bits([tensor])
-                pool.submit(EMBEDDING, 1, tensor.nbytes, partial(_pack, [tensor], bits, source))
+                pack = partial(_pack, [tensor], bits, source, packing.super_scales)
+                pool.submit(EMBEDDING, 1, tensor.nbytes, pack)
                 continue
             values = tensor.values()
             if offset and slot.norm:
@@ -250,11 +251,13 @@ def _first(part: tuple[int, StoredTensor]) -> int:
 
 
 def _pack(
-    parts: list[StoredTensor], bits: int | list[int], source: str
+    parts: list[StoredTensor], bits: int | list[int], source: str, super_scales: bool
 ) -> PackedWeight | SegmentedWeight:
     """At ``bits``, or each part at its own (a list: Packing.part_bits)."""
     try:
-        return pack_segments(parts, bits) if isinstance(bits, list) else pack_parts(parts, bits)
+        if isinstance(bits, list):
+            return pack_segments(parts, bits, super_scales=super_scales)
+        return pack_parts(parts, bits, super_scales=super_scales)
     except ValueError as e:  # a scale that is inf or nan, values that overflow fp16
         names = ", ".join(repr(part.name) for part in parts)
         raise ModelLoadError(f"{source}: cannot pack {names} at {bits} bits: {e}") from None
