@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pyserve.chat.tool_stream import ToolCallStream
+from pyserve.chat.tool_stream import CallArrayStream
 
 REPLY_KEY = "response"
 # The reply object, as a grammar forces it when the model may answer instead of calling.
@@ -79,7 +79,7 @@ _PARTIAL_OPENINGS = {
 }
 
 
-class GenericStream(ToolCallStream):
+class GenericStream(CallArrayStream):
     """One output of the generic format, split into content and calls as it is generated.
 
     ``replies``: ``{"response": "..."}`` is a reply whose string is the content; off when the
@@ -88,7 +88,6 @@ class GenericStream(ToolCallStream):
     """
 
     _start_state = "start"
-    _after_call_state = "after"
     _opening_states = frozenset({"first"})
 
     def __init__(self, replies: bool = True) -> None:
@@ -117,24 +116,8 @@ class GenericStream(ToolCallStream):
 
     # -- calls: {"tool_calls": [ call, call ] }
 
-    def _at_first(self, final: bool) -> bool:
-        return self._expect_call()
-
-    def _at_next(self, final: bool) -> bool:
-        return self._expect_call()
-
-    def _at_after(self, final: bool) -> bool:
-        if not self._skip_space():
-            return False
-        if self._buf[0] == ",":
-            self._hold(1)
-            self._state = "next"
-        elif self._buf[0] == "]":
-            self._buf, self._held = self._buf[1:], ""
-            self._state = "close"
-        else:
-            self._abandon()
-        return True
+    def _array_closed(self) -> None:
+        self._state = "close"
 
     def _at_close(self, final: bool) -> bool:
         """After the list: the object's closing brace, if there, belongs to the calls."""

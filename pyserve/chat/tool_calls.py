@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pyserve.chat.generic_tools import GenericStream
-from pyserve.chat.tool_stream import ParsedOutput, ToolCallStream
+from pyserve.chat.tool_stream import CallArrayStream, ParsedOutput, ToolCallStream
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,11 @@ class _HermesStream(ToolCallStream):
         return True
 
 
-class _MistralStream(ToolCallStream):
+class _MistralStream(CallArrayStream):
     """``[TOOL_CALLS]`` and a JSON array of calls; the closing bracket may be missing."""
 
     _opener = "[TOOL_CALLS]"
     _section_state = "open"
-    _after_call_state = "after"
     _opening_states = frozenset({"open", "first"})
 
     def _expect(self, ch: str, state: str) -> bool:
@@ -111,24 +110,8 @@ class _MistralStream(ToolCallStream):
     def _at_open(self, final: bool) -> bool:
         return self._expect("[", "first")
 
-    def _at_first(self, final: bool) -> bool:
-        return self._expect_call()
-
-    def _at_next(self, final: bool) -> bool:
-        return self._expect_call()
-
-    def _at_after(self, final: bool) -> bool:
-        if not self._skip_space():
-            return False
-        if self._buf[0] == ",":
-            self._hold(1)
-            self._state = "next"
-        elif self._buf[0] == "]":
-            self._buf, self._held = self._buf[1:], ""
-            self._state, self._fresh = "content", True
-        else:
-            self._abandon()
-        return True
+    def _array_closed(self) -> None:
+        self._state, self._fresh = "content", True
 
 
 class _Llama3JsonStream(ToolCallStream):

@@ -286,3 +286,33 @@ class ToolCallStream:
             self._send(self._open, reader.closing())
         self._open, self._reader = None, None
         self._abandon()
+
+
+class CallArrayStream(ToolCallStream):
+    """A format whose calls are a JSON array, ``[ call, call ]``: after its opening the states
+    ``first``, ``next`` and ``after`` read the calls, and ``_array_closed`` says where the text
+    goes once ``]`` is read."""
+
+    _after_call_state = "after"
+
+    def _at_first(self, final: bool) -> bool:
+        return self._expect_call()
+
+    def _at_next(self, final: bool) -> bool:
+        return self._expect_call()
+
+    def _at_after(self, final: bool) -> bool:
+        if not self._skip_space():
+            return False
+        if self._buf[0] == ",":
+            self._hold(1)
+            self._state = "next"
+        elif self._buf[0] == "]":
+            self._buf, self._held = self._buf[1:], ""
+            self._array_closed()
+        else:
+            self._abandon()
+        return True
+
+    def _array_closed(self) -> None:
+        raise NotImplementedError
