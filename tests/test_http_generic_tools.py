@@ -15,40 +15,10 @@ import pytest
 from http_testlib import openai_client, running_server, tiny_model
 from openai import BadRequestError
 from pydantic import BaseModel
+from test_structured_outputs import TOOLS
 
 MAX_TOKENS = 512
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 16},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 8}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, TIME]
 ARGUMENT_KEYS = {"get_weather": {"city", "unit"}, "get_time": {"zone"}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
