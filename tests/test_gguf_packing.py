@@ -73,7 +73,7 @@ def test_the_kernels_pack_the_types_python_lists():
     assert set(kernels().GGML_PACKED_TYPES) == set(GGML_LARGEST_U)
     assert GGML_LARGEST_U == {
         "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q8_0": 255,
-        "Q6_K": 255,
+        "Q6_K": 63,
     }  # fmt: skip
 
 
@@ -123,10 +123,32 @@ def test_q4_k_with_super_block_scales_is_the_files_weights_exactly():
             pack_ggml_blocks(parts, 16, kk, bits, super_scales=True)
 
 
+def test_q6_k_in_6_bit_tiles_is_the_files_weights_exactly():
+    """Q6_K kept in its own form (fp16 D per 256 inputs, a signed sc per 16, u − 32): every
+    weight gguf-py's, the embedding rows too, at 6.5625 bits a weight; the 6-bit tiles take
+    nothing else, and only with their super-block scales."""
+    rows, k = 40, 768
+    blocks = file_blocks("Q6_K", rows, k)
+    packed = pack_ggml_blocks([("Q6_K", blocks)], rows, k, 6, super_scales=True)
+    exact = exact_values("Q6_K", blocks)
+    assert np.array_equal(dequantize_weight(packed).numpy(), exact)
+    picked = torch.tensor([0, 17, 39, 5])
+    assert np.array_equal(packed_rows(packed, picked).numpy(), exact[picked.numpy()])
+    assert packed.nbytes * 8 / (-(-rows // 16) * 16 * k) == 6.5625
+    assert torch.equal(QuantEmbedding(packed)(picked), torch.from_numpy(exact[picked.numpy()]))
+    with pytest.raises(ValueError, match="super-block scales only"):
+        pack_ggml_blocks([("Q6_K", blocks)], rows, k, 6)
+    for type_name in ("Q4_K", "Q5_0", "Q8_0"):
+        with pytest.raises(ValueError, match="do not pack"):
+            parts = [(type_name, file_blocks(type_name, 16, 256))]
+            pack_ggml_blocks(parts, 16, 256, 6, super_scales=True)
+
+
 def test_q6_k_rounded_to_int8_as_quantize_weight_rounds_its_values():
-    """Q6_K's scales cover 16 weights, the tiles' groups 32: its blocks become exactly the int8
-    tiles that quantize_weight makes of the weights gguf-py dequantizes (and a Q4_K block,
-    which has 4-bit groups of its own, does not fit Q6_K's path by mistake)."""
+    """Into 8-bit tiles (the Triton kernels' form: fp16 scales per 32, where Q6_K's cover 16),
+    Q6_K blocks become exactly the int8 tiles that quantize_weight makes of the weights gguf-py
+    dequantizes (and a Q4_K block, which has 4-bit groups of its own, does not fit Q6_K's path
+    by mistake)."""
     from pyserve.worker.quant import unpack_weight
 
     blocks = file_blocks("Q6_K", 40, 512)
@@ -180,15 +202,15 @@ TYPES = {
 # What each projection is packed at: each tensor at its own precision, a fused projection whose
 # tensors differ as segments (a tuple: each run of rows' bits, in order)
 EXPECTED_BITS = {
-    "layers.0.qkv_proj": (4, 8),  # q, k Q4_K; v Q6_K
+    "layers.0.qkv_proj": (4, 6),  # q, k Q4_K; v Q6_K
     "layers.0.o_proj": 8,
     "layers.0.gate_up_proj": 4,
-    "layers.0.down_proj": 8,
+    "layers.0.down_proj": 6,
     "layers.1.qkv_proj": (4, 8),  # q Q4_0, k Q4_1; v Q5_0
     "layers.1.o_proj": 8,
     "layers.1.gate_up_proj": (8, 4),  # gate Q8_0, up Q4_0
     "layers.1.down_proj": 8,
-    "lm_head": 8,
+    "lm_head": 6,  # Q6_K as the file holds it
 }
 
 
@@ -229,7 +251,7 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     path, stored = mixed_gguf
     loaded = runner(path, quantization="auto")
     # a segmented projection counts at each of its precisions
-    assert loaded.packed_precisions == {"int4": 4, "int8": 8}
+    assert loaded.packed_precisions == {"int4": 4, "int6": 3, "int8": 5}
     for name, bits in EXPECTED_BITS.items():
         assert loaded.model.get_submodule(name).bits == bits, name
     # the untied embedding stays packed, at the 8 bits of its Q8_0 blocks, exactly
@@ -258,15 +280,10 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     exact = rows(0, "self_attn.o_proj")
     got = packed_weight(loaded, "layers.0.o_proj")
     assert (got - exact).abs().max() <= exact.abs().max() * 2**-10
-    # Q6_K (scales per 16) is quantized to int8: within half an int8 step of its group
-    for got, exact in (
-        (packed_weight(loaded, "layers.0.down_proj"), rows(0, "mlp.down_proj")),
-        (packed_weight(loaded, "lm_head"), stored["lm_head.weight"]),
-        (qkv0[qk_rows:], rows(0, "self_attn.v_proj")),
-    ):
-        step = exact.view(exact.shape[0], -1, 32).abs().amax(-1) / 127
-        error = (got - exact).abs().view(exact.shape[0], -1, 32)
-        assert torch.all(error <= step[..., None] * 0.5 * 1.01 + 1e-9)
+    # Q6_K in its own 6-bit form, exactly: down, the output projection, v (a segment)
+    assert torch.equal(packed_weight(loaded, "layers.0.down_proj"), rows(0, "mlp.down_proj"))
+    assert torch.equal(packed_weight(loaded, "lm_head"), stored["lm_head.weight"])
+    assert torch.equal(qkv0[qk_rows:], rows(0, "self_attn.v_proj"))
 
 
 def test_a_segmented_projection_is_its_segments_side_by_side(mixed_gguf):
@@ -292,13 +309,13 @@ def test_a_segmented_projection_is_its_segments_side_by_side(mixed_gguf):
 
 
 def test_segments_read_fewer_bytes_than_the_widest_part(mixed_gguf):
-    """q and k stay 4-bit beside an 8-bit v: the projection holds what each part needs."""
+    """q and k stay 4-bit beside a 6-bit v: the projection holds what each part needs."""
     path, _ = mixed_gguf
     auto = runner(path, quantization="auto").model.get_submodule("layers.0.qkv_proj")
     wide = runner(path, quantization="int8").model.get_submodule("layers.0.qkv_proj")
-    q4, v8 = auto.packed.segments
-    assert (q4.bits, v8.bits) == (4, 8)
-    assert auto.packed.nbytes == q4.nbytes + v8.nbytes < wide.packed.nbytes
+    q4, v6 = auto.packed.segments
+    assert (q4.bits, v6.bits) == (4, 6)
+    assert auto.packed.nbytes == q4.nbytes + v6.nbytes < wide.packed.nbytes
     assert decode_weight_bytes(auto) == auto.packed.nbytes  # what a decode step reads
 
 

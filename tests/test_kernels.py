@@ -56,8 +56,10 @@ def random_input(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 def headroom(weight_bits: int, activation_bits: int, group: int) -> int:
-    """How many bits the largest possible |Σu·q| of a group can shift left inside int32."""
-    most = (2**weight_bits - 1) * (2 ** (activation_bits - 1) - 1) * group
+    """How many bits the largest possible |Σu·q| of a group can shift left inside int32 (6-bit
+    Q6_K weights: of |Σ(u − 32)·q| over the 16 inputs one scale covers)."""
+    top = 2 ** (activation_bits - 1) - 1
+    most = 32 * top * 16 if weight_bits == 6 else (2**weight_bits - 1) * top * group
     return max(h for h in range(32) if most << h <= 2**31 - 1)
 
 
@@ -106,9 +108,11 @@ def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor
     q, scale = reference_activations(x, packed.group, activation_bits, packed.bits)
     u, d, m = quant.unpack_weight(packed)
     rows, n = x.shape[0], packed.n
-    q = q.double().view(rows, -1, packed.group)  # [rows, groups, group]
-    u = u[:n].double().view(n, -1, packed.group)  # [n, groups, group]
-    d, m, s = d[:n].double(), m[:n].double(), scale.double()
+    per = 16 if packed.bits == 6 else packed.group  # inputs a weight scale covers
+    q = q.double().view(rows, -1, per)  # [rows, groups, group]
+    u = u[:n].double().view(n, -1, per)  # [n, groups, group]
+    d, m = d[:n].double(), m[:n].double()
+    s = scale.double().repeat_interleave(packed.group // per, dim=1)
     dots = torch.einsum("rgi,ngi->rng", q, u)
     term_d = s[:, None, :] * d[None] * dots
     term_m = s[:, None, :] * m[None] * q.sum(-1)[:, None, :]
@@ -231,17 +235,29 @@ def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, a
     assert torch.equal(got[[0, 3]], want[[0, 3]])
 
 
-@pytest.mark.parametrize("activation_bits", [8, 16])
-def test_q4_k_super_block_scales_are_the_integer_formula(isa, activation_bits):
-    """Q4_K's own scales (4.625 bits a weight; qgemm.h): d = D·sc and m = −Dmin·mn per group,
-    from fp16 D, −Dmin per 256 inputs and 8-bit sc, mn, against the float64 formula over the
-    dequantized weights; row counts through the kernels' 4/8/16-row blocks and 8-row panels."""
+def k_quant_weight(type_name: str, n: int, k: int, seed: int) -> quant.PackedWeight:
+    """A random Q4_K or Q6_K weight packed with its own super-block scales (4 or 6 bits)."""
     from gguf_files import random_blocks
 
+    blocks = random_blocks(type_name, n, k, np.random.default_rng(seed))
+    bits = 6 if type_name == "Q6_K" else 4
+    return quant.pack_ggml_blocks([(type_name, blocks)], n, k, bits, super_scales=True)
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize(("type_name", "bits_a_weight"), [("Q4_K", 4.625), ("Q6_K", 6.5625)])
+def test_k_quant_super_block_scales_are_the_integer_formula(
+    isa, activation_bits, type_name, bits_a_weight
+):
+    """The K-quants' own scales (qgemm.h), against the float64 formula over the dequantized
+    weights. Q4_K: d = D·sc and m = −Dmin·mn per group, from fp16 D, −Dmin per 256 inputs and
+    8-bit sc, mn. Q6_K: D·sc·(Σu·q − 32·Σq) per 16 inputs, from fp16 D and a signed sc per 16.
+    Row counts through the kernels' 4/8/16-row blocks and 8-row panels, partial tiles, a bias on
+    every other shape."""
     shapes = [(1, 1, 256), (2, 37, 512), (5, 100, 256), (19, 33, 768), (40, 17, 256)]
     for i, (rows, n, k) in enumerate([*shapes, (3, 300, 1024)]):
-        blocks = random_blocks("Q4_K", n, k, np.random.default_rng(i))
-        packed = quant.pack_ggml_blocks([("Q4_K", blocks)], n, k, 4, super_scales=True)
+        packed = k_quant_weight(type_name, n, k, seed=i)
+        assert packed.nbytes * 8 / (-(-n // 16) * 16 * k) == bits_a_weight
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if i % 2 else None
         got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
@@ -250,14 +266,29 @@ def test_q4_k_super_block_scales_are_the_integer_formula(isa, activation_bits):
         assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
 
 
-@pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
-def test_super_block_scales_stay_off_the_amx_tiles():
-    """The AMX path reads fp16 group scales only: a Q4_K weight with its own scales takes the
-    VNNI loops even where int8 activations on many rows would go to the tiles."""
-    from gguf_files import random_blocks
+@pytest.mark.parametrize("activation_bits", [8, 16])
+def test_the_largest_q6_k_sum_shifted_by_the_headroom_stays_in_int32(isa, activation_bits):
+    """Every u = 0 (w = −32·D·sc, the largest magnitude) against every |q| at its top in group 0
+    and a tiny group 1: group 0's Σ(u − 32)·q is shifted by the whole headroom."""
+    top = 127 if activation_bits == 8 else 32767
+    blocks = np.zeros((16, 210), dtype=np.uint8)  # one super-block a row: ql = qh = 0
+    blocks[:, 192:208] = 1  # sc = 1
+    blocks[:, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # d = 1
+    packed = quant.pack_ggml_blocks([("Q6_K", blocks)], 16, 256, 6, super_scales=True)
+    x = torch.full((1, 256), 1e-6)
+    x[0, :32] = top * 2.0**-15
+    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    want, magnitude = exact_reference(x, packed, activation_bits)
+    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
+    assert (got < 0).all()
 
-    blocks = random_blocks("Q4_K", 48, 512, np.random.default_rng(3))
-    packed = quant.pack_ggml_blocks([("Q4_K", blocks)], 48, 512, 4, super_scales=True)
+
+@pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_super_block_scales_stay_off_the_amx_tiles(type_name):
+    """The AMX path reads fp16 group scales only: a Q4_K or Q6_K weight with its own scales
+    takes the VNNI loops even where int8 activations on many rows would go to the tiles."""
+    packed = k_quant_weight(type_name, 48, 512, seed=3)
     x = random_input(40, 512, seed=3)
     before = KERNELS.amx()
     KERNELS.set_amx(True)
@@ -272,16 +303,27 @@ def test_super_block_scales_stay_off_the_amx_tiles():
 def test_super_block_scales_need_q4_k_shapes():
     w = quant.quantize_weight(random_weight(16, 288, seed=1), 4)
     x, out = random_input(1, 288, seed=1), torch.empty(1, 16)
-    with pytest.raises(ValueError, match="super-block scales need 4-bit weights"):
+    with pytest.raises(ValueError, match="super-block scales need 4- or 6-bit weights"):
         KERNELS.matmul(x.data_ptr(), 288, 1, 16, w.data.data_ptr(), w.scales.data_ptr(), 16, 288,
                        4, 32, 0, out.data_ptr(), 16, True)  # fmt: skip
+    q6 = k_quant_weight("Q6_K", 16, 256, seed=1)
+    with pytest.raises(
+        ValueError, match=r"6-bit weights \(Q6_K\) come with their super-block scales"
+    ):
+        KERNELS.matmul(x.data_ptr(), 256, 1, 16, q6.data.data_ptr(), q6.scales.data_ptr(), 16,
+                       256, 6, 32, 0, out.data_ptr(), 16, False)  # fmt: skip
 
 
 def test_the_isas_agree():
-    rows, n, k = 6, 200, 300
-    x, w = random_input(rows, k, seed=7), random_weight(n, k, seed=7)
-    for bits in (8, 4):
-        packed = quant.quantize_weight(w, bits)
+    rows, n = 6, 200
+    for bits in (8, 6, 4):
+        k = 512 if bits == 6 else 300  # Q6_K: whole super-blocks
+        x = random_input(rows, k, seed=7)
+        packed = (
+            k_quant_weight("Q6_K", n, k, 7)
+            if bits == 6
+            else quant.quantize_weight(random_weight(n, k, 7), bits)
+        )
         results = []
         for name in ISAS:
             KERNELS.set_isa(name)

@@ -78,11 +78,12 @@ void check_group(int group) {
 
 struct Scratch {
   std::vector<int16_t> q;  // int8 or int16 values, whichever the activations use
-  std::vector<int32_t> shift, sum;
+  std::vector<int32_t> shift, sum, centre;
   std::vector<float> scale, unit_sum, unit;
-  QuantizedRows rows(int bits, int groups, int group, int panel_rows) const {
-    return {q.data(),   bits,        scale.data(),   shift.data(), unit_sum.data(),
-            sum.data(), unit.data(), groups * group, groups,       panel_rows};
+  QuantizedRows rows(int bits, int groups, int group, int panel_rows, bool centres) const {
+    return {q.data(),        bits,       scale.data(), shift.data(),
+            unit_sum.data(), sum.data(), unit.data(),  centres ? centre.data() : nullptr,
+            groups * group,  groups,     panel_rows};
   }
 };
 
@@ -91,8 +92,30 @@ struct QuantizeJob {
   const float* x;
   int64_t x_stride;
   int rows, k, group, bits, headroom;
+  bool centres;  // −32·Σq per 16 inputs too (6-bit weights)
   Scratch* scratch;
 };
+
+// −32·Σq per 16 inputs of rows [begin, end) (qgemm.h's 6-bit weights), from the q just written
+// (in the table's layout), into s.centre [rows][k_padded / 16].
+template <class Q>
+void q6_centres(Scratch& s, int begin, int end, int k_padded, int panel_rows) {
+  constexpr int per_word = 4 / sizeof(Q);
+  const int64_t words = static_cast<int64_t>(k_padded) / per_word;
+  const int halves = k_padded / 16;
+  const auto* q = reinterpret_cast<const int32_t*>(s.q.data());
+  for (int r = begin; r < end; ++r) {
+    int32_t* out = s.centre.data() + static_cast<int64_t>(r) * halves;
+    for (int h = 0; h < halves; ++h) {
+      int32_t total = 0;
+      for (int j = h * 16 / per_word; j < (h + 1) * 16 / per_word; ++j) {
+        const Q* v = reinterpret_cast<const Q*>(q + panel_index(r, j, words, panel_rows));
+        for (int e = 0; e < per_word; ++e) total += v[e];
+      }
+      out[h] = -kQ6Offset * total;
+    }
+  }
+}
 
 void quantize_chunk(void* context, int chunk) {
   const auto& job = *static_cast<QuantizeJob*>(context);
@@ -106,10 +129,15 @@ void quantize_chunk(void* context, int chunk) {
       job.x + begin * job.x_stride, job.x_stride, end - begin, job.k, job.group, job.bits,
       job.headroom, reinterpret_cast<int8_t*>(s.q.data()) + q_bytes, s.scale.data() + g_at,
       s.shift.data() + g_at, s.unit_sum.data() + g_at, s.sum.data() + g_at, s.unit.data() + begin);
+  if (!job.centres) return;
+  if (job.bits == 16)
+    q6_centres<int16_t>(s, begin, end, groups * job.group, job.table->panel_rows);
+  else
+    q6_centres<int8_t>(s, begin, end, groups * job.group, job.table->panel_rows);
 }
 
 void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
-                   int group, int bits, int headroom, Scratch& scratch) {
+                   int group, int bits, int headroom, bool centres, Scratch& scratch) {
   const int groups = (k + group - 1) / group;
   // whole panels (qgemm.h): a chunk of rows starts at a panel's first row
   const int panel = std::max(table.panel_rows, 1);
@@ -121,7 +149,8 @@ void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, i
   scratch.unit_sum.resize(cells);
   scratch.sum.resize(cells);
   scratch.unit.resize(rows);
-  QuantizeJob job{&table, x, x_stride, rows, k, group, bits, headroom, &scratch};
+  if (centres) scratch.centre.resize(static_cast<size_t>(rows) * groups * group / 16);
+  QuantizeJob job{&table, x, x_stride, rows, k, group, bits, headroom, centres, &scratch};
   const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
   if (rows >= kParallelQuantizeRows) {
     ThreadPool::instance().run(quantize_chunk, &job, chunks);
@@ -180,22 +209,26 @@ const std::string& amx_status() {
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride) {
   check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
-  check(w.bits == 8 || w.bits == 4, "weight bits must be 8 or 4");
+  check(w.bits == 8 || w.bits == 6 || w.bits == 4, "weight bits must be 8, 6 or 4");
   check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
   check_group(w.group);
-  check(!w.super_scales || (w.bits == 4 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
-        "super-block scales need 4-bit weights, groups of 32 and k a multiple of 256");
+  check(!w.super_scales || (w.bits != 8 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
+        "super-block scales need 4- or 6-bit weights, groups of 32 and k a multiple of 256");
+  check(w.bits != 6 || w.super_scales, "6-bit weights (Q6_K) come with their super-block scales");
   check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
-  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows && !w.super_scales &&
-                                     &kernels() == &avx512_kernels() && amx_enabled()
+  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows && w.bits != 6 &&
+                                     !w.super_scales && &kernels() == &avx512_kernels() &&
+                                     amx_enabled()
                                  ? amx_kernels()
                                  : kernels();
   thread_local Scratch scratch;
+  const bool centres = w.bits == 6;
   quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
-                shift_headroom(w.bits, activation_bits, w.group), scratch);
-  const QuantizedRows a = scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows);
+                shift_headroom(w.bits, activation_bits, w.group), centres, scratch);
+  const QuantizedRows a =
+      scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows, centres);
   const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
   const int tiles_per_chunk = std::max<int>(1, static_cast<int>(kChunkBytes / tile_bytes));
   MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
@@ -207,14 +240,14 @@ void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int
                           int weight_bits, void* q, float* scale, int32_t* sum) {
   check(x != nullptr && q != nullptr && scale != nullptr && sum != nullptr, "null pointer");
   check(bits == 8 || bits == 16, "activation bits must be 8 or 16");
-  check(weight_bits == 8 || weight_bits == 4, "weight bits must be 8 or 4");
+  check(weight_bits == 8 || weight_bits == 6 || weight_bits == 4, "weight bits must be 8, 6 or 4");
   check_group(group);
   check(k > 0 && rows >= 0 && x_stride >= k, "bad sizes");
   Scratch scratch;
   quantize_into(kernels(), x, x_stride, rows, k, group, bits,
-                shift_headroom(weight_bits, bits, group), scratch);
+                shift_headroom(weight_bits, bits, group), false, scratch);
   const int groups = (k + group - 1) / group;
-  const QuantizedRows a = scratch.rows(bits, groups, group, kernels().panel_rows);
+  const QuantizedRows a = scratch.rows(bits, groups, group, kernels().panel_rows, false);
   // row-major out, whatever the layout inside
   const int64_t words = a.words();
   const auto* from = reinterpret_cast<const int32_t*>(scratch.q.data());

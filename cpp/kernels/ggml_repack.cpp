@@ -62,17 +62,28 @@ uint16_t next_half_up(uint16_t h) {  // the next fp16 above a finite h >= 0
 
 // Q6_K (210 bytes per 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales per
 // 16 weights, d): group j's 32 weights as llama.cpp dequantizes them, (d·sc)·(q − 32) in float32.
-void q6_k_group(const uint8_t* b, int j, float* w) {
+// Group j's 32 unsigned 6-bit integers u (w = d·sc·(u − 32)), and the scale index of its two
+// halves of 16 (sc[first], sc[first + 1] of the 16 at byte 192).
+int q6_k_group_u(const uint8_t* b, int j, uint8_t* u) {
   const int half = j / 4, t = j % 4;
   const uint8_t* ql = b + 64 * half;
   const uint8_t* qh = b + 128 + 32 * half;
-  const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-  const float d = half_to_float(load_half(b + 208));
   for (int l = 0; l < 32; ++l) {
     const int low = (t % 2 ? ql[l + 32] : ql[l]) >> (t / 2 * 4) & 0x0f;
     const int high = (qh[l] >> (2 * t)) & 3;
-    const float scale = d * static_cast<float>(sc[l / 16 + 2 * t]);
-    w[l] = scale * static_cast<float>((low | (high << 4)) - 32);
+    u[l] = static_cast<uint8_t>(low | (high << 4));
+  }
+  return 8 * half + 2 * t;
+}
+
+void q6_k_group(const uint8_t* b, int j, float* w) {
+  uint8_t u[kGroup];
+  const int first = q6_k_group_u(b, j, u);
+  const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(load_half(b + 208));
+  for (int l = 0; l < 32; ++l) {
+    const float scale = d * static_cast<float>(sc[first + l / 16]);
+    w[l] = scale * static_cast<float>(u[l] - 32);
   }
 }
 
@@ -203,6 +214,34 @@ void q4_k_super_scales(const uint8_t* row, int r, int blocks, uint16_t* tile_sca
   }
 }
 
+// Row r of a tile from Q6_K rows: its D and sc into the tile's scales (qgemm.h's Q6_K form), its
+// u into the groups' nibbles and high bit pairs. The row's lanes of every byte are its own.
+void q6_k_row(const uint8_t* row, int r, int groups, size_t group_bytes, uint8_t* tile_data,
+              uint16_t* tile_scales) {
+  uint8_t u[kGroup];
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* b = row + static_cast<int64_t>(g / kSuperGroups) * 210;
+    uint16_t* at = tile_scales + static_cast<size_t>(g / kSuperGroups) * kQ6ScaleHalves;
+    at[r] = load_half(b + 208);
+    const int first = q6_k_group_u(b, g % kSuperGroups, u);
+    auto* sc = reinterpret_cast<uint8_t*>(at + kTileRows) + g % kSuperGroups * 2 * kTileRows;
+    sc[r] = b[192 + first];
+    sc[kTileRows + r] = b[192 + first + 1];
+    uint8_t* block = tile_data + static_cast<size_t>(g) * group_bytes + r * 4;
+    for (int p = 0; p < kGroup / 8; ++p) {
+      for (int i = 0; i < 4; ++i)
+        block[p * 64 + i] = static_cast<uint8_t>((u[8 * p + i] & 0x0f) | (u[8 * p + 4 + i] << 4));
+    }
+    for (int h = 0; h < 2; ++h) {  // quads 4h..4h + 3: bits 2j of byte i
+      for (int i = 0; i < 4; ++i) {
+        int pairs = 0;
+        for (int j = 0; j < 4; ++j) pairs |= (u[4 * (4 * h + j) + i] >> 4) << (2 * j);
+        block[256 + h * 64 + i] = static_cast<uint8_t>(pairs);
+      }
+    }
+  }
+}
+
 // One tile: its 16 rows' groups, in the layout qgemm.h describes. Each row is written whole
 // (its lanes of every group); rows past the weight's end stay zero.
 void repack_tile(void* context, int tile) {
@@ -210,9 +249,10 @@ void repack_tile(void* context, int tile) {
   const int groups = job.k / kGroup;
   const size_t group_bytes = static_cast<size_t>(kGroup) * kTileRows * job.bits / 8;
   uint8_t* tile_data = job.data + static_cast<size_t>(tile) * groups * group_bytes;
-  const size_t scale_halves = job.super_scales
-                                  ? static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves
-                                  : static_cast<size_t>(groups) * 2 * kTileRows;
+  const size_t scale_halves =
+      job.bits == 6      ? static_cast<size_t>(groups / kSuperGroups) * kQ6ScaleHalves
+      : job.super_scales ? static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves
+                         : static_cast<size_t>(groups) * 2 * kTileRows;
   uint16_t* tile_scales = job.scales + static_cast<size_t>(tile) * scale_halves;
   const int rows = std::min(kTileRows, job.rows - tile * kTileRows);
   if (rows < kTileRows) {
@@ -223,6 +263,10 @@ void repack_tile(void* context, int tile) {
   for (int r = 0; r < rows; ++r) {
     const int64_t row = static_cast<int64_t>(tile) * kTileRows + r;
     const uint8_t* source = job.blocks + row * job.row_bytes;
+    if (job.bits == 6) {
+      q6_k_row(source, r, groups, group_bytes, tile_data, tile_scales);
+      continue;
+    }
     if (job.super_scales) q4_k_super_scales(source, r, groups / kSuperGroups, tile_scales);
     for (int g = 0; g < groups; ++g) {
       uint16_t d, m;
@@ -270,8 +314,9 @@ int ggml_type_largest_u(GgmlType type) {
     case GgmlType::kQ5_1:
     case GgmlType::kQ5_K:
       return 31;
-    case GgmlType::kQ8_0:
     case GgmlType::kQ6_K:
+      return 63;
+    case GgmlType::kQ8_0:
       return 255;
   }
   return 255;
@@ -279,10 +324,14 @@ int ggml_type_largest_u(GgmlType type) {
 
 void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
                  uint8_t* data, uint16_t* scales, bool super_scales) {
-  if (super_scales && (type != GgmlType::kQ4_K || bits != 4)) {
-    throw std::invalid_argument("super-block scales hold Q4_K blocks in 4-bit tiles only");
+  if (bits == 6 && (type != GgmlType::kQ6_K || !super_scales)) {
+    throw std::invalid_argument("6-bit tiles hold Q6_K blocks with their super-block scales only");
   }
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (super_scales && !(type == GgmlType::kQ4_K && bits == 4) && bits != 6) {
+    throw std::invalid_argument(
+        "super-block scales hold Q4_K blocks in 4-bit tiles and Q6_K in 6-bit ones only");
+  }
+  if (bits != 4 && bits != 6 && bits != 8) throw std::invalid_argument("bits must be 4, 6 or 8");
   if (ggml_type_largest_u(type) >= (1 << bits)) {
     throw std::invalid_argument("the type's integers do not fit the tiles' bits");
   }

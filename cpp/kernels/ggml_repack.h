@@ -23,15 +23,18 @@ enum class GgmlType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // Parses a GGML type name ("Q4_K"); throws std::invalid_argument for the others.
 GgmlType ggml_type_named(const std::string& name);
 
-// The largest u a type's groups hold (15: fits 4-bit tiles; 31 and 255: 8-bit ones only).
+// The largest u a type's groups hold (15: fits 4-bit tiles; 31 and 255: 8-bit ones only; Q6_K's
+// 63: 6-bit tiles, or rounded into 8-bit ones).
 int ggml_type_largest_u(GgmlType type);
 
 // rows × k weights, row r's blocks at blocks + r·row_bytes, into the tiles of `bits`-bit weights:
 // data [ceil(rows/16)][k/32][32·16·bits/8] and scales [ceil(rows/16)][k/32][32] (fp16 bits),
 // padding rows zero. k must be a multiple of the type's block; throws std::invalid_argument if
-// the type's u do not fit `bits`. `super_scales` (Q4_K into 4 bits only): the scales are
+// the type's u do not fit `bits`. `super_scales` (Q4_K into 4 bits): the scales are
 // [ceil(rows/16)][k/256][kSuperScaleHalves] in qgemm.h's super-block form, the file's D, −Dmin
-// and 6-bit sc, mn as they are: every weight exactly the file's.
+// and 6-bit sc, mn as they are: every weight exactly the file's. Q6_K into 6 bits (with
+// `super_scales` only): data [..][k/32][384], scales [..][k/256][kQ6ScaleHalves], qgemm.h's
+// Q6_K form, every weight the file's.
 void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
                  uint8_t* data, uint16_t* scales, bool super_scales = false);
 

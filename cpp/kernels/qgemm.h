@@ -4,8 +4,9 @@
 // Weights. Every group of `group` consecutive inputs of one output row holds unsigned integers
 // u (0..255 for 8 bits, 0..15 for 4 bits) and two fp16 numbers, a scale d and an offset m:
 // w = d·u + m. Symmetric int8 (llama.cpp's Q8_0) is u = q + 128, m = −128·d; asymmetric 4-bit
-// (Q4_1) is its min/max form. Outputs come in tiles of 16 rows and each tile's groups lie one
-// after another, so a thread streams its tiles front to back (see cpp/kernels/README.md):
+// (Q4_1) is its min/max form. 6 bits is llama.cpp's Q6_K as it is (below). Outputs come in tiles of
+// 16 rows and each tile's groups lie one after another, so a thread streams its tiles front to back
+// (see cpp/kernels/README.md):
 //   data   [tiles][groups][group·16·bits/8 bytes]   8 bits: blocks of 64 bytes, byte 4n+i =
 //          u[n][4j+i] of the group's j-th quad; 4 bits: block p packs quad 2p in the low
 //          nibbles and quad 2p+1 in the high nibbles of the same bytes.
@@ -47,10 +48,11 @@ struct PackedWeights {
   const uint16_t* scales;  // fp16 bits
   int n;                   // output rows (unpadded)
   int k;                   // inputs (unpadded)
-  int bits;                // 8 or 4
+  int bits;                // 8, 6 or 4
   int group;               // inputs per group, a multiple of 32
   // Scales per tile and 256 inputs in llama.cpp's Q4_K form (below) instead of fp16 d and m per
-  // group: 4-bit weights, groups of 32, k padded to a multiple of 256.
+  // group: 4-bit weights, groups of 32, k padded to a multiple of 256. 6-bit weights always
+  // have super-block scales, in Q6_K's form (below).
   bool super_scales = false;
   int tiles() const { return (n + kTileRows - 1) / kTileRows; }
   int groups() const { return (k + group - 1) / group; }
@@ -76,13 +78,34 @@ inline const uint8_t* super_sc_at(const uint16_t* block, int group) {
 }
 constexpr int kSuperMinOffset = kSuperGroups * kTileRows;  // from a group's sc to its mn
 
+// 6-bit weights (llama.cpp's Q6_K, 6.5625 bits a weight, every weight the file's): groups of 32
+// and super-block scales. A (tile, group)'s 384 bytes are its low nibbles in the 4-bit layout
+// (256 bytes), then two 64-byte blocks of high bit pairs: byte 4n + i of block h holds, in bits
+// 2j and 2j + 1, the high bits of u[n][4·(4h + j) + i] (quads 4h..4h + 3). Per tile and 256
+// inputs, kQ6ScaleHalves halves: the 16 rows' fp16 D, then 16 × 16 signed bytes sc (sub-block
+// of 16 inputs major, the rows within). w = D·sc·(u − 32), u in 0..63: the kernels add
+// D·sc·(Σu·q − 32·Σq) per 16 inputs, the integer sum started at QuantizedRows::centre.
+constexpr int kQ6Halves = 16;  // sub-blocks of 16 inputs in a super-block
+constexpr int kQ6ScaleHalves = kTileRows + kQ6Halves * kTileRows / 2;
+constexpr int kQ6Offset = 32;
+// The Q6_K scales of (tile, group): the rows' D, and the group's two sub-blocks' 16 sc each.
+inline const uint16_t* q6_block_at(const PackedWeights& w, int tile, int group) {
+  const size_t blocks = static_cast<size_t>(w.groups() / kSuperGroups);
+  return w.scales + (tile * blocks + group / kSuperGroups) * kQ6ScaleHalves;
+}
+inline const int8_t* q6_sc_at(const uint16_t* block, int group) {
+  return reinterpret_cast<const int8_t*>(block + kTileRows) + group % kSuperGroups * 2 * kTileRows;
+}
+
 // Exponents below this are raised to it: 2^−e and 2^(e − H) stay normal floats.
 constexpr int kMinExponent = -100;
 
-// H above: the left shift that the largest possible |Σu·q| of a group stands inside int32.
+// H above: the left shift that the largest possible |Σu·q| of a group stands inside int32 (for
+// 6 bits, of Σ(u − 32)·q over 16 inputs, which is what those kernels shift).
 inline int shift_headroom(int weight_bits, int activation_bits, int group) {
-  const int64_t most = ((int64_t{1} << weight_bits) - 1) *
-                       ((int64_t{1} << (activation_bits - 1)) - 1) * static_cast<int64_t>(group);
+  const int64_t top = (int64_t{1} << (activation_bits - 1)) - 1;
+  const int64_t most =
+      weight_bits == 6 ? kQ6Offset * top * 16 : ((int64_t{1} << weight_bits) - 1) * top * group;
   int headroom = 0;
   while ((most << (headroom + 1)) <= std::numeric_limits<int32_t>::max()) ++headroom;
   return headroom;
@@ -164,6 +187,8 @@ struct QuantizedRows {
   const float* unit_sum;  // per cell: Σq·s / unit: the group's Σq in its row's unit
   const int32_t* sum;     // per cell: Σq
   const float* unit;      // [rows] 1 (int8) or 2^U (int16), always row-major
+  // [rows][k_padded / 16] −32·Σq per 16 inputs, row-major: for 6-bit weights (null otherwise)
+  const int32_t* centre;
   int k_padded;
   int groups;
   int panel_rows;  // 0: row-major

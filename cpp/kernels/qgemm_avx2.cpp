@@ -63,6 +63,102 @@ PYSERVE_AVX2 inline __m256 byte_floats(const uint8_t* p) {
       _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// acc + d·(a group's integer dot in its row's unit): int16 shifts it by e − U, int8 multiplies
+// it by the scale (qgemm.h); `at` is the row's cell.
+template <class Q>
+PYSERVE_AVX2 inline __m256 add_scaled(__m256 acc, __m256i dot, __m256 d, const QuantizedRows& a,
+                                      int64_t at) {
+  if constexpr (sizeof(Q) == 2) {
+    const __m256i shifted = _mm256_sllv_epi32(dot, _mm256_set1_epi32(a.shift[at]));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), d, acc);
+  } else {
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a.scale[at])), d,
+                           acc);
+  }
+}
+
+// Half tile `half` of tile t for rows row0.. row0 + R − 1: acc times the row's unit, plus bias.
+template <int R>
+PYSERVE_AVX2 inline void store_half_tile(const __m256 (&acc)[R], const PackedWeights& w,
+                                         const QuantizedRows& a, int row0, int t, int half,
+                                         const float* bias, float* out, int64_t out_stride) {
+  const int first = t * kTileRows + kHalfRows * half;
+  const int count = std::clamp(w.n - first, 0, kHalfRows);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lane[kHalfRows];
+    _mm256_store_ps(lane, acc[r]);
+    const float unit = a.unit[row0 + r];
+    float* o = out + static_cast<int64_t>(row0 + r) * out_stride + first;
+    for (int n = 0; n < count; ++n) o[n] = std::fma(lane[n], unit, bias ? bias[first + n] : 0.0f);
+  }
+}
+
+// The 6-bit (Q6_K) tiles of qgemm.h, half a tile at a time as tiles_rows below: per 16 inputs
+// the quads' low nibbles and high bit pairs merge into bytes u ≤ 63 (vpmaddubsw's pair sums stay
+// within 16 bits), and the rows' Σu·q, started at −32·Σq, is scaled by D·sc.
+template <int R, class Q>
+PYSERVE_AVX2 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
+                                int tile1, const float* bias, float* out, int64_t out_stride) {
+  const int groups = w.groups();
+  const size_t group_bytes = w.group_bytes();
+  const int halves = a.k_padded / 16;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+  const __m256i pair_bits = _mm256_set1_epi8(0x30);
+  for (int t = tile0; t < tile1; ++t) {
+    for (int half_tile = 0; half_tile < 2; ++half_tile) {
+      const uint8_t* block =
+          w.data + static_cast<size_t>(t) * groups * group_bytes + 32 * half_tile;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      __m256 big_d = _mm256_setzero_ps();  // a super-block's
+      for (int g = 0; g < groups; ++g) {
+        const uint16_t* const from = q6_block_at(w, t, g);
+        if (g % kSuperGroups == 0)
+          big_d = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + kHalfRows * half_tile)));
+        const int8_t* const sc = q6_sc_at(from, g) + kHalfRows * half_tile;
+        const Q* qa = static_cast<const Q*>(a.q) + static_cast<int64_t>(row0) * a.k_padded + g * 32;
+        for (int h = 0; h < 2; ++h) {  // inputs 16h..16h + 15: quads 4h..4h + 3
+          __m256i dot[R];              // Σ(u − 32)·q: from −32·Σq
+          for (int r = 0; r < R; ++r)
+            dot[r] =
+                _mm256_set1_epi32(a.centre[static_cast<int64_t>(row0 + r) * halves + 2 * g + h]);
+          const __m256i pairs =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256 + 64 * h));
+          for (int p = 0; p < 2; ++p) {  // quads 4h + 2p (low nibbles) and 4h + 2p + 1
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * (2 * h + p)));
+            const __m256i high0 =
+                _mm256_and_si256(p == 0 ? _mm256_slli_epi16(pairs, 4) : pairs, pair_bits);
+            const __m256i high1 = _mm256_and_si256(
+                p == 0 ? _mm256_slli_epi16(pairs, 2) : _mm256_srli_epi16(pairs, 2), pair_bits);
+            const __m256i u0 = _mm256_or_si256(_mm256_and_si256(packed, low_nibbles), high0);
+            const __m256i u1 =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles), high1);
+            for (int r = 0; r < R; ++r) {
+              const Q* q = qa + r * a.k_padded + 4 * (4 * h + 2 * p);
+              if constexpr (sizeof(Q) == 2) {
+                dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(u0, q));
+                dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(u1, q + 4));
+              } else {
+                dot[r] = _mm256_add_epi32(dot[r], dot_u4(u0, broadcast_quad(q)));
+                dot[r] = _mm256_add_epi32(dot[r], dot_u4(u1, broadcast_quad(q + 4)));
+              }
+            }
+          }
+          const __m256 d = _mm256_mul_ps(
+              big_d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + h * kTileRows)))));
+          for (int r = 0; r < R; ++r)  // in the row's unit (see qgemm.h)
+            acc[r] = add_scaled<Q>(acc[r], dot[r], d, a, (row0 + r) * int64_t{groups} + g);
+        }
+        block += group_bytes;
+      }
+      store_half_tile<R>(acc, w, a, row0, t, half_tile, bias, out, out_stride);
+    }
+  }
+}
+
 template <int R, int BITS, class Q>
 PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                              int tile1, const float* bias, float* out, int64_t out_stride) {
@@ -74,7 +170,6 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
   const size_t group_bytes = w.group_bytes();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   for (int t = tile0; t < tile1; ++t) {
-    const int valid = std::min(kTileRows, w.n - t * kTileRows);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes + 32 * h;
       const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
@@ -149,53 +244,37 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
         }
         for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
           const int64_t at = static_cast<int64_t>(row0 + r) * groups + g;
-          if constexpr (sizeof(Q) == 2) {
-            const __m256i shifted = _mm256_sllv_epi32(dot[r], _mm256_set1_epi32(a.shift[at]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shifted), d, acc[r]);
-          } else {
-            const __m256 scaled =
-                _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(a.scale[at]));
-            acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
-          }
+          acc[r] = add_scaled<Q>(acc[r], dot[r], d, a, at);
           acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.unit_sum[at]), acc[r]);
         }
         block += group_bytes;
         sc += 2 * kTileRows;
       }
-      const int first = t * kTileRows + kHalfRows * h;
-      const int count = std::clamp(valid - kHalfRows * h, 0, kHalfRows);
-      for (int r = 0; r < R; ++r) {
-        alignas(32) float lane[kHalfRows];
-        _mm256_store_ps(lane, acc[r]);
-        const float unit = a.unit[row0 + r];
-        float* o = out + static_cast<int64_t>(row0 + r) * out_stride + first;
-        for (int n = 0; n < count; ++n)
-          o[n] = std::fma(lane[n], unit, bias ? bias[first + n] : 0.0f);
-      }
+      store_half_tile<R>(acc, w, a, row0, t, h, bias, out, out_stride);
     }
   }
 }
 
-template <int BITS, class Q>
+template <int BITS, class Q, int R = 1>
 void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1:
-      return tiles_rows<1, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    case 2:
-      return tiles_rows<2, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    case 3:
-      return tiles_rows<3, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    case 4:
-      return tiles_rows<4, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    default:
-      return;
+  if constexpr (R <= 4) {
+    if (rows != R)
+      return tiles_bits<BITS, Q, R + 1>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+    if constexpr (BITS == 6)
+      return q6_tiles_rows<R, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    else
+      return tiles_rows<R, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
   }
 }
 
 void tiles_avx2(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   const bool wide = a.bits == 16;
+  if (w.bits == 6 && wide)
+    return tiles_bits<6, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 6)
+    return tiles_bits<6, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 8 && wide)
     return tiles_bits<8, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 8)

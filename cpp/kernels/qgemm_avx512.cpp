@@ -224,6 +224,12 @@ constexpr int widen_pattern(int lane, int first) {
   return static_cast<int>(low | 0x8000u | (low + 1) << 16 | 0x80000000u);
 }
 
+// The vpshufb pattern that widens bytes (k_first, k_first + 1) of every 32-bit lane to words.
+PYSERVE_AVX512 inline __m512i widen_lanes(int first) {
+  return _mm512_set4_epi32(widen_pattern(3, first), widen_pattern(2, first),
+                           widen_pattern(1, first), widen_pattern(0, first));
+}
+
 // dot += u · the 32-bit word at p in every lane, the broadcast folded into the instruction: GCC
 // loads it with a vpbroadcastd of its own, one more instruction each, and the pass was bound by
 // how many instructions a cycle the core takes in.
@@ -242,6 +248,119 @@ PYSERVE_AVX512 inline __m512 byte_floats(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Adds one quad (16 rows × 4 inputs, unsigned bytes u) times the R rows' words at `at` (their
+// panels `panel_words` apart); int16 words widen u with the two vpshufb patterns.
+template <int R, class Q>
+PYSERVE_AVX512 inline void add_quad(__m512i (&dot)[R], __m512i u, const int32_t* at,
+                                    int64_t panel_words, __m512i low_pairs, __m512i high_pairs) {
+  constexpr int P = kPanelRows;
+  const int32_t* const panel[2] = {at, at + panel_words};
+  if constexpr (sizeof(Q) == 1) {
+    for (int r = 0; r < R; ++r) dot[r] = dpbusd_word(dot[r], u, &panel[r / P][r % P]);
+  } else {
+    const __m512i low = _mm512_shuffle_epi8(u, low_pairs);
+    const __m512i high = _mm512_shuffle_epi8(u, high_pairs);
+    for (int r = 0; r < R; ++r) {
+      dot[r] = dpwssd_word(dot[r], low, &panel[r / P][r % P]);
+      dot[r] = dpwssd_word(dot[r], high, &panel[r / P][P + r % P]);
+    }
+  }
+}
+
+// sum + d·(a group's integer dot in its row's unit): int16 shifts it by the cell's e − U, int8
+// multiplies it by the cell's scale (qgemm.h).
+template <class Q>
+PYSERVE_AVX512 inline __m512 add_scaled(__m512 sum, __m512i dot, __m512 d, const int32_t* shift,
+                                        const float* scale) {
+  if constexpr (sizeof(Q) == 2) {
+    const __m512i shifted = _mm512_sllv_epi32(dot, _mm512_set1_epi32(*shift));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, sum);
+  } else {
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(*scale)), d, sum);
+  }
+}
+
+// Tile t's outputs of rows row0.. row0 + R − 1: acc times the row's unit, plus the bias.
+template <int R>
+PYSERVE_AVX512 inline void store_tile(const float (&acc)[R][kTileRows], const PackedWeights& w,
+                                      const QuantizedRows& a, int row0, int t, const float* bias,
+                                      float* out, int64_t out_stride) {
+  const __mmask16 live = first_lanes(w.n - t * kTileRows);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
+    _mm512_mask_storeu_ps(
+        o, live, _mm512_fmadd_ps(_mm512_load_ps(acc[r]), _mm512_set1_ps(a.unit[row0 + r]), b));
+  }
+}
+
+// The 6-bit (Q6_K) tiles of qgemm.h, R rows at a time as tiles_rows below: per 16 inputs the
+// quads' low nibbles and high bit pairs are merged into bytes u (one vpternlogd each), and the
+// rows' Σu·q, started at −32·Σq, is scaled by D·sc.
+template <int R, class Q>
+PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0,
+                                  int tile0, int tile1, const float* bias, float* out,
+                                  int64_t out_stride) {
+  constexpr int P = kPanelRows;
+  constexpr int kQuadWords = sizeof(Q) == 1 ? 1 : 2;  // words of q per 4 inputs
+  constexpr int kOr = 0xEA;                           // vpternlogd: (a & b) | c
+  const int groups = w.groups();
+  const size_t group_bytes = w.group_bytes();
+  const int halves = a.k_padded / 16;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const __m512i pair_bits = _mm512_set1_epi8(0x30);
+  const __m512i low_pairs = widen_lanes(0), high_pairs = widen_lanes(2);
+  const int64_t panel_words = a.words() * P;
+  const int32_t* const q0 = static_cast<const int32_t*>(a.q) + a.word_at(row0, 0);
+  const int32_t* const shift0 = a.shift + a.cell_at(row0, 0);
+  const float* const scale0 = a.scale + a.cell_at(row0, 0);
+  const int32_t* const centre0 = a.centre + static_cast<int64_t>(row0) * halves;
+  for (int t = tile0; t < tile1; ++t) {
+    const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
+    alignas(64) float acc[R][kTileRows];
+    for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    const int32_t* qa = q0;
+    __m512 big_d = _mm512_setzero_ps();  // a super-block's
+    for (int g = 0; g < groups; ++g) {
+      const uint16_t* const from = q6_block_at(w, t, g);
+      if (g % kSuperGroups == 0)
+        big_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+      const int8_t* const sc = q6_sc_at(from, g);
+      for (int h = 0; h < 2; ++h) {  // inputs 16h..16h + 15: quads 4h..4h + 3
+        __m512i dot[R];              // Σ(u − 32)·q: from −32·Σq
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(centre0[r * halves + 2 * g + h]);
+        const __m512i pairs = _mm512_loadu_si512(block + 256 + 64 * h);
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {  // nibble block 2h + p: quads 4h + 2p (low), 4h + 2p + 1
+          const __m512i packed = _mm512_loadu_si512(block + 64 * (2 * h + p));
+          // quad j of the four: its pair at bits 2j, moved to bits 4 and 5
+          const __m512i high0 =
+              _mm512_and_si512(p == 0 ? _mm512_slli_epi16(pairs, 4) : pairs, pair_bits);
+          const __m512i high1 = _mm512_and_si512(
+              p == 0 ? _mm512_slli_epi16(pairs, 2) : _mm512_srli_epi16(pairs, 2), pair_bits);
+          const int32_t* at = qa + (4 * h + 2 * p) * kQuadWords * P;
+          add_quad<R, Q>(dot, _mm512_ternarylogic_epi32(packed, low_nibbles, high0, kOr), at,
+                         panel_words, low_pairs, high_pairs);
+          add_quad<R, Q>(
+              dot, _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low_nibbles, high1, kOr),
+              at + kQuadWords * P, panel_words, low_pairs, high_pairs);
+        }
+        const __m512 d = _mm512_mul_ps(
+            big_d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + h * kTileRows)))));
+        for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
+          const int64_t cell = panel_index(r, g, groups, P);
+          _mm512_store_ps(acc[r], add_scaled<Q>(_mm512_load_ps(acc[r]), dot[r], d, shift0 + cell,
+                                                scale0 + cell));
+        }
+      }
+      qa += 8 * kQuadWords * P;
+      block += group_bytes;
+    }
+    store_tile<R>(acc, w, a, row0, t, bias, out, out_stride);
+  }
+}
+
 // R rows × one tile at a time: R int32 accumulators stay in registers while the tile's groups
 // stream through once, the R float ones in L1. Up to 16 rows, two panels: vpdpwssd / vpdpbusd
 // take ~6 cycles and two issue a cycle, so a tile needs ~12 independent sums in flight.
@@ -258,30 +377,15 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   const int blocks = kGroupOf32 ? 1 : w.group / 32;
   const size_t group_bytes = w.group_bytes();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const __m512i low_pairs = _mm512_set4_epi32(widen_pattern(3, 0), widen_pattern(2, 0),
-                                              widen_pattern(1, 0), widen_pattern(0, 0));
-  const __m512i high_pairs = _mm512_set4_epi32(widen_pattern(3, 2), widen_pattern(2, 2),
-                                               widen_pattern(1, 2), widen_pattern(0, 2));
+  const __m512i low_pairs = widen_lanes(0), high_pairs = widen_lanes(2);
   // the rows' one or two panels (row0 is a panel's first row): row r of them at r = 0..R−1
   const int64_t panel_words = a.words() * P;
   const int32_t* const q0 = static_cast<const int32_t*>(a.q) + a.word_at(row0, 0);
   const int32_t* const shift0 = a.shift + a.cell_at(row0, 0);
   const float* const scale0 = a.scale + a.cell_at(row0, 0);
   const float* const unit_sum0 = a.unit_sum + a.cell_at(row0, 0);
-  // Adds one quad (16 rows × 4 inputs, unsigned bytes u) times the R rows' words at `at`.
-  auto add_quad = [&](__m512i(&dot)[R], __m512i u, const int32_t* at) PYSERVE_AVX512 {
-    const int32_t* const panel[2] = {at, at + panel_words};
-    if constexpr (sizeof(Q) == 1) {
-      for (int r = 0; r < R; ++r) dot[r] = dpbusd_word(dot[r], u, &panel[r / P][r % P]);
-    } else {
-      const __m512i low = _mm512_shuffle_epi8(u, low_pairs);
-      const __m512i high = _mm512_shuffle_epi8(u, high_pairs);
-      for (int r = 0; r < R; ++r) {
-        dot[r] = dpwssd_word(dot[r], low, &panel[r / P][r % P]);
-        dot[r] = dpwssd_word(dot[r], high, &panel[r / P][P + r % P]);
-      }
-    }
-  };
+  auto add = [&](__m512i(&dot)[R], __m512i u, const int32_t* at)
+                 PYSERVE_AVX512 { add_quad<R, Q>(dot, u, at, panel_words, low_pairs, high_pairs); };
   for (int t = tile0; t < tile1; ++t) {
     const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
     const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
@@ -297,14 +401,14 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
         if constexpr (BITS == 8) {
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            add_quad(dot, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
+            add(dot, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
         } else {
 #pragma GCC unroll 4
           for (int p = 0; p < 4; ++p) {
             const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
-            add_quad(dot, _mm512_and_si512(packed, low_nibbles), qa + 2 * p * kQuadWords * P);
-            add_quad(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles),
-                     qa + (2 * p + 1) * kQuadWords * P);
+            add(dot, _mm512_and_si512(packed, low_nibbles), qa + 2 * p * kQuadWords * P);
+            add(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles),
+                qa + (2 * p + 1) * kQuadWords * P);
           }
         }
         qa += 8 * kQuadWords * P;
@@ -327,27 +431,14 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
       }
       for (int r = 0; r < R; ++r) {  // in the row's unit (see qgemm.h)
         const int64_t cell = panel_index(r, g, groups, P);
-        __m512 sum = _mm512_load_ps(acc[r]);
-        if constexpr (sizeof(Q) == 2) {
-          const __m512i shifted = _mm512_sllv_epi32(dot[r], _mm512_set1_epi32(shift0[cell]));
-          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), d, sum);
-        } else {
-          const __m512 scaled =
-              _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(scale0[cell]));
-          sum = _mm512_fmadd_ps(scaled, d, sum);
-        }
+        const __m512 sum =
+            add_scaled<Q>(_mm512_load_ps(acc[r]), dot[r], d, shift0 + cell, scale0 + cell);
         _mm512_store_ps(acc[r], _mm512_fmadd_ps(m, _mm512_set1_ps(unit_sum0[cell]), sum));
       }
       block += group_bytes;
       sc += 2 * kTileRows;
     }
-    const __mmask16 live = first_lanes(w.n - t * kTileRows);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t * kTileRows) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      float* o = out + static_cast<int64_t>(row0 + r) * out_stride + t * kTileRows;
-      _mm512_mask_storeu_ps(
-          o, live, _mm512_fmadd_ps(_mm512_load_ps(acc[r]), _mm512_set1_ps(a.unit[row0 + r]), b));
-    }
+    store_tile<R>(acc, w, a, row0, t, bias, out, out_stride);
   }
 }
 
@@ -355,10 +446,14 @@ template <int BITS, class Q, int R = 1>
 void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   if constexpr (R <= kMaxRows) {
-    if (rows == R && w.group == 32)
-      return tiles_rows<R, BITS, Q, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    if (rows == R)
-      return tiles_rows<R, BITS, Q, false>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    if (rows == R) {
+      if constexpr (BITS == 6)
+        return q6_tiles_rows<R, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      else if (w.group == 32)
+        return tiles_rows<R, BITS, Q, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      else
+        return tiles_rows<R, BITS, Q, false>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    }
     return tiles_bits<BITS, Q, R + 1>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   }
 }
@@ -366,6 +461,10 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                   int tile1, const float* bias, float* out, int64_t out_stride) {
   const bool wide = a.bits == 16;
+  if (w.bits == 6 && wide)
+    return tiles_bits<6, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 6)
+    return tiles_bits<6, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 8 && wide)
     return tiles_bits<8, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 8)

@@ -62,7 +62,41 @@ void quantize_rows_scalar(const float* x, int64_t x_stride, int rows, int k, int
 inline int unpack(const uint8_t* block, int bits, int n, int i) {
   if (bits == 8) return block[(i / 4) * 64 + n * 4 + i % 4];
   const int quad = i / 4, byte = (quad / 2) * 64 + n * 4 + i % 4;
-  return quad % 2 == 0 ? block[byte] & 0x0f : block[byte] >> 4;
+  const int low = quad % 2 == 0 ? block[byte] & 0x0f : block[byte] >> 4;
+  if (bits == 4) return low;
+  // 6 bits: the high pair from the group's planes after its 256 bytes of nibbles (qgemm.h)
+  const int pair = block[256 + (quad / 4) * 64 + n * 4 + i % 4] >> (2 * (quad % 4)) & 3;
+  return low | pair << 4;
+}
+
+// One tile's 6-bit groups (qgemm.h's Q6_K form) for activation row r, into acc[16].
+template <class Q>
+void q6_groups(const PackedWeights& w, const QuantizedRows& a, int t, int r, float* acc) {
+  const int groups = w.groups();
+  const Q* q = static_cast<const Q*>(a.q);
+  const int halves = a.k_padded / 16;
+  for (int g = 0; g < groups; ++g) {
+    const size_t cell = static_cast<size_t>(t) * groups + g;
+    const uint8_t* block = w.data + cell * w.group_bytes();
+    const uint16_t* from = q6_block_at(w, t, g);
+    const int8_t* sc = q6_sc_at(from, g);
+    const Q* qa = q + static_cast<int64_t>(r) * a.k_padded + g * 32;
+    const int64_t at = static_cast<int64_t>(r) * groups + g;
+    for (int h = 0; h < 2; ++h) {
+      const int32_t centre = a.centre[static_cast<int64_t>(r) * halves + 2 * g + h];
+      for (int n = 0; n < kTileRows; ++n) {
+        int32_t dot = centre;  // Σ(u − 32)·q
+        for (int i = 16 * h; i < 16 * h + 16; ++i) dot += unpack(block, 6, n, i) * qa[i];
+        const float d = half_to_float(from[n]) * static_cast<float>(sc[h * kTileRows + n]);
+        if constexpr (sizeof(Q) == 2) {  // a left shift within the headroom (unsigned: defined)
+          const auto shifted = static_cast<int32_t>(static_cast<uint32_t>(dot) << a.shift[at]);
+          acc[n] = std::fma(static_cast<float>(shifted), d, acc[n]);
+        } else {
+          acc[n] = std::fma(static_cast<float>(dot) * a.scale[at], d, acc[n]);
+        }
+      }
+    }
+  }
 }
 
 template <class Q>
@@ -75,7 +109,8 @@ void tiles_as(const PackedWeights& w, const QuantizedRows& a, int row0, int rows
     const int valid = std::min(kTileRows, w.n - t * kTileRows);
     for (int r = row0; r < row0 + rows; ++r) {
       float acc[kTileRows] = {};
-      for (int g = 0; g < groups; ++g) {
+      if (w.bits == 6) q6_groups<Q>(w, a, t, r, acc);
+      for (int g = 0; g < groups && w.bits != 6; ++g) {
         const size_t cell = static_cast<size_t>(t) * groups + g;
         const uint8_t* block = w.data + cell * group_bytes;
         const uint16_t* sc =

@@ -11,7 +11,8 @@ Weight formats (w = d·u + m per group, d and m fp16):
 - ``int8``: symmetric, u = q + 128 with q ∈ [−127, 127] and m = −128·d (llama.cpp's Q8_0);
 - ``int4``: asymmetric 4-bit, u ∈ [0, 15], d = (max − min)/15, m = min (llama.cpp's Q4_1).
 Both round as llama.cpp does, so weights that a Q8_0 or Q4_1 GGUF held (the default model's)
-quantize back to exactly themselves.
+quantize back to exactly themselves. A GGUF's Q6_K tensors are packed as they are, 6 bits a
+weight with their own scales (``pack_ggml_blocks``, bits 6; nothing quantizes floats to it).
 
 Quantization changes the logits (benchmarks/RESULTS.md, "Kernels"), so the server applies it
 only where the checkpoint was quantized already (``quantization="auto"``: a GGUF served at the
@@ -94,7 +95,9 @@ class PackedWeight:
     data: torch.Tensor  # uint8 [tiles, groups, group·16·bits/8]
     # float16 [tiles, groups, 2, 16]: d of the tile's rows, then m; with super_scales, uint8
     # [tiles, groups / 8, 320]: per 256 inputs the rows' fp16 D and −Dmin, then 8-bit sc and mn
-    # per group (llama.cpp's Q4_K, d = D·sc and m = −Dmin·mn: cpp/kernels/qgemm.h)
+    # per group (llama.cpp's Q4_K, d = D·sc and m = −Dmin·mn: cpp/kernels/qgemm.h); 6 bits (always
+    # super_scales), uint8 [tiles, groups / 8, 288]: the rows' fp16 D, then a signed sc per 16
+    # inputs and row (llama.cpp's Q6_K, w = D·sc·(u − 32))
     scales: torch.Tensor
     n: int
     k: int
@@ -215,16 +218,26 @@ def ggml_largest_u() -> dict[str, int]:
 
 SUPER_GROUPS = 8  # groups of a super-block (256 inputs)
 SUPER_SCALE_BYTES = 2 * (2 * TILE_ROWS) + 2 * SUPER_GROUPS * TILE_ROWS  # of a tile's super-block
+Q6_SCALE_BYTES = 2 * TILE_ROWS + 2 * SUPER_GROUPS * TILE_ROWS  # D, then sc per 16 inputs
+Q6_OFFSET = 32  # a Q6_K weight is D·sc·(u − 32)
+# the file type each super-block form holds, by bits
+SUPER_TYPES = {4: "Q4_K", 6: "Q6_K"}
 
 
 def super_scales_fit(type_names: Iterable[str], bits: int, k: int) -> bool:
-    """Whether blocks of these types pack into 4-bit tiles with super-block scales: all Q4_K
-    (4.625 bits a weight, every weight the file's, against 5 with fp16 scales per group)."""
-    return bits == 4 and k % (SUPER_GROUPS * GROUP) == 0 and all(t == "Q4_K" for t in type_names)
+    """Whether blocks of these types pack into ``bits``-bit tiles with super-block scales: all
+    Q4_K into 4 bits (4.625 bits a weight, against 5 with fp16 scales per group) or all Q6_K into
+    6 (6.5625 bits, against 9 as int8 with fp16 scales): every weight the file's."""
+    kind = SUPER_TYPES.get(bits)
+    return (
+        kind is not None and k % (SUPER_GROUPS * GROUP) == 0 and all(t == kind for t in type_names)
+    )
 
 
 def ggml_fits(type_name: str, bits: int) -> bool:
-    """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles."""
+    """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles (6 bits: Q6_K only)."""
+    if bits == 6:
+        return type_name == "Q6_K"
     largest = ggml_largest_u().get(type_name)
     return largest is not None and largest < (1 << bits)
 
@@ -243,8 +256,11 @@ def pack_ggml_blocks(
     ``super_scales``: Q4_K parts keep their super-block scales (super_scales_fit)."""
     tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
     data = torch.empty(tiles, groups, GROUP * TILE_ROWS * bits // 8, dtype=torch.uint8)
+    if bits == 6 and not super_scales:
+        raise ValueError("6-bit tiles hold Q6_K blocks with their super-block scales only")
     if super_scales:
-        scales = torch.empty(tiles, groups // SUPER_GROUPS, SUPER_SCALE_BYTES, dtype=torch.uint8)
+        size = Q6_SCALE_BYTES if bits == 6 else SUPER_SCALE_BYTES
+        scales = torch.empty(tiles, groups // SUPER_GROUPS, size, dtype=torch.uint8)
     else:
         scales = torch.empty(tiles, groups, 2, TILE_ROWS, dtype=torch.float16)
     done = 0
@@ -264,9 +280,8 @@ def pack_ggml_blocks(
         done += part.shape[0]
     if done != rows:
         raise ValueError(f"the parts hold {done} rows, not {rows}")
-    halves = (
-        scales[..., : 4 * TILE_ROWS].contiguous().view(torch.float16) if super_scales else scales
-    )
+    fp16_bytes = 2 * TILE_ROWS if bits == 6 else 4 * TILE_ROWS  # D (and −Dmin) of the rows
+    halves = scales[..., :fp16_bytes].contiguous().view(torch.float16) if super_scales else scales
     if not torch.isfinite(halves).all():
         raise ValueError("a group's scale or offset is inf or nan")
     return PackedWeight(data, scales, rows, k, bits, GROUP, super_scales)
@@ -314,8 +329,13 @@ def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         u = blocks.view(len(rows), groups, -1, TILE_ROWS, 4)[picked, :, :, at]
     else:  # block p: quad 2p in the low nibbles, 2p+1 in the high ones
         both = blocks.view(len(rows), groups, -1, TILE_ROWS, 4)[picked, :, :, at]
-        u = torch.stack([both & 0x0F, both >> 4], dim=3)
+        u = _merge_nibbles(both, packed.bits)
     u = u.reshape(len(rows), groups, packed.group)
+    if packed.bits == 6:
+        d = _q6_half_scales(packed.scales[tile])  # [R, groups, 2, 16]
+        d = d[picked, :, :, at].repeat_interleave(GROUP // 2, dim=-1)
+        w = d * (u.float() - Q6_OFFSET)
+        return w.view(len(rows), -1)[:, : packed.k]
     if packed.super_scales:
         d, m = _super_group_scales(packed.scales[tile])  # [R, groups, 16] each
         d, m = d[picked, :, at], m[picked, :, at]
@@ -378,18 +398,44 @@ def _super_group_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
+def _merge_nibbles(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    """[a, b, blocks, c] 4- or 6-bit group bytes (a group's 64-byte blocks at dim 2: pairs of
+    quads in nibbles; 6 bits: 4 such, then 2 of high bit pairs) → [a, b, quads, c] u."""
+    nibbles = blocks[:, :, :4] if bits == 6 else blocks
+    u = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).flatten(2, 3)
+    if bits == 6:  # plane h, bits 2j: quad 4h + j's high pair
+        planes = blocks[:, :, 4:]
+        pairs = torch.stack([(planes >> (2 * j)) & 3 for j in range(4)], dim=3).flatten(2, 3)
+        u = u | (pairs << 4)
+    return u
+
+
+def _q6_half_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-block scales uint8 [..., blocks, 288] → float32 D·sc per 16 inputs,
+    [..., blocks · 8, 2, 16] (group, its half, row; exact: 11-bit by 8-bit products)."""
+    *lead, blocks, _ = scales.shape
+    big_d = scales[..., : 2 * TILE_ROWS].contiguous().view(torch.float16).float()
+    sc = scales[..., 2 * TILE_ROWS :].contiguous().view(torch.int8).float()
+    sc = sc.view(*lead, blocks, SUPER_GROUPS, 2, TILE_ROWS)
+    d = big_d[..., None, None, :] * sc
+    return d.reshape(*lead, blocks * SUPER_GROUPS, 2, TILE_ROWS)
+
+
 @torch.no_grad()
 def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed integers and scales back in row order: u uint8 [n_pad, k_pad] and d, m
-    [n_pad, groups], padding included: fp16, or float32 with super-block scales."""
+    [n_pad, groups], padding included: fp16, or float32 with super-block scales; 6 bits (scales
+    per 16 inputs): d and m [n_pad, k_pad / 16], m = −32·d."""
     tiles, groups, _ = packed.data.shape
     group, quads = packed.group, packed.group // 4
     blocks = packed.data.view(tiles, groups, -1, TILE_ROWS * 4)
-    if packed.bits == 4:
-        low, high = blocks & 0x0F, blocks >> 4
-        blocks = torch.stack([low, high], dim=3).view(tiles, groups, quads, TILE_ROWS * 4)
+    if packed.bits in (4, 6):
+        blocks = _merge_nibbles(blocks, packed.bits).view(tiles, groups, quads, TILE_ROWS * 4)
     u = blocks.view(tiles, groups, quads, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
     u = u.reshape(tiles * TILE_ROWS, groups * group)
+    if packed.bits == 6:
+        d = _q6_half_scales(packed.scales).permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, -1)
+        return u, d, -Q6_OFFSET * d
     if packed.super_scales:
         d, m = (s.permute(0, 2, 1).reshape(tiles * TILE_ROWS, groups)
                 for s in _super_group_scales(packed.scales))  # fmt: skip
@@ -404,7 +450,10 @@ def dequantize_weight(packed: PackedWeight | SegmentedWeight) -> torch.Tensor:
     if isinstance(packed, SegmentedWeight):
         return torch.cat([dequantize_weight(segment) for segment in packed.segments])
     u, d, m = unpack_weight(packed)
-    rows, groups = d.shape
+    rows, groups = d.shape  # 6 bits: per 16 inputs
+    if packed.bits == 6:  # D·sc·(u − 32), as llama.cpp computes it
+        w = d[..., None] * (u.view(rows, groups, -1).float() - Q6_OFFSET)
+        return w.reshape(rows, -1)[: packed.n, : packed.k].contiguous()
     w = d.float()[..., None] * u.view(rows, groups, -1).float() + m.float()[..., None]
     return w.view(rows, -1)[: packed.n, : packed.k].contiguous()
 

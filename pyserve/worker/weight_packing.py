@@ -1,17 +1,18 @@
 """What precision each projection is packed at, and packing it straight from the file's tensors.
 
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
-Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_*/Q6_K/Q8_0 on the 8-bit ones. Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are packed from their own integers by the kernels module
-(cpp/kernels/ggml_repack.h), never passing through float32 (Q4_K on the CPU kernels with its own
-super-block scales: 4.625 bits a weight, each the file's); the others (Q6_K, Q2_K/Q3_K, IQ*)
-are dequantized a piece of rows at a time and quantized to their precision. A projection made
-of several tensors (q, k and v; gate and up) keeps each tensor at its own precision on the CPU
-kernels (a ``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 8-bit ones,
-not all three at 8 bits), and takes the highest precision among them elsewhere. The output
-projection is always 8-bit: the logits are the most sensitive to rounding (llama.cpp keeps it at
-Q6_K or above for the same reason). ``Packing("int8")`` and ``Packing("int4")`` put every
-projection at that precision, whatever the file holds.
+Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q6_K on the CPU's 6-bit ones, Q5_*/Q8_0 (and Q6_K
+elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
+packed from their own integers by the kernels module (cpp/kernels/ggml_repack.h), never passing
+through float32 (on the CPU kernels Q4_K and Q6_K keep their own super-block scales: 4.625 and
+6.5625 bits a weight, each the file's); the others (Q2_K/Q3_K, IQ*) are dequantized a piece of
+rows at a time and quantized to their precision. A projection made of several tensors (q, k and
+v; gate and up) keeps each tensor at its own precision on the CPU kernels (a
+``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 6-bit ones, not all
+three at 8 bits), and takes the highest precision among them elsewhere. The output projection is
+8-bit, or Q6_K as the file holds it on the CPU kernels: the logits are the most sensitive to
+rounding (llama.cpp keeps it at Q6_K or above for the same reason). ``Packing("int8")`` and
+``Packing("int4")`` put every projection at that precision, whatever the file holds.
 """
 
 from __future__ import annotations
@@ -62,12 +63,20 @@ class Packing:
 
     def bits(self, parts: list[StoredTensor], *, head: bool = False) -> int:
         """The precision of the projection made of ``parts`` (its rows' tensors, in order)."""
+        if self.mode == "native" and all(self._own_bits(part) == 6 for part in parts):
+            return 6  # Q6_K as it is, the output projection too: no rounding, fewer bytes
         if head or self.mode == "int8":
             return 8
         if self.mode == "int4":
             return 4
-        # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision
-        return max(part.native_bits or 8 for part in parts)
+        # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision;
+        # Q6_K beside other types: 8 (the 6-bit tiles hold Q6_K blocks only)
+        return max(8 if bits == 6 else bits for bits in map(self._own_bits, parts))
+
+    def _own_bits(self, part: StoredTensor) -> int:
+        if self.kernels == "cpu" and part.type_name == "Q6_K":
+            return 6
+        return part.native_bits or 8
 
     @property
     def super_scales(self) -> bool:
@@ -81,7 +90,7 @@ class Packing:
         one precision, ``bits(parts)``, serves the whole projection."""
         if head or self.mode != "native" or self.kernels != "cpu" or len(parts) < 2:
             return None
-        bits = [part.native_bits or 8 for part in parts]
+        bits = [self._own_bits(part) for part in parts]
         return bits if len(set(bits)) > 1 else None
 
 

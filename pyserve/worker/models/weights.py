@@ -189,8 +189,8 @@ def load_weights(
                 continue
             if pool is not None and slot.embedding and tensor.quantized:
                 # a quantized file's table stays packed (its rows are dequantized on lookup);
-                # tied: the output projection's 8 bits (Q4 and Q5 groups fit them exactly)
-                bits = 8 if tied else packing.bits([tensor])
+                # tied: the output projection's bits (8: Q4 and Q5 groups fit them exactly)
+                bits = packing.bits([tensor], head=tied)
                 pack = partial(_pack, [tensor], bits, source, packing.super_scales)
                 pool.submit(EMBEDDING, 1, tensor.nbytes, pack)
                 continue
