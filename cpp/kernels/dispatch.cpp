@@ -13,10 +13,13 @@ namespace pyserve_kernels {
 
 namespace {
 
-// Weight bytes in one chunk of tiles that a thread claims: small enough that threads finish close
-// together and that the chunk stays in L2 while every group of rows (M > a kernel's max_rows)
-// walks it, large enough that claiming (one compare-and-swap) costs nothing.
-constexpr size_t kChunkBytes = 32 * 1024;
+// Weight bytes in one chunk of tiles that a thread claims: long runs of memory for the hardware
+// prefetchers (RESULTS.md, "Kernels": 32 KiB chunks left a 1-row decode slower), small enough
+// that the chunk stays in L2 while every group of rows (M > a kernel's max_rows) walks it. A
+// weight is cut into at least kChunksPerThread chunks a thread, so that threads finish close
+// together; claiming one (a compare-and-swap) costs nothing.
+constexpr size_t kChunkBytes = 256 * 1024;
+constexpr int kChunksPerThread = 4;
 // From this many rows on, the threads quantize the activations too, this many rows a chunk
 // (quantizing was ~4.6% of a batch-32 step, single-threaded below 32 rows: a decode batch
 // shrinks under 32 as its requests finish).
@@ -230,7 +233,9 @@ void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation
   const QuantizedRows a =
       scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows, centres);
   const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
-  const int tiles_per_chunk = std::max<int>(1, static_cast<int>(kChunkBytes / tile_bytes));
+  const int most = w.tiles() / (kChunksPerThread * ThreadPool::instance().size());
+  const int tiles_per_chunk =
+      std::max<int>(1, std::min<int>(most, static_cast<int>(kChunkBytes / tile_bytes)));
   MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
   const int chunks = (w.tiles() + tiles_per_chunk - 1) / tiles_per_chunk;
   ThreadPool::instance().run(matmul_chunk, &job, chunks);

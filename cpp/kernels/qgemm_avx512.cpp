@@ -19,6 +19,10 @@ namespace {
 
 constexpr int kPanelRows = 8;  // rows a panel of activations interleaves (qgemm.h)
 constexpr int kMaxRows = 16;   // rows a pass over the tiles computes: two panels
+constexpr int kChainsOfOneRow = 4;
+// How far ahead of a group the loop asks for its weights: the hardware prefetchers alone left
+// a 1-row decode short of the memory's bandwidth.
+constexpr size_t kPrefetchBytes = 1024;
 
 // The first n lanes (all 16 from n = 16 on, none for n <= 0).
 inline __mmask16 first_lanes(int n) {
@@ -248,11 +252,26 @@ PYSERVE_AVX512 inline __m512 byte_floats(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Independent integer sums a row keeps per group: vpdpwssd / vpdpbusd take ~5 cycles, so with
+// few rows one chain of them a group waits on itself; the chains are added up at the group's end
+// (integers: the same sum whatever the order).
+template <int R>
+constexpr int chains() {
+  return R >= 8 ? 1 : R >= 4 ? 2 : R == 3 ? 3 : kChainsOfOneRow / R;
+}
+
+// dot[0..R) += dot[c·R..(c + 1)·R) for the other chains c.
+template <int R, int C>
+PYSERVE_AVX512 inline void fold_chains(__m512i* dot) {
+  for (int c = 1; c < C; ++c)
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot[c * R + r]);
+}
+
 // Adds one quad (16 rows × 4 inputs, unsigned bytes u) times the R rows' words at `at` (their
 // panels `panel_words` apart); int16 words widen u with the two vpshufb patterns.
 template <int R, class Q>
-PYSERVE_AVX512 inline void add_quad(__m512i (&dot)[R], __m512i u, const int32_t* at,
-                                    int64_t panel_words, __m512i low_pairs, __m512i high_pairs) {
+PYSERVE_AVX512 inline void add_quad(__m512i* dot, __m512i u, const int32_t* at, int64_t panel_words,
+                                    __m512i low_pairs, __m512i high_pairs) {
   constexpr int P = kPanelRows;
   const int32_t* const panel[2] = {at, at + panel_words};
   if constexpr (sizeof(Q) == 1) {
@@ -304,6 +323,7 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
   constexpr int P = kPanelRows;
   constexpr int kQuadWords = sizeof(Q) == 1 ? 1 : 2;  // words of q per 4 inputs
   constexpr int kOr = 0xEA;                           // vpternlogd: (a & b) | c
+  constexpr int C = std::min(chains<R>(), 4);         // a half holds 4 quads
   const int groups = w.groups();
   const size_t group_bytes = w.group_bytes();
   const int halves = a.k_padded / 16;
@@ -327,8 +347,9 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
         big_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
       const int8_t* const sc = q6_sc_at(from, g);
       for (int h = 0; h < 2; ++h) {  // inputs 16h..16h + 15: quads 4h..4h + 3
-        __m512i dot[R];              // Σ(u − 32)·q: from −32·Σq
+        __m512i dot[R * C];          // Σ(u − 32)·q: from −32·Σq
         for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(centre0[r * halves + 2 * g + h]);
+        for (int r = R; r < R * C; ++r) dot[r] = _mm512_setzero_si512();
         const __m512i pairs = _mm512_loadu_si512(block + 256 + 64 * h);
 #pragma GCC unroll 2
         for (int p = 0; p < 2; ++p) {  // nibble block 2h + p: quads 4h + 2p (low), 4h + 2p + 1
@@ -339,12 +360,15 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
           const __m512i high1 = _mm512_and_si512(
               p == 0 ? _mm512_slli_epi16(pairs, 2) : _mm512_srli_epi16(pairs, 2), pair_bits);
           const int32_t* at = qa + (4 * h + 2 * p) * kQuadWords * P;
-          add_quad<R, Q>(dot, _mm512_ternarylogic_epi32(packed, low_nibbles, high0, kOr), at,
+          add_quad<R, Q>(dot + (2 * p) % C * R,
+                         _mm512_ternarylogic_epi32(packed, low_nibbles, high0, kOr), at,
                          panel_words, low_pairs, high_pairs);
           add_quad<R, Q>(
-              dot, _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low_nibbles, high1, kOr),
+              dot + (2 * p + 1) % C * R,
+              _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low_nibbles, high1, kOr),
               at + kQuadWords * P, panel_words, low_pairs, high_pairs);
         }
+        fold_chains<R, C>(dot);
         const __m512 d = _mm512_mul_ps(
             big_d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + h * kTileRows)))));
@@ -384,8 +408,11 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   const int32_t* const shift0 = a.shift + a.cell_at(row0, 0);
   const float* const scale0 = a.scale + a.cell_at(row0, 0);
   const float* const unit_sum0 = a.unit_sum + a.cell_at(row0, 0);
-  auto add = [&](__m512i(&dot)[R], __m512i u, const int32_t* at)
-                 PYSERVE_AVX512 { add_quad<R, Q>(dot, u, at, panel_words, low_pairs, high_pairs); };
+  constexpr int C = chains<R>();
+  // quad j of a group into chain j % C
+  auto add = [&](__m512i* dot, int j, __m512i u, const int32_t* at) PYSERVE_AVX512 {
+    add_quad<R, Q>(dot + j % C * R, u, at, panel_words, low_pairs, high_pairs);
+  };
   for (int t = tile0; t < tile1; ++t) {
     const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes;
     const uint16_t* sc = w.scales + static_cast<size_t>(t) * groups * 2 * kTileRows;
@@ -394,25 +421,28 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     const int32_t* qa = q0;
     __m512 big_d = _mm512_setzero_ps(), neg_dmin = _mm512_setzero_ps();  // a super-block's
     for (int g = 0; g < groups; ++g) {
-      __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      __m512i dot[R * C];
+      for (int r = 0; r < R * C; ++r) dot[r] = _mm512_setzero_si512();
+      for (size_t line = 0; line < group_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* wb = block + b * kBlockBytes;
         if constexpr (BITS == 8) {
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            add(dot, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
+            add(dot, j, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
         } else {
 #pragma GCC unroll 4
           for (int p = 0; p < 4; ++p) {
             const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
-            add(dot, _mm512_and_si512(packed, low_nibbles), qa + 2 * p * kQuadWords * P);
-            add(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles),
+            add(dot, 2 * p, _mm512_and_si512(packed, low_nibbles), qa + 2 * p * kQuadWords * P);
+            add(dot, 2 * p + 1, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles),
                 qa + (2 * p + 1) * kQuadWords * P);
           }
         }
         qa += 8 * kQuadWords * P;
       }
+      fold_chains<R, C>(dot);
       __m512 d, m;
       if (super_scales) {  // D·sc and −Dmin·mn (qgemm.h): exact; D and −Dmin once a super-block
         const uint16_t* const from =
