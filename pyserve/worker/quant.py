@@ -24,8 +24,10 @@ kernel; in a float32 model the kernel wins at every size, so only the packed wei
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -143,6 +145,29 @@ def segments_of(packed: PackedWeight | SegmentedWeight) -> tuple[PackedWeight, .
     return packed.segments if isinstance(packed, SegmentedWeight) else (packed,)
 
 
+HUGE_PAGE = 2 * 2**20
+MADV_HUGEPAGE = 14  # Linux's madvise advice
+_libc = None
+
+
+def weight_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape)`` for packed weights, its whole 2 MiB pages advised to be huge ones
+    before anything touches them (Linux's transparent huge pages, offered on request where
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``madvise``): a decode step streams
+    every weight once, and with 4 KiB pages the TLB misses left part of the memory's bandwidth
+    unused (RESULTS.md, "Kernels"). Elsewhere, or where the advice fails, the buffer is plain."""
+    global _libc
+    buffer = torch.empty(shape, dtype=dtype)
+    start = _ceil_to(buffer.data_ptr(), HUGE_PAGE)
+    end = (buffer.data_ptr() + buffer.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start and sys.platform == "linux":
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.madvise(start, end - start, MADV_HUGEPAGE)  # a failure leaves 4 KiB pages
+    return buffer
+
+
 def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -255,7 +280,7 @@ def pack_ggml_blocks(
     ``bits``-bit tiles with no float in between; every part but the last fills whole tiles.
     ``super_scales``: Q4_K parts keep their super-block scales (super_scales_fit)."""
     tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
-    data = torch.empty(tiles, groups, GROUP * TILE_ROWS * bits // 8, dtype=torch.uint8)
+    data = weight_buffer((tiles, groups, GROUP * TILE_ROWS * bits // 8), torch.uint8)
     if bits == 6 and not super_scales:
         raise ValueError("6-bit tiles hold Q6_K blocks with their super-block scales only")
     if super_scales:
@@ -297,7 +322,7 @@ def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
         if first is None:
             first = part
             tiles = _ceil_to(rows, TILE_ROWS) // TILE_ROWS
-            data = part.data.new_empty((tiles, *part.data.shape[1:]))
+            data = weight_buffer((tiles, *part.data.shape[1:]), part.data.dtype)
             scales = part.scales.new_empty((tiles, *part.scales.shape[1:]))
         elif (part.bits, part.group, part.k, part.super_scales) != (
             first.bits, first.group, first.k, first.super_scales,
