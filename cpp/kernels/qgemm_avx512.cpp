@@ -252,6 +252,12 @@ PYSERVE_AVX512 inline __m512 byte_floats(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Asks for the `bytes` of weights kPrefetchBytes past `at`.
+inline void prefetch_ahead(const uint8_t* at, size_t bytes) {
+  for (size_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes + line), _MM_HINT_T0);
+}
+
 // Independent integer sums a row keeps per group: vpdpwssd / vpdpbusd take ~5 cycles, so with
 // few rows one chain of them a group waits on itself; the chains are added up at the group's end
 // (integers: the same sum whatever the order).
@@ -346,6 +352,7 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
       if (g % kSuperGroups == 0)
         big_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
       const int8_t* const sc = q6_sc_at(from, g);
+      prefetch_ahead(block, group_bytes);
       for (int h = 0; h < 2; ++h) {  // inputs 16h..16h + 15: quads 4h..4h + 3
         __m512i dot[R * C];          // Σ(u − 32)·q: from −32·Σq
         for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(centre0[r * halves + 2 * g + h]);
@@ -423,8 +430,7 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     for (int g = 0; g < groups; ++g) {
       __m512i dot[R * C];
       for (int r = 0; r < R * C; ++r) dot[r] = _mm512_setzero_si512();
-      for (size_t line = 0; line < group_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
+      prefetch_ahead(block, group_bytes);
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* wb = block + b * kBlockBytes;
         if constexpr (BITS == 8) {
