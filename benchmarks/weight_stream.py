@@ -1,6 +1,6 @@
 """How fast the CPU kernels stream packed K-quant weights from memory, against the machine's read
-bandwidth: random Q4_K and Q6_K blocks packed as a GGUF load packs them (Q4_K at 4 bits and Q6_K at
-6 with their own scales; Q6_K also at 8 bits, the form it had before), enough copies to pass
+bandwidth: random Q4_K, Q5_K and Q6_K blocks packed as a GGUF load packs them (at 4, 5 and 6
+bits with their own scales; Q5_K and Q6_K also at 8 bits, their form before), copies enough to pass
 well beyond the caches (``--total-mb``), multiplied one after another by M rows of activations as
 a decode step does. Prints GB/s of weights read a second for each layout and M.
 
@@ -27,7 +27,8 @@ from gguf_files import random_blocks
 
 from pyserve.worker import quant
 
-LAYOUTS = {"Q4_K 4-bit": ("Q4_K", 4, True), "Q6_K 6-bit": ("Q6_K", 6, True)}
+LAYOUTS = {"Q4_K 4-bit": ("Q4_K", 4, True), "Q5_K 5-bit": ("Q5_K", 5, True)}
+LAYOUTS |= {"Q5_K 8-bit": ("Q5_K", 8, False), "Q6_K 6-bit": ("Q6_K", 6, True)}
 LAYOUTS["Q6_K 8-bit"] = ("Q6_K", 8, False)
 
 

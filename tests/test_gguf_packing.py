@@ -77,7 +77,7 @@ def test_the_kernels_pack_the_types_python_lists():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("type_name", EXACT_TYPES)
 def test_block_types_packed_bit_for_bit(type_name, bits):
     if GGML_LARGEST_U[type_name] >= 1 << bits:
@@ -103,20 +103,25 @@ def test_k_quants_packed_within_their_fp16_scales(type_name):
     assert not np.array_equal(got, exact)  # the rounding is real: the bound is what we promise
 
 
-def test_q4_k_with_super_block_scales_is_the_files_weights_exactly():
-    """Q4_K kept in its own form (fp16 D and −Dmin per 256 inputs, 8-bit sc and mn per 32):
-    every weight gguf-py's, the embedding rows too, at 4.625 bits a weight; Q4_K's fp16 group
-    scales (above) round, these do not."""
+@pytest.mark.parametrize(
+    ("type_name", "bits", "bits_a_weight"), [("Q4_K", 4, 4.625), ("Q5_K", 5, 5.625)]
+)
+def test_k_quants_with_super_block_scales_are_the_files_weights_exactly(
+    type_name, bits, bits_a_weight
+):
+    """Q4_K and Q5_K kept in their own form (fp16 D and −Dmin per 256 inputs, 8-bit sc and mn
+    per 32; Q5_K's fifth bits in a plane beside the nibbles): every weight gguf-py's, the
+    embedding rows too; their fp16 group scales (above) round, these do not."""
     rows, k = 40, 768
-    blocks = file_blocks("Q4_K", rows, k)
-    packed = pack_ggml_blocks([("Q4_K", blocks)], rows, k, 4, super_scales=True)
+    blocks = file_blocks(type_name, rows, k)
+    packed = pack_ggml_blocks([(type_name, blocks)], rows, k, bits, super_scales=True)
     assert packed.super_scales
-    exact = exact_values("Q4_K", blocks)
+    exact = exact_values(type_name, blocks)
     assert np.array_equal(dequantize_weight(packed).numpy(), exact)
     picked = torch.tensor([0, 17, 39, 5])
     assert np.array_equal(packed_rows(packed, picked).numpy(), exact[picked.numpy()])
     tiles = -(-rows // 16)
-    assert packed.nbytes * 8 / (tiles * 16 * k) == 4.625
+    assert packed.nbytes * 8 / (tiles * 16 * k) == bits_a_weight
     for type_name, bits, kk in (("Q4_0", 4, 256), ("Q5_K", 8, 256), ("Q4_K", 8, 256)):
         with pytest.raises(ValueError, match="super-block scales"):
             parts = [(type_name, file_blocks(type_name, 16, kk))]
@@ -203,11 +208,11 @@ TYPES = {
 # tensors differ as segments (a tuple: each run of rows' bits, in order)
 EXPECTED_BITS = {
     "layers.0.qkv_proj": (4, 6),  # q, k Q4_K; v Q6_K
-    "layers.0.o_proj": 8,
+    "layers.0.o_proj": 5,  # Q5_K
     "layers.0.gate_up_proj": 4,
     "layers.0.down_proj": 6,
-    "layers.1.qkv_proj": (4, 8),  # q Q4_0, k Q4_1; v Q5_0
-    "layers.1.o_proj": 8,
+    "layers.1.qkv_proj": (4, 5),  # q Q4_0, k Q4_1; v Q5_0
+    "layers.1.o_proj": 5,  # Q5_1
     "layers.1.gate_up_proj": (8, 4),  # gate Q8_0, up Q4_0
     "layers.1.down_proj": 8,
     "lm_head": 6,  # Q6_K as the file holds it
@@ -251,7 +256,7 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     path, stored = mixed_gguf
     loaded = runner(path, quantization="auto")
     # a segmented projection counts at each of its precisions
-    assert loaded.packed_precisions == {"int4": 4, "int6": 3, "int8": 5}
+    assert loaded.packed_precisions == {"int4": 4, "int5": 3, "int6": 3, "int8": 2}
     for name, bits in EXPECTED_BITS.items():
         assert loaded.model.get_submodule(name).bits == bits, name
     # the untied embedding stays packed, at the 8 bits of its Q8_0 blocks, exactly
@@ -269,17 +274,14 @@ def test_mixed_file_served_at_its_own_precisions(mixed_gguf):
     gate_up = rows(1, "mlp.gate_proj", "mlp.up_proj")
     assert torch.equal(packed_weight(loaded, "layers.1.gate_up_proj"), gate_up)
     assert torch.equal(packed_weight(loaded, "layers.1.down_proj"), rows(1, "mlp.down_proj"))
-    # Q4_K: its super-block scales kept, exactly (q and k: the 4-bit segment); Q5_K (o) within
-    # the fp16 rounding of its group scales
+    # Q4_K and Q5_K (o): their super-block scales kept, exactly (q and k: the 4-bit segment)
     qk_rows = sum(stored[f"model.layers.0.{p}.weight"].shape[0] for p in qkv[:2])
     qkv0 = packed_weight(loaded, "layers.0.qkv_proj")
     assert torch.equal(qkv0[:qk_rows], rows(0, *qkv[:2]))
     gate_up0 = loaded.model.get_submodule("layers.0.gate_up_proj")
     assert gate_up0.packed.super_scales
     assert torch.equal(dequantize_weight(gate_up0.packed), rows(0, "mlp.gate_proj", "mlp.up_proj"))
-    exact = rows(0, "self_attn.o_proj")
-    got = packed_weight(loaded, "layers.0.o_proj")
-    assert (got - exact).abs().max() <= exact.abs().max() * 2**-10
+    assert torch.equal(packed_weight(loaded, "layers.0.o_proj"), rows(0, "self_attn.o_proj"))
     # Q6_K in its own 6-bit form, exactly: down, the output projection, v (a segment)
     assert torch.equal(packed_weight(loaded, "layers.0.down_proj"), rows(0, "mlp.down_proj"))
     assert torch.equal(packed_weight(loaded, "lm_head"), stored["lm_head.weight"])

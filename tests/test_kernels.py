@@ -235,28 +235,44 @@ def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, a
     assert torch.equal(got[[0, 3]], want[[0, 3]])
 
 
-def k_quant_weight(type_name: str, n: int, k: int, seed: int) -> quant.PackedWeight:
-    """A random Q4_K or Q6_K weight packed with its own super-block scales (4 or 6 bits)."""
+# GGML types the kernels read at their own width: bits, and whether with super-block scales
+OWN_WIDTH = {"Q4_K": (4, True), "Q5_K": (5, True), "Q6_K": (6, True), "Q5_0": (5, False)}
+OWN_WIDTH["Q5_1"] = (5, False)
+
+
+def ggml_weight(type_name: str, n: int, k: int, seed: int) -> quant.PackedWeight:
+    """A random weight of ``type_name`` packed at its own width (OWN_WIDTH): K-quants as random
+    blocks, the others as gguf-py quantizes a random float weight."""
+    import gguf
     from gguf_files import random_blocks
 
-    blocks = random_blocks(type_name, n, k, np.random.default_rng(seed))
-    bits = 6 if type_name == "Q6_K" else 4
-    return quant.pack_ggml_blocks([(type_name, blocks)], n, k, bits, super_scales=True)
+    rng = np.random.default_rng(seed)
+    bits, own_scales = OWN_WIDTH[type_name]
+    if own_scales:
+        blocks = random_blocks(type_name, n, k, rng)
+    else:
+        weight = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+        blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType[type_name])
+    return quant.pack_ggml_blocks([(type_name, blocks)], n, k, bits, super_scales=own_scales)
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
-@pytest.mark.parametrize(("type_name", "bits_a_weight"), [("Q4_K", 4.625), ("Q6_K", 6.5625)])
-def test_k_quant_super_block_scales_are_the_integer_formula(
+@pytest.mark.parametrize(
+    ("type_name", "bits_a_weight"),
+    [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.5625), ("Q5_0", 6.0), ("Q5_1", 6.0)],
+)
+def test_ggml_types_at_their_own_width_are_the_integer_formula(
     isa, activation_bits, type_name, bits_a_weight
 ):
-    """The K-quants' own scales (qgemm.h), against the float64 formula over the dequantized
-    weights. Q4_K: d = D·sc and m = −Dmin·mn per group, from fp16 D, −Dmin per 256 inputs and
-    8-bit sc, mn. Q6_K: D·sc·(Σu·q − 32·Σq) per 16 inputs, from fp16 D and a signed sc per 16.
-    Row counts through the kernels' 4/8/16-row blocks and 8-row panels, partial tiles, a bias on
-    every other shape."""
+    """The K-quants' own scales and the 5- and 6-bit tiles (qgemm.h), against the float64
+    formula over the dequantized weights. Q4_K, Q5_K: d = D·sc and m = −Dmin·mn per group, from
+    fp16 D, −Dmin per 256 inputs and 8-bit sc, mn. Q6_K: D·sc·(Σu·q − 32·Σq) per 16 inputs,
+    from fp16 D and a signed sc per 16. Q5_0, Q5_1: fp16 d, m per 32, 5-bit u from nibbles and a
+    plane of high bits. Row counts through the kernels' 4/8/16-row blocks and 8-row panels,
+    partial tiles, a bias on every other shape."""
     shapes = [(1, 1, 256), (2, 37, 512), (5, 100, 256), (19, 33, 768), (40, 17, 256)]
     for i, (rows, n, k) in enumerate([*shapes, (3, 300, 1024)]):
-        packed = k_quant_weight(type_name, n, k, seed=i)
+        packed = ggml_weight(type_name, n, k, seed=i)
         assert packed.nbytes * 8 / (-(-n // 16) * 16 * k) == bits_a_weight
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if i % 2 else None
@@ -284,11 +300,12 @@ def test_the_largest_q6_k_sum_shifted_by_the_headroom_stays_in_int32(isa, activa
 
 
 @pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_super_block_scales_stay_off_the_amx_tiles(type_name):
-    """The AMX path reads fp16 group scales only: a Q4_K or Q6_K weight with its own scales
-    takes the VNNI loops even where int8 activations on many rows would go to the tiles."""
-    packed = k_quant_weight(type_name, 48, 512, seed=3)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_1"])
+def test_own_widths_stay_off_the_amx_tiles(type_name):
+    """The AMX path reads 4- and 8-bit tiles with fp16 group scales only: a K-quant with its own
+    scales, or 5- or 6-bit tiles, take the VNNI loops even where int8 activations on many rows
+    would go to the tiles."""
+    packed = ggml_weight(type_name, 48, 512, seed=3)
     x = random_input(40, 512, seed=3)
     before = KERNELS.amx()
     KERNELS.set_amx(True)
@@ -303,10 +320,10 @@ def test_super_block_scales_stay_off_the_amx_tiles(type_name):
 def test_super_block_scales_need_q4_k_shapes():
     w = quant.quantize_weight(random_weight(16, 288, seed=1), 4)
     x, out = random_input(1, 288, seed=1), torch.empty(1, 16)
-    with pytest.raises(ValueError, match="super-block scales need 4- or 6-bit weights"):
+    with pytest.raises(ValueError, match="super-block scales need 4-, 5- or 6-bit weights"):
         KERNELS.matmul(x.data_ptr(), 288, 1, 16, w.data.data_ptr(), w.scales.data_ptr(), 16, 288,
                        4, 32, 0, out.data_ptr(), 16, True)  # fmt: skip
-    q6 = k_quant_weight("Q6_K", 16, 256, seed=1)
+    q6 = ggml_weight("Q6_K", 16, 256, seed=1)
     with pytest.raises(
         ValueError, match=r"6-bit weights \(Q6_K\) come with their super-block scales"
     ):
@@ -316,14 +333,13 @@ def test_super_block_scales_need_q4_k_shapes():
 
 def test_the_isas_agree():
     rows, n = 6, 200
-    for bits in (8, 6, 4):
-        k = 512 if bits == 6 else 300  # Q6_K: whole super-blocks
+    for bits in (8, 6, 5, 4):
+        k = 300 if bits in (4, 8) else 512  # Q6_K, Q5_1: whole blocks
         x = random_input(rows, k, seed=7)
-        packed = (
-            k_quant_weight("Q6_K", n, k, 7)
-            if bits == 6
-            else quant.quantize_weight(random_weight(n, k, 7), bits)
-        )
+        if bits in (5, 6):
+            packed = ggml_weight("Q6_K" if bits == 6 else "Q5_1", n, k, 7)
+        else:
+            packed = quant.quantize_weight(random_weight(n, k, 7), bits)
         results = []
         for name in ISAS:
             KERNELS.set_isa(name)

@@ -212,18 +212,20 @@ const std::string& amx_status() {
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride) {
   check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
-  check(w.bits == 8 || w.bits == 6 || w.bits == 4, "weight bits must be 8, 6 or 4");
+  check(w.bits == 8 || w.bits == 6 || w.bits == 5 || w.bits == 4,
+        "weight bits must be 8, 6, 5 or 4");
   check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
   check_group(w.group);
   check(!w.super_scales || (w.bits != 8 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
-        "super-block scales need 4- or 6-bit weights, groups of 32 and k a multiple of 256");
+        "super-block scales need 4-, 5- or 6-bit weights, groups of 32 and k a multiple of 256");
+  check(w.bits != 5 || w.group == 32, "5-bit weights come in groups of 32");
   check(w.bits != 6 || w.super_scales, "6-bit weights (Q6_K) come with their super-block scales");
   check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
-  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows && w.bits != 6 &&
-                                     !w.super_scales && &kernels() == &avx512_kernels() &&
-                                     amx_enabled()
+  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows &&
+                                     (w.bits == 8 || w.bits == 4) && !w.super_scales &&
+                                     &kernels() == &avx512_kernels() && amx_enabled()
                                  ? amx_kernels()
                                  : kernels();
   thread_local Scratch scratch;
@@ -245,7 +247,8 @@ void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int
                           int weight_bits, void* q, float* scale, int32_t* sum) {
   check(x != nullptr && q != nullptr && scale != nullptr && sum != nullptr, "null pointer");
   check(bits == 8 || bits == 16, "activation bits must be 8 or 16");
-  check(weight_bits == 8 || weight_bits == 6 || weight_bits == 4, "weight bits must be 8, 6 or 4");
+  check(weight_bits == 8 || weight_bits == 6 || weight_bits == 5 || weight_bits == 4,
+        "weight bits must be 8, 6, 5 or 4");
   check_group(group);
   check(k > 0 && rows >= 0 && x_stride >= k, "bad sizes");
   Scratch scratch;

@@ -197,10 +197,12 @@ struct RepackJob {
   bool super_scales;
 };
 
-// Row r's super-block scales (qgemm.h) of a Q4_K row into its tile's: D, −Dmin, sc, mn.
-void q4_k_super_scales(const uint8_t* row, int r, int blocks, uint16_t* tile_scales) {
+// Row r's super-block scales (qgemm.h) of a Q4_K or Q5_K row (blocks of `block_bytes`, both
+// starting with d, dmin and the 12 bytes of 6-bit scales) into its tile's: D, −Dmin, sc, mn.
+void k_super_scales(const uint8_t* row, int64_t block_bytes, int r, int blocks,
+                    uint16_t* tile_scales) {
   for (int s = 0; s < blocks; ++s) {
-    const uint8_t* b = row + static_cast<int64_t>(s) * 144;
+    const uint8_t* b = row + s * block_bytes;
     uint16_t* at = tile_scales + static_cast<size_t>(s) * kSuperScaleHalves;
     at[r] = load_half(b);
     at[kTileRows + r] = static_cast<uint16_t>(load_half(b + 2) ^ 0x8000u);  // −Dmin, exact
@@ -267,7 +269,9 @@ void repack_tile(void* context, int tile) {
       q6_k_row(source, r, groups, group_bytes, tile_data, tile_scales);
       continue;
     }
-    if (job.super_scales) q4_k_super_scales(source, r, groups / kSuperGroups, tile_scales);
+    if (job.super_scales)
+      k_super_scales(source, job.type == GgmlType::kQ5_K ? 176 : 144, r, groups / kSuperGroups,
+                     tile_scales);
     for (int g = 0; g < groups; ++g) {
       uint16_t d, m;
       decode_group(job.type, source, g, u, &d, &m);
@@ -282,7 +286,15 @@ void repack_tile(void* context, int tile) {
       } else {  // block p: quad 2p in the low nibbles, quad 2p + 1 in the high ones
         for (int p = 0; p < kGroup / 8; ++p) {
           for (int i = 0; i < 4; ++i) {
-            block[p * 64 + i] = static_cast<uint8_t>(u[8 * p + i] | (u[8 * p + 4 + i] << 4));
+            block[p * 64 + i] =
+                static_cast<uint8_t>((u[8 * p + i] & 0x0f) | (u[8 * p + 4 + i] << 4));
+          }
+        }
+        if (job.bits == 5) {  // the high plane: bit j of byte i is quad j's
+          for (int i = 0; i < 4; ++i) {
+            int bits = 0;
+            for (int j = 0; j < 8; ++j) bits |= (u[4 * j + i] >> 4) << j;
+            block[kHighPlaneOffset + i] = static_cast<uint8_t>(bits);
           }
         }
       }
@@ -327,11 +339,14 @@ void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int ro
   if (bits == 6 && (type != GgmlType::kQ6_K || !super_scales)) {
     throw std::invalid_argument("6-bit tiles hold Q6_K blocks with their super-block scales only");
   }
-  if (super_scales && !(type == GgmlType::kQ4_K && bits == 4) && bits != 6) {
+  if (super_scales && !(type == GgmlType::kQ4_K && bits == 4) &&
+      !(type == GgmlType::kQ5_K && bits == 5) && bits != 6) {
     throw std::invalid_argument(
-        "super-block scales hold Q4_K blocks in 4-bit tiles and Q6_K in 6-bit ones only");
+        "super-block scales hold Q4_K blocks in 4-bit tiles, Q5_K in 5-bit and Q6_K in 6-bit "
+        "ones only");
   }
-  if (bits != 4 && bits != 6 && bits != 8) throw std::invalid_argument("bits must be 4, 6 or 8");
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    throw std::invalid_argument("bits must be 4, 5, 6 or 8");
   if (ggml_type_largest_u(type) >= (1 << bits)) {
     throw std::invalid_argument("the type's integers do not fit the tiles' bits");
   }

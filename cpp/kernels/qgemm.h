@@ -4,7 +4,8 @@
 // Weights. Every group of `group` consecutive inputs of one output row holds unsigned integers
 // u (0..255 for 8 bits, 0..15 for 4 bits) and two fp16 numbers, a scale d and an offset m:
 // w = d·u + m. Symmetric int8 (llama.cpp's Q8_0) is u = q + 128, m = −128·d; asymmetric 4-bit
-// (Q4_1) is its min/max form. 6 bits is llama.cpp's Q6_K as it is (below). Outputs come in tiles of
+// (Q4_1) is its min/max form. 5 bits (llama.cpp's Q5_0, Q5_1, Q5_K) is the 4-bit layout plus a
+// plane of high bits (below); 6 bits is llama.cpp's Q6_K as it is (below). Outputs come in tiles of
 // 16 rows and each tile's groups lie one after another, so a thread streams its tiles front to back
 // (see cpp/kernels/README.md):
 //   data   [tiles][groups][group·16·bits/8 bytes]   8 bits: blocks of 64 bytes, byte 4n+i =
@@ -48,7 +49,7 @@ struct PackedWeights {
   const uint16_t* scales;  // fp16 bits
   int n;                   // output rows (unpadded)
   int k;                   // inputs (unpadded)
-  int bits;                // 8, 6 or 4
+  int bits;                // 8, 6, 5 or 4
   int group;               // inputs per group, a multiple of 32
   // Scales per tile and 256 inputs in llama.cpp's Q4_K form (below) instead of fp16 d and m per
   // group: 4-bit weights, groups of 32, k padded to a multiple of 256. 6-bit weights always
@@ -77,6 +78,12 @@ inline const uint8_t* super_sc_at(const uint16_t* block, int group) {
   return reinterpret_cast<const uint8_t*>(block + 2 * kTileRows) + group % kSuperGroups * kTileRows;
 }
 constexpr int kSuperMinOffset = kSuperGroups * kTileRows;  // from a group's sc to its mn
+
+// 5-bit weights: each 32 inputs of a tile are 256 bytes of low nibbles in the 4-bit layout, then
+// one 64-byte block whose byte 4n + i holds in bit j the high bit (bit 4) of u[n][4j + i]; the
+// scales are either form of the 4-bit weights' (fp16 d and m per group, or Q4_K's super-block
+// form for Q5_K, whose blocks carry the same scales).
+constexpr int kHighPlaneOffset = 256;  // bytes of nibbles before a 32-input block's high bits
 
 // 6-bit weights (llama.cpp's Q6_K, 6.5625 bits a weight, every weight the file's): groups of 32
 // and super-block scales. A (tile, group)'s 384 bytes are its low nibbles in the 4-bit layout

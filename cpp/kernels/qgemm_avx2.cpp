@@ -63,6 +63,28 @@ PYSERVE_AVX2 inline __m256 byte_floats(const uint8_t* p) {
       _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Quads 2j (low nibbles) and 2j + 1 (high nibbles) of a 4- or 5-bit group at `block` (half a
+// tile: 32 bytes of each 64-byte block) as bytes u; 5 bits: with their bit of the high plane.
+template <int BITS>
+PYSERVE_AVX2 inline void nibble_quads(const uint8_t* block, int j, __m256i* lo, __m256i* hi) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j));
+  *lo = _mm256_and_si256(packed, low_nibbles);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+  if constexpr (BITS == 5) {  // bit i of the plane's bytes is quad i's: moved to bit 4
+    const __m256i plane =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kHighPlaneOffset));
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    for (int q = 0; q < 2; ++q) {
+      const int i = 2 * j + q;
+      const __m256i moved = i <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - i))
+                                   : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(i - 4));
+      __m256i* u = q == 0 ? lo : hi;
+      *u = _mm256_or_si256(*u, _mm256_and_si256(moved, bit4));
+    }
+  }
+}
+
 // acc + d·(a group's integer dot in its row's unit): int16 shifts it by e − U, int8 multiplies
 // it by the scale (qgemm.h); `at` is the row's cell.
 template <class Q>
@@ -168,7 +190,6 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
   const size_t super_tile_halves = static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves;
   const int group = w.group;
   const size_t group_bytes = w.group_bytes();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   for (int t = tile0; t < tile1; ++t) {
     for (int h = 0; h < 2; ++h) {
       const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes + 32 * h;
@@ -189,8 +210,8 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
               for (int r = 0; r < R; ++r)
                 dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(raw, qa + r * a.k_padded + 4 * j));
             } else {
-              const __m256i lo = _mm256_and_si256(raw, low_nibbles);
-              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+              __m256i lo, hi;
+              nibble_quads<BITS>(block, j, &lo, &hi);
               for (int r = 0; r < R; ++r) {
                 const Q* q = qa + r * a.k_padded + 8 * j;
                 dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(lo, q));
@@ -212,10 +233,8 @@ PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int
           }
         } else {
           for (int p = 0; p < group / 8; ++p) {
-            const __m256i packed =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p));
-            const __m256i lo = _mm256_and_si256(packed, low_nibbles);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+            __m256i lo, hi;
+            nibble_quads<BITS>(block, p, &lo, &hi);
             for (int r = 0; r < R; ++r) {
               const Q* q = qa + r * a.k_padded + 8 * p;
               dot[r] = _mm256_add_epi32(dot[r], dot_u4(lo, broadcast_quad(q)));
@@ -271,6 +290,10 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 void tiles_avx2(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   const bool wide = a.bits == 16;
+  if (w.bits == 5 && wide)
+    return tiles_bits<5, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 5)
+    return tiles_bits<5, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 6 && wide)
     return tiles_bits<6, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 6)

@@ -252,6 +252,15 @@ PYSERVE_AVX512 inline __m512 byte_floats(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+constexpr int kOr = 0xEA;  // vpternlogd: (a & b) | c
+
+// Bit j of every byte of a 5-bit block's high plane (qgemm.h) moved to bit 4, the rest zero.
+PYSERVE_AVX512 inline __m512i high_bit(__m512i plane, int j) {
+  const __m512i moved = j <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - j))
+                               : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(j - 4));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
+
 // Asks for the `bytes` of weights kPrefetchBytes past `at`.
 inline void prefetch_ahead(const uint8_t* at, size_t bytes) {
   for (size_t line = 0; line < bytes; line += 64)
@@ -328,7 +337,6 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
                                   int64_t out_stride) {
   constexpr int P = kPanelRows;
   constexpr int kQuadWords = sizeof(Q) == 1 ? 1 : 2;  // words of q per 4 inputs
-  constexpr int kOr = 0xEA;                           // vpternlogd: (a & b) | c
   constexpr int C = std::min(chains<R>(), 4);         // a half holds 4 quads
   const int groups = w.groups();
   const size_t group_bytes = w.group_bytes();
@@ -437,6 +445,19 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
             add(dot, j, _mm512_loadu_si512(wb + 64 * j), qa + j * kQuadWords * P);
+        } else if constexpr (BITS == 5) {  // the nibbles, and each quad's bit of the plane
+          const __m512i plane = _mm512_loadu_si512(wb + kHighPlaneOffset);
+#pragma GCC unroll 4
+          for (int p = 0; p < 4; ++p) {
+            const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
+            add(dot, 2 * p,
+                _mm512_ternarylogic_epi32(packed, low_nibbles, high_bit(plane, 2 * p), kOr),
+                qa + 2 * p * kQuadWords * P);
+            add(dot, 2 * p + 1,
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low_nibbles,
+                                          high_bit(plane, 2 * p + 1), kOr),
+                qa + (2 * p + 1) * kQuadWords * P);
+          }
         } else {
 #pragma GCC unroll 4
           for (int p = 0; p < 4; ++p) {
@@ -497,6 +518,10 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                   int tile1, const float* bias, float* out, int64_t out_stride) {
   const bool wide = a.bits == 16;
+  if (w.bits == 5 && wide)
+    return tiles_bits<5, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  if (w.bits == 5)
+    return tiles_bits<5, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 6 && wide)
     return tiles_bits<6, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   if (w.bits == 6)

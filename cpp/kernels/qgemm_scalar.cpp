@@ -64,6 +64,7 @@ inline int unpack(const uint8_t* block, int bits, int n, int i) {
   const int quad = i / 4, byte = (quad / 2) * 64 + n * 4 + i % 4;
   const int low = quad % 2 == 0 ? block[byte] & 0x0f : block[byte] >> 4;
   if (bits == 4) return low;
+  if (bits == 5) return low | (block[kHighPlaneOffset + n * 4 + i % 4] >> quad & 1) << 4;
   // 6 bits: the high pair from the group's planes after its 256 bytes of nibbles (qgemm.h)
   const int pair = block[256 + (quad / 4) * 64 + n * 4 + i % 4] >> (2 * (quad % 4)) & 3;
   return low | pair << 4;

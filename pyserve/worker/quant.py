@@ -94,7 +94,7 @@ _kernels_module = None
 class PackedWeight:
     """A [n, k] weight in the kernel's layout (cpp/kernels/qgemm.h)."""
 
-    data: torch.Tensor  # uint8 [tiles, groups, group·16·bits/8]
+    data: torch.Tensor  # uint8 [tiles, groups, group·16·bits/8] (5 and 6 bits: cpp/kernels/qgemm.h)
     # float16 [tiles, groups, 2, 16]: d of the tile's rows, then m; with super_scales, uint8
     # [tiles, groups / 8, 320]: per 256 inputs the rows' fp16 D and −Dmin, then 8-bit sc and mn
     # per group (llama.cpp's Q4_K, d = D·sc and m = −Dmin·mn: cpp/kernels/qgemm.h); 6 bits (always
@@ -246,13 +246,14 @@ SUPER_SCALE_BYTES = 2 * (2 * TILE_ROWS) + 2 * SUPER_GROUPS * TILE_ROWS  # of a t
 Q6_SCALE_BYTES = 2 * TILE_ROWS + 2 * SUPER_GROUPS * TILE_ROWS  # D, then sc per 16 inputs
 Q6_OFFSET = 32  # a Q6_K weight is D·sc·(u − 32)
 # the file type each super-block form holds, by bits
-SUPER_TYPES = {4: "Q4_K", 6: "Q6_K"}
+SUPER_TYPES = {4: "Q4_K", 5: "Q5_K", 6: "Q6_K"}
 
 
 def super_scales_fit(type_names: Iterable[str], bits: int, k: int) -> bool:
     """Whether blocks of these types pack into ``bits``-bit tiles with super-block scales: all
-    Q4_K into 4 bits (4.625 bits a weight, against 5 with fp16 scales per group) or all Q6_K into
-    6 (6.5625 bits, against 9 as int8 with fp16 scales): every weight the file's."""
+    Q4_K into 4 bits (4.625 bits a weight, against 5 with fp16 scales per group), all Q5_K into
+    5 (5.625) or all Q6_K into 6 (6.5625, against 9 as int8 with fp16 scales): every weight the
+    file's."""
     kind = SUPER_TYPES.get(bits)
     return (
         kind is not None and k % (SUPER_GROUPS * GROUP) == 0 and all(t == kind for t in type_names)
@@ -424,10 +425,15 @@ def _super_group_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _merge_nibbles(blocks: torch.Tensor, bits: int) -> torch.Tensor:
-    """[a, b, blocks, c] 4- or 6-bit group bytes (a group's 64-byte blocks at dim 2: pairs of
-    quads in nibbles; 6 bits: 4 such, then 2 of high bit pairs) → [a, b, quads, c] u."""
-    nibbles = blocks[:, :, :4] if bits == 6 else blocks
+    """[a, b, blocks, c] 4-, 5- or 6-bit group bytes (a group's 64-byte blocks at dim 2: pairs
+    of quads in nibbles; 5 bits: 4 such, then 1 of high bits; 6 bits: 4, then 2 of high bit
+    pairs) → [a, b, quads, c] u."""
+    nibbles = blocks[:, :, :4] if bits in (5, 6) else blocks
     u = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).flatten(2, 3)
+    if bits == 5:  # the plane's bit j: quad j's high bit
+        plane = blocks[:, :, 4:]
+        high = torch.stack([(plane >> j) & 1 for j in range(8)], dim=3).flatten(2, 3)
+        u = u | (high << 4)
     if bits == 6:  # plane h, bits 2j: quad 4h + j's high pair
         planes = blocks[:, :, 4:]
         pairs = torch.stack([(planes >> (2 * j)) & 3 for j in range(4)], dim=3).flatten(2, 3)
@@ -454,7 +460,7 @@ def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     tiles, groups, _ = packed.data.shape
     group, quads = packed.group, packed.group // 4
     blocks = packed.data.view(tiles, groups, -1, TILE_ROWS * 4)
-    if packed.bits in (4, 6):
+    if packed.bits in (4, 5, 6):
         blocks = _merge_nibbles(blocks, packed.bits).view(tiles, groups, quads, TILE_ROWS * 4)
     u = blocks.view(tiles, groups, quads, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
     u = u.reshape(tiles * TILE_ROWS, groups * group)

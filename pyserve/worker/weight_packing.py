@@ -1,11 +1,11 @@
 """What precision each projection is packed at, and packing it straight from the file's tensors.
 
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
-Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q6_K on the CPU's 6-bit ones, Q5_*/Q8_0 (and Q6_K
-elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
+Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_0/Q5_1/Q5_K and Q6_K on the CPU's 5- and 6-bit
+ones, Q8_0 (and Q5_*, Q6_K elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
 packed from their own integers by the kernels module (cpp/kernels/ggml_repack.h), never passing
-through float32 (on the CPU kernels Q4_K and Q6_K keep their own super-block scales: 4.625 and
-6.5625 bits a weight, each the file's); the others (Q2_K/Q3_K, IQ*) are dequantized a piece of
+through float32 (on the CPU kernels Q4_K, Q5_K and Q6_K keep their own super-block scales:
+4.625, 5.625 and 6.5625 bits a weight, each the file's); the others (Q2_K/Q3_K, IQ*) are dequantized a piece of
 rows at a time and quantized to their precision. A projection made of several tensors (q, k and
 v; gate and up) keeps each tensor at its own precision on the CPU kernels (a
 ``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 6-bit ones, not all
@@ -43,6 +43,8 @@ from pyserve.worker.quant import (
 )
 
 PACKING_MODES = ("native", "int8", "int4")
+# types the CPU kernels read at their own width, beyond the 4- and 8-bit ones
+OWN_WIDTH = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
 
 @dataclass(frozen=True)
@@ -63,19 +65,20 @@ class Packing:
 
     def bits(self, parts: list[StoredTensor], *, head: bool = False) -> int:
         """The precision of the projection made of ``parts`` (its rows' tensors, in order)."""
-        if self.mode == "native" and all(self._own_bits(part) == 6 for part in parts):
-            return 6  # Q6_K as it is, the output projection too: no rounding, fewer bytes
+        own = {self._own_bits(part) for part in parts}
+        if self.mode == "native" and own in ({5}, {6}):
+            return own.pop()  # Q5_*, Q6_K as they are, the output projection too: fewer bytes
         if head or self.mode == "int8":
             return 8
         if self.mode == "int4":
             return 4
         # a float tensor inside a quantized file: the 8-bit kernels, closest to its precision;
-        # Q6_K beside other types: 8 (the 6-bit tiles hold Q6_K blocks only)
-        return max(8 if bits == 6 else bits for bits in map(self._own_bits, parts))
+        # Q5_*, Q6_K beside other types: 8 (5- and 6-bit tiles hold their own types only)
+        return max(8 if bits in (5, 6) else bits for bits in map(self._own_bits, parts))
 
     def _own_bits(self, part: StoredTensor) -> int:
-        if self.kernels == "cpu" and part.type_name == "Q6_K":
-            return 6
+        if self.kernels == "cpu" and part.type_name in OWN_WIDTH:
+            return OWN_WIDTH[part.type_name]
         return part.native_bits or 8
 
     @property
