@@ -2,17 +2,18 @@
 
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
 Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_0/Q5_1/Q5_K and Q6_K on the CPU's 5- and 6-bit
-ones, Q8_0 (and Q5_*, Q6_K elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
-packed from their own integers by the kernels module (cpp/kernels/ggml_repack.h), never passing
-through float32 (on the CPU kernels Q4_K, Q5_K and Q6_K keep their own super-block scales:
-4.625, 5.625 and 6.5625 bits a weight, each the file's); the others (Q2_K/Q3_K, IQ*) are dequantized a piece of
-rows at a time and quantized to their precision. A projection made of several tensors (q, k and
-v; gate and up) keeps each tensor at its own precision on the CPU kernels (a
-``SegmentedWeight``: q and k on the 4-bit kernels beside a Q6_K v on the 6-bit ones, not all
-three at 8 bits), and takes the highest precision among them elsewhere. The output projection is
-8-bit, or Q6_K as the file holds it on the CPU kernels: the logits are the most sensitive to
-rounding (llama.cpp keeps it at Q6_K or above for the same reason). ``Packing("int8")`` and
-``Packing("int4")`` put every projection at that precision, whatever the file holds.
+ones, Q8_0 (and Q5_*, Q6_K elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K blocks are packed from their own integers by the kernels module
+(cpp/kernels/ggml_repack.h), never passing through float32 (on the CPU kernels Q4_K, Q5_K and
+Q6_K keep their own super-block scales: 4.625, 5.625 and 6.5625 bits a weight, each the
+file's); the others (Q2_K/Q3_K, IQ*) are dequantized a piece of rows at a time and quantized to
+their precision. A projection made of several tensors (q, k and v; gate and up) keeps each
+tensor at its own precision on the CPU kernels (a ``SegmentedWeight``: q and k on the 4-bit
+kernels beside a Q6_K v on the 6-bit ones, not all three at 8 bits), and takes the highest
+precision among them elsewhere. The output projection is 8-bit, or Q5_*/Q6_K as the file holds
+it on the CPU kernels: the logits are the most sensitive to rounding (llama.cpp keeps it at Q6_K
+or above for the same reason). ``Packing("int8")`` and ``Packing("int4")`` put every projection
+at that precision, whatever the file holds.
 """
 
 from __future__ import annotations
