@@ -11,8 +11,9 @@ Weight formats (w = d·u + m per group, d and m fp16):
 - ``int8``: symmetric, u = q + 128 with q ∈ [−127, 127] and m = −128·d (llama.cpp's Q8_0);
 - ``int4``: asymmetric 4-bit, u ∈ [0, 15], d = (max − min)/15, m = min (llama.cpp's Q4_1).
 Both round as llama.cpp does, so weights that a Q8_0 or Q4_1 GGUF held (the default model's)
-quantize back to exactly themselves. A GGUF's Q6_K tensors are packed as they are, 6 bits a
-weight with their own scales (``pack_ggml_blocks``, bits 6; nothing quantizes floats to it).
+quantize back to exactly themselves. A GGUF's Q5_0/Q5_1/Q5_K and Q6_K tensors are packed as
+they are, at 5 and 6 bits with their own scales (``pack_ggml_blocks``; nothing quantizes floats
+to those widths).
 
 Quantization changes the logits (benchmarks/RESULTS.md, "Kernels"), so the server applies it
 only where the checkpoint was quantized already (``quantization="auto"``: a GGUF served at the
@@ -279,7 +280,8 @@ def pack_ggml_blocks(
     """A weight of ``rows`` rows made of parts of GGML blocks, (type name, uint8 [rows, bytes of
     a row] as a GGUF file stores them) one after another, packed straight into one weight's
     ``bits``-bit tiles with no float in between; every part but the last fills whole tiles.
-    ``super_scales``: Q4_K parts keep their super-block scales (super_scales_fit)."""
+    ``super_scales``: Q4_K, Q5_K or Q6_K parts keep their super-block scales (super_scales_fit;
+    Q6_K's 6-bit tiles have no other form)."""
     tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
     data = weight_buffer((tiles, groups, GROUP * TILE_ROWS * bits // 8), torch.uint8)
     if bits == 6 and not super_scales:
