@@ -38,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace pyserve_kernels {
 
@@ -204,6 +205,29 @@ struct QuantizedRows {
   int64_t word_at(int r, int64_t j) const { return panel_index(r, j, words(), panel_rows); }
   int64_t cell_at(int r, int g) const { return panel_index(r, g, groups, panel_rows); }
 };
+
+// Calls f(std::integral_constant<int, BITS>, Q{}) for a weight's bits (4, 5, 6 or 8) and the
+// activations' integer type Q (int16_t or int8_t): the one place a kernel table's `tiles` picks
+// its template instance.
+template <class F>
+void with_weight_and_activation_types(int weight_bits, int activation_bits, F&& f) {
+  auto with_q = [&](auto bits) {
+    if (activation_bits == 16)
+      f(bits, int16_t{});
+    else
+      f(bits, int8_t{});
+  };
+  switch (weight_bits) {
+    case 4:
+      return with_q(std::integral_constant<int, 4>{});
+    case 5:
+      return with_q(std::integral_constant<int, 5>{});
+    case 6:
+      return with_q(std::integral_constant<int, 6>{});
+    default:
+      return with_q(std::integral_constant<int, 8>{});
+  }
+}
 
 // One ISA's implementation. `quantize_rows` writes `bits`-bit q (padded to whole groups with
 // zeros) and the scales (for int16, with the headroom H) in its own layout (`panel_rows`; when

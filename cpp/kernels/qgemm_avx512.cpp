@@ -517,21 +517,10 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
 
 void tiles_avx512(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
                   int tile1, const float* bias, float* out, int64_t out_stride) {
-  const bool wide = a.bits == 16;
-  if (w.bits == 5 && wide)
-    return tiles_bits<5, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (w.bits == 5)
-    return tiles_bits<5, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (w.bits == 6 && wide)
-    return tiles_bits<6, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (w.bits == 6)
-    return tiles_bits<6, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (w.bits == 8 && wide)
-    return tiles_bits<8, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (w.bits == 8)
-    return tiles_bits<8, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  if (wide) return tiles_bits<4, int16_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-  return tiles_bits<4, int8_t>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
+  with_weight_and_activation_types(w.bits, a.bits, [&](auto bits, auto q) {
+    tiles_bits<decltype(bits)::value, decltype(q)>(w, a, row0, rows, tile0, tile1, bias, out,
+                                                   out_stride);
+  });
 }
 
 }  // namespace
