@@ -18,7 +18,7 @@ _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _VALUE_STARTS = frozenset('{["-0123456789tfn')
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
-_SHORT_ESCAPES = {
+SHORT_ESCAPES = {  # JSON's two-character escapes, decoded
     '"': '"',
     "\\": "\\",
     "/": "/",
@@ -257,7 +257,7 @@ class CallReader:
             if ch == "u":
                 self._escape = "u"
                 return pos + 1
-            decoded = _SHORT_ESCAPES.get(ch)
+            decoded = SHORT_ESCAPES.get(ch)
             if decoded is None:
                 self._fail()
                 return pos

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pyserve.chat.call_json import SHORT_ESCAPES
 from pyserve.chat.tool_stream import CallArrayStream
 
 REPLY_KEY = "response"
@@ -33,16 +34,6 @@ REPLY_SCHEMA: dict = {
 _SPACE = "[ \t\n\r]*"  # JSON's whitespace, not Python's
 _CALLS_OPENING = rf'{_SPACE}\{{{_SPACE}"tool_calls"{_SPACE}:{_SPACE}\['
 _REPLY_OPENING = rf'{_SPACE}\{{{_SPACE}"{REPLY_KEY}"{_SPACE}:{_SPACE}"'
-_SHORT_ESCAPES = {
-    '"': '"',
-    "\\": "\\",
-    "/": "/",
-    "b": "\b",
-    "f": "\f",
-    "n": "\n",
-    "r": "\r",
-    "t": "\t",
-}
 _STRING_END_OR_ESCAPE = re.compile(r'["\\]')
 _HEX = frozenset("0123456789abcdefABCDEF")
 _REPLACEMENT = "\ufffd"  # for a lone surrogate, which no UTF-8 text can hold
@@ -166,7 +157,7 @@ class GenericStream(CallArrayStream):
             return None if final else 0
         kind = buf[pos + 1]
         if kind != "u":
-            decoded = _SHORT_ESCAPES.get(kind)
+            decoded = SHORT_ESCAPES.get(kind)
             if decoded is None:
                 return None
             self._flush_high()
