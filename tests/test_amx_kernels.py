@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from test_kernels import random_input, random_weight
 
 from pyserve.worker import quant
 
@@ -25,20 +26,6 @@ HAS_VNNI = "avx512_vnni" in KERNELS.supported_isas()
 HAS_AMX = KERNELS.amx_status() == ""
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason=f"no AMX here: {KERNELS.amx_status()}")
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="the CPU lacks AVX-512 VNNI")
-
-
-def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
-    w[torch.rand(n, k, generator=g) < 0.01] *= 8
-    return w
-
-
-def random_input(rows: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed + 1000)
-    x = torch.randn(rows, k, generator=g)
-    x[:, :: max(1, k // 5)] *= 10
-    return x
 
 
 def matmul(x, packed, bias, amx: bool) -> torch.Tensor:
