@@ -1,6 +1,7 @@
 """Fixtures for the tests of ``pyserve._kernels``: each test runs on every instruction set this
 CPU can run (``isa``) and with 1 and 2 threads in the kernels' pool (``threads``); both put the
-module back as they found it.
+module back as they found it. A module that starts a server (its own `server` fixture) gets the
+openai SDK on it as `client`.
 
 Triton kernels run in Triton's interpreter here (no GPU): the variable must be set before
 anything imports triton, and it reaches the servers and workers the tests start too.
@@ -33,3 +34,12 @@ def threads(request):
     KERNELS.set_num_threads(request.param)
     yield request.param
     KERNELS.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK on the module's ``server`` (a module speaking another API defines its own)."""
+    from http_testlib import openai_client
+
+    with openai_client(server) as client:
+        yield client

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import requests
-from http_testlib import openai_client, running_server, wait_for_metrics
+from http_testlib import running_server, wait_for_metrics
 from test_structured_outputs import TOOL_TEMPLATE, TOOLS, Flags
 from tiny_models import SMOLLM2_VOCAB, build_tiny_smollm
 
@@ -48,12 +48,6 @@ def server(model_dir):
     args = ["--model", str(model_dir), "--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
 
 
 def sampling(seed: int | None) -> dict:

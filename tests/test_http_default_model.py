@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from http_testlib import openai_client, request, running_server
+from http_testlib import request, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -17,12 +17,6 @@ MODEL = "SmolLM2-135M-Instruct"
 def server():
     with running_server(["--torch-threads", "2", "--kv-cache-tokens", "4096"]) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
 
 
 def test_default_model_answers_paris(server, client):

@@ -19,7 +19,6 @@ from embedding_reference import hf_embeddings
 from http_testlib import (
     kv_idle,
     metrics,
-    openai_client,
     request,
     running_server,
     tiny_model,
@@ -55,12 +54,6 @@ def server(model_dir):
     args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

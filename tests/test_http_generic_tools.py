@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from http_testlib import openai_client, running_server, tiny_model
+from http_testlib import running_server, tiny_model
 from openai import BadRequestError
 from pydantic import BaseModel
 from test_structured_outputs import TOOLS
@@ -35,12 +35,6 @@ def server(tmp_path_factory):
     args = ["--model", str(model), "--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

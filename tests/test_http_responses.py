@@ -87,12 +87,6 @@ def server(model, state_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
-
-
 def names(events) -> str:
     return " ".join(e.type.removeprefix("response.") for e in events)
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 import pytest
 import requests
-from http_testlib import openai_client, running_server, tiny_model
+from http_testlib import running_server, tiny_model
 from openai import BadRequestError
 from pydantic import BaseModel, Field
 
@@ -131,12 +131,6 @@ def server(model_dir):
     args = ["--model", str(model_dir), "--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as client:
-        yield client
 
 
 def sampling(seed: int | None) -> dict:
