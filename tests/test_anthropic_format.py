@@ -10,6 +10,7 @@ import json
 
 import msgspec
 import pytest
+from format_testlib import pipeline_frames
 from hypothesis import given
 from hypothesis import strategies as st
 from messages_testlib import assemble, check_order, parse_sse
@@ -60,22 +61,12 @@ def stream_events(
     """The events the pipeline writes for one choice generated as ``pieces`` (a ping while
     the prompt prefills), as pyserve.http.pipeline.Pipeline._stream drives a format."""
     fmt = MessagesFormat("msg_1", "m", PROMPT_TOKENS, parsed=output is not None)
-    parser = output.stream() if output is not None else None
-    result = ChoiceResult()
-    frames = [*fmt.preamble(), fmt.ping(), *fmt.opening(0)]
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        c = chunk(piece, i + 1, finish if last else None, matched if last else None)
-        result.add(c)
-        delta = parser.feed(piece) if parser is not None and piece else None
-        frame = fmt.content(0, c, delta)
-        if frame is not None:
-            frames.append(frame)
-    held, reason = None, finish
-    if parser is not None:
-        held, reason = parser.finish(), parser.finish_reason(finish)
-    frames += fmt.closing(0, result, held, reason)
-    frames += fmt.end([result])
+    last = len(pieces) - 1
+    chunks = [
+        chunk(piece, i + 1, finish if i == last else None, matched if i == last else None)
+        for i, piece in enumerate(pieces)
+    ]
+    frames = pipeline_frames(fmt, output, pieces, chunks, finish, ping=True)
     return [data for _, data in parse_sse(b"".join(frames))]
 
 

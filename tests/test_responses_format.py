@@ -20,6 +20,7 @@ import stat
 
 import msgspec
 import pytest
+from format_testlib import pipeline_frames
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,23 +85,9 @@ def stream(output: ChatOutput | None, pieces: list[str], finish: str) -> list[di
     """The events the pipeline writes for one response generated as ``pieces``."""
     stored: list[dict] = []
     fmt = ResponsesFormat(META, parsed=output is not None, on_done=stored.append)
-    parser = output.stream() if output is not None else None
-    result = ChoiceResult()
-    frames = [*fmt.preamble(), *fmt.opening(0)]
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        c = chunk(piece, finish if last else None)
-        result.add(c)
-        delta = parser.feed(piece) if parser is not None and piece else None
-        frame = fmt.content(0, c, delta)
-        if frame is not None:
-            frames.append(frame)
-    held, reason = None, finish
-    if parser is not None:
-        held, reason = parser.finish(), parser.finish_reason(finish)
-    frames += fmt.closing(0, result, held, reason)
-    frames += fmt.end([result])
-    events = decode(frames)
+    last = len(pieces) - 1
+    chunks = [chunk(piece, finish if i == last else None) for i, piece in enumerate(pieces)]
+    events = decode(pipeline_frames(fmt, output, pieces, chunks, finish))
     assert stored == [events[-1]["response"]]  # stored before the last event went out
     return events
 
