@@ -56,6 +56,17 @@ LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HI
 HEAD_SHAPE = (VOCAB, HIDDEN)
 TORCH_CONTENDERS = ["fp32", "bf16", "fp16", "torch-int8"]
 KERNEL_CONTENDERS = ["int8", "int4", "int8-a8", "int4-a8"]
+# the accuracy check's chat prompts (prefill_activations.py takes them too)
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is.",
+    "List three uses of copper.",
+    "How do vaccines work?",
+    "Give me a recipe for pancakes.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Hamlet.",
+]
 
 
 def model_shapes(layers: int) -> list[tuple[int, int]]:
@@ -324,16 +335,7 @@ def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: 
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     assert importlib.util.find_spec("pyserve._kernels") is not None
-    questions = [
-        "What is the capital of France?",
-        "Write a short poem about the sea.",
-        "Explain what a hash table is.",
-        "List three uses of copper.",
-        "How do vaccines work?",
-        "Give me a recipe for pancakes.",
-        "What causes the seasons on Earth?",
-        "Summarize the plot of Hamlet.",
-    ][:prompts]
+    questions = CHAT_PROMPTS[:prompts]
     sequences = []
     with torch.inference_mode():
         for q in questions:

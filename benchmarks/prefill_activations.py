@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,26 +37,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_kernels.py: a shared VM
 
 import torch
+from bandwidth import cpu_model
+from bench_kernels import CHAT_PROMPTS
 
 from pyserve.worker import quant
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain what a hash table is.",
-    "List three uses of copper.",
-    "How do vaccines work?",
-    "Give me a recipe for pancakes.",
-    "What causes the seasons on Earth?",
-    "Summarize the plot of Hamlet.",
-]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def drift(new_tokens: int) -> str:
@@ -77,7 +60,7 @@ def drift(new_tokens: int) -> str:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     prompts = []
-    for question in PROMPTS:
+    for question in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
         )
@@ -253,7 +236,7 @@ def main() -> int:
     kernels = quant.kernels()
     kernels.set_num_threads(args.threads)
     print(
-        f"{cpu_name()}, nproc {os.cpu_count()}, kernel ISA {kernels.isa()}, AMX "
+        f"{cpu_model()}, nproc {os.cpu_count()}, kernel ISA {kernels.isa()}, AMX "
         f"{'available' if not kernels.amx_status() else 'unavailable: ' + kernels.amx_status()}, "
         f"threads {args.threads}, load average {os.getloadavg()[0]:.1f}"
     )
