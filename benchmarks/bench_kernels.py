@@ -317,10 +317,8 @@ def timing_table(contenders: list[Contender], rows: list[int], times: dict) -> s
 # ---------------------------------------------------------------------------------- accuracy
 
 
-def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: int) -> str:
-    """Teacher-forced logits of the default model, float32 against each quantization mode."""
-    import importlib.util
-
+def default_hf_model():
+    """The default model's tokenizer, and transformers' float32 model of its GGUF."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion progress bar
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
@@ -329,11 +327,18 @@ def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: 
 
     transformers_logging.disable_progress_bar()
     source = resolve_model(None)
-    tokenizer = load_tokenizer(source)
     path = Path(source.path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+    return load_tokenizer(source), model
+
+
+def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: int) -> str:
+    """Teacher-forced logits of the default model, float32 against each quantization mode."""
+    import importlib.util
+
+    tokenizer, model = default_hf_model()
     assert importlib.util.find_spec("pyserve._kernels") is not None
     questions = CHAT_PROMPTS[:prompts]
     sequences = []

@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_kernels.py: a sh
 
 import torch
 from bandwidth import cpu_model
-from bench_kernels import CHAT_PROMPTS
+from bench_kernels import CHAT_PROMPTS, default_hf_model
 
 from pyserve.worker import quant
 
@@ -46,19 +46,7 @@ from pyserve.worker import quant
 def drift(new_tokens: int) -> str:
     import copy
 
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
-
-    from pyserve.model_files import load_tokenizer, resolve_model
-
-    transformers_logging.disable_progress_bar()
-    source = resolve_model(None)
-    tokenizer = load_tokenizer(source)
-    path = Path(source.path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    tokenizer, model = default_hf_model()
     prompts = []
     for question in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(
