@@ -71,7 +71,10 @@ def test_the_ranks_slices_put_back_together_are_the_checkpoint(quantized_gguf, s
     checkpoint = open_checkpoint(str(quantized_gguf))
     config = checkpoint.config
     whole = dict(checkpoint.tensors)
-    ranks = [dict(shard_tensors(checkpoint.tensors, config, r, size)) for r in range(size)]
+    ranks = [
+        dict(shard_tensors(checkpoint.tensors, config, checkpoint.family, r, size))
+        for r in range(size)
+    ]
     share = shard_config(config, size)
     q, kv, inter = share.q_size, share.kv_size, share.intermediate_size
     for name, tensor in whole.items():
@@ -137,8 +140,12 @@ def test_a_row_parallel_bias_is_added_once():
         layers=uniform_layers(1, RopeConfig(10000.0, 2)),
         o_bias=True,
     )
-    name = "model.layers.0.self_attn.o_proj.bias"
-    biases = [dict(shard_tensors([(name, Bias())], model, r, 2))[name].values() for r in (0, 1)]
+    from pyserve.worker.models.registry import family_for_hf
+
+    name, llama = "model.layers.0.self_attn.o_proj.bias", family_for_hf("llama")
+    biases = [
+        dict(shard_tensors([(name, Bias())], model, llama, r, 2))[name].values() for r in (0, 1)
+    ]
     assert torch.equal(biases[0], torch.arange(4.0)) and not biases[1].any()
 
 

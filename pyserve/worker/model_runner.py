@@ -106,7 +106,7 @@ class ModelRunner:
         if tp is not None:
             tp.set_vocab_size(self.config.vocab_size)
             model_config = shard_config(self.config, tp.size)
-            tensors = shard_tensors(tensors, self.config, tp.rank, tp.size)
+            tensors = shard_tensors(tensors, self.config, self.family, tp.rank, tp.size)
             self.device = tp.device
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks

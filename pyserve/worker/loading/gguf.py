@@ -21,15 +21,11 @@ import torch
 from pyserve.model_files import ModelFilesError, ModelSource, gguf_shards, open_gguf_reader
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor, read_exactly
 from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.layout import CheckpointTensor, checkpoint_tensors
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
 from pyserve.worker.quant import ggml_largest_u
 from pyserve.worker.rope import check_rope
 
-_TOP_LEVEL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Small tensors that describe the rope rather than hold weights: read into the metadata.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -44,6 +40,7 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
     readers = [_open_reader(shard) for shard in shards]
     names = {t.name for reader in readers for t in reader.tensors}
     family, config = _read_config(readers[0], names, source)  # the metadata: in the first shard
+    declared = gguf_names(config, family)
     tensors: list[tuple[str, StoredTensor]] = []
     decodable: dict[str, str | None] = {}
     for shard, reader in zip(shards, readers, strict=True):
@@ -51,19 +48,30 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
         for tensor in reader.tensors:
             if tensor.name in ROPE_TENSORS:
                 continue  # already in the config's rope tables
-            name = hf_name(tensor.name, family)
-            if name is None:
+            parts = declared.get(tensor.name)
+            if parts is None:
                 raise ModelLoadError(f"{shard}: unexpected tensor {tensor.name!r}")
-            stored = GGUFTensor(shard, tensor, name, family, config)
-            if stored.offset + stored.nbytes > size:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
                 raise ModelLoadError(
-                    f"{shard}: truncated: tensor {tensor.name!r} ends at byte "
-                    f"{stored.offset + stored.nbytes}, the file has {size}"
+                    f"{shard}: truncated: tensor {tensor.name!r} ends at byte {end}, "
+                    f"the file has {size}"
                 )
-            problem = decodable.setdefault(stored.type_name, _undecodable(tensor.tensor_type))
+            problem = decodable.setdefault(
+                tensor.tensor_type.name, _undecodable(tensor.tensor_type)
+            )
             if problem:
                 raise ModelLoadError(f"{shard}: tensor {tensor.name!r}: {problem}")
-            tensors.append((name, stored))
+            stacked = parts[0].expert is not None
+            if stacked and (len(tensor.shape) != 3 or int(tensor.shape[2]) != len(parts)):
+                raise ModelLoadError(
+                    f"{shard}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
+                    f"the config implies {len(parts)} experts"
+                )
+            for part in parts:
+                expert = (part.expert, len(parts)) if stacked else None
+                stored = GGUFTensor(shard, tensor, part.hf, family, config, expert)
+                tensors.append((part.hf, stored))
     return Checkpoint(
         path=path,
         config=config,
@@ -104,12 +112,26 @@ class GGUFTensor(StoredTensor):
     """A GGUF tensor in Hugging Face layout, read with a plain read when asked; the family's
     row order (Llama's q/k) applies to the file's rows, quantized or not."""
 
-    def __init__(self, file: str, tensor, hf_name: str, family: Family, config: ModelConfig):
+    def __init__(
+        self,
+        file: str,
+        tensor,
+        hf_name: str,
+        family: Family,
+        config: ModelConfig,
+        expert: tuple[int, int] | None = None,  # (e, of n): expert e of a stacked tensor
+    ):
         self.file, self.name, self._hf_name = file, tensor.name, hf_name
         self.shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF: innermost first
         self.type_name = tensor.tensor_type.name
         self._type = tensor.tensor_type
         self.offset, self.nbytes = int(tensor.data_offset), int(tensor.n_bytes)
+        if expert is not None:  # experts lie one after another: [n, rows, k]
+            index, count = expert
+            self.nbytes //= count
+            self.offset += index * self.nbytes
+            self.shape = self.shape[1:]
+            self.name = f"{tensor.name}[{index}]"
         self._family, self._config = family, config
 
     def _rows(self) -> np.ndarray:
@@ -189,7 +211,11 @@ class _RowsOf(StoredTensor):
 # GGML types by their bits a weight: Q4_1 → 4, IQ3_S → 3, TQ2_0 → 2, MXFP4 → 4.
 _GGML_BITS = re.compile(r"(?:I|T)?Q(\d)_|MXFP(\d)|NVFP(\d)")
 # The projections inside the decoder blocks (the output head stays 8-bit whatever the file says).
-_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_LINEAR_PARTS = (
+    *("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+    *("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),  # a mixture's experts, stacked
+    *("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),  # its shared expert
+)
 
 
 def ggml_type_bits(type_name: str) -> int | None:
@@ -275,12 +301,11 @@ def _read_config(reader, names: set[str], source: ModelSource) -> tuple[Family, 
         raise ModelLoadError(f"{path}: missing or invalid GGUF metadata ({e!r})") from None
 
 
-def hf_name(gguf_name: str, family: Family) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for tensors that are not weights."""
-    if gguf_name in _TOP_LEVEL:
-        return _TOP_LEVEL[gguf_name]
-    match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in family.gguf_layer_parts:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{family.gguf_layer_parts[part]}.{kind}"
-    return None
+def gguf_names(config: ModelConfig, family: Family) -> dict[str, list[CheckpointTensor]]:
+    """GGUF tensor name → the checkpoint tensors it holds (several: a layer's stacked experts,
+    in expert order), from models/layout.py's declarations."""
+    out: dict[str, list[CheckpointTensor]] = {}
+    for t in checkpoint_tensors(config, family):
+        if t.gguf is not None:
+            out.setdefault(t.gguf, []).append(t)
+    return out

@@ -1,7 +1,8 @@
-"""One tensor-parallel rank's slices of a checkpoint's tensors (pyserve/worker/tensor_parallel.py
-says which layer splits how), still read lazily: a rank reads a tensor, keeps its slice and drops
-the rest before the next one. A quantized tensor's slice stays in the file's blocks (rows always;
-columns where the slice starts and ends on a block), so it packs as the whole tensor would.
+"""One tensor-parallel rank's slices of a checkpoint's tensors (each layer kind declares how it
+splits: pyserve/worker/models/layout.py), still read lazily: a rank reads a tensor, keeps its
+slice and drops the rest before the next one. A quantized tensor's slice stays in the file's
+blocks (rows always; columns where the slice starts and ends on a block), so it packs as the
+whole tensor would.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 
 from pyserve.worker.loading.base import StoredTensor
 from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.layout import Split, by_hf_name
+from pyserve.worker.models.registry import Family
 from pyserve.worker.models.weights import text_model_name
 from pyserve.worker.tensor_parallel import vocab_shard
 
@@ -99,47 +102,37 @@ def _split(start: int, total: int, rank: int, size: int) -> Span:
 
 
 def shard_tensors(
-    tensors: list[tuple[str, StoredTensor]], config: ModelConfig, rank: int, size: int
+    tensors: list[tuple[str, StoredTensor]],
+    config: ModelConfig,
+    family: Family,
+    rank: int,
+    size: int,
 ) -> list[tuple[str, StoredTensor]]:
-    """The slices of ``tensors`` rank ``rank`` of ``size`` holds (names unchanged); ``config``
-    is the whole model's."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    """The slices of ``tensors`` rank ``rank`` of ``size`` holds (names unchanged), split as
+    models/layout.py declares; ``config`` is the whole model's."""
+    declared = by_hf_name(config, family)
     vocab = config.vocab_size
     rows_per_rank = vocab_shard(vocab, size)
     vocab_lo = min(vocab, rank * rows_per_rank)
     vocab_hi = min(vocab, vocab_lo + rows_per_rank)
-    vocab_rows = ([(vocab_lo, vocab_hi)], rows_per_rank - (vocab_hi - vocab_lo))
-    row_rules: dict[str, list[Span]] = {
-        "self_attn.q_proj": [_split(0, q, rank, size)],
-        "self_attn.k_proj": [_split(0, kv, rank, size)],
-        "self_attn.v_proj": [_split(0, kv, rank, size)],
-        "self_attn.qkv_proj": [
-            _split(0, q, rank, size),
-            _split(q, kv, rank, size),
-            _split(q + kv, kv, rank, size),
-        ],
-        "mlp.gate_proj": [_split(0, inter, rank, size)],
-        "mlp.up_proj": [_split(0, inter, rank, size)],
-        "mlp.gate_up_proj": [_split(0, inter, rank, size), _split(inter, inter, rank, size)],
-    }
-    col_rules = {
-        "self_attn.o_proj": _split(0, q, rank, size),
-        "mlp.down_proj": _split(0, inter, rank, size),
-    }
     out: list[tuple[str, StoredTensor]] = []
     for raw_name, tensor in tensors:
-        name = text_model_name(raw_name) or ""
-        module, _, kind = name.rpartition(".")
-        layer_part = module.split(".", 3)[-1] if module.startswith("model.layers.") else module
+        t = declared.get(text_model_name(raw_name) or "")
         sharded: StoredTensor = tensor
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            spans, pad = vocab_rows
-            sharded = ShardedTensor(tensor, rows=spans, pad_rows=pad)
-        elif layer_part in row_rules:
-            sharded = ShardedTensor(tensor, rows=row_rules[layer_part])
-        elif layer_part in col_rules and kind == "weight":
-            sharded = ShardedTensor(tensor, cols=col_rules[layer_part])
-        elif layer_part in col_rules and kind == "bias":
-            sharded = tensor if rank == 0 else ShardedTensor(tensor, zero=True)
+        if t is None or t.split is Split.REPLICATE:
+            pass  # an unknown name fails later, where every tensor is checked against the model
+        elif t.split is Split.VOCAB:
+            pad = rows_per_rank - (vocab_hi - vocab_lo)
+            sharded = ShardedTensor(tensor, rows=[(vocab_lo, vocab_hi)], pad_rows=pad)
+        elif t.split is Split.ROWS:
+            starts = np.cumsum((0, *t.segments[:-1]))
+            spans = [
+                _split(int(lo), n, rank, size) for lo, n in zip(starts, t.segments, strict=True)
+            ]
+            sharded = ShardedTensor(tensor, rows=spans)
+        elif t.split is Split.COLUMNS:
+            sharded = ShardedTensor(tensor, cols=_split(0, t.segments[0], rank, size))
+        elif t.split is Split.RANK0 and rank != 0:
+            sharded = ShardedTensor(tensor, zero=True)
         out.append((raw_name, sharded))
     return out

@@ -41,6 +41,24 @@ class RopeConfig:
 class LayerConfig:
     rope: RopeConfig
     sliding_window: int | None = None  # attends to the last W positions (itself included)
+    moe: bool = False  # its MLP is the model's mixture of experts (ModelConfig.moe)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: a router picks ``top_k`` of ``num_experts`` gated MLPs per token (softmax
+    over all experts' logits, the k largest), whose outputs are summed by their probabilities."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate width
+    normalize_top_k: bool  # the k probabilities rescaled to sum to 1 (Qwen3-MoE, Mixtral)
+    # an expert every token runs, scaled by sigmoid(x · gate) (Qwen2-MoE); 0: none
+    shared_expert_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top-{self.top_k} routing over {self.num_experts} experts")
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,8 @@ class ModelConfig:
     # so the norms compute w'·x̂ whatever the family.
     norm_offset: float = 0.0
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # the q/k norm over all of q's (and all of k's) heads together, not per head (OLMoE)
+    qk_norm_full_width: bool = False
     # Norms after attention and around the MLP as well (Gemma 2/3): x + norm(attn(norm(x))),
     # then x + norm(mlp(norm(x)))
     sandwich_norms: bool = False
@@ -71,6 +91,7 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores → cap·tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits → cap·tanh(logits / cap) (Gemma 2)
     embedding_scale: float | None = None  # embeddings × this (Gemma: √hidden, in the dtype)
+    moe: MoEConfig | None = None  # the sparse MLP of the layers whose LayerConfig.moe is set
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     name: str = ""
@@ -78,6 +99,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"{len(self.layers)} layer descriptions for {self.num_layers} layers")
+        if self.moe is None and any(layer.moe for layer in self.layers):
+            raise ValueError("layers with a mixture of experts, but no MoEConfig")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"activation {self.activation!r} (supported: {', '.join(ACTIVATIONS)})"
@@ -126,10 +149,19 @@ class ModelConfig:
                 found.append("rope frequency factors")
             if rope.rotary_dim != self.head_dim:
                 found.append(f"partial rotary {rope.rotary_dim}/{self.head_dim}")
+        moe_layers = sum(1 for layer in self.layers if layer.moe)
+        if self.moe is not None and moe_layers:
+            moe = self.moe
+            shared = " + a shared expert" if moe.shared_expert_size else ""
+            found.append(
+                f"mixture of experts: top-{moe.top_k} of {moe.num_experts}{shared} "
+                f"on {moe_layers} layers"
+            )
         flags = {
             "qkv bias": self.qkv_bias,
             "o bias": self.o_bias,
-            "q/k norm": self.qk_norm,
+            "q/k norm": self.qk_norm and not self.qk_norm_full_width,
+            "full-width q/k norm": self.qk_norm and self.qk_norm_full_width,
             "sandwich norms": self.sandwich_norms,
             f"norm offset {self.norm_offset:g}": self.norm_offset != 0,
             f"activation {self.activation}": self.activation != "silu",
@@ -146,7 +178,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def uniform_layers(
-    num_layers: int, rope: RopeConfig, sliding_window: int | None = None
+    num_layers: int, rope: RopeConfig, sliding_window: int | None = None, moe: bool = False
 ) -> tuple[LayerConfig, ...]:
     """Every layer alike (most families)."""
-    return tuple(LayerConfig(rope, sliding_window) for _ in range(num_layers))
+    return tuple(LayerConfig(rope, sliding_window, moe) for _ in range(num_layers))

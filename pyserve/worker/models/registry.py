@@ -110,6 +110,16 @@ class Family:
         "ffn_down": "mlp.down_proj",
     }
 
+    # the sparse MLP's module in Hugging Face checkpoints, and its experts' gate, up and down
+    # projections (Mixtral: "block_sparse_moe", w1, w3, w2)
+    hf_moe_prefix = "mlp"
+    hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def gguf_part_of(self, hf_part: str) -> str | None:
+        """llama.cpp's name for a block tensor's Hugging Face part ("self_attn.q_proj" →
+        "attn_q"), None where the family's files have none."""
+        return {hf: gguf for gguf, hf in self.gguf_layer_parts.items()}.get(hf_part)
+
     def gguf_transform(self, hf_name: str, values: np.ndarray, config: ModelConfig) -> np.ndarray:
         """A GGUF tensor (already in HF's [out, in] shape) as the HF checkpoint holds it."""
         if self.gguf_permutes_qk:

@@ -12,6 +12,7 @@ from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError, StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.models.decoder import CausalLM
+from pyserve.worker.models.layout import checkpoint_tensors
 from pyserve.worker.models.registry import Family
 from pyserve.worker.quant import (
     PackedWeight,
@@ -62,55 +63,13 @@ class Slot:
 
 
 def weight_slots(model: CausalLM, family: Family) -> dict[str, Slot]:
-    """Checkpoint name → its slot in the model."""
-    cfg = model.config
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    slots: dict[str, Slot] = {
-        "model.embed_tokens.weight": Slot(model.embed_tokens, embedding=True),
-        "model.norm.weight": Slot(model.norm.weight, norm=True),
-    }
-
-    def linear(module: str, weight: torch.Tensor, lo: int = 0, hi: int | None = None) -> Slot:
-        hi = weight.shape[0] if hi is None else hi
-        return Slot(weight[lo:hi], linear=module, rows=(lo, hi))
-
-    if not cfg.tie_word_embeddings:
-        slots["lm_head.weight"] = linear("lm_head", model.lm_head.weight)
-    for i, layer in enumerate(model.layers):
-        p, m = f"model.layers.{i}.", f"layers.{i}."
-        layer_norms = {p + "input_layernorm.weight": layer.attn_norm}
-        if cfg.sandwich_norms:
-            layer_norms[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
-            layer_norms[p + "pre_feedforward_layernorm.weight"] = layer.mlp_norm
-            layer_norms[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm
-        else:
-            layer_norms[p + "post_attention_layernorm.weight"] = layer.mlp_norm
-        if cfg.qk_norm:
-            layer_norms[p + "self_attn.q_norm.weight"] = layer.q_norm
-            layer_norms[p + "self_attn.k_norm.weight"] = layer.k_norm
-        for name, norm in layer_norms.items():
-            slots[name] = Slot(norm.weight, norm=True)
-        qkv = layer.qkv_proj
-        if family.fused_qkv:
-            slots[p + "self_attn.qkv_proj.weight"] = linear(m + "qkv_proj", qkv.weight)
-            if qkv.bias is not None:
-                slots[p + "self_attn.qkv_proj.bias"] = Slot(qkv.bias)
-        else:
-            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-            for proj, (lo, hi) in rows.items():
-                slots[p + f"self_attn.{proj}.weight"] = linear(m + "qkv_proj", qkv.weight, lo, hi)
-                if qkv.bias is not None:
-                    slots[p + f"self_attn.{proj}.bias"] = Slot(qkv.bias[lo:hi])
-        slots[p + "self_attn.o_proj.weight"] = linear(m + "o_proj", layer.o_proj.weight)
-        if layer.o_proj.bias is not None:
-            slots[p + "self_attn.o_proj.bias"] = Slot(layer.o_proj.bias)
-        gate_up = layer.gate_up_proj.weight
-        if family.fused_gate_up:
-            slots[p + "mlp.gate_up_proj.weight"] = linear(m + "gate_up_proj", gate_up)
-        else:
-            slots[p + "mlp.gate_proj.weight"] = linear(m + "gate_up_proj", gate_up, 0, inter)
-            slots[p + "mlp.up_proj.weight"] = linear(m + "gate_up_proj", gate_up, inter)
-        slots[p + "mlp.down_proj.weight"] = linear(m + "down_proj", layer.down_proj.weight)
+    """Checkpoint name → its slot in the model (models/layout.py declares them)."""
+    slots: dict[str, Slot] = {}
+    for t in checkpoint_tensors(model.config, family):
+        param = model.get_parameter(t.target)
+        lo, hi = t.rows if t.rows is not None else (0, param.shape[0])
+        tensor = param if t.rows is None else param[lo:hi]
+        slots[t.hf] = Slot(tensor, t.linear, (lo, hi), norm=t.norm, embedding=t.embedding)
     return slots
 
 
@@ -130,7 +89,9 @@ def _placed(
         slot = slots.get(name)
         if slot is None:
             raise ModelLoadError(f"{source}: unexpected tensor {raw_name!r}")
-        if tuple(tensor.shape) != tuple(slot.tensor.shape):
+        if tuple(tensor.shape) != tuple(slot.tensor.shape) and not _same_but_ones(
+            tensor.shape, slot.tensor.shape
+        ):
             raise ModelLoadError(
                 f"{source}: tensor {tensor.name!r} has shape {tuple(tensor.shape)}, "
                 f"the config implies {tuple(slot.tensor.shape)}"
@@ -198,7 +159,7 @@ def load_weights(
             if offset and slot.norm:
                 # in float32, as transformers computes (offset + w) before scaling
                 values = values.float() + offset
-            slot.tensor.copy_(values)
+            slot.tensor.copy_(values.reshape(slot.tensor.shape))
             if progress is not None:
                 progress.advance(tensor.nbytes)
         packed = pool.finish() if pool is not None else {}
@@ -244,6 +205,11 @@ def _packed_layer(
         dtype=packing.dtype,
         activation_bits=packing.head_activation_bits if head else packing.activation_bits,
     )
+
+
+def _same_but_ones(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Shapes equal but for dimensions of 1 ([1, n] stored as [n]: a shared expert's gate)."""
+    return [n for n in a if n != 1] == [n for n in b if n != 1]
 
 
 def _first(part: tuple[int, StoredTensor]) -> int:
