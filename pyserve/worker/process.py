@@ -32,17 +32,13 @@ import zmq
 from pyserve.lifecycle import die_with_parent
 from pyserve.wire import main_to_worker as inp
 from pyserve.wire import worker_to_detok as out
+from pyserve.worker.errors import TensorParallelError
 from pyserve.worker.hooks_for_tests import WorkerTestHooks
 from pyserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from pyserve.worker.executor import StepExecutor
     from pyserve.worker.tensor_parallel import TensorParallel
-
-
-class TensorParallelError(RuntimeError):
-    """The ranks can no longer work together (a collective failed: a rank died, or a step
-    failed in the model on some rank): the worker stops."""
 
 
 log = logging.getLogger("pyserve.worker")

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pyserve.worker.errors import TensorParallelError
 from pyserve.worker.models.config import ModelConfig
-from pyserve.worker.process import TensorParallelError
 from pyserve.worker.settings import tp_split_problem
 
 log = logging.getLogger("pyserve.worker")
