@@ -5,7 +5,7 @@ The files are kquant_files.py's: random-weight Llama models of ~0.5B and ~3B par
 safetensors directories and as Q4_K_M GGUFs made by llama.cpp's own ``llama-quantize``.
 
 - memory: each file loaded as the worker loads it, in a fresh process
-  (``python -m pyserve.worker.load_probe``), against the bound of 1.3x the file's size + the KV
+  (``python -m pyserve.testing.load_probe``), against the bound of 1.3x the file's size + the KV
   pool + 300 MB; the GGUF with the defaults, the safetensors directory unquantized (bf16 on
   this CPU) and with --quantization int4.
 - start: ``pyserve run`` and llama.cpp's ``llama-server`` (compare.py's build and flags) on the
@@ -50,7 +50,7 @@ MB = 1e6
 def load_probe(model: str, quantization: str, dtype: str = "auto") -> dict:
     options = ["--quantization", quantization, "--dtype", dtype]
     done = subprocess.run(
-        [sys.executable, "-m", "pyserve.worker.load_probe", model, *options],
+        [sys.executable, "-m", "pyserve.testing.load_probe", model, *options],
         capture_output=True,
         text=True,
         check=False,

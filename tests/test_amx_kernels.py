@@ -20,6 +20,7 @@ import torch
 from test_kernels import random_input, random_weight
 
 from pyserve.worker import quant
+from pyserve.worker.env import KERNELS_AMX, KERNELS_ISA
 
 KERNELS = quant.kernels()
 HAS_VNNI = "avx512_vnni" in KERNELS.supported_isas()
@@ -81,7 +82,7 @@ def test_amx_is_off_until_asked_for():
     finally:
         KERNELS.set_amx(before)
     code = "from pyserve.worker import quant; print(quant.kernels().amx())"
-    env = {k: v for k, v in os.environ.items() if k != quant.AMX_ENV}
+    env = {k: v for k, v in os.environ.items() if k != KERNELS_AMX}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
 
@@ -108,7 +109,7 @@ torch.save(y, sys.argv[3])
 @needs_vnni
 @pytest.mark.parametrize(
     "env",
-    [{"PYSERVE_KERNELS_FAKE_AMX_REFUSAL": "1", quant.AMX_ENV: "1"}, {quant.AMX_ENV: "0"}],
+    [{"PYSERVE_KERNELS_FAKE_AMX_REFUSAL": "1", KERNELS_AMX: "1"}, {KERNELS_AMX: "0"}],
     ids=["permission-refused", "switched-off"],
 )
 def test_without_amx_the_vnni_path_runs_and_answers_the_same(tmp_path, env):
@@ -123,7 +124,7 @@ def test_without_amx_the_vnni_path_runs_and_answers_the_same(tmp_path, env):
         tmp_path / "w.pt",
     )
     env = {**os.environ, **env}
-    env.pop(quant.ISA_ENV, None)
+    env.pop(KERNELS_ISA, None)
     done = subprocess.run(
         [sys.executable, "-c", _FALLBACK, *(str(tmp_path / f) for f in ("x.pt", "w.pt", "y.pt"))],
         env=env,
@@ -143,7 +144,7 @@ def test_without_amx_the_vnni_path_runs_and_answers_the_same(tmp_path, env):
 
 def test_the_amx_switch_refuses_bad_values():
     code = "from pyserve.worker import quant; quant.kernels()"
-    env = {**os.environ, quant.AMX_ENV: "yes"}
+    env = {**os.environ, KERNELS_AMX: "yes"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode != 0 and "PYSERVE_KERNELS_AMX='yes'" in done.stderr
     if not HAS_AMX:

@@ -452,11 +452,11 @@ def test_split_gguf_loads_like_the_whole_file(mixed_gguf, tmp_path):
 
 
 def loading_peak(model: str | None, quantization: str = "auto", dtype: str = "auto") -> dict:
-    """A fresh process loads the model as the worker does (pyserve.worker.load_probe): its RSS
+    """A fresh process loads the model as the worker does (pyserve.testing.load_probe): its RSS
     once the libraries are imported, its peak RSS after loading, and the KV pool's bytes."""
     args = [*([model] if model else []), "--quantization", quantization, "--dtype", dtype]
     done = subprocess.run(
-        [sys.executable, "-m", "pyserve.worker.load_probe", *args],
+        [sys.executable, "-m", "pyserve.testing.load_probe", *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from http_testlib import Server, alive, child_pids, tiny_model
 
-from pyserve.worker.hooks_for_tests import HOLD_LOADING
+from pyserve.testing.worker_hooks import HOLD_LOADING
 
 BASE_ARGS = ["--dtype", "float32", "--kv-cache-tokens", "32768", "--torch-threads", "1"]
 # Only against a hang: every wait below ends on what the processes do, not on a clock.

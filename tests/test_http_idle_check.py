@@ -8,7 +8,7 @@ import re
 
 from http_testlib import request, running_server, tiny_model, wait_for_metrics
 
-from pyserve.engine.idle_check import TEST_HOOK_LEAK_KV_BLOCKS
+from pyserve.testing.engine_hooks import TEST_HOOK_LEAK_KV_BLOCKS
 
 
 def test_the_idle_check_logs_an_error_when_a_kv_block_goes_missing(tmp_path_factory, monkeypatch):

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from http_testlib import kv_idle, metrics, running_server, tiny_model, wait_for_metrics
 
-from pyserve.worker.hooks_for_tests import HOLD_STEPS
+from pyserve.testing.worker_hooks import HOLD_STEPS
 
 REQUESTS = 16
 NEW_TOKENS = 48

@@ -22,7 +22,7 @@ from http_testlib import (
     wait_for_metrics,
 )
 
-from pyserve.worker.hooks_for_tests import HOLD_LOADING, STEP_DELAY_S
+from pyserve.testing.worker_hooks import HOLD_LOADING, STEP_DELAY_S
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pyserve.worker import quant
+from pyserve.worker.env import KERNELS_ISA
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()
@@ -425,12 +426,12 @@ def test_isa_environment_variable_forces_the_fallback():
         "y = quant.quantized_matmul(torch.ones(2, 40), p)\n"
         "print(k.isa(), float(y.sum()))\n"
     )
-    env = {**os.environ, quant.ISA_ENV: "scalar"}
+    env = {**os.environ, KERNELS_ISA: "scalar"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     isa, total = done.stdout.split()
     assert isa == "scalar" and float(total) == pytest.approx(2 * 20 * 40, rel=1e-6)
-    env[quant.ISA_ENV] = "sse9"
+    env[KERNELS_ISA] = "sse9"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode != 0 and "PYSERVE_KERNELS_ISA='sse9'" in done.stderr
 

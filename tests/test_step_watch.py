@@ -19,7 +19,7 @@ from http_testlib import metrics, request, running_server, tiny_model
 from pyserve.cli import build_parser, engine_config
 from pyserve.engine import EngineConfig
 from pyserve.engine.step_watch import StepWatch
-from pyserve.worker.hooks_for_tests import HOLD_STEPS
+from pyserve.testing.worker_hooks import HOLD_STEPS
 
 
 def records(caplog, level: int) -> list[str]:

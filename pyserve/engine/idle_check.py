@@ -22,7 +22,7 @@ log = logging.getLogger("pyserve.engine")
 IDLE_AFTER_S = 1.0
 
 # Tests only: take this many blocks out of the KV pool behind the core's back, so that a test can
-# see the check fire on a real server. Never set it anywhere else.
+# see the check fire on a real server (pyserve/testing/engine_hooks.py). Never set it elsewhere.
 TEST_HOOK_LEAK_KV_BLOCKS = "PYSERVE_TEST_HOOK_LEAK_KV_BLOCKS"
 
 
@@ -85,7 +85,6 @@ def apply_test_hook(planner: Any) -> None:
     """Leaks ``$PYSERVE_TEST_HOOK_LEAK_KV_BLOCKS`` blocks from the pool (tests only)."""
     count = int(os.environ.get(TEST_HOOK_LEAK_KV_BLOCKS) or 0)
     if count > 0:
-        planner.allocator.allocate(count)
-        log.warning(
-            "test hook %s: %d KV block(s) leaked on purpose", TEST_HOOK_LEAK_KV_BLOCKS, count
-        )
+        from pyserve.testing.engine_hooks import leak_kv_blocks
+
+        leak_kv_blocks(planner, count)

@@ -32,11 +32,12 @@ import zmq
 from pyserve.lifecycle import die_with_parent
 from pyserve.wire import main_to_worker as inp
 from pyserve.wire import worker_to_detok as out
+from pyserve.worker import env
 from pyserve.worker.errors import TensorParallelError
-from pyserve.worker.hooks_for_tests import WorkerTestHooks
 from pyserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from pyserve.testing.worker_hooks import WorkerTestHooks
     from pyserve.worker.executor import StepExecutor
     from pyserve.worker.tensor_parallel import TensorParallel
 
@@ -78,9 +79,10 @@ def run(config: WorkerConfig) -> int:
         pull.bind(config.in_addr)
         push = ctx.socket(zmq.PUSH)
         push.connect(config.out_addr)
-    hooks = WorkerTestHooks()
+    hooks = _test_hooks()
     try:
-        hooks.before_loading()
+        if hooks is not None:
+            hooks.before_loading()
         tp = _join_group(config) if config.tp_size > 1 else None
         started = time.perf_counter()
         executor, error = _load(config, tp)
@@ -108,6 +110,16 @@ def run(config: WorkerConfig) -> int:
                 # let the last message (Shutdown, an error) reach the detokenizer
                 sock.close(linger=2000 if sock is push else 0)
         ctx.term()
+
+
+def _test_hooks() -> WorkerTestHooks | None:
+    """The test hooks set in the environment, or None (always, outside the tests)."""
+    switches = env.hook_switches()
+    if not switches.any_set():
+        return None
+    from pyserve.testing.worker_hooks import WorkerTestHooks
+
+    return WorkerTestHooks(switches)
 
 
 def _join_group(config: WorkerConfig) -> TensorParallel:
@@ -205,7 +217,7 @@ def _serve(
     executor: StepExecutor,
     pull: zmq.Socket | None,
     push: zmq.Socket | None,
-    hooks: WorkerTestHooks,
+    hooks: WorkerTestHooks | None,
     tp: TensorParallel | None,
 ) -> None:
     decode = inp.decoder.decode
@@ -225,7 +237,8 @@ def _serve(
                     continue
             else:
                 if isinstance(msg, inp.Step):
-                    hooks.before_step()
+                    if hooks is not None:
+                        hooks.before_step()
                     replies = _run_step(executor, msg, fatal)
                     steps += 1
                     tokens = replies[-1]  # the StepTokens comes last

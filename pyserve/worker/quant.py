@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyserve.worker import env
 from pyserve.worker.dtypes import ACTIVATION_BITS
 
 GROUP = 32  # inputs per quantization group (llama.cpp's block size)
@@ -51,11 +51,6 @@ MODES = ("int8", "int4")
 # of its quantized weights (a 7B model would otherwise hold 28 GB of float32 beside 4 GB of int4).
 MAX_KERNEL_ROWS = {torch.float32: None, torch.bfloat16: 64, torch.float16: 64}
 DEFAULT_ACTIVATION_BITS = 16
-ISA_ENV = "PYSERVE_KERNELS_ISA"  # force a kernel path: avx512_vnni, avx2 or scalar
-# 1: int8 activations from 32 rows on run on AMX tiles where the CPU has them and Linux grants
-# the tile state (otherwise a warning says why, and the AVX-512 VNNI loops run: the same outputs
-# bit for bit); 0 or unset: the VNNI loops (the tiles were no faster here: RESULTS.md, "AMX").
-AMX_ENV = "PYSERVE_KERNELS_AMX"
 logger = logging.getLogger(__name__)
 
 
@@ -66,22 +61,21 @@ def kernels():
     if _kernels_module is None:
         from pyserve import _kernels
 
-        isa = os.environ.get(ISA_ENV)
+        isa = env.kernels_isa()
         if isa:
             try:
                 _kernels.set_isa(isa)
             except ValueError as e:
-                raise ValueError(f"{ISA_ENV}={isa!r}: {e}") from None
-        amx = os.environ.get(AMX_ENV, "")
-        if amx not in ("", "0", "1"):
-            raise ValueError(f"{AMX_ENV}={amx!r}: 0 or 1")
-        if amx == "1":
+                raise ValueError(f"{env.KERNELS_ISA}={isa!r}: {e}") from None
+        if env.kernels_amx():
             try:
                 _kernels.set_amx(True)
                 logger.info("int8 activations from 32 rows on: AMX tiles")
             except ValueError:
                 logger.warning(
-                    "%s=1, but the AVX-512 VNNI loops run: %s", AMX_ENV, _kernels.amx_status()
+                    "%s=1, but the AVX-512 VNNI loops run: %s",
+                    env.KERNELS_AMX,
+                    _kernels.amx_status(),
                 )
         _kernels.set_num_threads(torch.get_num_threads())
         _kernels_module = _kernels

@@ -14,13 +14,13 @@ tensors: slowly, but exactly what the tests need.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from pyserve.worker import env
 from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
 from pyserve.worker.backends.torch_ref import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.batch import ForwardBatch
@@ -50,7 +50,7 @@ def triton_usable(device: torch.device) -> str | None:
         return "triton is not installed (pip install 'pyserve[gpu]')"
     if device.type == "cuda":
         return None
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and env.triton_interpret():
         return None
     return (
         f"Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1), not {device}"

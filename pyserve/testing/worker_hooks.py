@@ -1,4 +1,5 @@
-"""Test-only hooks of the worker, read from its environment (the server passes its own on).
+"""Test-only hooks of the worker, switched on from its environment (the server passes its own
+on; pyserve/worker/env.py names and reads the switches).
 
 They let a test put the worker in a known state instead of racing it: held before loading the
 model, held at a step until the test lets go, or slowed by a fixed sleep a step so that a
@@ -11,14 +12,11 @@ import logging
 import os
 import time
 
-log = logging.getLogger("pyserve.worker")
+from pyserve.worker.env import HOLD_LOADING, HOLD_STEPS, STEP_DELAY_S, HookSwitches
 
-# A path: the worker waits before loading the model for as long as that file exists.
-HOLD_LOADING = "PYSERVE_TEST_HOOK_HOLD_WORKER_LOADING"
-# A path: each Step waits, before its forward pass, for as long as that file exists.
-HOLD_STEPS = "PYSERVE_TEST_HOOK_HOLD_WORKER_STEPS"
-# Seconds: each Step sleeps this long before its forward pass.
-STEP_DELAY_S = "PYSERVE_TEST_HOOK_WORKER_STEP_DELAY_S"
+__all__ = ["HOLD_LOADING", "HOLD_STEPS", "STEP_DELAY_S", "WorkerTestHooks"]
+
+log = logging.getLogger("pyserve.worker")
 
 # A forgotten file must not hold a worker forever.
 _MAX_HOLD_S = 600.0
@@ -32,12 +30,12 @@ def _hold_while_exists(path: str) -> None:
 
 
 class WorkerTestHooks:
-    """The hooks set in the environment; each call is a no-op when its hook is unset."""
+    """The hooks that ``switches`` set; each call is a no-op when its hook is unset."""
 
-    def __init__(self, environ: os._Environ[str] | dict[str, str] = os.environ) -> None:
-        self.hold_loading = environ.get(HOLD_LOADING) or ""
-        self.hold_steps = environ.get(HOLD_STEPS) or ""
-        self.step_delay_s = float(environ.get(STEP_DELAY_S) or 0)
+    def __init__(self, switches: HookSwitches) -> None:
+        self.hold_loading = switches.hold_loading
+        self.hold_steps = switches.hold_steps
+        self.step_delay_s = switches.step_delay_s
         for name, value in (
             (HOLD_LOADING, self.hold_loading),
             (HOLD_STEPS, self.hold_steps),

@@ -1,6 +1,7 @@
 """How much memory loading a model takes: loads it as the worker does and prints one JSON line.
 
-    python -m pyserve.worker.load_probe MODEL [--quantization auto] [--dtype auto] [--num-blocks 64]
+    python -m pyserve.testing.load_probe MODEL [--quantization auto] [--dtype auto]
+        [--num-blocks 64]
 
 ``before``: the process's RSS once the libraries are imported (torch, transformers, gguf),
 ``peak``: its peak RSS once the model and a KV pool of ``--num-blocks`` blocks are loaded,
@@ -50,7 +51,7 @@ def probe(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pyserve.worker.load_probe")
+    p = argparse.ArgumentParser(prog="python -m pyserve.testing.load_probe")
     p.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2 GGUF")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--dtype", default="auto")
