@@ -342,7 +342,7 @@ async def start_engine(
         log.error("the engine did not start: %s", starting.exception())
         return False
     # Everything alive now lives as long as the server: freezing it keeps full garbage
-    # collections short (one over the loaded libraries stalled the loop ~200 ms on 2 cores).
+    # collections short (one over the loaded libraries stalls the event loop noticeably).
     gc.collect()
     gc.freeze()
     pages = f"; chat page: {url}/, dashboard: {url}/dashboard" if web_ui else ""

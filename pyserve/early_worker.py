@@ -1,11 +1,11 @@
 """The model worker's process, started by the ``pyserve`` command before anything else.
 
-A worker spends most of a start importing torch and the model code (~2 s on a 2-core VM), and
-the main process as long importing aiohttp, the engine and the HTTP routes before it knows the
-worker's config. So ``pyserve run`` first starts ``python -m pyserve.worker --config -``: that
-process imports what loading needs, then waits for its WorkerConfig on stdin. The engine hands
-the config to it in place of starting its first worker (``take``). When nothing takes it (a bad
-argument, a model that fails main's checks), it reads end-of-file once main exits and ends.
+A worker spends most of a start importing torch and the model code, and the main process as
+long importing aiohttp, the engine and the HTTP routes before it knows the worker's config. So
+``pyserve run`` first starts ``python -m pyserve.worker --config -``: that process imports what
+loading needs, then waits for its WorkerConfig on stdin. The engine hands the config to it in
+place of starting its first worker (``take``). When nothing takes it (a bad argument, a model
+that fails main's checks), it reads end-of-file once main exits and ends.
 
 Not for ``--dp`` (the supervisor runs no worker: each replica is a ``pyserve run`` of its own)
 or ``--help``; an Engine embedded in another program starts its worker as before.

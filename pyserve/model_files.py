@@ -175,13 +175,13 @@ def open_gguf_reader(path: str):
     parse long arrays item by item.
 
     Every slice of an ``np.memmap`` runs Python-level ``__array_finalize__``; the reader slices
-    once per metadata item (~150k for a BPE vocabulary), which made parsing take 2+ s. The same
-    mapping viewed as a plain ndarray parses about 3x faster and reads identical bytes. gguf-py
-    also makes numpy views for every item of every array (0.5 s of each start for a 32k
-    vocabulary): a long array of numbers here is one view (``contents()`` as before, ``data``
-    one index), and a long array of strings is walked for its length only: ``data`` has one
-    entry per string, and ``contents()`` raises (nothing in pyserve reads the vocabulary from
-    this reader; the tokenizer comes from transformers' own GGUF conversion).
+    once per metadata item (~150k for a BPE vocabulary), which made parsing slow. The same
+    mapping viewed as a plain ndarray parses much faster and reads identical bytes. gguf-py
+    also makes numpy views for every item of every array (a visible share of each start for a
+    32k vocabulary): a long array of numbers here is one view (``contents()`` as before,
+    ``data`` one index), and a long array of strings is walked for its length only: ``data``
+    has one entry per string, and ``contents()`` raises (nothing in pyserve reads the vocabulary
+    from this reader; the tokenizer comes from transformers' own GGUF conversion).
     """
     import sys
 
@@ -276,7 +276,8 @@ INFO_CACHE_VERSION = 1
 
 def _gguf_model_info(path: str) -> ModelInfo:
     """The model info of a GGUF file, cached by its path, size and mtime: parsing its metadata
-    (gguf-py walks every vocabulary entry) took 0.7 s of each start for a 32k vocabulary."""
+    (gguf-py walks every vocabulary entry) is a visible share of each start for a large
+    vocabulary."""
     cached = cache_dir() / "model-info" / f"{file_key(path)}-v{INFO_CACHE_VERSION}.json"
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         data = json.loads(cached.read_text())

@@ -27,8 +27,8 @@ def start_child(module: str, args: list[str], stdin: int) -> subprocess.Popen:
     only the main process, which then stops the ring in order."""
     env = with_package_path(dict(os.environ))
     # OpenMP threads that spin between parallel regions steal the cores main and the
-    # detokenizer need; measured on 2 cores: a decode step of 25 ms took ~1 s with spinning
-    # threads under load (benchmarks/RESULTS.md, Kernels). The user's setting wins.
+    # detokenizer need: on a small machine under load a decode step took many times longer
+    # with spinning threads (benchmarks/RESULTS.md, Kernels). The user's setting wins.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     command = [sys.executable, "-m", module, *args]
     return subprocess.Popen(command, env=env, stdin=stdin, start_new_session=True)

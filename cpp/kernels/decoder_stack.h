@@ -7,7 +7,7 @@
 // buffers' values, that the Python layer loop makes (DecoderLayer.forward in
 // pyserve/worker/models/decoder.py over the CPU kernels backend), so the results are bit for bit
 // its. What it removes is Python between the ~9 calls a layer (module calls, argument checks,
-// tensor allocations: ~9% of a batch-32 decode step's time, when the kernels' thread pool waits).
+// tensor allocations: a visible share of a batch-32 decode step, while the kernels' pool waits).
 //
 // The stack holds pointers into tensors that Python owns (packed weights, norms, caches); the
 // Python side (pyserve/worker/backends/cpu_stack.py) keeps them alive and checks every shape once.

@@ -21,8 +21,8 @@ namespace {
 constexpr size_t kChunkBytes = 256 * 1024;
 constexpr int kChunksPerThread = 4;
 // From this many rows on, the threads quantize the activations too, this many rows a chunk
-// (quantizing was ~4.6% of a batch-32 step, single-threaded below 32 rows: a decode batch
-// shrinks under 32 as its requests finish).
+// (single-threaded, quantizing was a visible share of a batch-32 step; the bound sits below 32
+// because a decode batch shrinks under 32 as its requests finish).
 constexpr int kParallelQuantizeRows = 16;
 constexpr int kQuantizeChunkRows = 8;
 // From this many rows on, int8 activations go to the AMX tiles when they are on (set_amx): a

@@ -21,8 +21,8 @@
 // - int16 (Q = 32767, ~256× less rounding): s is a power of two, 2^e, the smallest e with
 //   max|a|·2^−e ≤ Q, raised where needed to at least U = (the row's largest e) − H, and the unit
 //   is 2^U. H is the headroom: how many bits the largest possible Σu·q of a group can be shifted
-//   left inside int32. A group adds d·(Σu·q ≪ (e − U)) + m·(Σq ≪ (e − U)), two FMAs: the
-//   multiply that a float scale takes was ~5% of this loop's time. The power of two costs up to
+//   left inside int32. A group adds d·(Σu·q ≪ (e − U)) + m·(Σq ≪ (e − U)), two FMAs: no
+//   multiply for a float scale in this innermost loop. The power of two costs up to
 //   one bit of q, and a group over 2^H times smaller than its row's largest is rounded on the
 //   coarser grid 2^U (H = 7 for 4-bit weights and groups of 32: a grid 128× finer than the
 //   largest group's).
@@ -129,7 +129,7 @@ inline float power_of_two(int e) {
 
 // The smallest e with amax·2^−e ≤ top, at least kMinExponent (a zero group: kMinExponent), from
 // the bits: with amax = a·2^A and top = t·2^T (a, t in [1, 2)), e = A − T, or A − T + 1 when
-// a > t. A library frexp per group cost ~10% of a small matmul.
+// a > t. A library frexp per group was a visible cost in a small matmul.
 inline int group_exponent(float amax, float top) {
   if (!(amax >= std::numeric_limits<float>::min()) || !(amax <= std::numeric_limits<float>::max()))
     return kMinExponent;  // zero, subnormal (q would round to 0 anyway), or not finite

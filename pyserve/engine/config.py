@@ -34,7 +34,7 @@ class EngineConfig:
     # CPU, the model's dtype otherwise: pyserve/worker/dtypes.py, resolve_kv_cache_dtype)
     kv_cache_dtype: str = "auto"
     # What int8/int4 layers round activations to: 16 bits (logits within ~0.001 of float32
-    # over the same weights) or 8 (llama.cpp's Q8_1: matmuls ~1.6x faster from ~8 rows on,
+    # over the same weights) or 8 (llama.cpp's Q8_1: faster matmuls from ~8 rows on,
     # logprobs off by up to ~1; benchmarks/RESULTS.md). No effect without quantization.
     activation_bits: int = 16
     # How the worker computes: auto | cpu-kernels | torch (pyserve/worker/backends/__init__.py)
@@ -60,9 +60,9 @@ class EngineConfig:
     shutdown_timeout: float = 10.0  # seconds for the ring to stop before children are killed
     # Seconds a step may go unanswered by the worker before /health answers 503 (and an error
     # is logged) until it completes; 0: never. Nothing is killed (see engine/step_watch.py).
-    # A healthy step can be long: a 512-token prefill of a 7B model on a 2-core CPU takes
-    # ~40 s, and an orchestrator's health probe may restart a server it sees unhealthy, so the
-    # default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
+    # A healthy step can be long: a 512-token prefill of a 7B model on a small CPU takes tens
+    # of seconds, and an orchestrator's health probe may restart a server it sees unhealthy, so
+    # the default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
     step_timeout: float = 300.0
     # On a CUDA device: the KV pool takes what is left of this fraction of the device's memory
     # once the weights are loaded (SGLang's --mem-fraction-static); None: kv_cache_tokens/bytes.
@@ -81,11 +81,11 @@ class EngineConfig:
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
 
-        A CPU prefills ~500-1000 tokens/s on the default model, so a step of 8192 prompt tokens
-        would stall every running decode for 10 s and hand all its first tokens out at the end.
-        512 a step keeps the matmuls large enough to run at full speed and lets requests start
-        one after another: at 32 concurrent 256-token prompts (benchmarks/RESULTS.md, "Serving")
-        TTFT p50 fell from 10.8 s to 2.8 s and output tok/s rose from 202 to 233.
+        A CPU prefills the default model at hundreds of tokens a second, so a step of 8192 prompt
+        tokens would stall every running decode for seconds and hand all its first tokens out at
+        the end. 512 a step keeps the matmuls large enough to run at full speed and lets requests
+        start one after another: at 32 concurrent 256-token prompts both TTFT and output
+        throughput improved (benchmarks/RESULTS.md, "Serving").
         """
         budget, chunk = CPU_PREFILL_BUDGET if self.device == "cpu" else GPU_PREFILL_BUDGET
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else budget

@@ -1,18 +1,18 @@
 """The dtype a device computes fastest in. Torch-free, so the main process can ask too.
 
 Measured with benchmarks/bench_worker.py (benchmarks/RESULTS.md, "Worker"): on a CPU with native
-bf16 instructions (AVX512-BF16 here) the SmolLM2 worker decodes 1.5x faster in bfloat16 than in
-float32 at batch 1 and 2.2x from batch 8 up, prefills 1.7x faster, and bf16 halves the KV cache.
-Without those instructions torch emulates bf16 and float32 is the faster choice. float32 remains
-the exact mode (it matches transformers' logprobs to 1e-4); GPUs compute in bf16 natively.
+bf16 instructions (AVX512-BF16) the SmolLM2 worker decodes and prefills faster in bfloat16 than
+in float32 at every batch size, and bf16 halves the KV cache. Without those instructions torch
+emulates bf16 and float32 is the faster choice. float32 remains the exact mode (it matches
+transformers' logprobs to 1e-4); GPUs compute in bf16 natively.
 
 With quantized linear layers (int4/int8 on pyserve._kernels) auto is float32 on the CPU: the
 kernel takes and returns float32 activations, so a bf16 model pays two conversions per linear.
-Measured (bench_worker --threads 1 --clock cpu, default model, int4): float32 decodes 69 tok/s
-at batch 1 against bf16's 53 (1.3x), about even at batch 8 (260 / 249) and 64 (350 / 348), bf16
-10% ahead at 32 (341 / 305), prefill even (600 / 613); and float32 keeps the logits within
-0.002 of unquantized float32 (int16 activations). The engine sizes the KV pool in the same
-float32 (EngineConfig.resolved_dtype), before the worker knows what auto quantization means.
+Measured the same way (default model, int4): float32 decodes faster at batch 1 and about as
+fast at larger batches (bf16 slightly ahead at some), prefill is even; and float32 keeps the
+logits within 0.002 of unquantized float32 (int16 activations). The engine sizes the KV pool
+in the same float32 (EngineConfig.resolved_dtype), before the worker knows what auto
+quantization means.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:
 
     ``auto`` stores a float32 model's K and V in float16 on the CPU, as llama.cpp does by
     default, and in the model's dtype otherwise. A CPU decode step at 32 streams reads every
-    running request's whole cache once per layer at memory speed (~20 GB/s here); in float32
-    that was 20% of the worker's time at the issue-5 load, and float16 halves it. float16
+    running request's whole cache once per layer at memory speed; in float32 that was a large
+    share of the worker's time under a many-stream load, and float16 halves it. float16
     keeps 11 significant bits (relative rounding 2^-11; bf16 keeps 8) and covers ±65504, far
     beyond the keys and values of the models served here. Pass ``float32`` for the exact mode.
     """
@@ -89,7 +89,7 @@ def resolve_quantization(setting: str, device: str, checkpoint_hint: str | None)
 
     ``auto`` serves a GGUF at the precision its file holds (``checkpoint_hint``, from the
     loader) where quantized kernels exist: the CPU (pyserve._kernels) and CUDA devices
-    (pyserve/worker/triton_kernels/quant_matmul.py); unquantized elsewhere.
+    (pyserve/worker/backends/triton/quant_matmul.py); unquantized elsewhere.
     """
     if setting not in QUANTIZATION_NAMES:
         raise ValueError(

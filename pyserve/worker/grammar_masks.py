@@ -51,7 +51,7 @@ _BIAS_OF_BIT = np.array([-np.inf, 0.0], dtype=np.float32)  # forbidden, allowed
 class StepMasks:
     """The allowed tokens of some rows of one step's sampling batch, as what to add to their
     logits: 0 where allowed, -inf where forbidden (one vectorised add applies it; a boolean
-    masked_fill of the same size is ~30x slower on the CPU)."""
+    masked_fill of the same size is much slower on the CPU)."""
 
     rows: list[int]
     bias: torch.Tensor  # float32 [len(rows), vocab]

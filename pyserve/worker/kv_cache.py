@@ -19,8 +19,8 @@ FLOAT16_MAX = 65504.0
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor; on the CPU, pages the kernel zeroes when they are first touched (numpy's
-    calloc), where torch.zeros writes every byte now: 1-4 s for a 1 GB pool on a 2-core VM, most
-    of a start, against milliseconds spread over the first requests that use those blocks."""
+    calloc), where torch.zeros writes every byte now: on a small CPU most of a start for a large
+    pool, against a little time spread over the first requests that use those blocks."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -94,7 +94,7 @@ class PagedKVCache:
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (int64, any shape S): each [kv_heads, *S, block_size, head_dim]
         (K transposed back to token-major: a view, for the torch paths' matmuls)."""
-        # index_select copies whole block rows; advanced indexing (``k[:, blocks]``) was 5x slower
+        # index_select copies whole block rows; advanced indexing (``k[:, blocks]``) is much slower
         flat = blocks.reshape(-1)
         shape = (self.num_kv_heads, *blocks.shape, self.block_size, self.head_dim)
         k = self.k[layer].index_select(1, flat).transpose(-1, -2).reshape(shape)

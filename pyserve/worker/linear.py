@@ -2,8 +2,8 @@
 
 ``F.linear`` on a CPU re-lays the weight out into oneDNN's blocked format on every call (or runs
 a plain BLAS); doing that once at load time (the op torch.compile's CPU backend uses for the same
-purpose) made the SmolLM2 layer matmuls 1.2x (batch 64) to 1.9x (batch 1) faster in bf16 on the
-benchmark machine. Only half-precision weights are packed: in fp32 the packed kernel sums in
+purpose) made the SmolLM2 layer matmuls faster in bf16 at every batch measured, most at batch 1
+(benchmarks/RESULTS.md). Only half-precision weights are packed: in fp32 the packed kernel sums in
 another order, which moved SmolLM2's logprobs up to 8e-5 from transformers' (1e-4 is the bar the
 float32 tests hold), and fp32 is the path kept exact. The ops are torch internals, so packing is
 probed once per dtype and falls back to ``F.linear`` if they are missing or disagree.

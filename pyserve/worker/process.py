@@ -176,7 +176,7 @@ def _load(
         return None, f"the worker could not load the model {model}: {e}"
     # The model, torch and transformers live as long as the worker: frozen, a full collection
     # (the per-step objects trigger one now and then) no longer walks their ~180k objects in the
-    # middle of a step (~90 ms on the default model, on this 2-core machine).
+    # middle of a step, where one would stall the step by a long pause.
     gc.collect()
     gc.freeze()
     return executor, None

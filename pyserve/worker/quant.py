@@ -43,11 +43,10 @@ GROUP = 32  # inputs per quantization group (llama.cpp's block size)
 MAX_GROUP = 256  # keeps a group's integer dot product inside int32 with int16 activations
 TILE_ROWS = 16  # output rows per packed tile (one AVX-512 register)
 MODES = ("int8", "int4")
-# Rows up to which the kernel beats torch's matmul in the model's dtype, measured on the
-# benchmark machine (benchmarks/bench_kernels.py; RESULTS.md "Worker" for the re-check): with
-# int16 activations and one thread, int4 is 2.3x float32 at 64 rows, 1.9x at 287 (a 256-token
-# prefill chunk + 31 decodes), 1.7x at 2048 (the default prefill chunk), 1.4x at 4096; about
-# even with bfloat16 at 64. None: the kernel at any size, so a float32 model keeps no float copy
+# Rows up to which the kernel beats torch's matmul in the model's dtype (benchmarks/
+# bench_kernels.py; RESULTS.md, "Worker"): with int16 activations, int4 beats float32 at every
+# size measured, from a decode batch to a whole prefill chunk and beyond, and is about even with
+# bfloat16 at 64 rows. None: the kernel at any size, so a float32 model keeps no float copy
 # of its quantized weights (a 7B model would otherwise hold 28 GB of float32 beside 4 GB of int4).
 MAX_KERNEL_ROWS = {torch.float32: None, torch.bfloat16: 64, torch.float16: 64}
 DEFAULT_ACTIVATION_BITS = 16

@@ -186,6 +186,6 @@ def one_malloc_arena() -> None:
     """Makes new threads share glibc's one malloc arena (for the whole process: the worker's
     other threads do not allocate in their loops). With an arena per packing thread, the
     buffers each one freed stayed resident beside the others': the 0.5B Q4_K_M load peaked
-    ~50 MB higher (RESULTS.md, "Loading real model files")."""
+    visibly higher (RESULTS.md, "Loading real model files")."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)

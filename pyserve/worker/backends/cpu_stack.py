@@ -1,14 +1,14 @@
 """The decoder layers in one C++ call on the CPU: `pyserve._kernels.DecoderStack`.
 
 A forward through the layer modules makes ~9 kernel calls a layer, each behind a module call,
-argument checks and a fresh output tensor; at batch 32 that Python is ~9% of a decode step, time
-in which the kernels' second thread waits. The stack runs the same kernel calls, in the same
-order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the logits are bit for bit
-the layer loop's (tested). It runs every feature the layer loop runs on the kernels: q/k norms,
-Gemma's sandwich norms, SiLU or GELU-tanh, per-layer sliding windows, the attention soft-cap, and
-several rope tables (partial rotary too), each layer rotating with its own. Python keeps the
-embedding lookup (and its scale), the rope tables' cos/sin, the per-forward metadata, the final
-norm, the output projection and its soft-cap.
+argument checks and a fresh output tensor; at batch 32 that Python is a visible share of a
+decode step, time in which the kernels' second thread waits. The stack runs the same kernel
+calls, in the same order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the
+logits are bit for bit the layer loop's (tested). It runs every feature the layer loop runs on
+the kernels: q/k norms, Gemma's sandwich norms, SiLU or GELU-tanh, per-layer sliding windows,
+the attention soft-cap, and several rope tables (partial rotary too), each layer rotating with
+its own. Python keeps the embedding lookup (and its scale), the rope tables' cos/sin, the
+per-forward metadata, the final norm, the output projection and its soft-cap.
 
 ``build`` reads the model's description (models/config.py) and the backend's kernel plan, and
 refuses, saying why, any model whose layers compute something the stack does not: then the layer
