@@ -1,38 +1,46 @@
 """Real K-quant GGUF files, and the same weights as safetensors, of random-weight Llama models
-for loading benchmarks.
+(and one Qwen3-MoE) for loading benchmarks.
 
 A test's GGUF files come from tests/gguf_files.py's quantizer in Python; a benchmark of how fast
 a Q4_K_M file loads needs the file llama.cpp itself makes, with its mix of types (Q4_K, Q6_K
 for the output projection and some attn_v/ffn_down, F32 norms). So per size:
 
-- a random-weight ``LlamaForCausalLM`` from transformers' own config (seed 0, init std 0.02),
-  built in bfloat16 and saved as a bf16 safetensors directory (``hf/``) with a tokenizer:
-  SmolLM2's byte-level BPE (from the bundled GGUF) cut to the model's 32000 ids, with only the
-  merges whose parts and result stay below 32000, so that the tokenizer is complete and every id
-  it gives is in the vocabulary; its chat template comes along;
+- a random-weight ``LlamaForCausalLM`` (``Qwen3MoeForCausalLM`` for ``moe``) from transformers'
+  own config (seed 0, init std 0.02), built in bfloat16 and saved as a bf16 safetensors
+  directory (``hf/``) with a tokenizer: SmolLM2's byte-level BPE (from the bundled GGUF) cut to
+  the model's 32000 ids, with only the merges whose parts and result stay below 32000, so that
+  the tokenizer is complete and every id it gives is in the vocabulary; its chat template comes
+  along;
 - an F16 GGUF of those weights, written tensor by tensor from the safetensors files (the metadata
   and tensor names of tests/gguf_files.py's ``write_gguf``, which is llama.cpp's converter, plus
-  the same tokenizer), so that the 3b model never has to be in memory in float32;
+  the same tokenizer; each layer's experts stacked into one 3-D tensor per projection, the
+  router in F32 as the converter keeps it), so that the 3b model never has to be in memory in
+  float32;
 - ``llama-quantize`` (built from the llama-cpp-python sdist, in compare.py's llama.cpp build
   directory) turns it into ``model-Q4_K_M.gguf``; the F16 file is deleted unless ``--keep-f16``.
 
-Shapes (all Llama blocks, vocabulary 32000):
+Shapes (vocabulary 32000):
 
 - 0.5b = 24 layers × hidden 1024, MLP 2816, 16 heads, 4 KV heads, tied embeddings;
 - 1.5b = Qwen2.5-1.5B's: 28 layers × hidden 1536, MLP 8960, 12 heads, 2 KV heads (head_dim
   128), tied embeddings (no q/k/v bias: a Llama block);
 - 3b = 28 layers × hidden 3072, MLP 8192, 24 heads, 8 KV heads;
-- 8b = Llama-3-8B's: 32 layers × hidden 4096, MLP 14336, 32 heads, 8 KV heads, untied.
+- 8b = Llama-3-8B's: 32 layers × hidden 4096, MLP 14336, 32 heads, 8 KV heads, untied;
+- moe = Qwen3-30B-A3B's blocks scaled down (arch ``qwen3moe``: q/k norms, no q/k permutation):
+  16 layers × hidden 1536, 64 experts of width 512 with the top 8 a token (``norm_topk_prob``),
+  16 heads, 4 KV heads of head_dim 128, untied; 2.6B parameters, 0.5B active a token (0.4B
+  besides the embedding and output matrices).
 
-Every dimension is a multiple of 256, so llama-quantize uses K-quants everywhere (no fallback
-types). A model whose bf16 weights pass ``IN_MEMORY_BYTES`` (the 8b: 14.5 GB on a 23 GB machine)
-is not built as a transformers model: its safetensors shards are written tensor by tensor with
-transformers' initialization (normal(0, 0.02) matrices, norms of ones), one 2 GB shard in memory
-at a time. Files are cached under ``benchmarks/out/kquant-models/<size>/`` and each step is
-skipped when its output exists.
+The first four are Llama blocks. Every dimension is a multiple of 256, so llama-quantize uses
+K-quants everywhere (no fallback types). A model whose bf16 weights pass ``IN_MEMORY_BYTES`` (the
+8b: 14.5 GB on a 23 GB machine) is not built as a transformers model: its safetensors shards are
+written tensor by tensor with transformers' initialization (normal(0, 0.02) matrices, norms of
+ones), one 2 GB shard in memory at a time. Files are cached under
+``benchmarks/out/kquant-models/<size>/`` and each step is skipped when its output exists.
 
     .venv/bin/python benchmarks/kquant_files.py --sizes 0.5b,1.5b,3b,8b
     .venv/bin/python benchmarks/kquant_files.py --sizes 0.5b --keep-f16
+    .venv/bin/python benchmarks/kquant_files.py --sizes moe
 """
 
 from __future__ import annotations
@@ -56,7 +64,14 @@ sys.path.insert(0, str(BENCH_DIR))  # compare.py
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # gguf_files.py
 
 from compare import VENV_BIN, build_llama_server, peers_dir  # noqa: E402
-from gguf_files import _PARTS, _TOP, ARCH, llama_cpp_row_order  # noqa: E402
+from gguf_files import (  # noqa: E402
+    _MOE_PARTS,
+    _PARTS,
+    _TOP,
+    ARCH,
+    _merged_experts,
+    llama_cpp_row_order,
+)
 
 OUT_DIR = BENCH_DIR / "out" / "kquant-models"
 QUANT = "Q4_K_M"
@@ -93,6 +108,19 @@ SIZES = {
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "moe": {
+        "model_type": "qwen3_moe",  # the others are "llama"
+        "hidden_size": 1536,
+        "num_hidden_layers": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
         "tie_word_embeddings": False,
     },
 }
@@ -205,14 +233,33 @@ def add_gguf_tokenizer(writer, vocab: int = VOCAB) -> None:
 # ----------------------------------------------------------------------------- model files
 
 
+def _model_config(size: str):
+    """transformers' own config of ``size`` (LlamaConfig unless the size names another
+    model_type), in bf16."""
+    from transformers import AutoConfig
+
+    params = dict(SIZES[size])
+    model_type = params.pop("model_type", "llama")
+    return AutoConfig.for_model(model_type, **COMMON, **params, dtype="bfloat16")
+
+
+def _meta_model(config):
+    """A model of ``config`` on the meta device: its tensors' names and shapes, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def build_hf_dir(size: str, out: Path) -> None:
     """The random-weight bf16 model of ``size`` saved in ``out`` with its tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    config = LlamaConfig(**COMMON, **SIZES[size], dtype="bfloat16")
+    config = _model_config(size)
     if _bf16_bytes(config) > IN_MEMORY_BYTES:
         _write_hf_shards(config, out)
         write_tokenizer(out)
@@ -220,7 +267,7 @@ def build_hf_dir(size: str, out: Path) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built (and initialized) in bf16: 2 bytes a weight
     try:
-        model = LlamaForCausalLM(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(previous)
     wrong = {str(p.dtype) for p in model.parameters()} - {"torch.bfloat16"}
@@ -233,35 +280,39 @@ def build_hf_dir(size: str, out: Path) -> None:
 
 
 def _bf16_bytes(config) -> int:
-    """The bf16 bytes of a LlamaForCausalLM of ``config`` (built on the meta device)."""
-    import torch
-    from transformers import LlamaForCausalLM
+    """The bf16 bytes of a model of ``config``."""
+    return sum(shape.numel() for shape in _checkpoint_shapes(config).values()) * 2
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    return sum(p.numel() for p in model.state_dict().values()) * 2
+
+def _checkpoint_shapes(config) -> dict:
+    """The tensors save_pretrained writes for a model of ``config``, in its order, with their
+    shapes: the state dict in transformers' checkpoint format (an MoE's fused experts as one
+    tensor per expert and projection, the names llama.cpp's converter and pyserve read), a tied
+    lm_head left out."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = _meta_model(config)
+    state = revert_weight_conversion(model, model.state_dict())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: t.shape for name, t in state.items()}
 
 
 def _write_hf_shards(config, out: Path) -> None:
     """``config``'s random-weight model as bf16 safetensors shards written tensor by tensor:
-    transformers' initialization for a Llama (matrices and the embedding normal(0,
+    transformers' initialization (matrices, experts, routers and the embedding normal(0,
     initializer_range), norms ones), one shard in memory at a time, then config.json and the
     shard index save_pretrained writes."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
-        meta = LlamaForCausalLM(config)
-    state = meta.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = _checkpoint_shapes(config)
     generator = torch.Generator().manual_seed(0)
     std = config.initializer_range
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * 2
+    for name, shape in state.items():
+        nbytes = shape.numel() * 2
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -273,7 +324,7 @@ def _write_hf_shards(config, out: Path) -> None:
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name in names:
-            shape = state[name].shape
+            shape = state[name]
             if name.endswith("norm.weight"):
                 tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
             else:
@@ -290,63 +341,27 @@ def _write_hf_shards(config, out: Path) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _state_dict_order(hf_dir: Path) -> list[str]:
-    """The model's state-dict names in their order, from a copy on the meta device."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig.from_pretrained(hf_dir))
-    return list(model.state_dict())
-
-
 def _gguf_name(name: str) -> str:
-    """write_gguf's tensor name for a Llama tensor."""
+    """write_gguf's tensor name for a Llama or Qwen-MoE tensor (not an expert's)."""
     if name.startswith("model.layers."):
         layer, rest = name[len("model.layers.") :].split(".", 1)
         part, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_PARTS[part]}.{kind}"
+        return f"blk.{layer}.{({**_PARTS, **_MOE_PARTS})[part]}.{kind}"
     return _TOP[name]
 
 
-def write_f16_gguf(hf_dir: Path, path: Path) -> dict[str, int]:
-    """The model in ``hf_dir`` as llama.cpp's converter writes an F16 file: write_gguf's
-    metadata and names (Llama's q/k rows in llama.cpp's order), matrices in F16, norms in F32,
-    and the tokenizer. One tensor in memory at a time (read from the safetensors files).
-    Returns the count of tensors per GGML type."""
+def _add_metadata(writer, cfg: dict, arch: str, head_dim: int, name: str) -> None:
+    """write_gguf's keys for ``cfg`` (default rope), and what the converter adds besides."""
     import gguf
-    import numpy as np
-    import torch
-    from safetensors import safe_open
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    assert cfg["model_type"] == "llama", cfg["model_type"]
-    arch = ARCH[cfg["model_type"]]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
     assert rope.get("rope_type", "default") == "default", rope
-
-    files = sorted(hf_dir.glob("*.safetensors"))
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            where.update(dict.fromkeys(st.keys(), f))
-    names = [n for n in _state_dict_order(hf_dir) if n in where]  # write_gguf's order
-    missing = set(where) - set(names)
-    if missing:
-        raise RuntimeError(f"tensors a LlamaForCausalLM does not have: {sorted(missing)}")
-    if cfg.get("tie_word_embeddings"):
-        names = [n for n in names if n != "lm_head.weight"]
-
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    # write_gguf's keys for a Llama with default rope
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_feed_forward_length(cfg["intermediate_size"])  # unused by an all-MoE model
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -354,34 +369,93 @@ def write_f16_gguf(hf_dir: Path, path: Path) -> dict[str, int]:
     writer.add_eos_token_id(2)
     writer.add_bos_token_id(1)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    # what the converter adds besides
-    writer.add_name(f"random-llama-{hf_dir.parent.name}")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_rope_dimension_count(head_dim)
+    if arch == "llama":  # the Llama converter's; the Qwen ones leave llama.cpp to use head_dim
+        writer.add_rope_dimension_count(head_dim)
     add_gguf_tokenizer(writer, cfg["vocab_size"])
 
-    def load(name: str) -> np.ndarray:
-        with safe_open(where[name], framework="pt") as st:
-            t = st.get_tensor(name)
-        array = t.to(torch.float16 if t.ndim == 2 else torch.float32).numpy()
-        if ".q_proj." in name:
+
+def write_f16_gguf(hf_dir: Path, path: Path) -> dict[str, int]:
+    """The model in ``hf_dir`` as llama.cpp's converter writes an F16 file: write_gguf's
+    metadata and names (Llama's q/k rows in llama.cpp's order; an MoE layer's experts stacked
+    into one [experts, rows, columns] tensor per projection), matrices in F16, norms and MoE
+    routers in F32 (the converter keeps ffn_gate_inp in F32), and the tokenizer. One tensor
+    (or one stack of experts) in memory at a time, read from the safetensors files. Returns
+    the count of tensors per GGML type."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    assert model_type in ("llama", "qwen3_moe"), model_type
+    arch = ARCH[model_type]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    where: dict[str, Path] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            where.update(dict.fromkeys(st.keys(), f))
+    shapes = _checkpoint_shapes(AutoConfig.from_pretrained(hf_dir))
+    names = [n for n in shapes if n in where]  # write_gguf's order
+    missing = set(where) - set(names)
+    if missing:
+        raise RuntimeError(f"tensors a {model_type} model does not have: {sorted(missing)}")
+    # (GGUF name, the HF tensors it holds: one, or a layer's experts to stack in expert order)
+    tensors: list[tuple[str, list[str]]] = []
+    for key, value in _merged_experts({n: n for n in names}, model_type):
+        if isinstance(value, list):
+            layer, proj = key
+            tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", value))
+        else:
+            tensors.append((_gguf_name(key), [key]))
+
+    def dtype(gguf_name: str, hf_names: list[str]) -> np.dtype:
+        f32 = len(shapes[hf_names[0]]) == 1 or gguf_name.endswith(".ffn_gate_inp.weight")
+        return np.dtype(np.float32 if f32 else np.float16)
+
+    def stacked(gguf_name: str) -> bool:
+        return gguf_name.endswith("_exps.weight")
+
+    def load(gguf_name: str, hf_names: list[str]) -> np.ndarray:
+        read: dict[str, torch.Tensor] = {}
+        for f in dict.fromkeys(where[n] for n in hf_names):  # a stack may span two shards
+            with safe_open(f, framework="pt") as st:
+                read.update((n, st.get_tensor(n)) for n in hf_names if where[n] == f)
+        parts = [read.pop(n) for n in hf_names]
+        t = torch.stack(parts) if stacked(gguf_name) else parts[0]
+        del parts, read
+        f32 = dtype(gguf_name, hf_names) == np.float32
+        array = t.to(torch.float32 if f32 else torch.float16).numpy()
+        if arch == "llama" and ".q_proj." in hf_names[0]:
             array = llama_cpp_row_order(array, heads)
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in hf_names[0]:
             array = llama_cpp_row_order(array, kv_heads)
         return np.ascontiguousarray(array)
 
-    for name in names:
-        with safe_open(where[name], framework="pt") as st:
-            shape = st.get_slice(name).get_shape()
-        dtype = np.dtype(np.float16 if len(shape) == 2 else np.float32)
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        writer.add_tensor_info(_gguf_name(name), shape, dtype, nbytes)
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    _add_metadata(writer, cfg, arch, head_dim, f"random-{arch}-{hf_dir.parent.name}")
+    for gguf_name, hf_names in tensors:
+        shape = tuple(shapes[hf_names[0]])
+        if stacked(gguf_name):
+            shape = (len(hf_names), *shape)
+        dt = dtype(gguf_name, hf_names)
+        writer.add_tensor_info(gguf_name, shape, dt, int(np.prod(shape)) * dt.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     types: collections.Counter = collections.Counter()
-    for name in names:
-        array = load(name)
+    for gguf_name, hf_names in tensors:
+        array = load(gguf_name, hf_names)
         types["F16" if array.dtype == np.float16 else "F32"] += 1
         writer.write_tensor_data(array)
     writer.close()
