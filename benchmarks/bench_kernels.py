@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Kernels"
@@ -155,7 +156,7 @@ def build_contenders(layers: int, which: list[str]) -> list[Contender]:
             Contender(
                 f"kernel {name[:4]} (int{activation_bits} activations)",
                 ws,
-                lambda xs, p, a=activation_bits: quant.quantized_matmul(
+                lambda xs, p, a=activation_bits: quant_linear.quantized_matmul(
                     xs[p.k], p, activation_bits=a
                 ),
                 torch.float32,
@@ -238,7 +239,7 @@ def k_quant_contenders() -> list[Contender]:
     ):
         layers = []
         for weights in step:
-            layers += [quant.QuantLinear.from_packed(w, None) for w in weights]
+            layers += [quant_linear.QuantLinear.from_packed(w, None) for w in weights]
         nbytes = sum(layer.packed.nbytes for layer in layers)
         out.append(
             Contender(
@@ -364,7 +365,7 @@ def measure_accuracy(variants: list[tuple[str, int]], prompts: int, new_tokens: 
     for mode, activation_bits in variants:
         quantized = copy.deepcopy(model)
         # every row through the kernel: its per-row result does not depend on the batch size
-        replaced = quant.quantize_model_linears(
+        replaced = quant_linear.quantize_model_linears(
             quantized, mode, activation_bits=activation_bits, max_kernel_rows=1 << 30
         )
         got = logits_of(quantized)
@@ -506,7 +507,8 @@ def q4_k_streamed(rounds: int, threads: int, copies: int = 64) -> str:
         "super-block scales": [with_super_scales(w, gen) for w in plain],
     }
     layers = {
-        name: [quant.QuantLinear.from_packed(w, None) for w in ws] for name, ws in layouts.items()
+        name: [quant_linear.QuantLinear.from_packed(w, None) for w in ws]
+        for name, ws in layouts.items()
     }
     x = torch.randn(1, 4096)
     times: dict[str, list[float]] = {name: [] for name in layers}

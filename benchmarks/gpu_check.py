@@ -559,7 +559,7 @@ def quant_matmul_check(ctx: Ctx) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from pyserve.worker.triton_kernels.quant_matmul import quant_matmul
+    from pyserve.worker.backends.triton.quant_matmul import quant_matmul
 
     device, c = ctx.sizes.device, ctx.sizes.llama
     bw = ctx.args.bandwidth_gbs or bandwidth(ctx)["gb_per_s_best"]

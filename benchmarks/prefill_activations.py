@@ -41,6 +41,7 @@ from bandwidth import cpu_model
 from bench_kernels import CHAT_PROMPTS, default_hf_model
 
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 
 
 def drift(new_tokens: int) -> str:
@@ -72,8 +73,8 @@ def drift(new_tokens: int) -> str:
 
     reference = greedy(model)
     quantized = copy.deepcopy(model)
-    quant.quantize_model_linears(quantized, "int4", max_kernel_rows=1 << 30)
-    layers = [m for m in quantized.modules() if isinstance(m, quant.QuantLinear)]
+    quant_linear.quantize_model_linears(quantized, "int4", max_kernel_rows=1 << 30)
+    layers = [m for m in quantized.modules() if isinstance(m, quant_linear.QuantLinear)]
 
     rows = []
     for name, prefill_bits, decode_bits in [
@@ -81,17 +82,17 @@ def drift(new_tokens: int) -> str:
         ("int8 prefill, int16 decode", 8, 16),
         ("int8 everywhere (`--activation-bits 8`)", 8, 8),
     ]:
-        original = quant.QuantLinear.forward
+        original = quant_linear.QuantLinear.forward
 
         def forward(self, x, _p=prefill_bits, _d=decode_bits, _f=original):
             self.activation_bits = _p if x.numel() // self.in_features > 1 else _d
             return _f(self, x)
 
-        quant.QuantLinear.forward = forward
+        quant_linear.QuantLinear.forward = forward
         try:
             runs = greedy(quantized)
         finally:
-            quant.QuantLinear.forward = original
+            quant_linear.QuantLinear.forward = original
             for layer in layers:
                 layer.activation_bits = 16
         whole, before, first = 0, 0, []
@@ -139,7 +140,9 @@ def gops(rows: list[int], rounds: int) -> str:
                         kernels.set_amx(amx)
                     start = time.perf_counter()
                     for w, out in zip(weights, outs, strict=True):
-                        quant.quantized_matmul(xs[w.k], w, out=out, activation_bits=activation_bits)
+                        quant_linear.quantized_matmul(
+                            xs[w.k], w, out=out, activation_bits=activation_bits
+                        )
                     if round_:
                         best[name] = min(best[name], time.perf_counter() - start)
             ops = 2 * m * sum(n * k for n, k in layer)

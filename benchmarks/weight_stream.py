@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_files import random_blocks
 
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 
 LAYOUTS = {"Q4_K 4-bit": ("Q4_K", 4, True), "Q5_K 5-bit": ("Q5_K", 5, True)}
 LAYOUTS |= {"Q5_K 8-bit": ("Q5_K", 8, False), "Q6_K 6-bit": ("Q6_K", 6, True)}
@@ -74,7 +75,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 start = time.perf_counter()
                 for w in weights:
-                    quant.quantized_matmul(x, w)
+                    quant_linear.quantized_matmul(x, w)
                 times.append(time.perf_counter() - start)
             best, median = min(times), statistics.median(times)
             bits_a_weight = packed.nbytes * 8 / (args.n * args.k)

@@ -20,6 +20,7 @@ import torch
 from test_kernels import random_input, random_weight
 
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 from pyserve.worker.env import KERNELS_AMX, KERNELS_ISA
 
 KERNELS = quant.kernels()
@@ -33,7 +34,7 @@ def matmul(x, packed, bias, amx: bool) -> torch.Tensor:
     before = KERNELS.amx()
     KERNELS.set_amx(amx)
     try:
-        return quant.quantized_matmul(x, packed, bias, activation_bits=8)
+        return quant_linear.quantized_matmul(x, packed, bias, activation_bits=8)
     finally:
         KERNELS.set_amx(before)
 
@@ -90,11 +91,12 @@ def test_amx_is_off_until_asked_for():
 _FALLBACK = """
 import sys, torch
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 k = quant.kernels()
 torch.manual_seed(0)
 x = torch.load(sys.argv[1])
 packed = quant.PackedWeight(*torch.load(sys.argv[2]))
-y = quant.quantized_matmul(x, packed, activation_bits=8)
+y = quant_linear.quantized_matmul(x, packed, activation_bits=8)
 used = k.amx()
 try:
     k.set_amx(True)

@@ -1,4 +1,4 @@
-"""The fused paged decode-attention kernel (pyserve._kernels via worker/attention_kernel.py).
+"""The fused paged decode-attention kernel (pyserve._kernels via backends/cpu/attention_kernel.py).
 
 Against a float64 reference that gathers each request's blocks and runs a plain softmax: random
 block tables, contexts from 1 token to ~2000 (crossing block and partition boundaries), GQA
@@ -19,12 +19,12 @@ from worker_testlib import assert_attention_close as assert_close
 from worker_testlib import paged_batch
 
 from pyserve.worker import quant
-from pyserve.worker.attention_kernel import (
+from pyserve.worker.backends import attention_backend
+from pyserve.worker.backends.cpu.attention_kernel import (
     DecodeAttention,
     PrefillAttention,
     paged_decode_attention,
 )
-from pyserve.worker.backends import attention_backend
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()
@@ -152,7 +152,7 @@ def test_backend_kernel_and_torch_paths_agree(dtype):
     kernels backend and through the torch reference (split softmax forced): same outputs, the
     same cache writes."""
     from pyserve.worker.backends import AttentionLayer
-    from pyserve.worker.backends.cpu_kernels import DecodeKernelBatch
+    from pyserve.worker.backends.cpu.backend import DecodeKernelBatch
 
     heads, kv_heads, dim, block = 9, 3, 64, 16
     shapes = [(300, 1), (0, 20), (40, 5), (0, 1), (1100, 1), (17, 1)]  # (start_pos, num_tokens)

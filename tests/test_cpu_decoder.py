@@ -1,4 +1,4 @@
-"""The decoder layers in one C++ call (pyserve/worker/backends/cpu_stack.py,
+"""The decoder layers in one C++ call (pyserve/worker/backends/cpu/stack.py,
 cpp/kernels/decoder_stack.*).
 
 The stack makes the modules' kernel calls in their order on their values, so everything it
@@ -27,8 +27,8 @@ from worker_testlib import load_runner
 
 from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker import quant
-from pyserve.worker.backends.cpu_kernels import LayerPlan
-from pyserve.worker.backends.cpu_stack import CpuDecoderStack, unsupported
+from pyserve.worker.backends.cpu.backend import LayerPlan
+from pyserve.worker.backends.cpu.stack import CpuDecoderStack, unsupported
 from pyserve.worker.offline import OfflineEngine
 
 STACK_RUNS = quant.kernels().isa() == "avx512_vnni"  # the prefill kernel and fused ops need it

@@ -22,11 +22,10 @@ from gguf_files import random_blocks, write_gguf
 from test_model_loading import hf_logits, prefill_logits, runner, tiny_llama
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
+from pyserve.worker.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from pyserve.worker.loading import ModelLoadError
 from pyserve.worker.model_runner import decode_weight_bytes
 from pyserve.worker.quant import (
-    QuantEmbedding,
-    QuantLinear,
     SegmentedWeight,
     dequantize_weight,
     ggml_largest_u,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu import quant_linear
 from pyserve.worker.env import KERNELS_ISA
 
 torch.set_num_threads(2)
@@ -165,7 +166,7 @@ def test_the_largest_dot_product_shifted_by_the_headroom_stays_in_int32(isa, bit
     w[1, 32:] = 0.5
     w[2] = -w[2]
     packed = quant.quantize_weight(w, bits)
-    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
     want, magnitude = exact_reference(x, packed, activation_bits)
     assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
     assert (got[0, :2] > 0).all() and got[0, 2] < 0
@@ -176,7 +177,7 @@ def assert_integer_formula(shapes, bits, activation_bits, group=quant.GROUP, bia
         packed = quant.quantize_weight(random_weight(n, k, seed=i), bits, group=group)
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if biased and i % 2 else None
-        got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
+        got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
         want, magnitude = exact_reference(x, packed, activation_bits, bias)
         error = (got.double() - want).abs()
         assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
@@ -214,7 +215,7 @@ def test_matmul_is_within_the_rounding_bound_of_float(isa, bits, activation_bits
         q, scale = reference_activations(x, quant.GROUP, activation_bits)
         x_hat = (q.view(rows, -1, quant.GROUP) * scale[..., None]).view(rows, -1)[:, :k]
         bound = x.abs() @ (w - w_hat).abs().T + (x - x_hat).abs() @ w_hat.abs().T
-        got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+        got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
         slack = 1e-5 * (x.abs() @ w.abs().T) + 1e-6
         assert ((got - x @ w.T).abs() <= bound + slack).all()
 
@@ -228,10 +229,10 @@ def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, a
     rows, n = 4, 40
     packed = quant.quantize_weight(random_weight(n, k, seed=3), bits)
     x = random_input(rows, k, seed=3)
-    want = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    want = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
     x[1, k - 30] = float("nan")  # in the first vector of its group: the next vector max drops it
     x[2, 5] = float("inf")
-    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
     assert got[1:3].isnan().all()
     assert torch.equal(got[[0, 3]], want[[0, 3]])
 
@@ -277,7 +278,7 @@ def test_ggml_types_at_their_own_width_are_the_integer_formula(
         assert packed.nbytes * 8 / (-(-n // 16) * 16 * k) == bits_a_weight
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if i % 2 else None
-        got = quant.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
+        got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
         want, magnitude = exact_reference(x, packed, activation_bits, bias)
         error = (got.double() - want).abs()
         assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
@@ -294,7 +295,7 @@ def test_the_largest_q6_k_sum_shifted_by_the_headroom_stays_in_int32(isa, activa
     packed = quant.pack_ggml_blocks([("Q6_K", blocks)], 16, 256, 6, super_scales=True)
     x = torch.full((1, 256), 1e-6)
     x[0, :32] = top * 2.0**-15
-    got = quant.quantized_matmul(x, packed, activation_bits=activation_bits)
+    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
     want, magnitude = exact_reference(x, packed, activation_bits)
     assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
     assert (got < 0).all()
@@ -311,7 +312,7 @@ def test_own_widths_stay_off_the_amx_tiles(type_name):
     before = KERNELS.amx()
     KERNELS.set_amx(True)
     try:
-        got = quant.quantized_matmul(x, packed, activation_bits=8)
+        got = quant_linear.quantized_matmul(x, packed, activation_bits=8)
     finally:
         KERNELS.set_amx(before)
     want, magnitude = exact_reference(x, packed, 8)
@@ -344,7 +345,7 @@ def test_the_isas_agree():
         results = []
         for name in ISAS:
             KERNELS.set_isa(name)
-            results.append(quant.quantized_matmul(x, packed))
+            results.append(quant_linear.quantized_matmul(x, packed))
         KERNELS.set_isa(BEST_ISA)
         scale = (x.abs() @ quant.dequantize_weight(packed).abs().T).max()
         for other in results[1:]:
@@ -359,7 +360,7 @@ def test_thread_count_does_not_change_a_bit():
         results = []
         for count in (1, 2, 3):
             KERNELS.set_num_threads(count)
-            results.append(quant.quantized_matmul(x, packed))
+            results.append(quant_linear.quantized_matmul(x, packed))
     finally:
         KERNELS.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
@@ -372,10 +373,10 @@ def test_concurrent_callers_get_their_own_results():
 
     packed = quant.quantize_weight(random_weight(300, 200, seed=6), 4)
     inputs = [random_input(1 + i % 5, 200, seed=i) for i in range(16)]
-    want = [quant.quantized_matmul(x, packed) for x in inputs]
+    want = [quant_linear.quantized_matmul(x, packed) for x in inputs]
     with ThreadPoolExecutor(4) as pool:
         for _ in range(3):
-            got = list(pool.map(lambda x: quant.quantized_matmul(x, packed), inputs))
+            got = list(pool.map(lambda x: quant_linear.quantized_matmul(x, packed), inputs))
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -384,22 +385,22 @@ def test_strided_input_and_given_output():
     wide = random_input(4, 100, seed=5)
     x = wide[:, 10:74]  # row stride 100, unit column stride: passed without a copy
     out = torch.full((4, 40), float("nan"))
-    got = quant.quantized_matmul(x, packed, out=out)
+    got = quant_linear.quantized_matmul(x, packed, out=out)
     assert got is out
-    assert torch.equal(got, quant.quantized_matmul(x.contiguous(), packed))
+    assert torch.equal(got, quant_linear.quantized_matmul(x.contiguous(), packed))
     transposed = x.contiguous().T.contiguous().T  # column stride ≠ 1: copied first
-    assert torch.equal(quant.quantized_matmul(transposed, packed), got)
-    assert quant.quantized_matmul(x[:0], packed).shape == (0, 40)
+    assert torch.equal(quant_linear.quantized_matmul(transposed, packed), got)
+    assert quant_linear.quantized_matmul(x[:0], packed).shape == (0, 40)
 
 
 def test_bad_arguments_raise_clear_errors():
     packed = quant.quantize_weight(random_weight(16, 32, seed=1), 8)
     with pytest.raises(ValueError, match="float32"):
-        quant.quantized_matmul(torch.randn(1, 32, dtype=torch.float64), packed)
+        quant_linear.quantized_matmul(torch.randn(1, 32, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="columns"):
-        quant.quantized_matmul(torch.randn(1, 31), packed)
+        quant_linear.quantized_matmul(torch.randn(1, 31), packed)
     with pytest.raises(ValueError, match="bias"):
-        quant.quantized_matmul(torch.randn(1, 32), packed, torch.randn(15))
+        quant_linear.quantized_matmul(torch.randn(1, 32), packed, torch.randn(15))
     with pytest.raises(ValueError, match="bits"):
         quant.quantize_weight(torch.randn(4, 32), 3)
     with pytest.raises(ValueError, match="group"):
@@ -421,9 +422,10 @@ def test_isa_environment_variable_forces_the_fallback():
     code = (
         "import torch\n"
         "from pyserve.worker import quant\n"
+        "from pyserve.worker.backends.cpu import quant_linear\n"
         "k = quant.kernels()\n"
         "p = quant.quantize_weight(torch.ones(20, 40), 4)\n"
-        "y = quant.quantized_matmul(torch.ones(2, 40), p)\n"
+        "y = quant_linear.quantized_matmul(torch.ones(2, 40), p)\n"
         "print(k.isa(), float(y.sum()))\n"
     )
     env = {**os.environ, KERNELS_ISA: "scalar"}
@@ -440,7 +442,7 @@ def test_isa_environment_variable_forces_the_fallback():
 def test_a_forked_child_gets_a_working_pool():
     packed = quant.quantize_weight(random_weight(500, 64, seed=2), 8)
     x, out = random_input(2, 64, seed=2), torch.zeros(2, 500)
-    want = quant.quantized_matmul(x, packed)  # the parent's pool exists before the fork
+    want = quant_linear.quantized_matmul(x, packed)  # the parent's pool exists before the fork
     pid = os.fork()
     if pid == 0:  # child: no torch ops, just the kernel on memory the parent set up
         try:
@@ -482,25 +484,30 @@ def test_gguf_weights_quantize_back_to_themselves():
 
 def test_quant_linear_uses_the_kernel_for_small_batches_and_torch_beyond():
     w, bias = random_weight(70, 96, seed=4), torch.randn(70)
-    layer = quant.QuantLinear(w, bias, 8, max_kernel_rows=4)
+    layer = quant_linear.QuantLinear(w, bias, 8, max_kernel_rows=4)
     w_hat = quant.dequantize_weight(layer.packed)
     assert torch.equal(layer.weight, w_hat)
     small, large = random_input(4, 96, seed=4), random_input(9, 96, seed=4)
-    want_small = quant.quantized_matmul(small, layer.packed, bias)
+    want_small = quant_linear.quantized_matmul(small, layer.packed, bias)
     assert torch.equal(layer(small), want_small)
     assert torch.allclose(layer(large), large @ w_hat.T + bias, atol=1e-5)
     # leading dimensions and bfloat16 pass through
     x3 = small.view(2, 2, 96).bfloat16()
     y3 = layer(x3)
     assert y3.shape == (2, 2, 70) and y3.dtype == torch.bfloat16
-    want_bf16 = quant.quantized_matmul(x3.float().view(4, 96), layer.packed, bias)
+    want_bf16 = quant_linear.quantized_matmul(x3.float().view(4, 96), layer.packed, bias)
     assert torch.equal(y3.view(4, 70), want_bf16.bfloat16())
     assert layer.max_kernel_rows == 4
-    assert quant.QuantLinear(w, None, 4).max_kernel_rows == quant.MAX_KERNEL_ROWS[torch.float32]
+    assert (
+        quant_linear.QuantLinear(w, None, 4).max_kernel_rows
+        == quant_linear.MAX_KERNEL_ROWS[torch.float32]
+    )
     # float32 default: the kernel at every size, and no float copy of the weights
-    unbounded = quant.QuantLinear(w, bias, 8)
+    unbounded = quant_linear.QuantLinear(w, bias, 8)
     assert unbounded.weight is None and unbounded.max_kernel_rows is None
-    assert torch.equal(unbounded(large), quant.quantized_matmul(large, unbounded.packed, bias))
+    assert torch.equal(
+        unbounded(large), quant_linear.quantized_matmul(large, unbounded.packed, bias)
+    )
     # no rows (a step of unfinished prefill chunks samples none): an empty output, no call
     for empty in (torch.empty(0, 96), torch.empty(2, 0, 96, dtype=torch.bfloat16)):
         out = unbounded(empty)
@@ -519,11 +526,11 @@ def tiny_llama(tied: bool):
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("mode", quant.MODES)
+@pytest.mark.parametrize("mode", quant_linear.MODES)
 def test_quantize_model_linears_on_a_transformers_llama(mode):
     model = tiny_llama(tied=True)
     embedding = model.model.embed_tokens.weight
-    replaced = quant.quantize_model_linears(model, mode)
+    replaced = quant_linear.quantize_model_linears(model, mode)
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert len(replaced) == 2 * len(projections) + 1 and "lm_head" in replaced
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
@@ -547,7 +554,7 @@ def test_quantize_model_linears_on_a_transformers_llama(mode):
         got, want = model(ids).logits, reference(ids).logits
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     with pytest.raises(ValueError, match="mode"):
-        quant.quantize_model_linears(tiny_llama(tied=False), "int3")
+        quant_linear.quantize_model_linears(tiny_llama(tied=False), "int3")
 
 
 def test_quantize_model_linears_takes_the_workers_own_linear():
@@ -560,29 +567,30 @@ def test_quantize_model_linears_takes_the_workers_own_linear():
         model.proj.bias.copy_(torch.randn(40))
     x = random_input(3, 64, seed=9)
     want = x @ model.proj.weight.T + model.proj.bias
-    assert quant.quantize_model_linears(model, "int8") == ["proj"]
-    assert isinstance(model.proj, quant.QuantLinear) and model.proj.bits == 8
+    assert quant_linear.quantize_model_linears(model, "int8") == ["proj"]
+    assert isinstance(model.proj, quant_linear.QuantLinear) and model.proj.bits == 8
     assert (model.proj(x) - want).abs().max() <= 1e-2 * want.abs().max()
     packed = nn.Module()
     packed.proj = Linear(64, 40, bias=False, dtype=torch.float32, device="cpu")
     packed.proj.weight = None  # what Linear.pack() leaves behind
     with pytest.raises(ValueError, match="already packed"):
-        quant.quantize_model_linears(packed, "int4")
+        quant_linear.quantize_model_linears(packed, "int4")
 
 
 _BACK_TO_BACK_RUNS = """
 import sys, time, torch
 from pyserve.worker import quant
+from pyserve.worker.backends.cpu.quant_linear import quantized_matmul
 quant.kernels().set_num_threads(4)
 torch.manual_seed(0)
 small = quant.quantize_weight(torch.randn(128, 1024), 8)  # a few chunks
 big = quant.quantize_weight(torch.randn(2048, 1024), 8)  # many chunks
 x = torch.randn(1, 1024)
-want_small, want_big = quant.quantized_matmul(x, small), quant.quantized_matmul(x, big)
+want_small, want_big = quantized_matmul(x, small), quantized_matmul(x, big)
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     for _ in range(100):
-        got_small, got_big = quant.quantized_matmul(x, small), quant.quantized_matmul(x, big)
+        got_small, got_big = quantized_matmul(x, small), quantized_matmul(x, big)
     assert torch.equal(got_small, want_small) and torch.equal(got_big, want_big)
 print("ok")
 """

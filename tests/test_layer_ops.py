@@ -1,4 +1,4 @@
-"""Fused RMSNorm, SiLU·up and GELU-tanh·up (pyserve._kernels via worker/layer_ops.py).
+"""Fused RMSNorm, SiLU·up and GELU-tanh·up (pyserve._kernels via worker/backends/cpu/layer_ops.py).
 
 Against Hugging Face's arithmetic written out in torch (LlamaRMSNorm: float32 mean of squares,
 rsqrt, the bf16 roundings; SwiGLU: F.silu(gate) * up), on every instruction set this CPU runs
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyserve.worker import layer_ops, quant
+from pyserve.worker import quant
+from pyserve.worker.backends.cpu import layer_ops
 
 KERNELS = quant.kernels()
 DTYPES = [torch.float32, torch.bfloat16]

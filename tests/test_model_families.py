@@ -201,9 +201,9 @@ def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_fa
     """The Triton backend's decode-graph path (static buffers, padded batch sizes, a scratch
     block for the padding rows, the split count fixed by the model's context and each split's
     positions set per step) run eagerly, as a GPU replays it: the same tokens as HF."""
-    from pyserve.worker.backends import triton_gpu
+    from pyserve.worker.backends.triton import backend as triton_backend
 
-    monkeypatch.setattr(triton_gpu, "SPLIT_TOKENS", 128)  # 4 splits of the 512-token context
+    monkeypatch.setattr(triton_backend, "SPLIT_TOKENS", 128)  # 4 splits of the 512-token context
     family = built_family("qwen3-qk-norm-window", tmp_path_factory)
     _, _, _, prompts, refs = family
     runner = exact_runner(family, "triton", decode_graphs="eager", graph_max_batch=8)

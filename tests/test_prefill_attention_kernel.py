@@ -1,4 +1,4 @@
-"""The paged prefill-attention kernel (pyserve._kernels via worker/attention_kernel.py).
+"""The paged prefill-attention kernel (pyserve._kernels via backends/cpu/attention_kernel.py).
 
 Against a float64 reference that gathers each request's blocks and applies the lower-right causal
 mask: several chunks in one call, with and without a cached prefix (starts crossing block and
@@ -17,7 +17,7 @@ import torch
 from worker_testlib import assert_attention_close
 
 from pyserve.worker import quant
-from pyserve.worker.attention_kernel import PrefillAttention, paged_prefill_attention
+from pyserve.worker.backends.cpu.attention_kernel import PrefillAttention, paged_prefill_attention
 
 torch.set_num_threads(2)
 KERNELS = quant.kernels()

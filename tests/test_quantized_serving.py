@@ -16,11 +16,11 @@ from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 from pyserve.cli import build_parser, engine_config
 from pyserve.engine import EngineConfig
 from pyserve.wire.main_to_worker import SamplingParams
+from pyserve.worker.backends.cpu.quant_linear import QuantLinear
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.loading.gguf import ggml_type_bits, quantization_hint
 from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.offline import OfflineEngine
-from pyserve.worker.quant import QuantLinear
 from pyserve.worker.settings import WorkerSettings
 
 # SmolLM2's tokens for its chat template around "What is the capital of France?", for

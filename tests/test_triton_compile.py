@@ -22,10 +22,10 @@ import pytest
 import torch
 from triton_compile import record_launches, unique
 
-from pyserve.worker.backends.triton_gpu import MAX_SPLITS
+from pyserve.worker.backends.triton import attention, fused
+from pyserve.worker.backends.triton.backend import MAX_SPLITS
+from pyserve.worker.backends.triton.quant_matmul import device_layout, quant_matmul
 from pyserve.worker.quant import quantize_weight
-from pyserve.worker.triton_kernels import attention, fused
-from pyserve.worker.triton_kernels.quant_matmul import device_layout, quant_matmul
 
 HERE = Path(__file__).resolve().parent
 

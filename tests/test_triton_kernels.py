@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pyserve.worker.backends.triton import attention, fused
 from pyserve.worker.rope import apply_rope
-from pyserve.worker.triton_kernels import attention, fused
 
 torch.manual_seed(0)
 
@@ -196,7 +196,7 @@ def test_extend_attends_over_the_cached_prefix_and_itself_causally(
 
 
 def test_the_flat_cache_stores_and_gathers_what_the_paged_one_does() -> None:
-    from pyserve.worker.backends.triton_gpu import FlatKVCache
+    from pyserve.worker.backends.triton.backend import FlatKVCache
     from pyserve.worker.kv_cache import PagedKVCache
 
     shape = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=3, head_dim=8)

@@ -14,12 +14,13 @@ from gguf_files import write_gguf
 from test_model_loading import hf_logits, prefill_logits, runner, tiny_llama
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
-from pyserve.worker.quant import QuantEmbedding, QuantLinear, dequantize_weight, quantize_weight
-from pyserve.worker.triton_kernels.quant_matmul import (
+from pyserve.worker.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
+from pyserve.worker.backends.triton.quant_matmul import (
     TritonQuantLinear,
     device_layout,
     quant_matmul,
 )
+from pyserve.worker.quant import dequantize_weight, quantize_weight
 
 torch.manual_seed(0)
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from pyserve.worker.backends import Backend, select_backend
-from pyserve.worker.backends.triton_gpu import triton_usable
+from pyserve.worker.backends.triton.backend import triton_usable
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import blocks_for_memory

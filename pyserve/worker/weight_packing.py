@@ -55,7 +55,7 @@ class Packing:
     # the output projection decides the tokens and runs on few rows: int16 whatever the layers use
     head_activation_bits: int = DEFAULT_ACTIVATION_BITS
     dtype: torch.dtype = torch.float32  # the model's
-    # what runs the packed layers: "cpu" (pyserve._kernels' QuantLinear) or "triton"
+    # what runs the packed layers: "cpu" (the CPU kernels' QuantLinear) or "triton"
     # (TritonQuantLinear, for the Triton backend and CUDA devices), on ``device``
     kernels: str = "cpu"
     device: str = "cpu"

@@ -1,15 +1,18 @@
 """Backends: how the worker computes its model's ops (base.py), and the choice of one.
 
 ``select_backend`` runs once when the worker starts and says why it chose what it chose; the CPU
-kernels backend then decides, in one place (cpu_kernels.KernelPlan), which of its kernels run.
+kernels backend then decides, in one place (cpu/backend.py's KernelPlan), which of its kernels run.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
 from pyserve.worker.models.config import ModelConfig
+
+if TYPE_CHECKING:  # at run time this package's name torch is its torch/ subpackage
+    import torch
 
 __all__ = [
     "AttentionLayer",
@@ -22,7 +25,7 @@ __all__ = [
 
 
 def _kernels_isa() -> str | None:
-    from pyserve.worker.attention_kernel import kernel_available
+    from pyserve.worker.backends.cpu.attention_kernel import kernel_available
 
     if not kernel_available():
         return None
@@ -44,9 +47,9 @@ def select_backend(
     CPU whose instruction set they vectorize (AVX-512 VNNI or AVX2), the torch reference
     elsewhere (other devices, or a CPU where only the portable loops would run: torch's own
     kernels are faster there)."""
-    from pyserve.worker.backends.cpu_kernels import CpuKernelsBackend
-    from pyserve.worker.backends.torch_ref import TorchBackend
-    from pyserve.worker.backends.triton_gpu import TritonBackend, triton_usable
+    from pyserve.worker.backends.cpu.backend import CpuKernelsBackend
+    from pyserve.worker.backends.torch.attention import TorchBackend
+    from pyserve.worker.backends.triton.backend import TritonBackend, triton_usable
 
     if setting == "triton":
         return TritonBackend(config, device, "asked for (--backend triton)", **options)  # type: ignore[arg-type]
@@ -112,6 +115,8 @@ def attention_backend(
         layers=uniform_layers(num_layers, RopeConfig(10000.0, dim), window),
         attn_softcap=softcap,
     )
+    import torch
+
     backend = select_backend(kind, config, torch.device("cpu"), **options)
     backend.allocate_kv_cache(num_blocks, block_size, dtype)
     return backend

@@ -191,7 +191,7 @@ class CausalLM(nn.Module):
         return logits if pooled is None else (logits, pooled)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings: a float table, or a packed one (pyserve.worker.quant's
+        """The token embeddings: a float table, or a packed one (the CPU kernels'
         QuantEmbedding) that dequantizes the rows it reads."""
         if self.tp is not None:
             return self.tp.embed(self.embed_tokens, input_ids)
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
 
     def pack_weights(self) -> int:
         """Prepacks every projection for the CPU GEMM (after loading); returns how many packed."""
-        # Only plain Linear modules: quantized ones (pyserve.worker.quant) hold packed weights.
+        # Only plain Linear modules: a backend's quantized layers hold packed weights.
         tied = self.config.tie_word_embeddings
         packed = sum(
             m.pack() for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head

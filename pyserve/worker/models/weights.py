@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from pyserve.worker.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError, StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
@@ -16,8 +17,6 @@ from pyserve.worker.models.layout import checkpoint_tensors
 from pyserve.worker.models.registry import Family
 from pyserve.worker.quant import (
     PackedWeight,
-    QuantEmbedding,
-    QuantLinear,
     SegmentedWeight,
     dequantize_weight,
     quantize_weight,
@@ -196,7 +195,7 @@ def _packed_layer(
     packing: Packing, weight: PackedWeight | SegmentedWeight, bias: torch.Tensor | None, head: bool
 ) -> nn.Module:
     if packing.kernels == "triton":
-        from pyserve.worker.triton_kernels.quant_matmul import TritonQuantLinear
+        from pyserve.worker.backends.triton.quant_matmul import TritonQuantLinear
 
         return TritonQuantLinear(weight, bias, dtype=packing.dtype, device=packing.device)
     return QuantLinear.from_packed(

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker import quant
-from pyserve.worker.attention_kernel import DTYPE_CODES
+from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (codes: attention_kernel's)
 

@@ -1,11 +1,11 @@
 """The CPU kernels backend: `pyserve._kernels` (AVX-512 VNNI / AVX2 / portable loops) for
 attention over the paged cache, the fused layer ops and, where every piece of the model runs on
-them, all decoder layers in one C++ call (cpu_stack.py).
+them, all decoder layers in one C++ call (stack.py).
 
 ``KernelPlan`` is the one place that decides what runs on the kernels, from the machine (the
 kernels' instruction set) and the model's description: per layer, whether its attention and its
 rope + KV write run on the kernels, and whether the whole stack does. What the kernels cannot
-compute for a layer (a feature they lack) runs on the torch reference's ops (torch_ref.py), so
+compute for a layer (a feature they lack) runs on the torch reference's ops (backends/torch/), so
 the model computed is always the one loaded.
 
 Attention on the kernels reads K and V in place from the cache through each request's block
@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyserve.worker import layer_ops, quant
-from pyserve.worker.attention_kernel import (
+from pyserve.worker import quant
+from pyserve.worker.backends.base import AttentionLayer, BackendInfo, QKNorm
+from pyserve.worker.backends.cpu import layer_ops
+from pyserve.worker.backends.cpu.attention_kernel import (
     DTYPE_CODES,
     DecodeAttention,
     PrefillAttention,
     attention_features,
     kernel_available,
 )
-from pyserve.worker.backends.base import AttentionLayer, BackendInfo, QKNorm
-from pyserve.worker.backends.cpu_stack import CpuDecoderStack
-from pyserve.worker.backends.torch_ref import (
+from pyserve.worker.backends.cpu.stack import CpuDecoderStack
+from pyserve.worker.backends.torch.attention import (
     EntrySplit,
     TorchAttentionMetadata,
     TorchBackend,

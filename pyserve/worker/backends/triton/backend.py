@@ -1,7 +1,7 @@
 """The GPU backend: Triton kernels for attention and the fused ops, torch (cuBLAS) for the
 linear layers.
 
-Its KV cache is ``FlatKVCache`` (the layout the Triton kernels read: triton_kernels/attention.py).
+Its KV cache is ``FlatKVCache`` (the layout the Triton kernels read: attention.py).
 ``prepare`` turns a batch into int32 index tensors on the device once per forward: the slots of
 the new tokens, each entry's block table, and, split by kind, the decode rows (one token each,
 split-K attention) and the prefill entries (several tokens over a cached prefix). Every layer
@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 from pyserve.worker import env
 from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
-from pyserve.worker.backends.torch_ref import EntrySplit, check_batch, table_rows_and_slots
+from pyserve.worker.backends.torch.attention import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
 if TYPE_CHECKING:
-    from pyserve.worker.backends.decode_graphs import DecodeGraphs
+    from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
 
 # split-K for decode: a split per this many positions of the longest context, at most MAX_SPLITS
 SPLIT_TOKENS = 256
@@ -127,7 +127,7 @@ class TritonBackend(Backend):
         problem = triton_usable(device)
         if problem is not None:
             raise ValueError(f"the triton backend cannot run: {problem}")
-        from pyserve.worker.triton_kernels import attention, fused
+        from pyserve.worker.backends.triton import attention, fused
 
         self._attention = attention
         self._fused = fused
@@ -150,7 +150,7 @@ class TritonBackend(Backend):
         if self.device.type == "cuda":
             self.warm_up(model)
         if self.decode_graphs_mode != "off":
-            from pyserve.worker.backends.decode_graphs import DecodeGraphs
+            from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
                 model,

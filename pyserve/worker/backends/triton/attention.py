@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
-from pyserve.worker.triton_kernels import dot_precision
+from pyserve.worker.backends.triton import dot_precision
 
 if TYPE_CHECKING:
     import torch

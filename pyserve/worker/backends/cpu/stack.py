@@ -22,18 +22,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from pyserve.worker import quant
-from pyserve.worker.attention_kernel import DTYPE_CODES, PrefillAttention
+from pyserve.worker.backends.cpu import quant_linear
+from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES, PrefillAttention
 from pyserve.worker.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from pyserve.worker.backends.cpu_kernels import CpuKernelsMetadata, KernelPlan
+    from pyserve.worker.backends.cpu.backend import CpuKernelsMetadata, KernelPlan
     from pyserve.worker.models.decoder import CausalLM
 
 
 def _linear(module: torch.nn.Module) -> tuple[int, ...] | list[tuple[int, ...]] | None:
     """The stack's arguments for a kernel-backed linear layer at every batch size (a list of
     them, one per segment, for a projection kept at its parts' precisions), else None."""
-    if not isinstance(module, quant.QuantLinear) or module.max_kernel_rows is not None:
+    if not isinstance(module, quant_linear.QuantLinear) or module.max_kernel_rows is not None:
         return None
     if isinstance(module.weight_args, list):
         segments = zip(module.weight_args, module.super_scales, strict=True)

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from pyserve.worker.backends.triton import dot_precision
 from pyserve.worker.quant import PackedWeight, unpack_weight
-from pyserve.worker.triton_kernels import dot_precision
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import torch
 from pyserve.worker.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from pyserve.worker.backends.triton_gpu import TritonBackend, TritonMetadata
+    from pyserve.worker.backends.triton.backend import TritonBackend, TritonMetadata
     from pyserve.worker.models.decoder import CausalLM
 
 
@@ -47,7 +47,7 @@ class DecodeGraphs:
         scratch_block: int,
         capture: bool,
     ) -> None:
-        from pyserve.worker.backends.triton_gpu import TritonMetadata, fixed_splits
+        from pyserve.worker.backends.triton.backend import TritonMetadata, fixed_splits
 
         cache = backend.kv_cache
         assert cache is not None

@@ -1,0 +1,1 @@
+"""The torch reference backend and its attention (attention.py)."""
