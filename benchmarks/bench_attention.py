@@ -31,7 +31,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_kernels.py
 import torch
 
 from pyserve.worker import quant
-from pyserve.worker.backends import AttentionLayer, attention_backend
+from pyserve.worker.backends import attention_backend
+from pyserve.worker.backends.base import AttentionLayer
 from pyserve.worker.batch import ForwardBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -64,7 +65,7 @@ def measure(
     cache = kernel_path.kv_cache
     for t in cache.k + cache.v:
         t.normal_()
-    torch_path.kv_cache = cache
+    torch_path.kv_cache = torch_path.reference.kv_cache = cache
     fb = decode_batch(batch, context, num_blocks, seed=batch + context)
     torch_meta, kernel_meta = torch_path.prepare(fb), kernel_path.prepare(fb)
     q = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM).to(dtype)[:, :HEADS]  # strided, as live
@@ -72,7 +73,7 @@ def measure(
     scale = HEAD_DIM**-0.5
     layer = AttentionLayer(0, HEADS, KV_HEADS, HEAD_DIM, scale)
     calls = {
-        "torch": lambda: torch_path._decode(layer, q, torch_meta.decode),
+        "torch": lambda: torch_path.reference.decode(layer, q, torch_meta.decode),
         "kernel": lambda: kernel_meta.decode.call.run(q, cache.k[0], cache.v[0], scale),
         "write": lambda: cache.write(0, kernel_meta.slots, k, k),
     }

@@ -151,7 +151,7 @@ def test_backend_kernel_and_torch_paths_agree(dtype):
     """A mixed batch (prefills, a prefill after a prefix, decodes short and long) through the CPU
     kernels backend and through the torch reference (split softmax forced): same outputs, the
     same cache writes."""
-    from pyserve.worker.backends import AttentionLayer
+    from pyserve.worker.backends.base import AttentionLayer
     from pyserve.worker.backends.cpu.backend import DecodeKernelBatch
 
     heads, kv_heads, dim, block = 9, 3, 64, 16

@@ -132,7 +132,7 @@ def dense_attention(q, keys, values, start: int) -> torch.Tensor:
 )
 def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, kind):
     """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes."""
-    from pyserve.worker.backends import AttentionLayer
+    from pyserve.worker.backends.base import AttentionLayer
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, block = 6, 2, 16, 4

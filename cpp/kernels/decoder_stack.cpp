@@ -1,5 +1,5 @@
 // DecoderStack::forward: DecoderLayer.forward's loop (pyserve/worker/models/decoder.py) over the
-// C++ kernels, as the CPU kernels backend (pyserve/worker/backends/cpu_kernels.py) calls them.
+// C++ kernels, as the CPU kernels backend (pyserve/worker/backends/cpu/backend.py) calls them.
 #include "decoder_stack.h"
 
 #include <algorithm>

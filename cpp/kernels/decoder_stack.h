@@ -10,7 +10,7 @@
 // tensor allocations: a visible share of a batch-32 decode step, while the kernels' pool waits).
 //
 // The stack holds pointers into tensors that Python owns (packed weights, norms, caches); the
-// Python side (pyserve/worker/backends/cpu_stack.py) keeps them alive and checks every shape once.
+// Python side (pyserve/worker/backends/cpu/stack.py) keeps them alive and checks every shape once.
 #pragma once
 
 #include <cstdint>

@@ -37,7 +37,7 @@ class EngineConfig:
     # over the same weights) or 8 (llama.cpp's Q8_1: faster matmuls from ~8 rows on,
     # logprobs off by up to ~1; benchmarks/RESULTS.md). No effect without quantization.
     activation_bits: int = 16
-    # How the worker computes: auto | cpu-kernels | torch (pyserve/worker/backends/__init__.py)
+    # How the worker computes: auto or a backend's name (pyserve/worker/backends/__init__.py)
     backend: str = "auto"
     tp_size: int = 1  # tensor-parallel worker ranks (pyserve/worker/tensor_parallel.py)
     block_size: int = 16

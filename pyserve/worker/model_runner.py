@@ -3,13 +3,14 @@ logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
-from pyserve.worker.backends import Backend, select_backend
-from pyserve.worker.backends.triton.backend import triton_usable
+from pyserve.worker.backends import select_backend
+from pyserve.worker.backends.base import Backend, ForwardOutput, model_forward
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
 from pyserve.worker.kv_cache import blocks_for_memory
@@ -64,7 +65,7 @@ class ModelRunner:
     ``settings.block_size`` tokens (WorkerSettings says what each setting means).
 
     ``dtype`` auto: ``pyserve.worker.dtypes.default_dtype``. ``quantization``: none, int8 or int4
-    linear layers (``pyserve.worker.quant``), or auto: the precision a GGUF file holds, on the
+    linear layers (the backend's quantized layers), or auto: the precision a GGUF file holds, on the
     CPU. ``activation_bits``: 16 (default) or 8, what the quantized layers round activations to
     (8: llama.cpp's Q8_1 numerics; the output projection keeps 16). ``kv_cache_dtype``: what K
     and V are stored in; None: the model's dtype. Attention computes in the model's dtype.
@@ -125,10 +126,9 @@ class ModelRunner:
             native = settings.quantization == "auto"  # each tensor at the precision it has
             packing = Packing(
                 "native" if native else self.quantization,
+                self.backend.quantized_layers(self.quantization),
                 activation_bits=settings.activation_bits,
                 dtype=self.dtype,
-                kernels=self._quantized_kernels(),
-                device=str(self.device),
             )
         what = checkpoint.path.rsplit("/", 1)[-1]
         if tp is not None:
@@ -167,19 +167,6 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - started
 
-    def _quantized_kernels(self) -> str:
-        """What runs the quantized layers: pyserve._kernels on the CPU, the Triton kernels
-        with the Triton backend (its interpreter on the CPU) and on CUDA devices."""
-        if self.backend.name != "triton" and self.device.type == "cpu":
-            return "cpu"
-        problem = triton_usable(self.device)
-        if problem is not None:
-            raise ValueError(
-                f"quantization {self.quantization} on {self.device} runs on Triton kernels, "
-                f"which cannot run: {problem}"
-            )
-        return "triton"
-
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
         per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize)  # this rank's heads
         torch.cuda.synchronize(self.device)
@@ -212,12 +199,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [S, vocab] for the sampling entries (batch.sample_index), in order."""
-        return self.backend.forward(self.model, batch)
+        if batch.hidden_index is not None:  # logits only: forward_hidden returns those rows
+            batch = dataclasses.replace(batch, hidden_index=None)
+        return self._step(batch)  # type: ignore[return-value]
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s logits, and the final-norm hidden states of ``batch.hidden_index``."""
-        return self.backend.forward_hidden(self.model, batch)
+        assert batch.hidden_index is not None
+        return self._step(batch)  # type: ignore[return-value]
+
+    def _step(self, batch: ForwardBatch) -> ForwardOutput:
+        # the one choice a step: the backend's fast path where it has one for this batch (a
+        # captured graph, every layer in one call), else the model's own layer loop
+        fast = self.backend.fast_path(self.model, batch)
+        return fast() if fast is not None else model_forward(self.model, self.backend, batch)
 
 
 __all__ = ["DTYPES", "ModelLoadError", "ModelRunner"]

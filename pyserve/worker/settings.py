@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import msgspec
 
+# how the worker computes (--backend): auto, the fastest this machine and model allow, decided
+# once at start; or a backend by name (pyserve/worker/backends/__init__.py registers them)
+from pyserve.worker.backends import BACKEND_NAMES
 from pyserve.worker.dtypes import (
     ACTIVATION_BITS,
     DTYPE_NAMES,
@@ -21,11 +24,6 @@ def tp_split_problem(size: int, counts: dict[str, int]) -> str | None:
         return None
     verb = "is" if len(bad) == 1 else "are"
     return f"--tp {size} cannot split this model: {', '.join(bad)} {verb} not divisible by {size}"
-
-
-# How the worker computes: auto (the fastest this machine and model allow, decided once at
-# start: pyserve/worker/backends/__init__.py), the CPU kernels, or the torch reference.
-BACKEND_NAMES = ("auto", "cpu-kernels", "triton", "torch")
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from pyserve.worker.loading.base import StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
@@ -49,16 +50,28 @@ OWN_WIDTH = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
 
 @dataclass(frozen=True)
+class QuantizedLayers:
+    """What a backend runs packed weights on (Backend.quantized_layers): the loader makes each
+    packed projection's layer and a packed embedding table's module with these."""
+
+    # reads what the file holds as it is: Q5_* and Q6_K at their own widths, Q4_K/Q5_K with
+    # their super-block scales, a fused projection's parts each at its own precision (the CPU
+    # kernels); False: 4- and 8-bit tiles with fp16 scales per group, one precision a projection
+    own_widths: bool
+    # (PackedWeight | SegmentedWeight, bias or None, *, dtype, activation_bits) -> the layer
+    linear: Callable[..., nn.Module]
+    # (PackedWeight, *, dtype) -> the model's embed_tokens
+    embedding: Callable[..., nn.Module | nn.Parameter]
+
+
+@dataclass(frozen=True)
 class Packing:
     mode: str  # one of PACKING_MODES
+    layers: QuantizedLayers  # what runs the packed layers: the backend's
     activation_bits: int = DEFAULT_ACTIVATION_BITS  # what the layers round activations to
     # the output projection decides the tokens and runs on few rows: int16 whatever the layers use
     head_activation_bits: int = DEFAULT_ACTIVATION_BITS
     dtype: torch.dtype = torch.float32  # the model's
-    # what runs the packed layers: "cpu" (the CPU kernels' QuantLinear) or "triton"
-    # (TritonQuantLinear, for the Triton backend and CUDA devices), on ``device``
-    kernels: str = "cpu"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.mode not in PACKING_MODES:
@@ -78,7 +91,7 @@ class Packing:
         return max(8 if bits in (5, 6) else bits for bits in map(self._own_bits, parts))
 
     def _own_bits(self, part: StoredTensor) -> int:
-        if self.kernels == "cpu" and part.type_name in OWN_WIDTH:
+        if self.layers.own_widths and part.type_name in OWN_WIDTH:
             return OWN_WIDTH[part.type_name]
         return part.native_bits or 8
 
@@ -86,13 +99,13 @@ class Packing:
     def super_scales(self) -> bool:
         """Whether Q4_K blocks keep their super-block scales (4.625 bits a weight, exactly the
         file's values): the CPU kernels read them; the Triton ones read fp16 scales per group."""
-        return self.kernels == "cpu"
+        return self.layers.own_widths
 
     def part_bits(self, parts: list[StoredTensor], *, head: bool = False) -> list[int] | None:
         """Each part's own precision, where the projection made of ``parts`` keeps them as
         segments (native packing on the CPU kernels, parts at different precisions); None where
         one precision, ``bits(parts)``, serves the whole projection."""
-        if head or self.mode != "native" or self.kernels != "cpu" or len(parts) < 2:
+        if head or self.mode != "native" or not self.layers.own_widths or len(parts) < 2:
             return None
         bits = [self._own_bits(part) for part in parts]
         return bits if len(set(bits)) > 1 else None

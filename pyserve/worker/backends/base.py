@@ -3,15 +3,18 @@
 A backend is chosen once when the worker starts (``select_backend`` in this package). It owns the
 KV cache's layout and allocation, the per-forward metadata (``prepare``: block tables → index
 tensors, once per forward, shared by every layer; a CUDA backend keeps them in static buffers
-that a captured graph replays), attention, and the fused ops: norms, gated activations, rope +
-KV store. Models (pyserve/worker/models/) call only these ops, so a family runs on every
-backend, and a backend runs every family: what its fast kernels cannot compute for a layer, it
-computes with the reference ops, never differently.
+that a captured graph replays), attention, the fused ops (norms, gated activations, rope + KV
+store), the layers its packed weights run on (``quantized_layers``) and its fast path: a way to
+run a whole step at once that the model runner asks for once per step (``fast_path``). Models
+(pyserve/worker/models/) call only these ops, so a family runs on every backend, and a backend
+runs every family: what its fast kernels cannot compute for a layer, it computes with the
+reference ops (backends/torch/), never differently.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +26,11 @@ from pyserve.worker.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from pyserve.worker.models.decoder import CausalLM
+    from pyserve.worker.weight_packing import QuantizedLayers
+
+# what a forward returns: float32 logits [S, vocab] of the sampling rows, and with
+# ``batch.hidden_index`` the float32 final-norm hidden states [H, hidden] of those rows too
+ForwardOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class BackendInfo:
 class Backend(ABC):
     """One model's ops on one device; ``prepare_model`` is called once the weights are loaded."""
 
-    name = "abstract"
+    name = "abstract"  # what --backend calls it (its entry in this package's REGISTRY)
     kv_cache_class: type[PagedKVCache] = PagedKVCache  # the layout its attention reads
 
     def __init__(self, config: ModelConfig, device: torch.device, reason: str) -> None:
@@ -79,6 +87,21 @@ class Backend(ABC):
         self.device = device
         self.reason = reason
         self.kv_cache: PagedKVCache | None = None
+
+    # ------------------------------------------------------------------ selection
+
+    @classmethod
+    def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
+        """What ``--backend auto`` makes of this backend on ``device``: None where it is not the
+        device's backend; (True, why) where it runs; (False, why not) where it is, but cannot
+        run here (the torch reference runs instead, for that reason)."""
+        return None
+
+    @classmethod
+    def asked_for(cls, device: torch.device) -> str:
+        """The reason logged when ``--backend`` names this backend; raises ValueError where it
+        cannot run on ``device``."""
+        return f"asked for (--backend {cls.name})"
 
     # ------------------------------------------------------------------ set-up
 
@@ -103,56 +126,23 @@ class Backend(ABC):
     @abstractmethod
     def info(self) -> BackendInfo: ...
 
+    @abstractmethod
+    def quantized_layers(self, quantization: str) -> QuantizedLayers:
+        """What this backend runs packed weights on (the loader's factory of quantized layers);
+        raises ValueError, naming ``quantization``, where nothing can run them here."""
+
     # ------------------------------------------------------------------ per forward
-
-    def forward(self, model: CausalLM, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [S, vocab] of the batch's sampling rows (a backend may replay a
-        captured graph instead)."""
-        device = self.device
-        return model(
-            batch.input_ids.to(device),
-            batch.positions.to(device),
-            batch.sample_index.to(device),
-            self,
-            self.prepare(batch),
-        )
-
-    def forward_hidden(
-        self, model: CausalLM, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the logits ``forward`` gives, float32 final-norm hidden states [H, hidden] of the
-        rows in ``batch.hidden_index``), always through the model's own forward: a captured
-        graph or whole-stack shortcut that ends in logits has no place for the hidden rows."""
-        assert batch.hidden_index is not None
-        device = self.device
-        return model(
-            batch.input_ids.to(device),
-            batch.positions.to(device),
-            batch.sample_index.to(device),
-            self,
-            self.prepare(batch),
-            batch.hidden_index.to(device),
-        )
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> object:
         """Index tensors for this batch, shared by every layer."""
 
-    def run_layers(
-        self,
-        model: CausalLM,
-        hidden: torch.Tensor,
-        ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: object,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer over the embeddings: (the last MLP output, the residual stream it
-        adds to). A backend may run them all at once; this is the layer loop."""
-        residual = None  # the residual stream, a fresh tensor each layer adds into in place
-        for layer in model.layers:
-            cos, sin = ropes[layer.rope_table]
-            hidden, residual = layer(hidden, residual, cos, sin, self, metadata)
-        assert residual is not None
-        return hidden, residual
+    def fast_path(self, model: CausalLM, batch: ForwardBatch) -> Callable[[], ForwardOutput] | None:
+        """A way to compute ``batch`` other than the model's layer loop (a captured graph, every
+        layer in one call), with the same outputs, or None: the runner asks once per step. A
+        path that ends in logits has no place for hidden rows: None when the batch asks for
+        them (``batch.hidden_index``)."""
+        return None
 
     # ------------------------------------------------------------------ ops
 
@@ -185,3 +175,17 @@ class Backend(ABC):
     @abstractmethod
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
+
+
+def model_forward(model: CausalLM, backend: Backend, batch: ForwardBatch) -> ForwardOutput:
+    """``batch`` through the model's own forward (its layer loop) on ``backend``."""
+    device = backend.device
+    hidden_index = None if batch.hidden_index is None else batch.hidden_index.to(device)
+    return model(
+        batch.input_ids.to(device),
+        batch.positions.to(device),
+        batch.sample_index.to(device),
+        backend,
+        backend.prepare(batch),
+        hidden_index,
+    )

@@ -166,11 +166,47 @@ class CausalLM(nn.Module):
         """float32 logits [S, vocab] for the rows in ``sample_index`` only; with
         ``hidden_index``, also the float32 final-norm hidden states [H, hidden] of those rows
         (what HF's ``AutoModel(...).last_hidden_state`` gives): (logits, hidden)."""
+        hidden, ropes = self.layer_inputs(input_ids, positions)
+        hidden, residual = self.run_layers(hidden, ropes, backend, metadata)
+        return self.outputs(hidden, residual, sample_index, backend, hidden_index)
+
+    # The three stages of ``forward``: a backend's fast path (the runner's choice, once a step)
+    # may compute the middle one, every layer, at once.
+
+    def layer_inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(the scaled token embeddings, every rope table's (cos, signed_sin) at ``positions``)."""
         hidden = self.embed(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
-        ropes = [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
-        hidden, residual = backend.run_layers(self, hidden, ropes, metadata)
+        return hidden, [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: Backend,
+        metadata: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the embeddings: (the last MLP output, the residual stream it
+        adds to)."""
+        residual = None  # the residual stream, a fresh tensor each layer adds into in place
+        for layer in self.layers:
+            cos, sin = ropes[layer.rope_table]
+            hidden, residual = layer(hidden, residual, cos, sin, backend, metadata)
+        assert residual is not None
+        return hidden, residual
+
+    def outputs(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        sample_index: torch.Tensor,
+        backend: Backend,
+        hidden_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s outputs from the last layer's: the final norm, then the logits."""
         pooled = None
         if hidden_index is not None:  # before the norm below, which adds into its residual
             pooled = self.norm(

@@ -8,7 +8,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from pyserve.worker.backends.cpu.quant_linear import QuantEmbedding, QuantLinear
 from pyserve.worker.linear import Linear
 from pyserve.worker.loading.base import ModelLoadError, StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
@@ -18,7 +17,6 @@ from pyserve.worker.models.registry import Family
 from pyserve.worker.quant import (
     PackedWeight,
     SegmentedWeight,
-    dequantize_weight,
     quantize_weight,
     segments_of,
 )
@@ -119,10 +117,11 @@ def load_weights(
     """Reads every tensor into place, one at a time; every weight must appear. Norm weights get
     the family's offset added (Gemma's 1 + w) unless the file stores them with it already.
 
-    With ``packing``, every projection becomes a QuantLinear packed as its tensors are read (no
-    float copy of it exists; pyserve.worker.weight_packing says at what precision), and a
-    quantized file's embedding stays packed (a QuantEmbedding; a tied output projection shares
-    it). Returns how many projections were packed at each precision ({4: n, 8: m}).
+    With ``packing``, every projection becomes the backend's quantized layer
+    (``packing.layers``), packed as its tensors are read (no float copy of it exists;
+    pyserve.worker.weight_packing says at what precision), and a quantized file's embedding
+    becomes the backend's module for a packed table (a tied output projection shares it).
+    Returns how many projections were packed at each precision ({4: n, 8: m}).
     """
     if packing is not None:
         _unallocate_linears(model)
@@ -174,11 +173,7 @@ def load_weights(
         packed["lm_head"] = head
     if embedding is not None:
         del model.embed_tokens  # a registered parameter: a module cannot take its name directly
-        if packing.kernels == "triton":  # a plain table on the device: lookups stay one gather
-            table = dequantize_weight(embedding).to(packing.dtype).to(packing.device)
-            model.embed_tokens = nn.Parameter(table, requires_grad=False)
-        else:
-            model.embed_tokens = QuantEmbedding(embedding, packing.dtype)
+        model.embed_tokens = packing.layers.embedding(embedding, dtype=packing.dtype)
     counts: dict[int, int] = {}
     for module_name, weight in packed.items():
         module = model.get_submodule(module_name)
@@ -194,16 +189,8 @@ def load_weights(
 def _packed_layer(
     packing: Packing, weight: PackedWeight | SegmentedWeight, bias: torch.Tensor | None, head: bool
 ) -> nn.Module:
-    if packing.kernels == "triton":
-        from pyserve.worker.backends.triton.quant_matmul import TritonQuantLinear
-
-        return TritonQuantLinear(weight, bias, dtype=packing.dtype, device=packing.device)
-    return QuantLinear.from_packed(
-        weight,
-        bias,
-        dtype=packing.dtype,
-        activation_bits=packing.head_activation_bits if head else packing.activation_bits,
-    )
+    activation_bits = packing.head_activation_bits if head else packing.activation_bits
+    return packing.layers.linear(weight, bias, dtype=packing.dtype, activation_bits=activation_bits)
 
 
 def _same_but_ones(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

@@ -5,8 +5,8 @@ them, all decoder layers in one C++ call (stack.py).
 ``KernelPlan`` is the one place that decides what runs on the kernels, from the machine (the
 kernels' instruction set) and the model's description: per layer, whether its attention and its
 rope + KV write run on the kernels, and whether the whole stack does. What the kernels cannot
-compute for a layer (a feature they lack) runs on the torch reference's ops (backends/torch/), so
-the model computed is always the one loaded.
+compute for a layer (a feature they lack) runs on the torch reference's attention
+(backends/torch/attention.py), so the model computed is always the one loaded.
 
 Attention on the kernels reads K and V in place from the cache through each request's block
 table, with no gather copy and one pass of online softmax: all prefill chunks of the batch in one
@@ -16,12 +16,22 @@ call (AVX-512 only: its portable loops are slower than SDPA), then all decodes i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from pyserve.worker import quant
-from pyserve.worker.backends.base import AttentionLayer, BackendInfo, QKNorm
+from pyserve.worker.backends.base import (
+    AttentionLayer,
+    Backend,
+    BackendInfo,
+    ForwardOutput,
+    QKNorm,
+)
+from pyserve.worker.backends.common import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.backends.cpu import layer_ops
 from pyserve.worker.backends.cpu.attention_kernel import (
     DTYPE_CODES,
@@ -30,18 +40,30 @@ from pyserve.worker.backends.cpu.attention_kernel import (
     attention_features,
     kernel_available,
 )
+from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
 from pyserve.worker.backends.torch.attention import (
-    EntrySplit,
+    ReferenceAttention,
     TorchAttentionMetadata,
-    TorchBackend,
-    check_batch,
-    table_rows_and_slots,
+    split_qkv,
 )
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from pyserve.worker.models.decoder import CausalLM
+    from pyserve.worker.weight_packing import QuantizedLayers
+
 log = logging.getLogger("pyserve.worker")
+_ISA_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2", "scalar": "portable loops"}
+
+
+def kernels_isa() -> str | None:
+    """The instruction set the compiled kernels run here, or None where they did not import."""
+    if not kernel_available():
+        return None
+    return quant.kernels().isa()
 
 
 @dataclass
@@ -148,7 +170,7 @@ class CpuKernelsMetadata:
     torch: TorchAttentionMetadata | None = None  # built on first use by a torch layer
 
 
-class CpuKernelsBackend(TorchBackend):
+class CpuKernelsBackend(Backend):
     name = "cpu-kernels"
 
     def __init__(
@@ -158,16 +180,41 @@ class CpuKernelsBackend(TorchBackend):
         reason: str,
         *,
         use_stack: bool = True,  # False: the layer loop (tests compare the two)
-        **kw,
+        max_chunk_tokens: int | None = None,  # ReferenceAttention's, for the torch layers
     ) -> None:
-        super().__init__(config, device, reason, **kw)
+        super().__init__(config, device, reason)
         self.plan: KernelPlan | None = None
         self.stack: CpuDecoderStack | None = None
         self.use_stack = use_stack
+        self.max_chunk_tokens = max_chunk_tokens
+        self.reference: ReferenceAttention | None = None  # what the kernels do not cover
 
-    def allocate_kv_cache(self, num_blocks, block_size, dtype):
+    @classmethod
+    def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
+        if device.type != "cpu":
+            return None
+        isa = kernels_isa()
+        if isa is None:
+            return False, "pyserve._kernels did not import"
+        if isa == "scalar":  # torch's own kernels are faster than the portable loops
+            return False, "no AVX2 on this CPU"
+        return True, _ISA_NAMES.get(isa, isa)
+
+    @classmethod
+    def asked_for(cls, device: torch.device) -> str:
+        if device.type != "cpu":
+            raise ValueError(f"the cpu-kernels backend runs on the CPU, not {device}")
+        isa = kernels_isa()
+        if isa is None:
+            raise ValueError("the cpu-kernels backend needs pyserve._kernels, which did not import")
+        return f"asked for ({_ISA_NAMES.get(isa, isa)})"
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> PagedKVCache:
         cache = super().allocate_kv_cache(num_blocks, block_size, dtype)
         self.plan = KernelPlan.decide(self.config, dtype)
+        self.reference = ReferenceAttention(cache, self.max_chunk_tokens)
         return cache
 
     def prepare_model(self, model) -> None:
@@ -185,6 +232,22 @@ class CpuKernelsBackend(TorchBackend):
     def info(self) -> BackendInfo:
         kernels = self.plan.summary() if self.plan else {}
         return BackendInfo(self.name, self.reason, kernels)
+
+    def quantized_layers(self, quantization: str) -> QuantizedLayers:
+        return CPU_QUANTIZED_LAYERS
+
+    def fast_path(self, model: CausalLM, batch: ForwardBatch) -> Callable[[], ForwardOutput] | None:
+        # the stack ends where the layers do: the model's own outputs serve hidden rows too
+        if self.stack is None:
+            return None
+        return partial(self._stack_forward, model, batch)
+
+    def _stack_forward(self, model: CausalLM, batch: ForwardBatch) -> ForwardOutput:
+        assert self.stack is not None
+        metadata = self.prepare(batch)
+        hidden, ropes = model.layer_inputs(batch.input_ids, batch.positions)
+        hidden, residual = self.stack.run(hidden, ropes, metadata, self.config.scale)
+        return model.outputs(hidden, residual, batch.sample_index, self, batch.hidden_index)
 
     # ------------------------------------------------------------------ metadata, once per forward
 
@@ -221,13 +284,9 @@ class CpuKernelsBackend(TorchBackend):
 
     def _torch_metadata(self, meta: CpuKernelsMetadata) -> TorchAttentionMetadata:
         if meta.torch is None:
-            meta.torch = super().prepare(meta.batch)
+            assert self.reference is not None
+            meta.torch = self.reference.prepare(meta.batch)
         return meta.torch
-
-    def run_layers(self, model, hidden, ropes, metadata):
-        if self.stack is not None:
-            return self.stack.run(hidden, ropes, metadata, self.config.scale)
-        return super().run_layers(model, hidden, ropes, metadata)
 
     # ------------------------------------------------------------------ ops
 
@@ -244,12 +303,15 @@ class CpuKernelsBackend(TorchBackend):
             heads, dim = layer.num_heads, layer.head_dim
             q = qkv[:, : heads * dim].view(-1, heads, dim)
             return self._attend_kernels(layer, q, None, None, meta).reshape(q.shape[0], -1)
-        return super().attention(layer, qkv, cos, signed_sin, metadata, qk_norm)
+        q, k, v = split_qkv(layer, qkv, cos, signed_sin, qk_norm)
+        return self.attend_qkv(layer, q, k, v, meta).reshape(q.shape[0], -1)
 
     def attend_qkv(self, layer, q, k, v, metadata):
+        """ReferenceAttention.attend_qkv's, on the kernels where the plan runs the layer there."""
         meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]
         if not self.plan.layers[layer.index].attention_on_kernels:  # type: ignore[union-attr]
-            return super().attend_qkv(layer, q, k, v, self._torch_metadata(meta))
+            assert self.reference is not None
+            return self.reference.attend_qkv(layer, q, k, v, self._torch_metadata(meta))
         k, v = self.kv_cache.write(layer.index, meta.slots, k, v)  # type: ignore[union-attr]
         return self._attend_kernels(layer, q, k, v, meta)
 
@@ -302,9 +364,10 @@ class CpuKernelsBackend(TorchBackend):
         elif not meta.all_decode:  # prefill rows on the torch path (no prefill kernel here)
             assert k is not None and v is not None
             torch_meta = self._torch_metadata(meta)
+            assert self.reference is not None
             for span in torch_meta.prefills:
                 rows = slice(span.token_start, span.token_start + span.num_tokens)
-                out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
+                out[rows] = self.reference.prefill(layer, q[rows], k[rows], v[rows], span)
         if decode is not None:
             rows_q = q.index_select(0, decode.token_index)
             decoded = decode.call.run(

@@ -34,6 +34,7 @@ from pyserve.worker.quant import (
     quantize_weight,
     segments_of,
 )
+from pyserve.worker.weight_packing import QuantizedLayers
 
 MODES = ("int8", "int4")
 # Rows up to which the kernel beats torch's matmul in the model's dtype (benchmarks/
@@ -286,3 +287,9 @@ def quantize_model_linears(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
         replaced.append(name)
     return replaced
+
+
+# the layers the CPU kernels run packed weights on (Backend.quantized_layers)
+CPU_QUANTIZED_LAYERS = QuantizedLayers(
+    own_widths=True, linear=QuantLinear.from_packed, embedding=QuantEmbedding
+)

@@ -113,8 +113,8 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
 
 
 class CpuDecoderStack:
-    """The C++ stack of one model and its cache; the backend calls ``run`` in place of the
-    layer loop."""
+    """The C++ stack of one model and its cache; the backend's fast path calls ``run`` in place
+    of the model's layer loop."""
 
     def __init__(self, stack: object, rotary_dims: list[int]) -> None:
         self._stack = stack

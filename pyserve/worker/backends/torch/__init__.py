@@ -1,1 +1,1 @@
-"""The torch reference backend and its attention (attention.py)."""
+"""The torch reference backend (backend.py) and its attention (attention.py)."""

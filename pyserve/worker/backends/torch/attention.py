@@ -1,7 +1,7 @@
-"""The torch reference backend: every op in plain torch, on any device; the ground truth the fast
-backends are tested against, and the path for what their kernels do not cover.
+"""The reference attention over the paged cache, in plain torch on any device: the torch
+backend's, and what the CPU kernels backend runs for the layers its kernels do not cover.
 
-Attention over the paged cache, for one mixed batch of prefill chunks and decodes:
+For one mixed batch of prefill chunks and decodes:
 
 - Multi-token entries (prefill chunks) go one entry at a time through SDPA: each is large enough
   that the per-entry call is cheap next to its matmuls. A chunk after a cached prefix attends to
@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
+from pyserve.worker.backends.base import AttentionLayer, QKNorm
+from pyserve.worker.backends.common import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.kv_cache import PagedKVCache
 from pyserve.worker.rope import apply_rope
 
 # The decode chunk length is chosen per batch to minimise gathered tokens (padding included) plus
@@ -95,84 +97,17 @@ class TorchAttentionMetadata:
     all_decode: bool  # every row is a single-token entry, in order
 
 
-def check_batch(batch: ForwardBatch, block_size: int) -> None:
-    num_tokens, start_pos, tables = batch.num_tokens, batch.start_pos, batch.block_tables
-    if not num_tokens:
-        raise ValueError("ForwardBatch has no entries")
-    if not (len(num_tokens) == len(start_pos) == len(tables)):
-        raise ValueError("ForwardBatch: num_tokens, start_pos, block_tables differ in length")
-    for i, (n, s, table) in enumerate(zip(num_tokens, start_pos, tables, strict=True)):
-        if n < 1 or s < 0 or len(table) * block_size < s + n:
-            raise ValueError(
-                f"ForwardBatch entry {i}: start_pos={s}, num_tokens={n} need "
-                f"{-(-(s + n) // block_size)} blocks, the table has {len(table)}"
-            )
+class ReferenceAttention:
+    """Attention over one paged cache, as the module's docstring says."""
 
-
-@dataclass
-class EntrySplit:
-    """A batch's entries by kind: prefill chunks (several tokens) and decodes (one)."""
-
-    prefill_entries: list[int] = field(default_factory=list)
-    spans: list[tuple[int, int, int]] = field(default_factory=list)  # first row, rows, start
-    decode_entries: list[int] = field(default_factory=list)
-    decode_rows: list[int] = field(default_factory=list)
-    num_rows: int = 0
-
-    @classmethod
-    def of(cls, batch: ForwardBatch) -> EntrySplit:
-        split = cls()
-        row = 0
-        for i, (n, s) in enumerate(zip(batch.num_tokens, batch.start_pos, strict=True)):
-            if n == 1:
-                split.decode_entries.append(i)
-                split.decode_rows.append(row)
-            else:
-                split.prefill_entries.append(i)
-                split.spans.append((row, n, s))
-            row += n
-        split.num_rows = row
-        return split
-
-
-def table_rows_and_slots(
-    batch: ForwardBatch, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 [entries, width] block tables padded with 0, int64 [T] cache slots)."""
-    tables = batch.block_tables
-    width = max(len(t) for t in tables)
-    table_rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    table_rows = table_rows.to(device)
-    counts = torch.tensor(batch.num_tokens, dtype=torch.int64, device=device)
-    entry_of_row = torch.repeat_interleave(torch.arange(len(tables), device=device), counts)
-    positions = batch.positions.to(device)
-    slots = table_rows[entry_of_row, positions // block_size] * block_size + positions % block_size
-    return table_rows, slots
-
-
-class TorchBackend(Backend):
-    name = "torch"
-
-    def __init__(
-        self,
-        config,
-        device: torch.device,
-        reason: str = "asked for",
-        *,
-        max_chunk_tokens: int | None = None,
-    ) -> None:
-        super().__init__(config, device, reason)
+    def __init__(self, kv_cache: PagedKVCache, max_chunk_tokens: int | None = None) -> None:
+        self.kv_cache = kv_cache
         # a cap on the chosen decode chunk length (tests use it to force the split softmax)
         self.max_chunk_tokens = max_chunk_tokens
-
-    def info(self) -> BackendInfo:
-        ops = ("attention", "rms_norm", "gated_activation", "rope_kv", "linear")
-        return BackendInfo(self.name, self.reason, dict.fromkeys(ops, "torch"))
 
     # ------------------------------------------------------------------ metadata, once per forward
 
     def prepare(self, batch: ForwardBatch) -> TorchAttentionMetadata:
-        assert self.kv_cache is not None, "allocate_kv_cache first"
         bs = self.kv_cache.block_size
         check_batch(batch, bs)
         device = self.kv_cache.k[0].device
@@ -200,7 +135,7 @@ class TorchBackend(Backend):
     ) -> PrefillSpan:
         if start == 0:
             return PrefillSpan(row, n, 0, None)
-        used = -(-(start + n) // self.kv_cache.block_size)  # type: ignore[union-attr]
+        used = -(-(start + n) // self.kv_cache.block_size)
         return PrefillSpan(
             row, n, start, torch.tensor(table[:used], dtype=torch.int64, device=device)
         )
@@ -213,7 +148,7 @@ class TorchBackend(Backend):
         table_rows: torch.Tensor,
     ) -> DecodeChunks:
         device = table_rows.device
-        bs = self.kv_cache.block_size  # type: ignore[union-attr]
+        bs = self.kv_cache.block_size
         per_chunk = self._chunk_blocks([-(-(start_pos[e] + 1) // bs) for e in entries])
         chunk_tokens = per_chunk * bs
         context = torch.tensor([start_pos[e] + 1 for e in entries], device=device)
@@ -237,7 +172,7 @@ class TorchBackend(Backend):
 
     def _chunk_blocks(self, blocks_needed: list[int]) -> int:
         """Blocks per chunk: the cheapest of the powers of two and the longest context."""
-        block_tokens = self.kv_cache.block_size  # type: ignore[union-attr]
+        block_tokens = self.kv_cache.block_size
         longest = max(blocks_needed)
         if self.max_chunk_tokens:
             longest = min(longest, max(1, self.max_chunk_tokens // block_tokens))
@@ -249,47 +184,7 @@ class TorchBackend(Backend):
 
         return min(candidates, key=cost)
 
-    # ------------------------------------------------------------------ ops
-
-    def rms_norm(self, x, weight, eps, residual=None):
-        if residual is not None:
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise ValueError("the residual must have x's shape and dtype")
-            x = residual.add_(x)
-        return F.rms_norm(x, weight.shape, weight, eps)
-
-    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        if activation == "silu":
-            return F.silu(gate) * up
-        if activation == "gelu_tanh":
-            return F.gelu(gate, approximate="tanh") * up
-        raise ValueError(f"activation {activation!r} is not supported")
-
-    def split_qkv(
-        self,
-        layer: AttentionLayer,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        qk_norm: QKNorm | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, dim] and k [T, kv_heads, dim], normed and rotated, and v [T, kv_heads,
-        dim] from a fused projection."""
-        rows, dim, heads = qkv.shape[0], layer.head_dim, layer.num_heads
-        qk_size = (heads + layer.num_kv_heads) * dim
-        qk = qkv[:, :qk_size].view(rows, -1, dim)
-        v = qkv[:, qk_size:].view(rows, layer.num_kv_heads, dim)
-        if qk_norm is None:  # q and k heads side by side: one rotation for both
-            qk = apply_rope(qk, cos, signed_sin)
-            return qk[:, :heads], qk[:, heads:], v
-        q = F.rms_norm(qk[:, :heads], (dim,), qk_norm.q_weight, qk_norm.eps)
-        k = F.rms_norm(qk[:, heads:], (dim,), qk_norm.k_weight, qk_norm.eps)
-        return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v
-
-    def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
-        q, k, v = self.split_qkv(layer, qkv, cos, signed_sin, qk_norm)
-        return self.attend_qkv(layer, q, k, v, metadata).reshape(q.shape[0], -1)
+    # ------------------------------------------------------------------ attention
 
     def attend_qkv(
         self,
@@ -297,14 +192,13 @@ class TorchBackend(Backend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        metadata: object,
+        meta: TorchAttentionMetadata,
     ) -> torch.Tensor:
         """The new tokens' k, v ([T, kv_heads, dim], rotated) into the cache, then attention
         of q [T, heads, dim] → [T, heads, dim]."""
-        meta: TorchAttentionMetadata = metadata  # type: ignore[assignment]
         # k, v as the cache holds them: a prefill chunk attends to exactly what later chunks and
         # decodes read back, so a prompt gives the same result however it is split
-        k, v = self.kv_cache.write(layer.index, meta.slots, k, v)  # type: ignore[union-attr]
+        k, v = self.kv_cache.write(layer.index, meta.slots, k, v)
         return self.attend(layer, q, k, v, meta)
 
     def attend(
@@ -318,17 +212,17 @@ class TorchBackend(Backend):
         """Attention of the batch's rows, their K/V already in the cache (k, v: as stored)."""
         decode = meta.decode
         if meta.all_decode:
-            return self._decode(layer, q, decode)  # type: ignore[arg-type]
+            return self.decode(layer, q, decode)  # type: ignore[arg-type]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_tokens)
-            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], span)
+            out[rows] = self.prefill(layer, q[rows], k[rows], v[rows], span)
         if decode is not None:
-            decoded = self._decode(layer, q.index_select(0, decode.token_index), decode)
+            decoded = self.decode(layer, q.index_select(0, decode.token_index), decode)
             out.index_copy_(0, decode.token_index, decoded)
         return out
 
-    def _prefill(
+    def prefill(
         self,
         layer: AttentionLayer,
         q: torch.Tensor,
@@ -337,7 +231,6 @@ class TorchBackend(Backend):
         span: PrefillSpan,
     ) -> torch.Tensor:
         cache = self.kv_cache
-        assert cache is not None
         if span.blocks is None:  # nothing cached before this chunk: its own k, v suffice
             keys, values = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         else:
@@ -364,10 +257,9 @@ class TorchBackend(Backend):
             out = _softcapped_attention(queries, keys, values, mask, layer)
         return out.transpose(0, 1)
 
-    def _decode(self, layer: AttentionLayer, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
+    def decode(self, layer: AttentionLayer, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
         """q: [D, heads, head_dim] for D single-token entries → the same shape."""
         cache = self.kv_cache
-        assert cache is not None
         num_rows = q.shape[0]
         kv_heads, dim = layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kv_heads
@@ -404,6 +296,27 @@ class TorchBackend(Backend):
         out.index_add_(1, owner, partial)
         out = out / denom[..., None]
         return out.to(q.dtype).transpose(0, 1).reshape(num_rows, layer.num_heads, dim)
+
+
+def split_qkv(
+    layer: AttentionLayer,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    qk_norm: QKNorm | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, heads, dim] and k [T, kv_heads, dim], normed and rotated, and v [T, kv_heads,
+    dim] from a fused projection."""
+    rows, dim, heads = qkv.shape[0], layer.head_dim, layer.num_heads
+    qk_size = (heads + layer.num_kv_heads) * dim
+    qk = qkv[:, :qk_size].view(rows, -1, dim)
+    v = qkv[:, qk_size:].view(rows, layer.num_kv_heads, dim)
+    if qk_norm is None:  # q and k heads side by side: one rotation for both
+        qk = apply_rope(qk, cos, signed_sin)
+        return qk[:, :heads], qk[:, heads:], v
+    q = F.rms_norm(qk[:, :heads], (dim,), qk_norm.q_weight, qk_norm.eps)
+    k = F.rms_norm(qk[:, heads:], (dim,), qk_norm.k_weight, qk_norm.eps)
+    return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v
 
 
 def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:

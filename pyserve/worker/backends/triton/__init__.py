@@ -1,5 +1,7 @@
-"""The Triton kernels of the GPU backend (backend.py); on a CPU they run under
-Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check them."""
+"""The Triton backend (backend.py) and its kernels: attention.py, fused.py, quant_matmul.py (its
+quantized layers) and its fast path, CUDA graphs of decode steps (decode_graphs.py). On a CPU the
+kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check
+them. Nothing here imports triton until a kernel module is imported."""
 
 from __future__ import annotations
 

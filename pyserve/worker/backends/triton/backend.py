@@ -14,20 +14,31 @@ tensors: slowly, but exactly what the tests need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pyserve.worker import env
-from pyserve.worker.backends.base import AttentionLayer, Backend, BackendInfo, QKNorm
-from pyserve.worker.backends.torch.attention import EntrySplit, check_batch, table_rows_and_slots
+from pyserve.worker.backends.base import (
+    AttentionLayer,
+    Backend,
+    BackendInfo,
+    ForwardOutput,
+    QKNorm,
+    model_forward,
+)
+from pyserve.worker.backends.common import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
 if TYPE_CHECKING:
     from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
+    from pyserve.worker.models.decoder import CausalLM
+    from pyserve.worker.weight_packing import QuantizedLayers
 
 # split-K for decode: a split per this many positions of the longest context, at most MAX_SPLITS
 SPLIT_TOKENS = 256
@@ -133,12 +144,24 @@ class TritonBackend(Backend):
         self._fused = fused
         self.num_splits = num_splits  # 0: by context length; tests force split-K with it
 
+    @classmethod
+    def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
+        if device.type != "cuda":
+            return None
+        problem = triton_usable(device)
+        return (False, problem) if problem is not None else (True, "a CUDA device")
+
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
         kernels["linear"] = "torch"
         if self.graphs is not None:
             kernels["decode"] = f"graphs of {len(self.graphs.sizes)} batch sizes"
         return BackendInfo(self.name, self.reason, kernels)
+
+    def quantized_layers(self, quantization: str) -> QuantizedLayers:
+        from pyserve.worker.backends.triton.quant_matmul import triton_quantized_layers
+
+        return triton_quantized_layers(self.device)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
         # one extra block that no request owns: decode graphs pad their batches with rows that
@@ -178,14 +201,15 @@ class TritonBackend(Backend):
                     block_tables=[table],
                     sample_index=torch.tensor([count - 1], device=self.device),
                 )
-                super().forward(model, batch)
+                model_forward(model, self, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
-        return super().forward(model, batch)
+    def fast_path(self, model: CausalLM, batch: ForwardBatch) -> Callable[[], ForwardOutput] | None:
+        # a captured graph ends in logits: hidden rows go through the model's own forward
+        if self.graphs is None or batch.hidden_index is not None or not self.graphs.fits(batch):
+            return None
+        return partial(self.graphs.run, batch)
 
     # ------------------------------------------------------------------ metadata, once per forward
 

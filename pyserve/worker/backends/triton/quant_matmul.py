@@ -21,7 +21,8 @@ import triton.language as tl
 from torch import nn
 
 from pyserve.worker.backends.triton import dot_precision
-from pyserve.worker.quant import PackedWeight, unpack_weight
+from pyserve.worker.quant import PackedWeight, dequantize_weight, unpack_weight
+from pyserve.worker.weight_packing import QuantizedLayers
 
 
 @triton.jit
@@ -217,3 +218,18 @@ class TritonQuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.bits}, group={self.group}"
         )
+
+
+def triton_quantized_layers(device: torch.device | str) -> QuantizedLayers:
+    """The Triton backend's quantized layers on ``device`` (Backend.quantized_layers)."""
+
+    def linear(weight: PackedWeight, bias: torch.Tensor | None, *, dtype, activation_bits):
+        # activation_bits: the kernel multiplies the activations as they are
+        return TritonQuantLinear(weight, bias, dtype=dtype, device=device)
+
+    def embedding(table: PackedWeight, *, dtype: torch.dtype) -> nn.Parameter:
+        # a plain table on the device: lookups stay one gather
+        values = dequantize_weight(table).to(dtype).to(device)
+        return nn.Parameter(values, requires_grad=False)
+
+    return QuantizedLayers(own_widths=False, linear=linear, embedding=embedding)

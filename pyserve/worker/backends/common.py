@@ -1,0 +1,66 @@
+"""What every backend's per-forward metadata starts from: the batch checked, its entries split by
+kind (prefill chunks, decodes), its block tables as one tensor and the cache slot of each new
+token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pyserve.worker.batch import ForwardBatch
+
+
+def check_batch(batch: ForwardBatch, block_size: int) -> None:
+    num_tokens, start_pos, tables = batch.num_tokens, batch.start_pos, batch.block_tables
+    if not num_tokens:
+        raise ValueError("ForwardBatch has no entries")
+    if not (len(num_tokens) == len(start_pos) == len(tables)):
+        raise ValueError("ForwardBatch: num_tokens, start_pos, block_tables differ in length")
+    for i, (n, s, table) in enumerate(zip(num_tokens, start_pos, tables, strict=True)):
+        if n < 1 or s < 0 or len(table) * block_size < s + n:
+            raise ValueError(
+                f"ForwardBatch entry {i}: start_pos={s}, num_tokens={n} need "
+                f"{-(-(s + n) // block_size)} blocks, the table has {len(table)}"
+            )
+
+
+@dataclass
+class EntrySplit:
+    """A batch's entries by kind: prefill chunks (several tokens) and decodes (one)."""
+
+    prefill_entries: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # first row, rows, start
+    decode_entries: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)
+    num_rows: int = 0
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> EntrySplit:
+        split = cls()
+        row = 0
+        for i, (n, s) in enumerate(zip(batch.num_tokens, batch.start_pos, strict=True)):
+            if n == 1:
+                split.decode_entries.append(i)
+                split.decode_rows.append(row)
+            else:
+                split.prefill_entries.append(i)
+                split.spans.append((row, n, s))
+            row += n
+        split.num_rows = row
+        return split
+
+
+def table_rows_and_slots(
+    batch: ForwardBatch, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [entries, width] block tables padded with 0, int64 [T] cache slots)."""
+    tables = batch.block_tables
+    width = max(len(t) for t in tables)
+    table_rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    table_rows = table_rows.to(device)
+    counts = torch.tensor(batch.num_tokens, dtype=torch.int64, device=device)
+    entry_of_row = torch.repeat_interleave(torch.arange(len(tables), device=device), counts)
+    positions = batch.positions.to(device)
+    slots = table_rows[entry_of_row, positions // block_size] * block_size + positions % block_size
+    return table_rows, slots
