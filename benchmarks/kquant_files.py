@@ -412,7 +412,7 @@ def write_f16_gguf(hf_dir: Path, path: Path) -> dict[str, int]:
         raise RuntimeError(f"tensors a {model_type} model does not have: {sorted(missing)}")
     # (GGUF name, the HF tensors it holds: one, or a layer's experts to stack in expert order)
     tensors: list[tuple[str, list[str]]] = []
-    for key, value in _merged_experts({n: n for n in names}, model_type):
+    for key, value in _merged_experts({n: n for n in names}):
         if isinstance(value, list):
             layer, proj = key
             tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", value))

@@ -53,7 +53,8 @@ KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def gguf_facts(path: str) -> dict:
     """Layers, KV heads, head dim and the tensor bytes of a GGUF file (llama.cpp's bytes a
-    token: all tensors, the token embeddings only where they are the output projection too)."""
+    token: all tensors, the token embeddings only where they are the output projection too, a
+    mixture's experts by the share a token runs)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -69,6 +70,11 @@ def gguf_facts(path: str) -> dict:
     total = sum(by_name.values())
     embd = by_name.get("token_embd.weight", 0)
     tied = "output.weight" not in by_name
+    # a mixture of experts reads top_k of its experts a token: the stacked expert tensors count
+    # by that share (the average over tokens; a batch's tokens may share experts)
+    experts, used = field("expert_count"), field("expert_used_count")
+    share = int(used) / int(experts) if experts else 1.0
+    inactive = sum(n for name, n in by_name.items() if "_exps." in name) * (1.0 - share)
     types: dict[str, int] = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -84,7 +90,8 @@ def gguf_facts(path: str) -> dict:
         "tensor_bytes": total,
         "token_embd_bytes": embd,
         "tied": tied,
-        "decode_tensor_bytes": total if tied else total - embd,
+        "decode_tensor_bytes": round((total if tied else total - embd) - inactive),
+        "experts": f"{used} of {experts}" if experts else None,
         "tensor_types": types,
     }
 
@@ -205,7 +212,10 @@ def roofline(row: dict, gbs: float) -> None:
     """Bytes a token, roofline ITL and the fraction of it each server reached at c=1."""
     facts = row["facts"]
     for name, got in row["servers"].items():
-        weights = got.get("weight_bytes") if name == "pyserve" else facts["decode_tensor_bytes"]
+        # pyserve's own bytes (its packing), but for a mixture, whose active share of them it
+        # does not report: the file's active bytes for both
+        own = name == "pyserve" and not facts.get("experts")
+        weights = got.get("weight_bytes") if own else facts["decode_tensor_bytes"]
         c1 = got.get("c1")
         if not weights or not c1:
             continue

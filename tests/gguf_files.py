@@ -7,6 +7,7 @@ Phi-3's fused projections. Tensors are F32, so that a loader's result can be hel
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,10 @@ ARCH = {  # HF model_type → GGUF general.architecture
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's converter writes Mixtral as a Llama with experts
+    "olmoe": "olmoe",
 }
 
 _TOP = {
@@ -41,6 +46,22 @@ _PARTS = {
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: one tensor, gate then up
     "mlp.down_proj": "ffn_down",
 }
+# a mixture of experts (transformers' module names, Mixtral's as well)
+_MOE_PARTS = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_MIXTRAL_NAMES = {
+    "block_sparse_moe.": "mlp.",
+    ".w1.": ".gate_proj.",
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj")
 _GEMMA_PARTS = {
     **_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -165,10 +186,34 @@ def write_gguf(model, path: Path, matrix_type=None, tensor_types: dict | None = 
             writer.add_rope_scaling_orig_ctx_len(original)
             extra["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
             extra["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(cfg.num_experts_per_tok))
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
     gemma = model_type in ("gemma2", "gemma3_text")
-    parts = _GEMMA_PARTS if gemma else _PARTS
+    parts = {**(_GEMMA_PARTS if gemma else _PARTS), **_MOE_PARTS}
     stored = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _merged_experts(model.state_dict()):
+        if isinstance(tensor, list):  # one stacked tensor: every expert's, in expert order
+            layer, proj = name
+            gguf_name = f"blk.{layer}.ffn_{proj}_exps.weight"
+            array = np.stack([t.detach().float().numpy() for t in tensor])
+            if matrix_type is not None:
+                array = gguf.quants.dequantize(
+                    gguf.quants.quantize(array, matrix_type), matrix_type
+                )
+                writer.add_tensor(
+                    gguf_name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type
+                )
+            else:
+                writer.add_tensor(gguf_name, array)
+            for e, values in enumerate(array):
+                stored[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = values.copy()
+            continue
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
             part, kind_ = rest.rsplit(".", 1)
@@ -205,8 +250,51 @@ def write_gguf(model, path: Path, matrix_type=None, tensor_types: dict | None = 
             writer.add_tensor(gguf_name, array)
     for gguf_name, array in extra.items():
         writer.add_tensor(gguf_name, array)
+    if model_type == "mixtral":  # the references in Mixtral's own names
+        stored = {_mixtral_name(name): array for name, array in stored.items()}
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def _merged_experts(state: dict):
+    """The state dict's (name, tensor) pairs in order, with each layer's experts stacked as the
+    converter stacks them: ((layer, "gate" | "up" | "down"), [each expert's matrix]) in place
+    of a checkpoint's per-expert tensors (Mixtral's w1/w3/w2 too), or of transformers' fused
+    [experts, 2·width, hidden] gate/up and [experts, hidden, width] down parameters."""
+    stacks: dict[tuple[str, str], list] = {}
+    out: list = []
+    for name, tensor in state.items():
+        fused = _FUSED_EXPERTS.fullmatch(name)
+        if fused is not None:
+            layer, proj = fused.groups()
+            if proj == "down":
+                out.append(((layer, "down"), list(tensor)))
+            else:
+                width = tensor.shape[1] // 2
+                out.append(((layer, "gate"), list(tensor[:, :width])))
+                out.append(((layer, "up"), list(tensor[:, width:])))
+            continue
+        qwen_name = name
+        for old, new in _MIXTRAL_NAMES.items():
+            qwen_name = qwen_name.replace(old, new)
+        one = _EXPERT.fullmatch(qwen_name)
+        if one is None:
+            out.append((name, tensor))
+            continue
+        layer, expert, proj = one.groups()
+        if (layer, proj) not in stacks:
+            stacks[layer, proj] = []
+            out.append(((layer, proj), stacks[layer, proj]))
+        assert int(expert) == len(stacks[layer, proj]), "experts out of order"
+        stacks[layer, proj].append(tensor)
+    return out
+
+
+def _mixtral_name(name: str) -> str:
+    """A Qwen-MoE expert or router name in Mixtral's checkpoint names."""
+    for old, new in _MIXTRAL_NAMES.items():
+        name = name.replace(new, old)
+    return name

@@ -1,11 +1,12 @@
-"""Qwen3 and Gemma 3 through a real `pyserve run`: tiny random-weight models with SmolLM2's
-vocabulary and tokenizer (so text prompts and chat templates work) and the family's features on
-(q/k norms; Gemma's sliding windows shorter than the prompts, (1 + w) norms, sandwich norms,
-GELU-tanh, two rope tables). Prompts are prefilled in small chunks; a prompt whose prefix the
-cache holds gives the same tokens as the same prompt cold, and both equal Hugging Face's greedy
-output on the same weights (K/V in float32, so that the only differences are HF's own near-ties).
-Qwen3 is also served with ``--backend triton``: the GPU backend end to end, its kernels in
-Triton's interpreter (conftest.py sets TRITON_INTERPRET=1, which the server's worker inherits).
+"""Qwen3, Gemma 3 and Qwen3-MoE through a real `pyserve run`: tiny random-weight models with
+SmolLM2's vocabulary and tokenizer (so text prompts and chat templates work) and the family's
+features on (q/k norms; Gemma's sliding windows shorter than the prompts, (1 + w) norms,
+sandwich norms, GELU-tanh, two rope tables; a mixture of 8 experts, top-2). Prompts are
+prefilled in small chunks; a prompt whose prefix the cache holds gives the same tokens as the
+same prompt cold, and both equal Hugging Face's greedy output on the same weights (K/V in
+float32, so that the only differences are HF's own near-ties). Qwen3 is also served with
+``--backend triton``: the GPU backend end to end, its kernels in Triton's interpreter
+(conftest.py sets TRITON_INTERPRET=1, which the server's worker inherits).
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ FAMILIES = {
             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         },
     },
+    "qwen3moe": {
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
 }
 LONG_PROMPTS = [p + " and then, after a long while, it went on" for p in REFERENCE_PROMPTS]
 # server: (family, backend); the default backend is the CPU kernels where they apply
 SERVERS = {
     "qwen3": ("qwen3", None),
     "gemma3": ("gemma3", None),
+    "qwen3moe": ("qwen3moe", None),
     "qwen3-triton": ("qwen3", "triton"),
 }
 
@@ -90,6 +99,8 @@ def test_the_server_names_the_family_and_its_backend(server):
     assert "q/k norm" in info["model_features"]
     if server.family == "gemma3":
         assert any(f.startswith(f"sliding window {WINDOW}") for f in info["model_features"])
+    if server.family == "qwen3moe":
+        assert "mixture of experts: top-2 of 8 on 2 layers" in info["model_features"]
     expected = (server.backend,) if server.backend else ("cpu-kernels", "torch")
     assert info["backend"]["name"] in expected and info["backend"]["reason"]
 

@@ -123,6 +123,38 @@ FAMILIES = {
 }
 
 
+# Mixtures of experts: 8 experts, top-2, so that a batch's tokens spread over most of them
+MOE = {"num_experts_per_tok": 2}
+MOE_FAMILIES = {
+    # top-k renormalized, as Qwen3-MoE checkpoints are (and as llama.cpp runs every one)
+    "qwen3moe": (
+        "qwen3_moe",
+        {
+            **MOE,
+            "head_dim": 16,
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    # a shared expert, softmax weights kept as they are, and a dense layer between sparse ones
+    "qwen2moe-shared": (
+        "qwen2_moe",
+        {
+            **MOE,
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": ("mixtral", {**MOE, "num_local_experts": 8, "intermediate_size": 32}),
+    # q/k normalized over all heads at once
+    "olmoe": ("olmoe", {**MOE, "num_experts": 8, "intermediate_size": 32}),
+}
+FAMILIES |= MOE_FAMILIES
+
+
 # the served context of each family's runner: the model's own unless set
 SERVED_CONTEXT = {"phi3-longrope-short": 256}
 
@@ -301,6 +333,10 @@ def test_each_family_says_what_it_runs(family):
         "qwen3": ["q/k norm"],
         "phi3": ["rope longrope"],
         "qwen2": ["rope yarn", "qkv bias"],
+        "qwen3moe": ["q/k norm", "mixture of experts: top-2 of 8 on 3 layers"],
+        "qwen2moe": ["qkv bias", "mixture of experts: top-2 of 8 + a shared expert on 2 layers"],
+        "mixtral": ["mixture of experts: top-2 of 8 on 3 layers"],
+        "olmoe": ["full-width q/k norm", "mixture of experts: top-2 of 8 on 3 layers"],
     }.get(name.split("-")[0], [])
     if "partial" in name:
         expected.append("partial rotary 8/16")

@@ -2,6 +2,7 @@
 #include "arg_checks.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
@@ -139,8 +140,10 @@ void quantize_chunk(void* context, int chunk) {
     q6_centres<int8_t>(s, begin, end, groups * job.group, job.table->panel_rows);
 }
 
+// `parallel`: many rows are split over the pool (false inside a pool task: runs do not nest).
 void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, int rows, int k,
-                   int group, int bits, int headroom, bool centres, Scratch& scratch) {
+                   int group, int bits, int headroom, bool centres, Scratch& scratch,
+                   bool parallel = true) {
   const int groups = (k + group - 1) / group;
   // whole panels (qgemm.h): a chunk of rows starts at a panel's first row
   const int panel = std::max(table.panel_rows, 1);
@@ -155,7 +158,7 @@ void quantize_into(const KernelTable& table, const float* x, int64_t x_stride, i
   if (centres) scratch.centre.resize(static_cast<size_t>(rows) * groups * group / 16);
   QuantizeJob job{&table, x, x_stride, rows, k, group, bits, headroom, centres, &scratch};
   const int chunks = (rows + kQuantizeChunkRows - 1) / kQuantizeChunkRows;
-  if (rows >= kParallelQuantizeRows) {
+  if (parallel && rows >= kParallelQuantizeRows) {
     ThreadPool::instance().run(quantize_chunk, &job, chunks);
   } else {
     for (int chunk = 0; chunk < chunks; ++chunk) quantize_chunk(&job, chunk);
@@ -183,7 +186,125 @@ void matmul_chunk(void* context, int chunk) {
                      job.out_stride);
 }
 
+void check_weights(const PackedWeights& w, int activation_bits) {
+  check(w.data != nullptr && w.scales != nullptr, "null pointer");
+  check(w.bits == 8 || w.bits == 6 || w.bits == 5 || w.bits == 4,
+        "weight bits must be 8, 6, 5 or 4");
+  check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
+  check_group(w.group);
+  check(!w.super_scales || (w.bits != 8 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
+        "super-block scales need 4-, 5- or 6-bit weights, groups of 32 and k a multiple of 256");
+  check(w.bits != 5 || w.group == 32, "5-bit weights come in groups of 32");
+  check(w.bits != 6 || w.super_scales, "6-bit weights (Q6_K) come with their super-block scales");
+  check(w.n > 0 && w.k > 0, "sizes must be positive");
+}
+
+// The kernels for `rows` rows of activations on w: AMX tiles when they are on and apply.
+const KernelTable& table_for_rows(int rows, int activation_bits, const PackedWeights& w) {
+  const bool amx = activation_bits == 8 && rows >= kAmxMinRows && (w.bits == 8 || w.bits == 4) &&
+                   !w.super_scales && &kernels() == &avx512_kernels() && amx_enabled();
+  return amx ? amx_kernels() : kernels();
+}
+
+// Quantizes rows of x for w's tiles (the headroom and the 6-bit centres w needs) into scratch.
+QuantizedRows quantize_for(const KernelTable& table, const float* x, int64_t x_stride, int rows,
+                           int activation_bits, const PackedWeights& w, Scratch& scratch,
+                           bool parallel = true) {
+  const bool centres = w.bits == 6;
+  quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
+                shift_headroom(w.bits, activation_bits, w.group), centres, scratch, parallel);
+  return scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows, centres);
+}
+
+// Tiles of w a thread claims at once, when `total_tiles` tiles (w's, or all the experts' of a
+// grouped matmul) are shared by the pool.
+int chunk_tiles(const PackedWeights& w, int total_tiles) {
+  const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
+  const int most = total_tiles / (kChunksPerThread * ThreadPool::instance().size());
+  return std::max<int>(1, std::min<int>(most, static_cast<int>(kChunkBytes / tile_bytes)));
+}
+
+// A grouped matmul: expert e's rows of x times its weights. Each expert's rows are quantized
+// by one task (they are few: a token group), then every expert's tile chunks are claimed from
+// one list, so that the pool runs the experts side by side instead of one after another.
+struct ExpertWork {
+  const PackedWeights* w;
+  const KernelTable* table;
+  const float* x;
+  float* out;
+  int rows;
+  Scratch* scratch;
+  QuantizedRows a;
+};
+
+struct GroupedJob {
+  const float* x;
+  int64_t x_stride, out_stride;
+  int activation_bits;
+  std::vector<ExpertWork>* experts;
+  std::vector<std::array<int, 3>> chunks;  // (expert, first tile, end tile)
+};
+
+void quantize_expert(void* context, int e) {
+  auto& job = *static_cast<GroupedJob*>(context);
+  ExpertWork& work = (*job.experts)[e];
+  work.a = quantize_for(*work.table, work.x, job.x_stride, work.rows, job.activation_bits, *work.w,
+                        *work.scratch, /*parallel=*/false);
+}
+
+void grouped_chunk(void* context, int chunk) {
+  const auto& job = *static_cast<GroupedJob*>(context);
+  const auto [e, begin, end] = job.chunks[chunk];
+  const ExpertWork& work = (*job.experts)[e];
+  const int step = work.table->max_rows;
+  for (int r = 0; r < work.rows; r += step)
+    work.table->tiles(*work.w, work.a, r, std::min(step, work.rows - r), begin, end, nullptr,
+                      work.out, job.out_stride);
+}
+
 }  // namespace
+
+void grouped_matmul(const float* x, int64_t x_stride, int activation_bits,
+                    const PackedWeights* weights, const int64_t* counts, int experts, float* out,
+                    int64_t out_stride) {
+  check(x != nullptr && out != nullptr && weights != nullptr && counts != nullptr, "null pointer");
+  check(experts >= 0, "a negative expert count");
+  thread_local std::vector<Scratch> scratches;
+  thread_local std::vector<ExpertWork> work;
+  if (static_cast<int>(scratches.size()) < experts) scratches.resize(experts);
+  work.clear();
+  int64_t row = 0;
+  int total_tiles = 0;
+  for (int e = 0; e < experts; ++e) {
+    const PackedWeights& w = weights[e];
+    check_weights(w, activation_bits);
+    check(w.k == weights[0].k && w.n == weights[0].n, "the experts' shapes differ");
+    check(counts[e] >= 0, "a negative row count");
+    check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
+    const int rows = static_cast<int>(counts[e]);
+    if (rows > 0) {
+      work.push_back({&w,
+                      &table_for_rows(rows, activation_bits, w),
+                      x + row * x_stride,
+                      out + row * out_stride,
+                      rows,
+                      &scratches[e],
+                      {}});
+      total_tiles += w.tiles();
+    }
+    row += rows;
+  }
+  if (work.empty()) return;
+  GroupedJob job{x, x_stride, out_stride, activation_bits, &work, {}};
+  ThreadPool::instance().run(quantize_expert, &job, static_cast<int>(work.size()));
+  for (int e = 0; e < static_cast<int>(work.size()); ++e) {
+    const PackedWeights& w = *work[e].w;
+    const int per_chunk = chunk_tiles(w, total_tiles);
+    for (int t = 0; t < w.tiles(); t += per_chunk)
+      job.chunks.push_back({e, t, std::min(w.tiles(), t + per_chunk)});
+  }
+  ThreadPool::instance().run(grouped_chunk, &job, static_cast<int>(job.chunks.size()));
+}
 
 std::string current_isa() { return kernels().name; }
 
@@ -211,33 +332,15 @@ const std::string& amx_status() {
 
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride) {
-  check(x != nullptr && out != nullptr && w.data != nullptr && w.scales != nullptr, "null pointer");
-  check(w.bits == 8 || w.bits == 6 || w.bits == 5 || w.bits == 4,
-        "weight bits must be 8, 6, 5 or 4");
-  check(activation_bits == 8 || activation_bits == 16, "activation bits must be 8 or 16");
-  check_group(w.group);
-  check(!w.super_scales || (w.bits != 8 && w.group == 32 && w.k % (kSuperGroups * 32) == 0),
-        "super-block scales need 4-, 5- or 6-bit weights, groups of 32 and k a multiple of 256");
-  check(w.bits != 5 || w.group == 32, "5-bit weights come in groups of 32");
-  check(w.bits != 6 || w.super_scales, "6-bit weights (Q6_K) come with their super-block scales");
-  check(w.n > 0 && w.k > 0 && rows >= 0, "sizes must be positive");
+  check(x != nullptr && out != nullptr, "null pointer");
+  check_weights(w, activation_bits);
+  check(rows >= 0, "sizes must be positive");
   check(x_stride >= w.k && out_stride >= w.n, "a row stride is shorter than its row");
   if (rows == 0) return;
-  const KernelTable& table = activation_bits == 8 && rows >= kAmxMinRows &&
-                                     (w.bits == 8 || w.bits == 4) && !w.super_scales &&
-                                     &kernels() == &avx512_kernels() && amx_enabled()
-                                 ? amx_kernels()
-                                 : kernels();
+  const KernelTable& table = table_for_rows(rows, activation_bits, w);
   thread_local Scratch scratch;
-  const bool centres = w.bits == 6;
-  quantize_into(table, x, x_stride, rows, w.k, w.group, activation_bits,
-                shift_headroom(w.bits, activation_bits, w.group), centres, scratch);
-  const QuantizedRows a =
-      scratch.rows(activation_bits, w.groups(), w.group, table.panel_rows, centres);
-  const size_t tile_bytes = w.groups() * (w.group_bytes() + 4 * kTileRows);
-  const int most = w.tiles() / (kChunksPerThread * ThreadPool::instance().size());
-  const int tiles_per_chunk =
-      std::max<int>(1, std::min<int>(most, static_cast<int>(kChunkBytes / tile_bytes)));
+  const QuantizedRows a = quantize_for(table, x, x_stride, rows, activation_bits, w, scratch);
+  const int tiles_per_chunk = chunk_tiles(w, w.tiles());
   MatmulJob job{&table, &w, &a, rows, bias, out, out_stride, tiles_per_chunk};
   const int chunks = (w.tiles() + tiles_per_chunk - 1) / tiles_per_chunk;
   ThreadPool::instance().run(matmul_chunk, &job, chunks);

@@ -27,6 +27,13 @@ const std::string& amx_status();
 void quantized_matmul(const float* x, int64_t x_stride, int rows, int activation_bits,
                       const PackedWeights& w, const float* bias, float* out, int64_t out_stride);
 
+// A mixture of experts' grouped matmul: rows [r_e, r_e + counts[e]) of x times weights[e] into
+// the same rows of out, r_e the sum of the counts before e (the rows grouped by expert). The
+// experts share k and n; each is computed as quantized_matmul computes it, bit for bit.
+void grouped_matmul(const float* x, int64_t x_stride, int activation_bits,
+                    const PackedWeights* weights, const int64_t* counts, int experts, float* out,
+                    int64_t out_stride);
+
 // Quantizes rows as quantized_matmul does for `weight_bits` weights, for tests: q (int8 or
 // int16) [rows][k_padded], and each group's scale 2^e and Σq [rows][groups].
 void quantize_activations(const float* x, int64_t x_stride, int rows, int k, int group, int bits,

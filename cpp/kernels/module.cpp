@@ -44,6 +44,27 @@ void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintpt
                        address<const float>(bias), address<float>(out), out_stride);
 }
 
+// One projection of every expert of a mixture (gate/up, or down), packed at load: a step's
+// grouped matmul passes only the rows each expert takes.
+class ExpertSet {
+ public:
+  void add(uintptr_t weights, uintptr_t scales, int n, int k, int bits, int group,
+           bool super_scales) {
+    weights_.push_back({address<const uint8_t>(weights), address<const uint16_t>(scales), n, k,
+                        bits, group, super_scales});
+  }
+  int size() const { return static_cast<int>(weights_.size()); }
+  void matmul(uintptr_t x, int64_t x_stride, int activation_bits, uintptr_t counts, uintptr_t out,
+              int64_t out_stride) const {
+    py::gil_scoped_release released;
+    pk::grouped_matmul(address<const float>(x), x_stride, activation_bits, weights_.data(),
+                       address<const int64_t>(counts), size(), address<float>(out), out_stride);
+  }
+
+ private:
+  std::vector<pk::PackedWeights> weights_;
+};
+
 void quantize_activations(uintptr_t x, int64_t x_stride, int rows, int k, int group, int bits,
                           int weight_bits, uintptr_t q, uintptr_t scale, uintptr_t sum) {
   py::gil_scoped_release released;
@@ -399,6 +420,17 @@ PYBIND11_MODULE(_kernels, m) {
         "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
         "none) RMS-normalize each q / k head with eps first");
   m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial");
+  py::class_<ExpertSet>(m, "ExpertSet",
+                        "one projection of every expert of a mixture, for grouped matmuls")
+      .def(py::init<>())
+      .def("add", &ExpertSet::add, py::arg("weights"), py::arg("scales"), py::arg("n"),
+           py::arg("k"), py::arg("bits"), py::arg("group"), py::arg("super_scales"),
+           "the next expert's packed weights (their memory must outlive the set)")
+      .def("__len__", &ExpertSet::size)
+      .def("matmul", &ExpertSet::matmul, py::arg("x"), py::arg("x_stride"),
+           py::arg("activation_bits"), py::arg("counts"), py::arg("out"), py::arg("out_stride"),
+           "rows grouped by expert (counts: int64 [experts]) times their expert's weights, "
+           "each row as matmul computes it");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
                                "a decoder-only model's layers run back to back in C++")
       .def(py::init(&make_stack), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),

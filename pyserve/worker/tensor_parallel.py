@@ -47,6 +47,10 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         "kv heads": config.num_kv_heads,
         "MLP width": config.intermediate_size,
     }
+    if config.moe is not None:  # every expert splits as a dense MLP does
+        counts["expert width"] = config.moe.expert_size
+        if config.moe.shared_expert_size:
+            counts["shared expert width"] = config.moe.shared_expert_size
     problem = tp_split_problem(size, counts)
     if problem is not None:
         raise ValueError(problem)
@@ -58,14 +62,23 @@ def vocab_shard(vocab_size: int, size: int) -> int:
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """What one rank computes: its share of the heads, the MLP and the vocabulary."""
+    """What one rank computes: its share of the heads, the MLP (of every expert) and the
+    vocabulary."""
     check_divisible(config, size)
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            expert_size=moe.expert_size // size,
+            shared_expert_size=moe.shared_expert_size // size,
+        )
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // size,
         num_kv_heads=config.num_kv_heads // size,
         intermediate_size=config.intermediate_size // size,
         vocab_size=vocab_shard(config.vocab_size, size),
+        moe=moe,
     )
 
 

@@ -26,6 +26,7 @@ from pyserve.worker.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from pyserve.worker.models.decoder import CausalLM
+    from pyserve.worker.models.moe import SparseMoE
     from pyserve.worker.weight_packing import QuantizedLayers
 
 # what a forward returns: float32 logits [S, vocab] of the sampling rows, and with
@@ -175,6 +176,20 @@ class Backend(ABC):
     @abstractmethod
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
+
+    def run_experts(
+        self, moe: SparseMoE, x: torch.Tensor, counts: torch.Tensor, activation: str
+    ) -> torch.Tensor:
+        """Rows of x grouped by expert (``counts[e]`` rows each, in expert order) through their
+        experts' gated MLPs: [rows, hidden]. The loop over the experts some row picked; a backend
+        may run them all at once."""
+        out = x.new_empty(x.shape)
+        start = 0
+        for expert, count in zip(moe.experts, counts.tolist(), strict=True):
+            if count:
+                out[start : start + count] = expert(x[start : start + count], self, activation)
+                start += count
+        return out
 
 
 def model_forward(model: CausalLM, backend: Backend, batch: ForwardBatch) -> ForwardOutput:

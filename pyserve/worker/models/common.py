@@ -3,9 +3,10 @@ config or from GGUF metadata."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from pyserve.worker.models.config import LayerConfig, RopeConfig
+from pyserve.worker.models.config import LayerConfig, MoEConfig, RopeConfig
 
 # What a GGUF reader gives a family: metadata by key ("general.architecture", "llama.block_count"),
 # plus "_vocab_size" and the rope tensors' values ("_tensor:<name>")
@@ -82,6 +83,36 @@ def hf_shape(hf: Any) -> dict[str, Any]:
     }
 
 
+def hf_moe(hf: Any, normalize_default: bool) -> tuple[MoEConfig | None, list[bool]]:
+    """The mixture of experts of a transformers config (None for a dense model), and which
+    layers have it: all but ``mlp_only_layers``, every ``decoder_sparse_step``-th (Qwen-MoE)."""
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    if not experts:
+        return None, []
+    width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    step = int(getattr(hf, "decoder_sparse_step", None) or 1)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(hf.num_hidden_layers)]
+    moe = MoEConfig(
+        num_experts=int(experts),
+        top_k=int(hf.num_experts_per_tok),
+        expert_size=int(width),
+        normalize_top_k=bool(getattr(hf, "norm_topk_prob", normalize_default)),
+        shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", None) or 0),
+    )
+    return moe, sparse
+
+
+def with_moe(
+    layers: tuple[LayerConfig, ...], moe: MoEConfig | None, sparse: list[bool]
+) -> dict[str, Any]:
+    """ModelConfig fields: ``layers`` marked sparse where ``sparse`` says, and ``moe``."""
+    if moe is None:
+        return {"layers": layers}
+    marked = tuple(replace(layer, moe=s) for layer, s in zip(layers, sparse, strict=True))
+    return {"layers": marked, "moe": moe}
+
+
 def hf_activation(hf: Any) -> str:
     """The MLP's gate, from hidden_act / hidden_activation."""
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
@@ -119,6 +150,41 @@ def gguf_shape(fields: GGUFFields, arch: str, tensors: set[str]) -> dict[str, An
         "context_length": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+
+
+# llama.cpp's expert gating functions (LLAMA_EXPERT_GATING_FUNC_TYPE_*): 1 is the softmax
+GGUF_SOFTMAX_GATING = 1
+
+
+def gguf_moe(
+    fields: GGUFFields,
+    arch: str,
+    shape: dict[str, Any],
+    tensors: set[str],
+    normalize_default: bool,
+) -> tuple[MoEConfig | None, list[bool]]:
+    """The file's mixture of experts (``expert_count`` and the rest), and which layers have
+    one: those with a router (``blk.N.ffn_gate_inp``). Top-k renormalization is llama.cpp's
+    rule for the architecture (``normalize_default``) unless the file says."""
+    experts = gguf_field(fields, arch, "expert_count")
+    if not experts:
+        return None, []
+    gating = gguf_field(fields, arch, "expert_gating_func", GGUF_SOFTMAX_GATING)
+    if int(gating) != GGUF_SOFTMAX_GATING:
+        raise ValueError(f"expert gating function {gating} is not supported (softmax)")
+    layers = shape["num_layers"]
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
+    width = gguf_field(fields, arch, "expert_feed_forward_length") or shape["intermediate_size"]
+    shared = any(f"blk.{i}.ffn_up_shexp.weight" in tensors for i in range(layers))
+    shared_width = gguf_field(fields, arch, "expert_shared_feed_forward_length", 0) if shared else 0
+    moe = MoEConfig(
+        num_experts=int(experts),
+        top_k=int(gguf_field(fields, arch, "expert_used_count")),
+        expert_size=int(width),
+        normalize_top_k=bool(gguf_field(fields, arch, "expert_weights_norm", normalize_default)),
+        shared_expert_size=int(shared_width),
+    )
+    return moe, sparse
 
 
 def gguf_rope(

@@ -3,10 +3,11 @@ describes and calls only backend ops (pyserve/worker/backends/base.py).
 
 A block: norm → attention (fused q/k/v projection; q/k norm, RoPE from the layer's table, the
 layer's window, scale and soft-cap, inside the backend) → [norm] → residual → norm → gated MLP
-(fused gate/up projection; SiLU or GELU-tanh) → [norm] → residual; the bracketed norms are
-Gemma's "sandwich". With tensor parallelism (``tp``; the config is then one rank's share), the
-outputs of o_proj and down_proj are summed over the ranks, and the embedding and the logits
-are completed from every rank's slice of the vocabulary. The residual connections are added
+(fused gate/up projection; SiLU or GELU-tanh), or a mixture of such MLPs (models/moe.py) →
+[norm] → residual; the bracketed norms are Gemma's "sandwich". With tensor parallelism (``tp``;
+the config is then one rank's share), the outputs of o_proj and down_proj (of the MLP or of
+every expert) are summed over the ranks, and the embedding and the logits are completed from
+every rank's slice of the vocabulary. The residual connections are added
 by the next norm in the same pass (``rms_norm(x, residual)``). Weights are stored [out, in] as
 in the checkpoints; q/k/v and gate/up are concatenated at load so each block runs 4 matmuls
 instead of 7. The batch is flat: [T, ...] rows from every request, no padding.
@@ -23,6 +24,7 @@ from torch import nn
 from pyserve.worker.backends.base import AttentionLayer, Backend, QKNorm
 from pyserve.worker.linear import Linear
 from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.moe import SparseMoE
 from pyserve.worker.rope import RotaryTable
 
 if TYPE_CHECKING:
@@ -70,20 +72,27 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(hidden, eps, **kw)
         qkv_size = config.q_size + 2 * config.kv_size  # q, k and v heads side by side
         self.qkv_proj = Linear(hidden, qkv_size, bias=config.qkv_bias, **kw)
-        self.q_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, eps, **kw) if config.qk_norm else None
-        # the backend's view of them (the loaders fill the same parameters in place)
+        full = config.qk_norm_full_width  # one norm over all of q's heads (OLMoE)
+        q_width, k_width = (config.q_size, config.kv_size) if full else (config.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, eps, **kw) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, **kw) if config.qk_norm else None
+        self.full_width_qk_norm = config.qk_norm and full
+        # the backend's view of per-head norms (the loaders fill the same parameters in place)
         self.qk_norm = (
             QKNorm(self.q_norm.weight, self.k_norm.weight, eps)
-            if self.q_norm is not None and self.k_norm is not None
+            if self.q_norm is not None and self.k_norm is not None and not full
             else None
         )
         self.o_proj = Linear(config.q_size, hidden, bias=config.o_bias, **kw)
         sandwich = config.sandwich_norms
         self.attn_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
         self.mlp_norm = RMSNorm(hidden, eps, **kw)
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw)
-        self.down_proj = Linear(inter, hidden, bias=False, **kw)
+        # a dense gated MLP, or a mixture of experts (models/moe.py)
+        moe = config.moe if config.layers[index].moe else None
+        self.moe = SparseMoE(hidden, moe, **kw) if moe is not None else None
+        dense = self.moe is None
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False, **kw) if dense else None
+        self.down_proj = Linear(inter, hidden, bias=False, **kw) if dense else None
         self.mlp_out_norm = RMSNorm(hidden, eps, **kw) if sandwich else None
 
     def forward(
@@ -103,19 +112,48 @@ class DecoderLayer(nn.Module):
         else:
             normed = self.attn_norm(hidden, backend, residual)  # residual += previous MLP output
         qkv = self.qkv_proj(normed)
+        if self.full_width_qk_norm:
+            qkv = self._full_width_qk_norm(qkv)
         attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm)
         attn = self.o_proj(attn)
         if self.tp is not None:
             attn = self.tp.all_reduce(attn)
         if self.attn_out_norm is not None:
             attn = self.attn_out_norm(attn, backend)
-        gate_up = self.gate_up_proj(self.mlp_norm(attn, backend, residual))  # residual += attn
-        out = self.down_proj(backend.gated_activation(gate_up, self.activation))
+        mlp_in = self.mlp_norm(attn, backend, residual)  # residual += attn
+        if self.moe is not None:
+            out = self.moe(mlp_in, backend, self.activation)
+        else:
+            assert self.gate_up_proj is not None and self.down_proj is not None
+            gate_up = self.gate_up_proj(mlp_in)
+            out = self.down_proj(backend.gated_activation(gate_up, self.activation))
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out, backend)
         return out, residual
+
+    def _full_width_qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with q and k each RMS-normalized over all their heads, in float32 as
+        transformers' OLMoE computes it; under tensor parallelism the sum of squares spans
+        every rank's heads."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q_size = self.attn.num_heads * self.attn.head_dim
+        kv_size = self.attn.num_kv_heads * self.attn.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return torch.cat(
+            [self._norm_across_ranks(q, self.q_norm), self._norm_across_ranks(k, self.k_norm), v],
+            dim=-1,
+        )
+
+    def _norm_across_ranks(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        wide = x.float()
+        if self.tp is None:
+            mean = wide.pow(2).mean(-1, keepdim=True)
+        else:
+            total = self.tp.all_reduce(wide.pow(2).sum(-1, keepdim=True))
+            mean = total / (x.shape[-1] * self.tp.size)
+        return norm.weight * (wide * torch.rsqrt(mean + norm.eps)).to(x.dtype)
 
 
 class CausalLM(nn.Module):

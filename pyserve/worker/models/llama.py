@@ -1,7 +1,8 @@
-"""Llama 2/3/3.1/3.2 and Mistral: pre-norm blocks with RMSNorm, RoPE (plain, linear or llama3
-scaling; per-frequency factors in GGUF), grouped-query attention and a SwiGLU MLP; optional
-attention biases, tied embeddings (Llama 3.2) and a sliding window (Mistral). The registry's
-Family defaults are this family's."""
+"""Llama 2/3/3.1/3.2, Mistral and Mixtral: pre-norm blocks with RMSNorm, RoPE (plain, linear
+or llama3 scaling; per-frequency factors in GGUF), grouped-query attention and a SwiGLU MLP;
+optional attention biases, tied embeddings (Llama 3.2) and a sliding window (Mistral). Mixtral
+is a Mistral with a mixture of experts on every layer (llama.cpp's files call it "llama" too,
+with an expert count). The registry's Family defaults are this family's."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ class Mistral(Llama):
     name = "mistral"
     hf_model_types = ("mistral",)
     gguf_architectures = ()
+
+
+@register
+class Mixtral(Mistral):
+    """A Mistral whose MLP is a mixture of experts (w1 gate, w3 up, w2 down) on every layer."""
+
+    name = "mixtral"
+    hf_model_types = ("mixtral",)
+    hf_moe_prefix = "block_sparse_moe"
+    hf_expert_names = ("w1", "w3", "w2")

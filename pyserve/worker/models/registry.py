@@ -14,11 +14,14 @@ import numpy as np
 from pyserve.worker.models.common import (
     GGUFFields,
     gguf_field,
+    gguf_moe,
     gguf_rope,
     gguf_shape,
     hf_activation,
     hf_layers,
+    hf_moe,
     hf_shape,
+    with_moe,
 )
 from pyserve.worker.models.config import LayerConfig, ModelConfig, uniform_layers
 
@@ -49,7 +52,7 @@ class Family:
         """From a transformers PretrainedConfig (its text config for multimodal checkpoints)."""
         fields = {
             **hf_shape(hf),
-            "layers": hf_layers(hf),
+            **with_moe(hf_layers(hf), *hf_moe(hf, self.normalize_top_k)),
             "activation": hf_activation(hf),
             **self.hf_features(hf),
         }
@@ -74,9 +77,10 @@ class Family:
     ) -> ModelConfig:
         arch = str(fields["general.architecture"])
         shape = gguf_shape(fields, arch, tensors)
+        moe = gguf_moe(fields, arch, shape, tensors, self.normalize_top_k)
         config = {
             **shape,
-            "layers": self.gguf_layers(fields, arch, shape),
+            **with_moe(self.gguf_layers(fields, arch, shape), *moe),
             "qkv_bias": "blk.0.attn_q.bias" in tensors,
             "o_bias": "blk.0.attn_output.bias" in tensors,
             **self.gguf_features(fields, arch, shape),
@@ -113,6 +117,9 @@ class Family:
     # the sparse MLP's module in Hugging Face checkpoints, and its experts' gate, up and down
     # projections (Mixtral: "block_sparse_moe", w1, w3, w2)
     hf_moe_prefix = "mlp"
+    # a mixture's top-k probabilities renormalized where the config has no norm_topk_prob (and
+    # in GGUF files, which carry it for few architectures: llama.cpp's rule per architecture)
+    normalize_top_k = True
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def gguf_part_of(self, hf_part: str) -> str | None:

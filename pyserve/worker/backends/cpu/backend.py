@@ -40,6 +40,7 @@ from pyserve.worker.backends.cpu.attention_kernel import (
     attention_features,
     kernel_available,
 )
+from pyserve.worker.backends.cpu.experts import ExpertKernels
 from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
 from pyserve.worker.backends.torch.attention import (
@@ -89,6 +90,7 @@ class KernelPlan:
     activation: str  # "kernels" or "torch: <why>"
     layers: list[LayerPlan] = field(default_factory=list)
     stack: str = "not built"  # "on", or why not
+    experts: str | None = None  # a mixture's experts: on how many layers the grouped matmuls run
 
     @classmethod
     def decide(cls, config: ModelConfig, cache_dtype: torch.dtype) -> KernelPlan:
@@ -150,6 +152,7 @@ class KernelPlan:
             "rms_norm": "kernels" if self.fused_ops else "torch",
             "gated_activation": self.activation,
             "decoder_stack": self.stack,
+            **({"experts": self.experts} if self.experts is not None else {}),
         }
 
 
@@ -186,6 +189,7 @@ class CpuKernelsBackend(Backend):
         self.plan: KernelPlan | None = None
         self.stack: CpuDecoderStack | None = None
         self.use_stack = use_stack
+        self.expert_kernels: dict[int, ExpertKernels] = {}  # by id() of the model's SparseMoEs
         self.max_chunk_tokens = max_chunk_tokens
         self.reference: ReferenceAttention | None = None  # what the kernels do not cover
 
@@ -227,7 +231,20 @@ class CpuKernelsBackend(Backend):
         else:
             self.stack, why = CpuDecoderStack.build(model, self.kv_cache, self.plan)
         self.plan.stack = "on" if self.stack is not None else f"off: {why}"
+        # each mixture's experts as grouped matmuls, where every expert is on the kernels
+        moes = [layer.moe for layer in model.layers if layer.moe is not None]
+        self.expert_kernels = {
+            id(moe): kernels for moe in moes if (kernels := ExpertKernels.of(moe))
+        }
+        if moes:
+            self.plan.experts = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
+
+    def run_experts(self, moe, x, counts, activation):
+        kernels = self.expert_kernels.get(id(moe))
+        if kernels is None:
+            return super().run_experts(moe, x, counts, activation)
+        return kernels.run(x, counts, activation, self)
 
     def info(self) -> BackendInfo:
         kernels = self.plan.summary() if self.plan else {}

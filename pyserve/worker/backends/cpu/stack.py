@@ -78,6 +78,10 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
     eps, softcap = first.attn_norm.eps, first.attn.softcap
     for i, layer in enumerate(model.layers):
         layer_plan = plan.layers[i]
+        if layer.moe is not None:
+            return f"layer {i}: a mixture of experts (the layer loop runs it)"
+        if layer.full_width_qk_norm:
+            return f"layer {i}: a q/k norm over all heads"
         if not layer_plan.attention_on_kernels:
             return f"layer {i}: attention on {layer_plan.attention}"
         if not layer_plan.fused_rope:

@@ -1,0 +1,128 @@
+"""A mixture's experts on the kernels: one grouped matmul a projection for all of a step's
+experts (``_kernels.ExpertSet``, cpp/kernels/dispatch.cpp's grouped_matmul), so that the
+thread pool runs every active expert's token group side by side instead of two kernel calls
+and a gather an expert, one expert after another. Each row is computed as the expert's own
+QuantLinear computes it, bit for bit.
+
+Each projection's experts are moved into one buffer on huge pages (a GGUF's experts are packed
+one by one, each in a buffer smaller than a huge page): a step reads a few experts scattered
+over the layer's, and on 4 KiB pages each expert's first bytes cost TLB misses the hardware
+prefetcher does not cross."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from pyserve.worker import quant
+from pyserve.worker.backends.cpu.quant_linear import QuantLinear
+
+ALIGN = 64  # bytes: each expert's packed weights start on a cache line
+
+if TYPE_CHECKING:
+    from pyserve.worker.backends.base import Backend
+    from pyserve.worker.models.moe import SparseMoE
+
+
+class ExpertKernels:
+    """The gate/up and down projections of every expert of one SparseMoE, as two ExpertSets."""
+
+    def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear]) -> None:
+        self.layers = (gate_up, down)  # keeps the packed weights the sets point into alive
+        self.activation_bits = gate_up[0].activation_bits
+        self.hidden, self.width = gate_up[0].in_features, down[0].in_features
+        self.gate_up, self.down = _expert_set(gate_up), _expert_set(down)
+
+    @classmethod
+    def of(cls, moe: SparseMoE) -> ExpertKernels | None:
+        """None where a projection is not one packed weight on the kernels at every row count
+        (float experts, segments of mixed types, a bf16 model's float fallback, biases)."""
+        gate_up = [expert.gate_up_proj for expert in moe.experts]
+        down = [expert.down_proj for expert in moe.experts]
+        layers = gate_up + down
+        if not all(isinstance(layer, QuantLinear) for layer in layers):
+            return None
+        if any(
+            not isinstance(layer.weight_args, tuple)
+            or layer.max_kernel_rows is not None
+            or layer.bias is not None
+            for layer in layers
+        ):
+            return None
+        if len({layer.activation_bits for layer in layers}) != 1:
+            return None
+        for name in ("gate_up_proj", "down_proj"):
+            packed = _in_one_buffer([getattr(expert, name) for expert in moe.experts])
+            for expert, layer in zip(moe.experts, packed, strict=True):
+                setattr(expert, name, layer)  # the old buffers go with the old layers
+        gate_up = [expert.gate_up_proj for expert in moe.experts]
+        down = [expert.down_proj for expert in moe.experts]
+        return cls(gate_up, down)  # type: ignore[arg-type]
+
+    def run(
+        self, x: torch.Tensor, counts: torch.Tensor, activation: str, backend: Backend
+    ) -> torch.Tensor:
+        """Rows of x grouped by expert (counts[e] each, in expert order) through their experts'
+        gated MLPs: [rows, hidden] in x's dtype."""
+        rows = x.shape[0]
+        flat = x.float().contiguous()
+        counts = counts.to(torch.int64).contiguous()
+        gate_up = torch.empty(rows, 2 * self.width)
+        bits = self.activation_bits
+        self.gate_up.matmul(
+            flat.data_ptr(),
+            self.hidden,
+            bits,
+            counts.data_ptr(),
+            gate_up.data_ptr(),
+            2 * self.width,
+        )
+        h = backend.gated_activation(gate_up, activation).float().contiguous()
+        out = torch.empty(rows, self.hidden)
+        self.down.matmul(
+            h.data_ptr(), self.width, bits, counts.data_ptr(), out.data_ptr(), self.hidden
+        )
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _in_one_buffer(layers: list[QuantLinear]) -> list[QuantLinear]:
+    """The same layers with their packed weights copied into one buffer (data) and another
+    (scales), each on huge pages where Linux gives them (quant.weight_buffer)."""
+
+    def offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+        starts, at = [], 0
+        for t in tensors:
+            starts.append(at)
+            at += -(-t.nbytes // ALIGN) * ALIGN
+        return starts, at
+
+    def moved(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        starts, total = offsets(tensors)
+        buffer = quant.weight_buffer((total,), torch.uint8)
+        out = []
+        for t, start in zip(tensors, starts, strict=True):
+            view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+            out.append(view.copy_(t))
+        return out
+
+    data = moved([layer.packed.data for layer in layers])
+    scales = moved([layer.packed.scales for layer in layers])
+    return [
+        QuantLinear.from_packed(
+            replace(layer.packed, data=d, scales=s),
+            None,
+            activation_bits=layer.activation_bits,
+            max_kernel_rows=None,
+        )
+        for layer, d, s in zip(layers, data, scales, strict=True)
+    ]
+
+
+def _expert_set(layers: list[QuantLinear]):
+    experts = quant.kernels().ExpertSet()
+    for layer in layers:
+        data, scales, n, k, bits, group, _bias = layer.weight_args
+        experts.add(data, scales, n, k, bits, group, layer.super_scales[0])
+    return experts

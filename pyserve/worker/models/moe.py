@@ -1,0 +1,82 @@
+"""The gated MLP and the mixture of experts (a router choosing k gated MLPs per token).
+
+An expert is a gated MLP like a dense layer's (fused gate/up, then down): its projections are
+the backend's linear layers, so a quantized checkpoint's experts run on the same kernels as
+the dense projections, each at its file's precision. The step's tokens are grouped by expert
+(one stable sort of the routing choices), and each expert picked by at least one token runs
+once over its group (``Backend.run_experts``: a loop, or the CPU kernels' grouped matmuls),
+so a decode token reads only its k experts' weights. Experts that no token picked are not
+touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyserve.worker.backends.base import Backend
+from pyserve.worker.linear import Linear
+from pyserve.worker.models.config import MoEConfig
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)), gate and up fused into one projection."""
+
+    def __init__(self, hidden: int, width: int, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * width, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(width, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
+        return self.down_proj(backend.gated_activation(self.gate_up_proj(x), activation))
+
+
+class SparseMoE(nn.Module):
+    """Routes each token to ``top_k`` experts and sums their outputs weighted by the router's
+    probabilities (softmax over every expert's logit in float32, as transformers computes
+    them), plus the shared expert scaled by its sigmoid gate where the model has one."""
+
+    def __init__(
+        self, hidden: int, moe: MoEConfig, *, dtype: torch.dtype, device: torch.device | str
+    ):
+        super().__init__()
+        self.top_k = moe.top_k
+        self.normalize = moe.normalize_top_k
+        self.router = nn.Parameter(
+            torch.empty(moe.num_experts, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        kw = {"dtype": dtype, "device": device}
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, moe.expert_size, **kw) for _ in range(moe.num_experts)
+        )
+        self.shared_expert = (
+            GatedMLP(hidden, moe.shared_expert_size, **kw) if moe.shared_expert_size else None
+        )
+        self.shared_gate = (
+            nn.Parameter(torch.empty(1, hidden, dtype=dtype, device=device), requires_grad=False)
+            if moe.shared_expert_size
+            else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
+        probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the routing choices grouped by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        y = backend.run_experts(self, x.index_select(0, tokens), counts, activation)
+        # each token's k outputs added in expert order, as transformers adds them
+        out = torch.zeros_like(x).index_add_(0, tokens, y * weights.reshape(-1)[order, None])
+        if self.shared_expert is not None and self.shared_gate is not None:
+            gate = torch.sigmoid(F.linear(x, self.shared_gate))
+            out += self.shared_expert(x, backend, activation) * gate
+        return out

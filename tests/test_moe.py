@@ -1,0 +1,287 @@
+"""Mixtures of experts (pyserve/worker/models/moe.py) beyond the families' HF parity
+(test_model_families.py): the routing against transformers' own sparse blocks where it is
+fragile (ties, every token on one expert, experts no token picks), a decode token running
+only its k experts, a quantized GGUF's stacked experts packed at the file's precision, and
+``--tp 2`` (each expert split across the ranks) equal to one process in float32."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import write_gguf
+from hf_parity import make_tiny_model
+from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
+
+from pyserve.worker.models.config import MoEConfig
+from pyserve.worker.models.moe import SparseMoE
+
+HIDDEN, EXPERTS, WIDTH, SHARED = 32, 8, 16, 24
+HANG_GUARD_S = 120.0  # only against a hang
+
+
+def _backend():
+    from pyserve.worker.backends import attention_backend
+
+    return attention_backend(
+        "torch", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+
+
+def _hf_block(kind: str, top_k: int):
+    """transformers' sparse block of ``kind`` with random weights, and its config."""
+    import transformers
+
+    if kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=top_k,
+            moe_intermediate_size=WIDTH, shared_expert_intermediate_size=SHARED,
+        )  # fmt: skip
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        block = Qwen2MoeSparseMoeBlock(config)
+    else:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=top_k,
+            moe_intermediate_size=WIDTH, norm_topk_prob=True,
+        )  # fmt: skip
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        block = Qwen3MoeSparseMoeBlock(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+    return block.float().eval(), config
+
+
+def _ours(block, kind: str, top_k: int) -> SparseMoE:
+    """A SparseMoE holding the HF block's weights (its experts are stacked [E, 2·width, hidden]
+    gate-then-up and [E, hidden, width] tensors)."""
+    shared = SHARED if kind == "qwen2_moe" else 0
+    moe = MoEConfig(EXPERTS, top_k, WIDTH, kind != "qwen2_moe", shared_expert_size=shared)
+    ours = SparseMoE(HIDDEN, moe, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        ours.router.copy_(block.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(block.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+        if shared:
+            mlp = block.shared_expert
+            ours.shared_expert.gate_up_proj.weight.copy_(
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            )
+            ours.shared_expert.down_proj.weight.copy_(mlp.down_proj.weight)
+            ours.shared_gate.copy_(block.shared_expert_gate.weight)
+    return ours
+
+
+def _experts_run(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The block's output and how many rows each expert computed."""
+    rows = [0] * len(moe.experts)
+    hooks = [
+        expert.register_forward_hook(lambda m, a, out, e=e: rows.__setitem__(e, a[0].shape[0]))
+        for e, expert in enumerate(moe.experts)
+    ]
+    try:
+        out = moe(x, _backend(), "silu")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out, rows
+
+
+ROUTERS = ["random", "ties", "one-expert-for-all"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_routing_matches_transformers_sparse_block(kind, router):
+    """Ties (a zero router: every probability equal, torch.topk's choice), every token on one
+    expert and experts no token picks: the same output as transformers' block, and an expert
+    runs once over exactly the tokens that picked it."""
+    top_k = 2
+    block, _ = _hf_block(kind, top_k)
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if router == "ties":
+            block.gate.weight.zero_()
+        elif router == "one-expert-for-all":
+            x = x.abs()  # positive inputs: expert 0's all-positive row wins every token
+            block.gate.weight.fill_(-0.1)
+            block.gate.weight[0] = 1.0
+    ours = _ours(block, kind, top_k)
+    with torch.no_grad():
+        want = block(x[None])[0]
+        got, rows = _experts_run(ours, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, picked = ours.route(x)
+    assert rows == torch.bincount(picked.reshape(-1), minlength=EXPERTS).tolist()
+    assert sum(rows) == len(x) * top_k
+    if router == "ties":  # equal probabilities: every token picks the same k experts
+        assert sorted(rows, reverse=True)[: top_k + 1] == [len(x)] * top_k + [0]
+    if router == "one-expert-for-all":
+        assert rows[0] == len(x)
+    if router != "random":
+        assert rows.count(0) >= EXPERTS - top_k  # the idle experts never ran
+
+
+def test_a_decode_token_runs_only_its_experts():
+    block, _ = _hf_block("qwen3_moe", 2)
+    ours = _ours(block, "qwen3_moe", 2)
+    with torch.no_grad():
+        _, rows = _experts_run(ours, torch.randn(1, HIDDEN))
+    assert sorted(rows, reverse=True)[:3] == [1, 1, 0] and sum(rows) == 2
+
+
+# ---------------------------------------------------------------------- a quantized GGUF
+
+QWEN3_MOE = {
+    "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "hidden_size": 64, "vocab_size": 512,
+}  # fmt: skip
+
+
+def test_stacked_q8_0_experts_are_packed_as_the_file_holds_them(tmp_path):
+    """A Qwen3-MoE GGUF whose matrices (the stacked experts included) are Q8_0: every expert is
+    packed at 8 bits from its own slice of the stacked tensor, and the logits stay within the
+    activations' rounding of the file's exact weights run in float32."""
+    import gguf
+
+    model = make_tiny_model(tmp_path / "hf", "qwen3_moe", seed=3, **QWEN3_MOE)
+    path = tmp_path / "moe-q8.gguf"
+    stored = write_gguf(model, path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    exact = load_runner(
+        str(path), num_blocks=64, block_size=4, quantization="none", kv_cache_dtype="float32"
+    )
+    packed = load_runner(str(path), num_blocks=64, block_size=4, quantization="auto")
+    assert set(packed.packed_precisions) == {"int8"}
+    info = packed.backend.info()
+    if info.name == "cpu-kernels":  # the layer loop, each layer's experts as grouped matmuls
+        assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
+        assert info.kernels["decoder_stack"].startswith("off: layer 0: a mixture of experts")
+    layer = packed.model.layers[0].moe
+    assert type(layer.experts[5].gate_up_proj).__name__ != "Linear"  # packed, not float
+    reference = exact.model.layers[1].moe.experts[3].down_proj.weight
+    want = torch.from_numpy(stored["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(reference, want)  # expert 3's slice of the stacked tensor, as written
+    prompt = list(range(5, 45))
+    ours, ref = (_prefill_logprobs(r, prompt) for r in (packed, exact))
+    assert (ours - ref).abs().max() < 0.02
+
+
+def _prefill_logprobs(runner, prompt: list[int]) -> torch.Tensor:
+    from hf_parity import Driver
+
+    driver = Driver(runner)
+    seq = driver.new_seq(prompt)
+    driver.step([(seq, seq.pending)])
+    return seq.logprobs[0]
+
+
+# ---------------------------------------------------------------------- --tp 2
+
+RANK_SCRIPT = """
+import json, sys
+import torch
+from pyserve.wire.main_to_worker import SamplingParams
+from pyserve.worker.model_runner import ModelRunner
+from pyserve.worker.offline import OfflineEngine
+from pyserve.worker.settings import WorkerSettings
+from pyserve.worker.tensor_parallel import TensorParallel
+
+rank, size, init, model, out = sys.argv[1:6]
+torch.set_num_threads(1)
+tp = None if size == "1" else TensorParallel.join(int(rank), int(size), init, "cpu")
+settings = WorkerSettings(
+    model=model, num_blocks=64, quantization="none", dtype="float32", kv_cache_dtype="float32"
+)
+runner = ModelRunner(settings, tp=tp)
+params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+outputs = OfflineEngine(runner=runner, num_blocks=64).generate(json.loads(sys.argv[6]), params)
+if rank == "0":
+    with open(out, "w") as f:
+        json.dump([[o.token_ids, o.logprobs] for o in outputs], f)
+if tp is not None:
+    tp.close()
+"""
+RANK_PROMPTS = [[5, 9, 200, 17, 3], list(range(30, 70))]
+TP_MODELS = {
+    # a shared expert and a dense layer between sparse ones
+    "qwen2_moe": {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
+    },
+    # q/k normalized over the heads of both ranks
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+}  # fmt: skip
+
+
+def _generate(model_dir: str, size: int, out) -> list:
+    from http_testlib import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    rest = [model_dir, str(out), json.dumps(RANK_PROMPTS)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(size), init, *rest],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in range(size)
+    ]
+    try:
+        assert [proc.wait(HANG_GUARD_S) for proc in ranks] == [0] * size
+    finally:
+        for proc in ranks:
+            proc.kill()
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", list(TP_MODELS))
+def test_tp2_splits_every_expert_and_equals_one_process(kind, tmp_path):
+    make_tiny_model(tmp_path / "hf", kind, seed=5, **TP_MODELS[kind])
+    one = _generate(str(tmp_path / "hf"), 1, tmp_path / "one.json")
+    two = _generate(str(tmp_path / "hf"), 2, tmp_path / "two.json")
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(two, one, strict=True):
+        assert tokens == want_tokens
+        assert np.allclose(logprobs, want_logprobs, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- grouped matmuls
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(bits):
+    """The CPU kernels' grouped matmuls (every active expert's rows in one call a projection)
+    give what each expert's own layers give, to the bit: idle experts, one row, many rows."""
+    from pyserve.worker.backends import attention_backend
+    from pyserve.worker.backends.base import Backend
+    from pyserve.worker.backends.cpu.experts import ExpertKernels
+    from pyserve.worker.backends.cpu.quant_linear import QuantLinear
+
+    moe = MoEConfig(EXPERTS, 2, 64, True)
+    layer = SparseMoE(256, moe, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    for expert in layer.experts:
+        for name in ("gate_up_proj", "down_proj"):
+            weight = torch.randn(getattr(expert, name).weight.shape, generator=gen) * 0.05
+            setattr(expert, name, QuantLinear(weight, None, bits, max_kernel_rows=None))
+    kernels = ExpertKernels.of(layer)
+    assert kernels is not None
+    backend = attention_backend(
+        "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    for counts in ([0, 1, 0, 0, 0, 0, 0, 1], [3, 0, 40, 1, 0, 17, 2, 0], [64] + [0] * 7):
+        rows = sum(counts)
+        x = torch.randn(rows, 256, generator=gen)
+        counts_t = torch.tensor(counts)
+        got = kernels.run(x, counts_t, "silu", backend)
+        want = Backend.run_experts(backend, layer, x, counts_t, "silu")
+        assert torch.equal(got, want), counts
