@@ -258,8 +258,9 @@ def test_tp2_splits_every_expert_and_equals_one_process(kind, tmp_path):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(bits):
-    """The CPU kernels' grouped matmuls (every active expert's rows in one call a projection)
-    give what each expert's own layers give, to the bit: idle experts, one row, many rows."""
+    """The CPU kernels' grouped matmuls (every active expert's rows in one call a projection),
+    with the routing grouped and the outputs summed back in C++, give what the loop over each
+    expert's own layers gives, to the bit: one token, many, experts no token picked."""
     from pyserve.worker.backends import attention_backend
     from pyserve.worker.backends.base import Backend
     from pyserve.worker.backends.cpu.experts import ExpertKernels
@@ -278,10 +279,15 @@ def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(bits):
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
         dtype=torch.float32,
     )  # fmt: skip
-    for counts in ([0, 1, 0, 0, 0, 0, 0, 1], [3, 0, 40, 1, 0, 17, 2, 0], [64] + [0] * 7):
-        rows = sum(counts)
-        x = torch.randn(rows, 256, generator=gen)
-        counts_t = torch.tensor(counts)
-        got = kernels.run(x, counts_t, "silu", backend)
-        want = Backend.run_experts(backend, layer, x, counts_t, "silu")
-        assert torch.equal(got, want), counts
+    routes = {
+        "a decode token": torch.tensor([[7, 1]]),
+        "many tokens": torch.randint(0, EXPERTS, (40, 1), generator=gen) + torch.tensor([[0, 0]]),
+        "every token on two experts": torch.tensor([[2, 5]] * 64),
+    }
+    routes["many tokens"][:, 1] = (routes["many tokens"][:, 0] + 3) % EXPERTS
+    for name, experts in routes.items():
+        x = torch.randn(len(experts), 256, generator=gen)
+        weights = torch.rand(experts.shape, generator=gen)
+        got = kernels.run(x, weights, experts, "silu", backend)
+        want = Backend.run_experts(backend, layer, x, weights, experts, "silu")
+        assert torch.equal(got, want), name

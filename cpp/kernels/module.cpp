@@ -16,6 +16,7 @@
 #include "dispatch.h"
 #include "ggml_repack.h"
 #include "layer_ops.h"
+#include "moe.h"
 #include "prefill_attention.h"
 #include "thread_pool.h"
 
@@ -64,6 +65,20 @@ class ExpertSet {
  private:
   std::vector<pk::PackedWeights> weights_;
 };
+
+void moe_group(uintptr_t experts, uintptr_t weights, int tokens, int top_k, int num_experts,
+               uintptr_t row_token, uintptr_t row_weight, uintptr_t counts) {
+  pk::moe_group(address<const int64_t>(experts), address<const float>(weights), tokens, top_k,
+                num_experts, address<int64_t>(row_token), address<float>(row_weight),
+                address<int64_t>(counts));
+}
+
+void moe_combine(uintptr_t y, int64_t y_stride, uintptr_t row_token, uintptr_t row_weight, int rows,
+                 int hidden, uintptr_t out, int64_t out_stride, int tokens) {
+  pk::moe_combine(address<const float>(y), y_stride, address<const int64_t>(row_token),
+                  address<const float>(row_weight), rows, hidden, address<float>(out), out_stride,
+                  tokens);
+}
 
 void quantize_activations(uintptr_t x, int64_t x_stride, int rows, int k, int group, int bits,
                           int weight_bits, uintptr_t q, uintptr_t scale, uintptr_t sum) {
@@ -420,6 +435,15 @@ PYBIND11_MODULE(_kernels, m) {
         "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
         "none) RMS-normalize each q / k head with eps first");
   m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial");
+  m.def("moe_group", &moe_group, py::arg("experts"), py::arg("weights"), py::arg("tokens"),
+        py::arg("top_k"), py::arg("num_experts"), py::arg("row_token"), py::arg("row_weight"),
+        py::arg("counts"),
+        "routing choices (int64 / float32 [tokens, top_k]) grouped by expert, stably: each "
+        "row's token and weight, each expert's row count");
+  m.def("moe_combine", &moe_combine, py::arg("y"), py::arg("y_stride"), py::arg("row_token"),
+        py::arg("row_weight"), py::arg("rows"), py::arg("hidden"), py::arg("out"),
+        py::arg("out_stride"), py::arg("tokens"),
+        "out[token] = the sum of its grouped rows' weight · y, in row order (float32)");
   py::class_<ExpertSet>(m, "ExpertSet",
                         "one projection of every expert of a mixture, for grouped matmuls")
       .def(py::init<>())

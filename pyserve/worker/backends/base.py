@@ -178,18 +178,29 @@ class Backend(ABC):
         """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
 
     def run_experts(
-        self, moe: SparseMoE, x: torch.Tensor, counts: torch.Tensor, activation: str
+        self,
+        moe: SparseMoE,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        activation: str,
     ) -> torch.Tensor:
-        """Rows of x grouped by expert (``counts[e]`` rows each, in expert order) through their
-        experts' gated MLPs: [rows, hidden]. The loop over the experts some row picked; a backend
-        may run them all at once."""
-        out = x.new_empty(x.shape)
+        """The mixture's output [T, hidden] for tokens x [T, hidden] routed to ``experts``
+        [T, k] with ``weights`` [T, k]: each expert some token picked runs once over those
+        tokens (a loop here; a backend may run them all at once), and each token's outputs are
+        summed by weight in expert order, as transformers sums them."""
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the routing choices grouped by expert
+        tokens = order // experts.shape[1]
+        grouped = x.index_select(0, tokens)
+        y = torch.empty_like(grouped)
         start = 0
-        for expert, count in zip(moe.experts, counts.tolist(), strict=True):
+        counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+        for expert, count in zip(moe.experts, counts, strict=True):
             if count:
-                out[start : start + count] = expert(x[start : start + count], self, activation)
+                y[start : start + count] = expert(grouped[start : start + count], self, activation)
                 start += count
-        return out
+        return torch.zeros_like(x).index_add_(0, tokens, y * weights.reshape(-1)[order, None])
 
 
 def model_forward(model: CausalLM, backend: Backend, batch: ForwardBatch) -> ForwardOutput:

@@ -4,8 +4,8 @@ An expert is a gated MLP like a dense layer's (fused gate/up, then down): its pr
 the backend's linear layers, so a quantized checkpoint's experts run on the same kernels as
 the dense projections, each at its file's precision. The step's tokens are grouped by expert
 (one stable sort of the routing choices), and each expert picked by at least one token runs
-once over its group (``Backend.run_experts``: a loop, or the CPU kernels' grouped matmuls),
-so a decode token reads only its k experts' weights. Experts that no token picked are not
+once over its group (``Backend.run_experts``: a loop in torch, or the CPU kernels' grouped
+matmuls), so a decode token reads only its k experts' weights. Experts that no token picked are not
 touched.
 """
 
@@ -69,13 +69,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
         weights, experts = self.route(x)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # the routing choices grouped by expert
-        tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=len(self.experts))
-        y = backend.run_experts(self, x.index_select(0, tokens), counts, activation)
-        # each token's k outputs added in expert order, as transformers adds them
-        out = torch.zeros_like(x).index_add_(0, tokens, y * weights.reshape(-1)[order, None])
+        out = backend.run_experts(self, x, weights, experts, activation)
         if self.shared_expert is not None and self.shared_gate is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))
             out += self.shared_expert(x, backend, activation) * gate

@@ -240,11 +240,11 @@ class CpuKernelsBackend(Backend):
             self.plan.experts = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
 
-    def run_experts(self, moe, x, counts, activation):
+    def run_experts(self, moe, x, weights, experts, activation):
         kernels = self.expert_kernels.get(id(moe))
         if kernels is None:
-            return super().run_experts(moe, x, counts, activation)
-        return kernels.run(x, counts, activation, self)
+            return super().run_experts(moe, x, weights, experts, activation)
+        return kernels.run(x, weights, experts, activation, self)
 
     def info(self) -> BackendInfo:
         kernels = self.plan.summary() if self.plan else {}

@@ -62,28 +62,45 @@ class ExpertKernels:
         return cls(gate_up, down)  # type: ignore[arg-type]
 
     def run(
-        self, x: torch.Tensor, counts: torch.Tensor, activation: str, backend: Backend
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        activation: str,
+        backend: Backend,
     ) -> torch.Tensor:
-        """Rows of x grouped by expert (counts[e] each, in expert order) through their experts'
-        gated MLPs: [rows, hidden] in x's dtype."""
-        rows = x.shape[0]
-        flat = x.float().contiguous()
-        counts = counts.to(torch.int64).contiguous()
-        gate_up = torch.empty(rows, 2 * self.width)
+        """Backend.run_experts on the kernels: the routing choices grouped by expert
+        (``moe_group``), the grouped rows through every active expert's gate/up, activation and
+        down, each token's rows summed back by weight (``moe_combine``)."""
+        kernels = quant.kernels()
+        tokens, top_k = experts.shape
+        rows = tokens * top_k
+        experts = experts.contiguous()
+        weights = weights.float().contiguous()
+        row_token = torch.empty(rows, dtype=torch.int64)
+        row_weight = torch.empty(rows)
+        counts = torch.empty(len(self.layers[0]), dtype=torch.int64)
+        kernels.moe_group(
+            experts.data_ptr(), weights.data_ptr(), tokens, top_k, counts.numel(),
+            row_token.data_ptr(), row_weight.data_ptr(), counts.data_ptr(),
+        )  # fmt: skip
+        grouped = x.float().index_select(0, row_token)
         bits = self.activation_bits
+        gate_up = torch.empty(rows, 2 * self.width)
         self.gate_up.matmul(
-            flat.data_ptr(),
-            self.hidden,
-            bits,
-            counts.data_ptr(),
-            gate_up.data_ptr(),
+            grouped.data_ptr(), self.hidden, bits, counts.data_ptr(), gate_up.data_ptr(),
             2 * self.width,
-        )
+        )  # fmt: skip
         h = backend.gated_activation(gate_up, activation).float().contiguous()
-        out = torch.empty(rows, self.hidden)
+        y = torch.empty(rows, self.hidden)
         self.down.matmul(
-            h.data_ptr(), self.width, bits, counts.data_ptr(), out.data_ptr(), self.hidden
+            h.data_ptr(), self.width, bits, counts.data_ptr(), y.data_ptr(), self.hidden
         )
+        out = torch.empty(tokens, self.hidden)
+        kernels.moe_combine(
+            y.data_ptr(), self.hidden, row_token.data_ptr(), row_weight.data_ptr(), rows,
+            self.hidden, out.data_ptr(), self.hidden, tokens,
+        )  # fmt: skip
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
