@@ -166,6 +166,7 @@ def test_stacked_q8_0_experts_are_packed_as_the_file_holds_them(tmp_path):
     if info.name == "cpu-kernels":  # the layer loop, each layer's experts as grouped matmuls
         assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
         assert info.kernels["decoder_stack"].startswith("off: layer 0: a mixture of experts")
+        assert info.kernels["torch_threads"].startswith("1 ")  # beside the kernels' pool
     layer = packed.model.layers[0].moe
     assert type(layer.experts[5].gate_up_proj).__name__ != "Linear"  # packed, not float
     reference = exact.model.layers[1].moe.experts[3].down_proj.weight

@@ -41,7 +41,7 @@ from pyserve.worker.backends.cpu.attention_kernel import (
     kernel_available,
 )
 from pyserve.worker.backends.cpu.experts import ExpertKernels
-from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS
+from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS, QuantLinear
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
 from pyserve.worker.backends.torch.attention import (
     ReferenceAttention,
@@ -50,6 +50,7 @@ from pyserve.worker.backends.torch.attention import (
 )
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import PagedKVCache
+from pyserve.worker.linear import Linear
 from pyserve.worker.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class KernelPlan:
     layers: list[LayerPlan] = field(default_factory=list)
     stack: str = "not built"  # "on", or why not
     experts: str | None = None  # a mixture's experts: on how many layers the grouped matmuls run
+    torch_threads: str | None = None  # set where torch's own threads were cut, and why
 
     @classmethod
     def decide(cls, config: ModelConfig, cache_dtype: torch.dtype) -> KernelPlan:
@@ -153,6 +155,7 @@ class KernelPlan:
             "gated_activation": self.activation,
             "decoder_stack": self.stack,
             **({"experts": self.experts} if self.experts is not None else {}),
+            **({"torch_threads": self.torch_threads} if self.torch_threads is not None else {}),
         }
 
 
@@ -171,6 +174,12 @@ class CpuKernelsMetadata:
     prefill: PrefillAttention | None  # the kernel's call for every prefill chunk, if it runs
     decode: DecodeKernelBatch | None
     torch: TorchAttentionMetadata | None = None  # built on first use by a torch layer
+
+
+def _every_projection_on_the_kernels(model: CausalLM) -> bool:
+    """Whether every projection is a QuantLinear that never falls back to torch's matmul."""
+    linears = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
+    return all(isinstance(m, QuantLinear) and m.max_kernel_rows is None for m in linears)
 
 
 class CpuKernelsBackend(Backend):
@@ -238,6 +247,12 @@ class CpuKernelsBackend(Backend):
         }
         if moes:
             self.plan.experts = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
+        if self.stack is None and _every_projection_on_the_kernels(model):
+            # The layer loop's torch ops are then small ones between kernel calls, and torch's
+            # OpenMP threads, spinning after each, would take the cores the kernels' own pool
+            # (its size set already) streams the weights on: torch runs on one thread.
+            torch.set_num_threads(1)
+            self.plan.torch_threads = "1 (the layer loop's ops beside the kernels' pool)"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
 
     def run_experts(self, moe, x, weights, experts, activation):
