@@ -132,16 +132,31 @@ def weight_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``madvise``): a decode step streams
     every weight once, and with 4 KiB pages the TLB misses left part of the memory's bandwidth
     unused (RESULTS.md, "Kernels"). Elsewhere, or where the advice fails, the buffer is plain."""
-    global _libc
     buffer = torch.empty(shape, dtype=dtype)
     start = _ceil_to(buffer.data_ptr(), HUGE_PAGE)
     end = (buffer.data_ptr() + buffer.nbytes) // HUGE_PAGE * HUGE_PAGE
     if end > start and sys.platform == "linux":
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _libc.madvise(start, end - start, MADV_HUGEPAGE)  # a failure leaves 4 KiB pages
+        _c_library().madvise(start, end - start, MADV_HUGEPAGE)  # a failure: 4 KiB pages
     return buffer
+
+
+def _c_library() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return _libc
+
+
+def return_freed_memory() -> None:
+    """Gives the memory freed into glibc's heap back to the system (``malloc_trim``): buffers
+    under its mmap threshold, freed after loading (a repack into another layout), would
+    otherwise stay in the process's resident set. A no-op elsewhere."""
+    if sys.platform != "linux":
+        return
+    trim = getattr(_c_library(), "malloc_trim", None)  # glibc's; musl has none
+    if trim is not None:
+        trim(0)
 
 
 def _ceil_to(value: int, multiple: int) -> int:

@@ -53,10 +53,9 @@ class ExpertKernels:
             return None
         if len({layer.activation_bits for layer in layers}) != 1:
             return None
-        for name in ("gate_up_proj", "down_proj"):
-            packed = _in_one_buffer([getattr(expert, name) for expert in moe.experts])
-            for expert, layer in zip(moe.experts, packed, strict=True):
-                setattr(expert, name, layer)  # the old buffers go with the old layers
+        del gate_up, down, layers
+        _move_into_one_buffer(moe)
+        quant.return_freed_memory()  # the experts' old buffers, freed into malloc's heap
         gate_up = [expert.gate_up_proj for expert in moe.experts]
         down = [expert.down_proj for expert in moe.experts]
         return cls(gate_up, down)  # type: ignore[arg-type]
@@ -102,6 +101,15 @@ class ExpertKernels:
             self.hidden, out.data_ptr(), self.hidden, tokens,
         )  # fmt: skip
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _move_into_one_buffer(moe: SparseMoE) -> None:
+    """Each projection's experts moved into one buffer (the old layers and their buffers are
+    dropped)."""
+    for name in ("gate_up_proj", "down_proj"):
+        packed = _in_one_buffer([getattr(expert, name) for expert in moe.experts])
+        for expert, layer in zip(moe.experts, packed, strict=True):
+            setattr(expert, name, layer)
 
 
 def _in_one_buffer(layers: list[QuantLinear]) -> list[QuantLinear]:
