@@ -194,8 +194,13 @@ def exact_runner(family, backend: str = "auto", **backend_options):
 
 # The Triton backend's kernels run in Triton's interpreter here (conftest.py), ~50 s a family on
 # 2 cores: these three cover what its kernels do (GQA, q/k norms, windows, soft-capping, gelu,
-# partial rotary dims).
-TRITON_FAMILIES = ["qwen3-qk-norm-window", "gemma2", "phi3-longrope-long-partial-window"]
+# partial rotary dims), and a mixture of experts its quantized-layer-free expert loop.
+TRITON_FAMILIES = [
+    "qwen3-qk-norm-window",
+    "gemma2",
+    "phi3-longrope-long-partial-window",
+    "qwen3moe",
+]
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
