@@ -194,7 +194,7 @@ def exact_runner(family, backend: str = "auto", **backend_options):
 
 # The Triton backend's kernels run in Triton's interpreter here (conftest.py), ~50 s a family on
 # 2 cores: these three cover what its kernels do (GQA, q/k norms, windows, soft-capping, gelu,
-# partial rotary dims), and a mixture of experts its quantized-layer-free expert loop.
+# partial rotary dims), and a mixture of experts (its experts through the base backend's loop).
 TRITON_FAMILIES = [
     "qwen3-qk-norm-window",
     "gemma2",
