@@ -274,7 +274,7 @@ def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(bits):
         for name in ("gate_up_proj", "down_proj"):
             weight = torch.randn(getattr(expert, name).weight.shape, generator=gen) * 0.05
             setattr(expert, name, QuantLinear(weight, None, bits, max_kernel_rows=None))
-    kernels = ExpertKernels.of(layer)
+    kernels = ExpertKernels.build(layer)
     assert kernels is not None
     backend = attention_backend(
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,

@@ -243,7 +243,7 @@ class CpuKernelsBackend(Backend):
         # each mixture's experts as grouped matmuls, where every expert is on the kernels
         moes = [layer.moe for layer in model.layers if layer.moe is not None]
         self.expert_kernels = {
-            id(moe): kernels for moe in moes if (kernels := ExpertKernels.of(moe))
+            id(moe): kernels for moe in moes if (kernels := ExpertKernels.build(moe))
         }
         if moes:
             self.plan.experts = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"

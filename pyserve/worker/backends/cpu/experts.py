@@ -36,9 +36,11 @@ class ExpertKernels:
         self.gate_up, self.down = _expert_set(gate_up), _expert_set(down)
 
     @classmethod
-    def of(cls, moe: SparseMoE) -> ExpertKernels | None:
-        """None where a projection is not one packed weight on the kernels at every row count
-        (float experts, segments of mixed types, a bf16 model's float fallback, biases)."""
+    def build(cls, moe: SparseMoE) -> ExpertKernels | None:
+        """The kernels of ``moe``, its experts' weights moved into one buffer a projection;
+        None (and nothing moved) where a projection is not one packed weight on the kernels at
+        every row count (float experts, segments of mixed types, a bf16 model's float fallback,
+        biases)."""
         gate_up = [expert.gate_up_proj for expert in moe.experts]
         down = [expert.down_proj for expert in moe.experts]
         layers = gate_up + down
