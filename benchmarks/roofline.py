@@ -212,10 +212,7 @@ def roofline(row: dict, gbs: float) -> None:
     """Bytes a token, roofline ITL and the fraction of it each server reached at c=1."""
     facts = row["facts"]
     for name, got in row["servers"].items():
-        # pyserve's own bytes (its packing), but for a mixture, whose active share of them it
-        # does not report: the file's active bytes for both
-        own = name == "pyserve" and not facts.get("experts")
-        weights = got.get("weight_bytes") if own else facts["decode_tensor_bytes"]
+        weights = got.get("weight_bytes") if name == "pyserve" else facts["decode_tensor_bytes"]
         c1 = got.get("c1")
         if not weights or not c1:
             continue

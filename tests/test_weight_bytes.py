@@ -51,3 +51,13 @@ def test_a_module_counts_each_storage_once():
     lin = torch.nn.Linear(8, 4)
     model = torch.nn.Sequential(lin, lin)
     assert decode_weight_bytes(model) == lin.weight.nbytes + lin.bias.nbytes
+
+
+def test_a_mixtures_experts_count_by_the_share_a_token_runs():
+    from pyserve.worker.models.config import MoEConfig
+    from pyserve.worker.models.moe import SparseMoE
+
+    moe = SparseMoE(16, MoEConfig(8, 2, 4, True), dtype=torch.float32, device="cpu")
+    model = torch.nn.ModuleList([moe])
+    expert = sum(p.nbytes for p in moe.experts[0].parameters())
+    assert decode_weight_bytes(model) == moe.router.nbytes + 2 * expert  # 2 of 8 experts

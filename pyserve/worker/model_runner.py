@@ -19,6 +19,7 @@ from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.loading.shards import shard_tensors
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.decoder import CausalLM
+from pyserve.worker.models.moe import SparseMoE
 from pyserve.worker.models.weights import load_weights
 from pyserve.worker.settings import WorkerSettings
 from pyserve.worker.tensor_parallel import TensorParallel, shard_config
@@ -33,9 +34,14 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     the form its forward reads (a module holding a ``packed`` form: that form and its bias, not
     a float copy kept beside it for other batch sizes), each storage counted once (a tied output
     projection is its embedding's), without the token embeddings (one row a token: an
-    ``*Embedding`` module, or a tensor whose name says ``embed``)."""
+    ``*Embedding`` module, or a tensor whose name says ``embed``). A mixture's experts count by
+    the share a token runs, k of E (the average: a batch's tokens may share experts)."""
     seen: set[int] = set()
     total = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            idle = 1.0 - module.top_k / len(module.experts)
+            total -= round(decode_weight_bytes(module.experts) * idle)
 
     def add(t: object) -> None:
         nonlocal total
