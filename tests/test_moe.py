@@ -18,6 +18,7 @@ from gguf_files import write_gguf
 from hf_parity import make_tiny_model
 from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
+from pyserve.worker import quant
 from pyserve.worker.models.config import MoEConfig
 from pyserve.worker.models.moe import SparseMoE
 
@@ -257,35 +258,56 @@ def test_tp2_splits_every_expert_and_equals_one_process(kind, tmp_path):
 # ---------------------------------------------------------------------- grouped matmuls
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(bits):
+ISAS = quant.kernels().supported_isas()  # best first
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("weight_type", ["int4", "int8", "Q4_K", "Q6_K"])
+def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(weight_type, isa):
     """The CPU kernels' grouped matmuls (every active expert's rows in one call a projection),
     with the routing grouped and the outputs summed back in C++, give what the loop over each
-    expert's own layers gives, to the bit: one token, many, experts no token picked."""
+    expert's own layers gives, to the bit, on every ISA this CPU runs and every tile width:
+    one token, many, experts no token picked."""
+    from test_kernels import ggml_weight
+
     from pyserve.worker.backends import attention_backend
     from pyserve.worker.backends.base import Backend
     from pyserve.worker.backends.cpu.experts import ExpertKernels
     from pyserve.worker.backends.cpu.quant_linear import QuantLinear
 
-    moe = MoEConfig(EXPERTS, 2, 64, True)
-    layer = SparseMoE(256, moe, dtype=torch.float32, device="cpu")
+    hidden, width = 256, 256  # K-quants: whole 256-input blocks on both projections
+    layer = SparseMoE(hidden, MoEConfig(EXPERTS, 2, width, True), dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(2)
-    for expert in layer.experts:
+    for e, expert in enumerate(layer.experts):
         for name in ("gate_up_proj", "down_proj"):
-            weight = torch.randn(getattr(expert, name).weight.shape, generator=gen) * 0.05
-            setattr(expert, name, QuantLinear(weight, None, bits, max_kernel_rows=None))
+            n, k = getattr(expert, name).weight.shape
+            if weight_type.startswith("int"):
+                weight = torch.randn((n, k), generator=gen) * 0.05
+                linear = QuantLinear(weight, None, int(weight_type[3:]), max_kernel_rows=None)
+            else:
+                packed = ggml_weight(weight_type, n, k, seed=e)
+                linear = QuantLinear.from_packed(packed, None, max_kernel_rows=None)
+            setattr(expert, name, linear)
     kernels = ExpertKernels.build(layer)
     assert kernels is not None
     backend = attention_backend(
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
         dtype=torch.float32,
     )  # fmt: skip
+    quant.kernels().set_isa(isa)
+    try:
+        _check_grouped_routes(kernels, layer, backend, Backend, gen)
+    finally:
+        quant.kernels().set_isa(ISAS[0])
+
+
+def _check_grouped_routes(kernels, layer, backend, Backend, gen) -> None:
+    first = torch.randint(0, EXPERTS, (40,), generator=gen)
     routes = {
         "a decode token": torch.tensor([[7, 1]]),
-        "many tokens": torch.randint(0, EXPERTS, (40, 1), generator=gen) + torch.tensor([[0, 0]]),
+        "many tokens": torch.stack([first, (first + 3) % EXPERTS], dim=1),
         "every token on two experts": torch.tensor([[2, 5]] * 64),
     }
-    routes["many tokens"][:, 1] = (routes["many tokens"][:, 0] + 3) % EXPERTS
     for name, experts in routes.items():
         x = torch.randn(len(experts), 256, generator=gen)
         weights = torch.rand(experts.shape, generator=gen)
