@@ -120,10 +120,18 @@ def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -
     return raw.reshape(rows, -1)
 
 
-def write_gguf(model, path: Path, matrix_type=None, tensor_types: dict | None = None) -> dict:
+def write_gguf(
+    model,
+    path: Path,
+    matrix_type=None,
+    tensor_types: dict | None = None,
+    fuse_gate_up_exps: bool = False,
+) -> dict:
     """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
     ``matrix_type`` (a gguf.GGMLQuantizationType), or each in ``tensor_types[hf name]`` (a GGML
-    type name; one of RANDOM_BLOCK_TYPES replaces the weight with random blocks). Returns the
+    type name; one of RANDOM_BLOCK_TYPES replaces the weight with random blocks); a mixture's
+    gate and up experts in one ``ffn_gate_up_exps`` tensor with ``fuse_gate_up_exps`` (the
+    converter's --fuse-gate-up-exps). Returns the
     state dict as the file holds it (in HF's layout, after any quantization), for an exact
     reference."""
     import gguf
@@ -197,11 +205,22 @@ def write_gguf(model, path: Path, matrix_type=None, tensor_types: dict | None = 
     gemma = model_type in ("gemma2", "gemma3_text")
     parts = {**(_GEMMA_PARTS if gemma else _PARTS), **_MOE_PARTS}
     stored = {}
+    gates: dict[str, np.ndarray] = {}  # fusing: each layer's gate stack, until its up stack
     for name, tensor in _merged_experts(model.state_dict()):
         if isinstance(tensor, list):  # one stacked tensor: every expert's, in expert order
             layer, proj = name
             gguf_name = f"blk.{layer}.ffn_{proj}_exps.weight"
             array = np.stack([t.detach().float().numpy() for t in tensor])
+            if fuse_gate_up_exps and proj in ("gate", "up"):
+                assert matrix_type is None, "fused experts are written in F32"
+                for e, values in enumerate(array):
+                    stored[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = values
+                if proj == "gate":
+                    gates[layer] = array
+                else:
+                    fused = np.concatenate([gates.pop(layer), array], axis=1)
+                    writer.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight", fused)
+                continue
             if matrix_type is not None:
                 array = gguf.quants.dequantize(
                     gguf.quants.quantize(array, matrix_type), matrix_type

@@ -314,3 +314,26 @@ def _check_grouped_routes(kernels, layer, backend, Backend, gen) -> None:
         got = kernels.run(x, weights, experts, "silu", backend)
         want = Backend.run_experts(backend, layer, x, weights, experts, "silu")
         assert torch.equal(got, want), name
+
+
+def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):
+    """llama.cpp's converter with --fuse-gate-up-exps writes each layer's gate and up experts
+    as one [experts, 2·width, hidden] tensor: the same model, the same logits."""
+    from hf_parity import BLOCK_SIZE
+
+    model = make_tiny_model(tmp_path / "hf", "qwen3_moe", seed=3, **QWEN3_MOE)
+    plain, fused = tmp_path / "plain.gguf", tmp_path / "fused.gguf"
+    write_gguf(model, plain)
+    write_gguf(model, fused, fuse_gate_up_exps=True)
+    import gguf
+
+    names = {t.name for t in gguf.GGUFReader(fused).tensors}
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_up_exps.weight" not in names
+    prompt = list(range(5, 45))
+    got, want = (
+        _prefill_logprobs(
+            load_runner(str(p), num_blocks=64, block_size=BLOCK_SIZE, quantization="none"), prompt
+        )
+        for p in (fused, plain)
+    )
+    assert torch.equal(got, want)

@@ -63,14 +63,15 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
             if problem:
                 raise ModelLoadError(f"{shard}: tensor {tensor.name!r}: {problem}")
             stacked = parts[0].expert is not None
-            if stacked and (len(tensor.shape) != 3 or int(tensor.shape[2]) != len(parts)):
+            experts = len({part.expert for part in parts})
+            if stacked and (len(tensor.shape) != 3 or int(tensor.shape[2]) != experts):
                 raise ModelLoadError(
                     f"{shard}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
-                    f"the config implies {len(parts)} experts"
+                    f"the config implies {experts} experts"
                 )
-            for part in parts:
-                expert = (part.expert, len(parts)) if stacked else None
-                stored = GGUFTensor(shard, tensor, part.hf, family, config, expert)
+            for index, part in enumerate(parts):
+                piece = (index, len(parts)) if stacked else None
+                stored = GGUFTensor(shard, tensor, part.hf, family, config, piece)
                 tensors.append((part.hf, stored))
     return Checkpoint(
         path=path,
@@ -119,18 +120,21 @@ class GGUFTensor(StoredTensor):
         hf_name: str,
         family: Family,
         config: ModelConfig,
-        expert: tuple[int, int] | None = None,  # (e, of n): expert e of a stacked tensor
+        # (i, of n): the i-th of n equal runs of a stacked tensor's rows (an expert, or half of
+        # one's fused gate/up)
+        piece: tuple[int, int] | None = None,
     ):
         self.file, self.name, self._hf_name = file, tensor.name, hf_name
         self.shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF: innermost first
         self.type_name = tensor.tensor_type.name
         self._type = tensor.tensor_type
         self.offset, self.nbytes = int(tensor.data_offset), int(tensor.n_bytes)
-        if expert is not None:  # experts lie one after another: [n, rows, k]
-            index, count = expert
+        if piece is not None:  # experts lie one after another: [experts, rows, k]
+            index, count = piece
             self.nbytes //= count
             self.offset += index * self.nbytes
-            self.shape = self.shape[1:]
+            experts, rows, k = self.shape
+            self.shape = (experts * rows // count, k)
             self.name = f"{tensor.name}[{index}]"
         self._family, self._config = family, config
 
@@ -213,7 +217,7 @@ _GGML_BITS = re.compile(r"(?:I|T)?Q(\d)_|MXFP(\d)|NVFP(\d)")
 # The projections inside the decoder blocks (the output head stays 8-bit whatever the file says).
 _LINEAR_PARTS = (
     *("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
-    *("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),  # a mixture's experts, stacked
+    *("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps"),  # stacked experts
     *("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),  # its shared expert
 )
 
@@ -303,9 +307,16 @@ def _read_config(reader, names: set[str], source: ModelSource) -> tuple[Family, 
 
 def gguf_names(config: ModelConfig, family: Family) -> dict[str, list[CheckpointTensor]]:
     """GGUF tensor name → the checkpoint tensors it holds (several: a layer's stacked experts,
-    in expert order), from models/layout.py's declarations."""
+    in the order their rows lie), from models/layout.py's declarations."""
     out: dict[str, list[CheckpointTensor]] = {}
     for t in checkpoint_tensors(config, family):
         if t.gguf is not None:
             out.setdefault(t.gguf, []).append(t)
+    # llama.cpp's converter with --fuse-gate-up-exps: one [experts, 2·width, hidden] tensor a
+    # layer, each expert's gate rows then its up rows
+    for name, gates in list(out.items()):
+        if name.endswith(".ffn_gate_exps.weight"):
+            ups = out[name.replace(".ffn_gate_exps.", ".ffn_up_exps.")]
+            fused = name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps.")
+            out[fused] = [t for pair in zip(gates, ups, strict=True) for t in pair]
     return out
