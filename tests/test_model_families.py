@@ -194,7 +194,7 @@ def exact_runner(family, backend: str = "auto", **backend_options):
 
 # The Triton backend's kernels run in Triton's interpreter here (conftest.py), ~50 s a family on
 # 2 cores: these three cover what its kernels do (GQA, q/k norms, windows, soft-capping, gelu,
-# partial rotary dims), and a mixture of experts (its experts through the base backend's loop).
+# partial rotary dims), and a mixture of experts (its experts through the grouped-expert kernel).
 TRITON_FAMILIES = [
     "qwen3-qk-norm-window",
     "gemma2",
@@ -219,6 +219,8 @@ def check_mixed_batches(family, backend: str) -> None:
     features = runner.config.features()
     if "window" in name:
         assert any(f.startswith("sliding window") for f in features), features
+    if backend == "triton" and runner.config.moe is not None:
+        assert runner.backend.info().kernels["experts"] == "grouped on 3 of 3 layers"
     driver = Driver(runner)
     seqs = [driver.new_seq(p) for p in prompts]
     # the first half prefills, then decodes beside the second half's prefill chunks

@@ -1,6 +1,6 @@
 """Every Triton kernel compiles for the GPUs it is meant for (sm_90: H100/H200; sm_80: A100),
-at the shapes and dtypes of the model families the backend serves (and the 8-/4-bit matmul at
-each tile height), on a machine without a GPU.
+at the shapes and dtypes of the model families the backend serves (and the 8-/4-bit matmul and
+the grouped-expert matmul at each tile height), on a machine without a GPU.
 
 The interpreter that test_triton_kernels.py runs the kernels in accepts code that the compiler
 rejects, so this test records the launches the kernel wrappers make for real model shapes (the
@@ -24,6 +24,7 @@ from triton_compile import record_launches, unique
 
 from pyserve.worker.backends.triton import attention, fused
 from pyserve.worker.backends.triton.backend import MAX_SPLITS
+from pyserve.worker.backends.triton.experts import group_by_expert, grouped_matmul, tile_rows
 from pyserve.worker.backends.triton.quant_matmul import device_layout, quant_matmul
 from pyserve.worker.quant import quantize_weight
 
@@ -118,6 +119,26 @@ def quantized_launches(dtype: torch.dtype) -> list[dict]:
     return launches
 
 
+def expert_launches(dtype: torch.dtype) -> list[dict]:
+    """The grouped-expert matmul's gate/up (rows gathered from the tokens) and down launches at
+    Qwen3-MoE-30B-A3B's shapes (hidden 2048, experts of 768, top 8 of 128), for a decode step
+    and a long prefill (each tile height)."""
+    hidden, width, experts, top_k = 2048, 768, 128, 8
+    gate_up = torch.zeros(experts, 2 * width, hidden, dtype=dtype)
+    down = torch.zeros(experts, hidden, width, dtype=dtype)
+    with record_launches() as launches:
+        for tokens in (1, 512):
+            routing = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+            block_m = tile_rows(routing.numel(), experts, dtype)
+            groups = group_by_expert(routing, experts, block_m)
+            x = torch.zeros(tokens, hidden, dtype=dtype)
+            grouped_matmul(x, gate_up, groups, gather=True)
+            grouped_matmul(
+                torch.zeros(tokens * top_k, width, dtype=dtype), down, groups, gather=False
+            )
+    return launches
+
+
 def all_launches() -> list[dict]:
     launches = []
     for name, shape in SHAPES.items():
@@ -125,6 +146,7 @@ def all_launches() -> list[dict]:
             launches += launches_of(shape, dtype)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         launches += quantized_launches(dtype)
+        launches += expert_launches(dtype)
     return unique(launches)
 
 
@@ -175,7 +197,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) 
     kernels = {row["kernel"] for row in compiled}
     assert kernels == {
         "_rms_norm_kernel", "_gated_kernel", "_rope_kv_store_kernel", "_decode_split_kernel",
-        "_decode_merge_kernel", "_extend_kernel", "_quant_matmul_kernel",
+        "_decode_merge_kernel", "_extend_kernel", "_quant_matmul_kernel", "_grouped_matmul_kernel",
     }  # fmt: skip
     assert {row["capability"] for row in compiled} == {90, 80}
 

@@ -37,6 +37,7 @@ from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
 if TYPE_CHECKING:
     from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
+    from pyserve.worker.backends.triton.experts import TritonExperts
     from pyserve.worker.models.decoder import CausalLM
     from pyserve.worker.weight_packing import QuantizedLayers
 
@@ -143,6 +144,8 @@ class TritonBackend(Backend):
         self._attention = attention
         self._fused = fused
         self.num_splits = num_splits  # 0: by context length; tests force split-K with it
+        self.expert_kernels: dict[int, TritonExperts] = {}  # by id of their SparseMoE
+        self.experts_summary: str | None = None
 
     @classmethod
     def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
@@ -154,6 +157,8 @@ class TritonBackend(Backend):
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
         kernels["linear"] = "torch"
+        if self.experts_summary is not None:
+            kernels["experts"] = self.experts_summary
         if self.graphs is not None:
             kernels["decode"] = f"graphs of {len(self.graphs.sizes)} batch sizes"
         return BackendInfo(self.name, self.reason, kernels)
@@ -170,6 +175,16 @@ class TritonBackend(Backend):
         return super().allocate_kv_cache(num_blocks + 1, block_size, dtype)
 
     def prepare_model(self, model) -> None:
+        # each mixture's experts as grouped matmuls where every projection is a plain float
+        # layer, stacked before the warm-up so that it compiles the grouped kernel too
+        from pyserve.worker.backends.triton.experts import TritonExperts
+
+        moes = [layer.moe for layer in model.layers if layer.moe is not None]
+        self.expert_kernels = {
+            id(moe): kernels for moe in moes if (kernels := TritonExperts.of(moe)) is not None
+        }
+        if moes:
+            self.experts_summary = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
         if self.device.type == "cuda":
             self.warm_up(model)
         if self.decode_graphs_mode != "off":
@@ -272,6 +287,12 @@ class TritonBackend(Backend):
 
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return self._fused.gated_activation(gate_up, activation)
+
+    def run_experts(self, moe, x, weights, experts, activation):
+        kernels = self.expert_kernels.get(id(moe))
+        if kernels is None:
+            return super().run_experts(moe, x, weights, experts, activation)
+        return kernels.run(x, weights, experts, activation, self)
 
     def attention(
         self,
