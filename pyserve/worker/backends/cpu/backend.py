@@ -250,7 +250,9 @@ class CpuKernelsBackend(Backend):
         if self.stack is None and _every_projection_on_the_kernels(model):
             # The layer loop's torch ops are then small ones between kernel calls, and torch's
             # OpenMP threads, spinning after each, would take the cores the kernels' own pool
-            # (its size set already) streams the weights on: torch runs on one thread.
+            # streams the weights on: torch runs on one thread (the pool, sized from torch's
+            # threads when first made, keeps its size).
+            quant.kernels()
             torch.set_num_threads(1)
             self.plan.torch_threads = "1 (the layer loop's ops beside the kernels' pool)"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
