@@ -24,7 +24,12 @@ from triton_compile import record_launches, unique
 
 from pyserve.worker.backends.triton import attention, fused
 from pyserve.worker.backends.triton.backend import MAX_SPLITS
-from pyserve.worker.backends.triton.experts import group_by_expert, grouped_matmul, tile_rows
+from pyserve.worker.backends.triton.experts import (
+    ExpertStack,
+    group_by_expert,
+    grouped_matmul,
+    tile_rows,
+)
 from pyserve.worker.backends.triton.quant_matmul import device_layout, quant_matmul
 from pyserve.worker.quant import quantize_weight
 
@@ -121,22 +126,40 @@ def quantized_launches(dtype: torch.dtype) -> list[dict]:
 
 def expert_launches(dtype: torch.dtype) -> list[dict]:
     """The grouped-expert matmul's gate/up (rows gathered from the tokens) and down launches at
-    Qwen3-MoE-30B-A3B's shapes (hidden 2048, experts of 768, top 8 of 128), for a decode step
-    and a long prefill (each tile height)."""
+    Qwen3-MoE-30B-A3B's shapes (hidden 2048, experts of 768, top 8 of 128), float and 8-/4-bit,
+    for a decode step and a long prefill (each tile height)."""
     hidden, width, experts, top_k = 2048, 768, 128, 8
-    gate_up = torch.zeros(experts, 2 * width, hidden, dtype=dtype)
-    down = torch.zeros(experts, hidden, width, dtype=dtype)
+    stacks = [
+        (
+            ExpertStack(torch.zeros(experts, 2 * width, hidden, dtype=dtype), k=hidden),
+            ExpertStack(torch.zeros(experts, hidden, width, dtype=dtype), k=width),
+        )
+    ]
+    for bits in (8, 4):
+        stacks.append(
+            tuple(
+                quantized_stack(experts, n, k, bits)
+                for n, k in ((2 * width, hidden), (hidden, width))
+            )
+        )
     with record_launches() as launches:
         for tokens in (1, 512):
             routing = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
             block_m = tile_rows(routing.numel(), experts, dtype)
             groups = group_by_expert(routing, experts, block_m)
             x = torch.zeros(tokens, hidden, dtype=dtype)
-            grouped_matmul(x, gate_up, groups, gather=True)
-            grouped_matmul(
-                torch.zeros(tokens * top_k, width, dtype=dtype), down, groups, gather=False
-            )
+            h = torch.zeros(tokens * top_k, width, dtype=dtype)
+            for gate_up, down in stacks:
+                grouped_matmul(x, gate_up, groups, gather=True)
+                grouped_matmul(h, down, groups, gather=False)
     return launches
+
+
+def quantized_stack(experts: int, n: int, k: int, bits: int) -> ExpertStack:
+    """Every expert's [n, k] weight at ``bits`` (all zero: only the shapes matter here)."""
+    u, d, m = device_layout(quantize_weight(torch.zeros(n, k), bits))
+    stacked = [t.expand(experts, *t.shape) for t in (u, d, m)]
+    return ExpertStack(stacked[0], k=k, bits=bits, group=32, d=stacked[1], m=stacked[2])
 
 
 def all_launches() -> list[dict]:

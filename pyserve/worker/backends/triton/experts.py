@@ -1,15 +1,16 @@
 """A mixture's experts as one grouped matmul a projection, for the Triton backend.
 
-Each projection's expert weights are stacked into one [E, N, K] tensor (the expert modules keep
-views into it, so the weights are not held twice). A step's routing choices are grouped by
-expert with torch ops on the device (a stable argsort and a bincount, no copy to the host, so a
-captured graph can hold them), and the grouped rows are cut into tiles of ``BLOCK_M`` rows that
-never cross an expert: ``block_expert`` names each tile's expert (-1 past the last tile: the
-grid is sized by an upper bound on the tile count, known without reading the counts back) and
-``block_row`` its first grouped row. One launch a projection then covers every (tile, column
-block); a program reads its expert, multiplies its rows with that expert's slice of the stack,
-and stops at the expert's last row (``row_ends``). The gate/up launch reads its rows straight
-from the step's tokens (``row_token``), so the tokens are never copied per choice.
+Each projection's expert weights are stacked into one [E, N, K] tensor, float or 8-/4-bit as
+quant_matmul.py packs a layer (the expert modules keep views into it, so the weights are not held
+twice). A step's routing choices are grouped by expert with torch ops on the device (a stable
+argsort and a count, no copy to the host, so a captured graph can hold them), and the grouped
+rows are cut into tiles of ``BLOCK_M`` rows that never cross an expert: ``block_expert`` names
+each tile's expert (-1 past the last tile: the grid is sized by an upper bound on the tile count,
+known without reading the counts back) and ``block_row`` its first grouped row. One launch a
+projection then covers every (tile, column block); a program reads its expert, multiplies its
+rows with that expert's slice of the stack, and stops at the expert's last row (``row_ends``).
+The gate/up launch reads its rows straight from the step's tokens (``row_token``), so the tokens
+are never copied per choice.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ import triton.language as tl
 from torch import nn
 
 from pyserve.worker.backends.triton import dot_precision
+from pyserve.worker.backends.triton.quant_matmul import (
+    DEFAULT_STEP_INPUTS,
+    STEP_INPUTS,
+    TritonQuantLinear,
+    quant_tile_dot,
+)
 from pyserve.worker.linear import Linear
 
 if TYPE_CHECKING:
@@ -32,10 +39,10 @@ if TYPE_CHECKING:
 
 @triton.jit
 def _grouped_matmul_kernel(
-    x_ptr, w_ptr, out_ptr, row_token_ptr, block_expert_ptr, block_row_ptr, row_ends_ptr,
-    n, k, x_stride, w_expert_stride, w_stride, out_stride,
-    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, row_token_ptr, block_expert_ptr, block_row_ptr,
+    row_ends_ptr, n, k, x_stride, w_expert_stride, w_stride, groups, out_stride,
+    GATHER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -53,21 +60,72 @@ def _grouped_matmul_kernel(
     col_ok = cols < n
     x_at = x_ptr + x_rows[:, None] * x_stride
     w_at = w_ptr + expert.to(tl.int64) * w_expert_stride + cols.to(tl.int64)[None, :] * w_stride
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k
-        x = tl.load(x_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_at + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(x, w, input_precision=PRECISION)
+    if BITS == 0:  # float weights
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k
+            x = tl.load(x_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_at + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(x, w, input_precision=PRECISION)
+    else:  # 8 or 4 bits, as quant_matmul.py lays them out; d and m [E, N, groups]
+        scale_at = (expert.to(tl.int64) * n + cols.to(tl.int64)[None, :]) * groups
+        acc = quant_tile_dot(
+            x_at, row_ok, w_at, d_ptr, m_ptr, scale_at, col_ok, k, groups * GROUP, 0,
+            groups * GROUP, x_ptr.dtype.element_ty, BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+            PRECISION,
+        )  # fmt: skip
     out_at = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 BLOCK_N = 64
-# inputs a loop step reads: fewer in float32, whose tiles take twice the registers
-STEP_INPUTS = {torch.float32: 32}
-DEFAULT_STEP_INPUTS = 64
+
+
+@dataclass
+class ExpertStack:
+    """One projection of every expert: float weights [E, N, K] (``bits`` 0), or 8-/4-bit ones
+    as quant_matmul.py lays a layer out, stacked: u uint8 [E, N, bytes], d and m [E, N, groups]."""
+
+    weight: torch.Tensor
+    k: int
+    bits: int = 0
+    group: int = 0
+    d: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+    @staticmethod
+    def fits(layers: list[nn.Module]) -> bool:
+        """Whether the layers stack: all bias-free layers of one kind, shape and format, plain
+        float Linears (not prepacked for oneDNN: no plain weight left) or TritonQuantLinears."""
+        if all(type(layer) is Linear for layer in layers):
+            if any(layer.weight is None or layer.packed is not None for layer in layers):
+                return False
+            formats = {(layer.weight.shape, layer.weight.dtype) for layer in layers}
+        elif all(type(layer) is TritonQuantLinear for layer in layers):
+            formats = {
+                (layer.qweight.shape, layer.d.shape, layer.bits, layer.group) for layer in layers
+            }
+        else:
+            return False
+        return len(formats) == 1 and all(layer.bias is None for layer in layers)
+
+    @classmethod
+    def of(cls, layers: list[nn.Module]) -> ExpertStack:
+        """Layers that fit, stacked; each is left holding views into the stack, so the weights
+        are not held twice."""
+        first = layers[0]
+        if isinstance(first, Linear):
+            stack = _stacked(layers, "weight")
+            return cls(stack, k=stack.shape[2])
+        return cls(
+            _stacked(layers, "qweight"),
+            k=first.in_features,
+            bits=first.bits,
+            group=first.group,
+            d=_stacked(layers, "d"),
+            m=_stacked(layers, "m"),
+        )
 
 
 @dataclass
@@ -111,60 +169,58 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
 
 
 def grouped_matmul(
-    x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups, *, gather: bool
+    x: torch.Tensor, stack: ExpertStack, groups: ExpertGroups, *, gather: bool
 ) -> torch.Tensor:
-    """Each grouped row times its expert's weight: [R, N] in x's dtype, ``weight`` [E, N, K].
-    ``gather``: x holds the tokens [T, K] (a grouped row reads its token's row), else the
-    grouped rows [R, K] themselves."""
+    """Each grouped row times its expert's weight: [R, N] in x's dtype. ``gather``: x holds the
+    tokens [T, K] (a grouped row reads its token's row), else the grouped rows [R, K]."""
     rows = groups.order.numel()
-    _, n, k = weight.shape
+    weight = stack.weight
+    n = weight.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    step = STEP_INPUTS.get(x.dtype, DEFAULT_STEP_INPUTS)
+    # quantized: whole groups a step, on 8 warps as quant_matmul's tiles
+    block_k = max(1, step // stack.group) * stack.group if stack.bits else step
+    warps = 8 if stack.bits or groups.block_m >= 64 else 4
+    d = stack.d if stack.d is not None else weight
+    m = stack.m if stack.m is not None else weight
     grid = (groups.block_expert.numel(), triton.cdiv(n, BLOCK_N))
     _grouped_matmul_kernel[grid](
-        x, weight, out, groups.row_token, groups.block_expert, groups.block_row, groups.row_ends,
-        n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        GATHER=gather, BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=STEP_INPUTS.get(x.dtype, DEFAULT_STEP_INPUTS),
-        PRECISION=dot_precision(x.dtype), num_warps=8 if groups.block_m >= 64 else 4,
+        x, weight, d, m, out, groups.row_token, groups.block_expert, groups.block_row,
+        groups.row_ends, n, stack.k, x.stride(0), weight.stride(0), weight.stride(1),
+        d.shape[2] if stack.bits else 0, out.stride(0),
+        GATHER=gather, BITS=stack.bits, GROUP=stack.group, BLOCK_M=groups.block_m,
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip
     return out
 
 
 def tile_rows(rows: int, num_experts: int, dtype: torch.dtype) -> int:
     """Rows a tile: 16 where few rows fall to each expert (and in float32, whose tiles take
-    twice the registers), 64 for long prefills (on 8 warps: 4 spill registers at sm_90,
+    twice the registers), 64 for long prefills (on 8 warps: on 4 they spill registers at sm_90,
     tests/test_triton_compile.py)."""
     return 16 if dtype == torch.float32 or rows <= 16 * num_experts else 64
 
 
 class TritonExperts:
-    """The gate/up and down projections of every expert of one SparseMoE, each stacked [E, N, K]."""
+    """The gate/up and down projections of every expert of one SparseMoE, each one stack."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: ExpertStack, down: ExpertStack) -> None:
         self.gate_up, self.down = gate_up, down
-        self.num_experts = gate_up.shape[0]
+        self.num_experts = gate_up.weight.shape[0]
 
     @classmethod
     def of(cls, moe: SparseMoE) -> TritonExperts | None:
-        """None unless every expert projection is a plain float Linear (no bias, not prepacked)
-        of one dtype; else the stacks, with each expert's weight a view into them."""
-        layers = [e.gate_up_proj for e in moe.experts] + [e.down_proj for e in moe.experts]
-        if not all(
-            type(layer) is Linear
-            and layer.weight is not None
-            and layer.packed is None
-            and layer.bias is None
-            for layer in layers
-        ):
+        """None unless each projection's experts are bias-free layers of one kind and format:
+        plain float Linears (not prepacked) or TritonQuantLinears; else the stacks."""
+        gate_up = [expert.gate_up_proj for expert in moe.experts]
+        down = [expert.down_proj for expert in moe.experts]
+        if not (ExpertStack.fits(gate_up) and ExpertStack.fits(down)):
             return None
-        if len({(layer.weight.dtype, layer.weight.device) for layer in layers}) != 1:
-            return None
-        del layers
-        return cls(_stacked(moe, "gate_up_proj"), _stacked(moe, "down_proj"))
+        return cls(ExpertStack.of(gate_up), ExpertStack.of(down))
 
     def run(
         self,
@@ -186,11 +242,13 @@ class TritonExperts:
         return torch.zeros_like(x).index_add_(0, groups.row_token, y)
 
 
-def _stacked(moe: SparseMoE, name: str) -> torch.Tensor:
-    """One projection's expert weights as [E, N, K]; each expert's weight becomes a view into
-    it, so the separate copies are freed."""
-    layers = [getattr(expert, name) for expert in moe.experts]
-    stack = torch.stack([layer.weight.detach() for layer in layers])
+def _stacked(layers: list[nn.Module], name: str) -> torch.Tensor:
+    """The layers' tensor ``name`` stacked; each layer's becomes a view into the stack, so the
+    separate copies are freed."""
+    stack = torch.stack([getattr(layer, name).detach() for layer in layers])
     for i, layer in enumerate(layers):
-        layer.weight = nn.Parameter(stack[i], requires_grad=False)
+        view = stack[i]
+        if isinstance(getattr(layer, name), nn.Parameter):
+            view = nn.Parameter(view, requires_grad=False)
+        setattr(layer, name, view)
     return stack

@@ -35,29 +35,16 @@ def _dequantized(u, d_at, m_at, ok, dtype: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(
-    x_ptr, w_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, rows, n, k, x_stride, out_stride,
-    w_stride, groups, groups_per_split,
+def quant_tile_dot(
+    x_rows, row_ok, w_cols, d_ptr, m_ptr, scale_at, col_ok, k, k_pad, first, last,
+    dtype: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    m_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m_rows < rows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + m_rows.to(tl.int64)[:, None] * x_stride
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * w_stride
-    scale_at = cols.to(tl.int64)[None, :] * groups
-    k_pad = groups * GROUP
+    """The float32 [BLOCK_M, BLOCK_N] tile of x·Wᵀ over inputs first..last: x_rows the rows'
+    pointers [BLOCK_M, 1], w_cols the columns' packed weights [1, BLOCK_N], scale_at their first
+    group's offsets [1, BLOCK_N] into the scales d and m."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # BLOCK_K inputs (whole groups) a step; a split's groups are whole steps
-    first = split * groups_per_split * GROUP
-    last = tl.minimum(first + groups_per_split * GROUP, k_pad)
     for k0 in range(first, last, BLOCK_K):
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -85,6 +72,36 @@ def _quant_matmul_kernel(
             high = _dequantized(both >> 4, d_ptr + at, m_ptr + at, ok, dtype)
             acc += tl.dot(x_even, low, input_precision=PRECISION)
             acc += tl.dot(x_odd, high, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _quant_matmul_kernel(
+    x_ptr, w_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, rows, n, k, x_stride, out_stride,
+    w_stride, groups, groups_per_split,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    m_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m_rows < rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + m_rows.to(tl.int64)[:, None] * x_stride
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * w_stride
+    scale_at = cols.to(tl.int64)[None, :] * groups
+    k_pad = groups * GROUP
+    # BLOCK_K inputs (whole groups) a step; a split's groups are whole steps
+    first = split * groups_per_split * GROUP
+    last = tl.minimum(first + groups_per_split * GROUP, k_pad)
+    acc = quant_tile_dot(
+        x_rows, row_ok, w_cols, d_ptr, m_ptr, scale_at, col_ok, k, k_pad, first, last, dtype,
+        BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+    )  # fmt: skip
     out_at = out_ptr + split * rows * out_stride + m_rows[:, None] * out_stride + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT:  # float32 partial sums; the wrapper adds them and the bias
