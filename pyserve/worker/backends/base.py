@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,20 @@ if TYPE_CHECKING:
     from pyserve.worker.models.decoder import CausalLM
     from pyserve.worker.models.moe import SparseMoE
     from pyserve.worker.weight_packing import QuantizedLayers
+
+
+class GroupedExperts(Protocol):
+    """A backend's form of one mixture's experts that runs them all at once."""
+
+    def run(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        activation: str,
+        backend: Backend,
+    ) -> torch.Tensor: ...
+
 
 # what a forward returns: float32 logits [S, vocab] of the sampling rows, and with
 # ``batch.hidden_index`` the float32 final-norm hidden states [H, hidden] of those rows too
@@ -88,6 +102,9 @@ class Backend(ABC):
         self.device = device
         self.reason = reason
         self.kv_cache: PagedKVCache | None = None
+        # a backend's grouped form of each mixture's experts (group_experts), by id() of the
+        # model's SparseMoEs; run_experts loops over the experts of the others
+        self.expert_kernels: dict[int, GroupedExperts] = {}
 
     # ------------------------------------------------------------------ selection
 
@@ -177,6 +194,17 @@ class Backend(ABC):
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
 
+    def group_experts(
+        self, model: CausalLM, build: Callable[[SparseMoE], GroupedExperts | None]
+    ) -> str | None:
+        """Builds each mixture's grouped experts where ``build`` can (at prepare_model); says on
+        how many layers, for info() (None: no mixture)."""
+        moes = [layer.moe for layer in model.layers if layer.moe is not None]
+        self.expert_kernels = {
+            id(moe): kernels for moe in moes if (kernels := build(moe)) is not None
+        }
+        return f"grouped on {len(self.expert_kernels)} of {len(moes)} layers" if moes else None
+
     def run_experts(
         self,
         moe: SparseMoE,
@@ -187,8 +215,12 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """The mixture's output [T, hidden] for tokens x [T, hidden] routed to ``experts``
         [T, k] with ``weights`` [T, k]: each expert some token picked runs once over those
-        tokens (a loop here; a backend may run them all at once), and each token's outputs are
+        tokens (the backend's grouped experts where group_experts built them, else a loop), and
+        each token's outputs are
         summed by weight in expert order, as transformers sums them."""
+        grouped = self.expert_kernels.get(id(moe))
+        if grouped is not None:
+            return grouped.run(x, weights, experts, activation, self)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the routing choices grouped by expert
         tokens = order // experts.shape[1]

@@ -198,7 +198,6 @@ class CpuKernelsBackend(Backend):
         self.plan: KernelPlan | None = None
         self.stack: CpuDecoderStack | None = None
         self.use_stack = use_stack
-        self.expert_kernels: dict[int, ExpertKernels] = {}  # by id() of the model's SparseMoEs
         self.max_chunk_tokens = max_chunk_tokens
         self.reference: ReferenceAttention | None = None  # what the kernels do not cover
 
@@ -241,12 +240,7 @@ class CpuKernelsBackend(Backend):
             self.stack, why = CpuDecoderStack.build(model, self.kv_cache, self.plan)
         self.plan.stack = "on" if self.stack is not None else f"off: {why}"
         # each mixture's experts as grouped matmuls, where every expert is on the kernels
-        moes = [layer.moe for layer in model.layers if layer.moe is not None]
-        self.expert_kernels = {
-            id(moe): kernels for moe in moes if (kernels := ExpertKernels.build(moe))
-        }
-        if moes:
-            self.plan.experts = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
+        self.plan.experts = self.group_experts(model, ExpertKernels.build)
         if self.stack is None and _every_projection_on_the_kernels(model):
             # The layer loop's torch ops are then small ones between kernel calls, and torch's
             # OpenMP threads, spinning after each, would take the cores the kernels' own pool
@@ -256,12 +250,6 @@ class CpuKernelsBackend(Backend):
             torch.set_num_threads(1)
             self.plan.torch_threads = "1 (the layer loop's ops beside the kernels' pool)"
         log.info("cpu kernels: %s", ", ".join(f"{k} {v}" for k, v in self.plan.summary().items()))
-
-    def run_experts(self, moe, x, weights, experts, activation):
-        kernels = self.expert_kernels.get(id(moe))
-        if kernels is None:
-            return super().run_experts(moe, x, weights, experts, activation)
-        return kernels.run(x, weights, experts, activation, self)
 
     def info(self) -> BackendInfo:
         kernels = self.plan.summary() if self.plan else {}

@@ -37,7 +37,6 @@ from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
 if TYPE_CHECKING:
     from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
-    from pyserve.worker.backends.triton.experts import TritonExperts
     from pyserve.worker.models.decoder import CausalLM
     from pyserve.worker.weight_packing import QuantizedLayers
 
@@ -144,7 +143,6 @@ class TritonBackend(Backend):
         self._attention = attention
         self._fused = fused
         self.num_splits = num_splits  # 0: by context length; tests force split-K with it
-        self.expert_kernels: dict[int, TritonExperts] = {}  # by id of their SparseMoE
         self.experts_summary: str | None = None
 
     @classmethod
@@ -179,12 +177,7 @@ class TritonBackend(Backend):
         # layer, stacked before the warm-up so that it compiles the grouped kernel too
         from pyserve.worker.backends.triton.experts import TritonExperts
 
-        moes = [layer.moe for layer in model.layers if layer.moe is not None]
-        self.expert_kernels = {
-            id(moe): kernels for moe in moes if (kernels := TritonExperts.of(moe)) is not None
-        }
-        if moes:
-            self.experts_summary = f"grouped on {len(self.expert_kernels)} of {len(moes)} layers"
+        self.experts_summary = self.group_experts(model, TritonExperts.of)
         if self.device.type == "cuda":
             self.warm_up(model)
         if self.decode_graphs_mode != "off":
@@ -287,12 +280,6 @@ class TritonBackend(Backend):
 
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return self._fused.gated_activation(gate_up, activation)
-
-    def run_experts(self, moe, x, weights, experts, activation):
-        kernels = self.expert_kernels.get(id(moe))
-        if kernels is None:
-            return super().run_experts(moe, x, weights, experts, activation)
-        return kernels.run(x, weights, experts, activation, self)
 
     def attention(
         self,
