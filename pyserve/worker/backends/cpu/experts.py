@@ -118,20 +118,14 @@ def _in_one_buffer(layers: list[QuantLinear]) -> list[QuantLinear]:
     """The same layers with their packed weights copied into one buffer (data) and another
     (scales), each on huge pages where Linux gives them (quant.weight_buffer)."""
 
-    def offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-        starts, at = [], 0
-        for t in tensors:
-            starts.append(at)
-            at += -(-t.nbytes // ALIGN) * ALIGN
-        return starts, at
-
     def moved(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        starts, total = offsets(tensors)
-        buffer = quant.weight_buffer((total,), torch.uint8)
-        out = []
-        for t, start in zip(tensors, starts, strict=True):
+        sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in tensors]
+        buffer = quant.weight_buffer((sum(sizes),), torch.uint8)
+        out, start = [], 0
+        for t, size in zip(tensors, sizes, strict=True):
             view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
             out.append(view.copy_(t))
+            start += size
         return out
 
     data = moved([layer.packed.data for layer in layers])
