@@ -47,6 +47,14 @@ def _hf_block(kind: str, top_k: int):
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
         block = Qwen2MoeSparseMoeBlock(config)
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(
+            hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=top_k,
+            intermediate_size=WIDTH,
+        )  # fmt: skip
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+        block = GptOssMLP(config)
     else:
         config = transformers.Qwen3MoeConfig(
             hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=top_k,
@@ -62,17 +70,36 @@ def _hf_block(kind: str, top_k: int):
     return block.float().eval(), config
 
 
+def _router(block) -> torch.nn.Module:
+    return block.router if hasattr(block, "router") else block.gate
+
+
 def _ours(block, kind: str, top_k: int) -> SparseMoE:
     """A SparseMoE holding the HF block's weights (its experts are stacked [E, 2·width, hidden]
     gate-then-up and [E, hidden, width] tensors)."""
     shared = SHARED if kind == "qwen2_moe" else 0
-    moe = MoEConfig(EXPERTS, top_k, WIDTH, kind != "qwen2_moe", shared_expert_size=shared)
+    gpt_oss = kind == "gpt_oss"
+    moe = MoEConfig(
+        EXPERTS, top_k, WIDTH, kind != "qwen2_moe", shared_expert_size=shared,
+        router_bias=gpt_oss, expert_bias=gpt_oss, softmax_after_top_k=gpt_oss,
+    )  # fmt: skip
     ours = SparseMoE(HIDDEN, moe, dtype=torch.float32, device="cpu")
     with torch.no_grad():
-        ours.router.copy_(block.gate.weight)
+        ours.router.copy_(_router(block).weight)
+        experts = block.experts
         for e, expert in enumerate(ours.experts):
-            expert.gate_up_proj.weight.copy_(block.experts.gate_up_proj[e])
-            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+            if gpt_oss:  # [in, out], gate and up outputs alternating, with biases
+                gate_up = experts.gate_up_proj[e].T
+                expert.gate_up_proj.weight.copy_(torch.cat([gate_up[::2], gate_up[1::2]]))
+                bias = experts.gate_up_proj_bias[e]
+                expert.gate_up_proj.bias.copy_(torch.cat([bias[::2], bias[1::2]]))
+                expert.down_proj.weight.copy_(experts.down_proj[e].T)
+                expert.down_proj.bias.copy_(experts.down_proj_bias[e])
+            else:
+                expert.gate_up_proj.weight.copy_(experts.gate_up_proj[e])
+                expert.down_proj.weight.copy_(experts.down_proj[e])
+        if gpt_oss:
+            ours.router_bias.copy_(block.router.bias)
         if shared:
             mlp = block.shared_expert
             ours.shared_expert.gate_up_proj.weight.copy_(
@@ -83,7 +110,9 @@ def _ours(block, kind: str, top_k: int) -> SparseMoE:
     return ours
 
 
-def _experts_run(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def _experts_run(
+    moe: SparseMoE, x: torch.Tensor, activation: str = "silu"
+) -> tuple[torch.Tensor, list[int]]:
     """The block's output and how many rows each expert computed."""
     rows = [0] * len(moe.experts)
     hooks = [
@@ -91,7 +120,7 @@ def _experts_run(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, list[in
         for e, expert in enumerate(moe.experts)
     ]
     try:
-        out = moe(x, _backend(), "silu")
+        out = moe(x, _backend(), activation)
     finally:
         for hook in hooks:
             hook.remove()
@@ -101,7 +130,7 @@ def _experts_run(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, list[in
 ROUTERS = ["random", "ties", "one-expert-for-all"]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("router", ROUTERS)
 def test_routing_matches_transformers_sparse_block(kind, router):
     """Ties (a zero router: every probability equal, torch.topk's choice), every token on one
@@ -110,17 +139,22 @@ def test_routing_matches_transformers_sparse_block(kind, router):
     top_k = 2
     block, _ = _hf_block(kind, top_k)
     x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
+    gate = _router(block)
     with torch.no_grad():
         if router == "ties":
-            block.gate.weight.zero_()
+            gate.weight.zero_()
+            if kind == "gpt_oss":
+                gate.bias.zero_()
         elif router == "one-expert-for-all":
             x = x.abs()  # positive inputs: expert 0's all-positive row wins every token
-            block.gate.weight.fill_(-0.1)
-            block.gate.weight[0] = 1.0
+            gate.weight.fill_(-0.1)
+            gate.weight[0] = 1.0
     ours = _ours(block, kind, top_k)
     with torch.no_grad():
         want = block(x[None])[0]
-        got, rows = _experts_run(ours, x)
+        if kind == "gpt_oss":
+            want = want[0]  # (output, router scores)
+        got, rows = _experts_run(ours, x, "clamped_swiglu" if kind == "gpt_oss" else "silu")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     _, picked = ours.route(x)
     assert rows == torch.bincount(picked.reshape(-1), minlength=EXPERTS).tolist()
@@ -222,6 +256,12 @@ TP_MODELS = {
     },
     # q/k normalized over the heads of both ranks
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    # each rank's heads' sinks, biases split with their rows (down's on rank 0 alone)
+    "gpt_oss": {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "head_dim": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
 }  # fmt: skip
 
 
@@ -314,6 +354,38 @@ def _check_grouped_routes(kernels, layer, backend, Backend, gen) -> None:
         got = kernels.run(x, weights, experts, "silu", backend)
         want = Backend.run_experts(backend, layer, x, weights, experts, "silu")
         assert torch.equal(got, want), name
+
+
+def test_grouped_experts_with_biases_equal_the_loop_bit_for_bit():
+    """gpt-oss's experts (a bias on gate/up and on down, the clamped SwiGLU) as grouped
+    matmuls: each grouped row gets its own expert's bias, as the expert's layer adds it."""
+    from pyserve.worker.backends import attention_backend
+    from pyserve.worker.backends.base import Backend
+    from pyserve.worker.backends.cpu.experts import ExpertKernels
+    from pyserve.worker.backends.cpu.quant_linear import QuantLinear
+
+    moe = MoEConfig(EXPERTS, 2, 64, True, expert_bias=True)
+    layer = SparseMoE(64, moe, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(4)
+    for expert in layer.experts:
+        for name in ("gate_up_proj", "down_proj"):
+            n, k = getattr(expert, name).weight.shape
+            weight = torch.randn((n, k), generator=gen) * 0.05
+            bias = torch.randn(n, generator=gen)
+            setattr(expert, name, QuantLinear(weight, bias, 8, max_kernel_rows=None))
+    kernels = ExpertKernels.build(layer)
+    assert kernels is not None
+    backend = attention_backend(
+        "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    first = torch.randint(0, EXPERTS, (40,), generator=gen)
+    experts = torch.stack([first, (first + 3) % EXPERTS], dim=1)
+    x = torch.randn(len(experts), 64, generator=gen) * 3  # past the SwiGLU's clamp
+    weights = torch.rand(experts.shape, generator=gen)
+    got = kernels.run(x, weights, experts, "clamped_swiglu", backend)
+    want = Backend.run_experts(backend, layer, x, weights, experts, "clamped_swiglu")
+    assert torch.equal(got, want)
 
 
 def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):

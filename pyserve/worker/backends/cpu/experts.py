@@ -34,24 +34,27 @@ class ExpertKernels:
         self.activation_bits = gate_up[0].activation_bits
         self.hidden, self.width = gate_up[0].in_features, down[0].in_features
         self.gate_up, self.down = _expert_set(gate_up), _expert_set(down)
+        # float32 [E, N] each, where the experts have biases (gpt-oss): added to each grouped
+        # row after its matmul, as the expert's own QuantLinear adds it
+        self.gate_up_bias, self.down_bias = _stacked_bias(gate_up), _stacked_bias(down)
 
     @classmethod
     def build(cls, moe: SparseMoE) -> ExpertKernels | None:
         """The kernels of ``moe``, its experts' weights moved into one buffer a projection;
         None (and nothing moved) where a projection is not one packed weight on the kernels at
-        every row count (float experts, segments of mixed types, a bf16 model's float fallback,
-        biases)."""
+        every row count (float experts, segments of mixed types, a bf16 model's float fallback),
+        or only some experts have biases."""
         gate_up = [expert.gate_up_proj for expert in moe.experts]
         down = [expert.down_proj for expert in moe.experts]
         layers = gate_up + down
         if not all(isinstance(layer, QuantLinear) for layer in layers):
             return None
         if any(
-            not isinstance(layer.weight_args, tuple)
-            or layer.max_kernel_rows is not None
-            or layer.bias is not None
+            not isinstance(layer.weight_args, tuple) or layer.max_kernel_rows is not None
             for layer in layers
         ):
+            return None
+        if len({layer.bias is None for layer in layers}) != 1:
             return None
         if len({layer.activation_bits for layer in layers}) != 1:
             return None
@@ -87,16 +90,23 @@ class ExpertKernels:
         )  # fmt: skip
         grouped = x.float().index_select(0, row_token)
         bits = self.activation_bits
+        row_expert = None
+        if self.gate_up_bias is not None:
+            row_expert = torch.repeat_interleave(torch.arange(counts.numel()), counts)
         gate_up = torch.empty(rows, 2 * self.width)
         self.gate_up.matmul(
             grouped.data_ptr(), self.hidden, bits, counts.data_ptr(), gate_up.data_ptr(),
             2 * self.width,
         )  # fmt: skip
+        if self.gate_up_bias is not None:
+            gate_up += self.gate_up_bias.index_select(0, row_expert)
         h = backend.gated_activation(gate_up, activation).float().contiguous()
         y = torch.empty(rows, self.hidden)
         self.down.matmul(
             h.data_ptr(), self.width, bits, counts.data_ptr(), y.data_ptr(), self.hidden
         )
+        if self.down_bias is not None:
+            y += self.down_bias.index_select(0, row_expert)
         out = torch.empty(tokens, self.hidden)
         kernels.moe_combine(
             y.data_ptr(), self.hidden, row_token.data_ptr(), row_weight.data_ptr(), rows,
@@ -133,12 +143,18 @@ def _in_one_buffer(layers: list[QuantLinear]) -> list[QuantLinear]:
     return [
         QuantLinear.from_packed(
             replace(layer.packed, data=d, scales=s),
-            None,
+            layer.bias,
             activation_bits=layer.activation_bits,
             max_kernel_rows=None,
         )
         for layer, d, s in zip(layers, data, scales, strict=True)
     ]
+
+
+def _stacked_bias(layers: list[QuantLinear]) -> torch.Tensor | None:
+    if layers[0].bias is None:
+        return None
+    return torch.stack([layer.bias.detach().float() for layer in layers])
 
 
 def _expert_set(layers: list[QuantLinear]):
