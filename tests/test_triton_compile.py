@@ -47,6 +47,7 @@ class Shape:
     softcap: float | None = None
     window: int | None = None
     activation: str = "silu"
+    sinks: bool = False  # a sink logit per head (gpt-oss)
 
 
 # fmt: off
@@ -58,6 +59,8 @@ SHAPES = {
     "gemma2-9b": Shape(16, 8, 256, 3584, 14336, softcap=50.0, window=4096,
                        activation="gelu_tanh"),
     "phi3-partial-rotary": Shape(32, 32, 96, 3072, 8192, rotary=48),
+    # its clamped SwiGLU runs in torch; the experts' grouped kernel is compiled below
+    "gpt-oss-20b": Shape(64, 8, 64, 2880, 2880, window=128, sinks=True),
 }
 # fmt: on
 DTYPES = {
@@ -82,6 +85,7 @@ def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
         scale=shape.head_dim**-0.5,
         softcap=shape.softcap,
         window=shape.window,
+        sinks=torch.zeros(shape.heads) if shape.sinks else None,
     )
     x = torch.zeros(tokens, shape.hidden, dtype=dtype)
     with record_launches() as launches:
