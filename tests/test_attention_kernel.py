@@ -57,9 +57,12 @@ def random_tables(contexts: list[int], seed: int, dtype=torch.int32) -> torch.Te
     )
 
 
-def reference(q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.0) -> torch.Tensor:
+def reference(
+    q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.0, sinks=None
+) -> torch.Tensor:
     """float64: gather each request's first `context` tokens (with a window, the last `window`
-    of them), repeat kv heads, soft-cap the scores if asked, plain softmax."""
+    of them), repeat kv heads, soft-cap the scores if asked, plain softmax (with ``sinks`` [H]:
+    one more column per head, with no value)."""
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = []
     for d, n in enumerate(contexts):
@@ -72,7 +75,11 @@ def reference(q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.
         scores = (k @ q[d].double()[:, :, None])[..., 0] * scale  # [H, n - first]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            probs = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+        out.append((probs[:, None, :] @ v)[:, 0])
     return torch.stack(out)
 
 
@@ -260,6 +267,24 @@ def test_window_and_softcap_match_reference(isa, dtype, shape):
                                          softcap=softcap)  # fmt: skip
             what = f"{isa} {dtype} window={window} softcap={softcap} partition={partition}"
             assert_close(out, expected, dtype, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 37])
+def test_sinks_match_reference(isa, dtype, window):
+    """A sink logit per head (gpt-oss), strong and weak against the scores, alone and with a
+    window, in one partition and split over several (merged with the sinks once)."""
+    shape = (64, 9, 3)
+    q, k_cache, v_cache, tables, lens, plain = reference_case(dtype, shape)
+    sinks = torch.linspace(-4.0, 6.0, shape[1])
+    scale = shape[0] ** -0.5
+    expected = reference(q, k_cache, v_cache, tables, CONTEXTS, scale, window, sinks=sinks)
+    assert (expected - plain).abs().max() > 0.05
+    for partition in (0, 32, 96):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                     partition_tokens=partition, window=window,
+                                     sinks=sinks)  # fmt: skip
+        assert_close(out, expected, dtype, f"{isa} {dtype} {window=} {partition=} sinks")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -381,6 +381,8 @@ def test_each_family_says_what_it_runs(family):
     }.get(name.split("-")[0], [])
     if "partial" in name:
         expected.append("partial rotary 8/16")
+    if runner.config.attention_sinks and info.name == "cpu-kernels":  # the kernels have sinks
+        assert info.kernels["attention"] == "kernels", info.kernels
     if runner.config.tie_word_embeddings:  # one matrix for the embedding and the head
         assert runner.model.lm_head.weight is runner.model.embed_tokens
     for feature in expected:

@@ -53,10 +53,13 @@ def random_case(shape, dtype, block, seed, index_dtype=torch.int64):
     return q, k_cache, v_cache, spans, tables.to(index_dtype)
 
 
-def reference(q, k_cache, v_cache, spans, tables, scale, window=0, softcap=0.0) -> torch.Tensor:
+def reference(
+    q, k_cache, v_cache, spans, tables, scale, window=0, softcap=0.0, sinks=None
+) -> torch.Tensor:
     """float64; rows outside the spans are NaN (the kernel must leave them alone). With a window
     row i of a span sees the last `window` positions up to its own, start + i; with a softcap
-    the scores are capped before the mask."""
+    the scores are capped before the mask; ``sinks`` [H]: one more softmax column per head,
+    with no value."""
     heads, kv_heads, block = q.shape[1], v_cache.shape[0], v_cache.shape[2]
     out = torch.full(q.shape, float("nan"), dtype=torch.float64)
     for s, (first, rows, start) in enumerate(spans.tolist()):
@@ -74,8 +77,13 @@ def reference(q, k_cache, v_cache, spans, tables, scale, window=0, softcap=0.0) 
         if window:  # key j, row i: j > start + i - window
             visible &= torch.ones(rows, total, dtype=torch.bool).triu(diagonal=start - window + 1)
         scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.double()[:, None, None].expand(heads, rows, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
         # (the V rows nobody sees may hold NaN: 0 · NaN would spread it)
-        out[first : first + rows] = (scores.softmax(-1) @ v.nan_to_num()).transpose(0, 1)
+        out[first : first + rows] = (probs @ v.nan_to_num()).transpose(0, 1)
     return out
 
 
@@ -200,6 +208,25 @@ def test_window_and_softcap_match_reference(isa, dtype, shape, block):
                                 window=window, softcap=softcap)  # fmt: skip
         assert out[~rows].isnan().all(), "a row outside the chunks was written"
         assert_close(out, expected, dtype, f"{isa} {dtype} block={block} {window=} {softcap=}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 40])
+def test_sinks_match_reference(isa, dtype, window):
+    """A sink logit per head (gpt-oss), strong and weak against the scores, alone and with a
+    window: one more column in every row's softmax."""
+    shape, block = (64, 9, 3), 16
+    q, k_cache, v_cache, spans, tables, plain = reference_case(dtype, shape, block)
+    rows = ~plain[:, 0, 0].isnan()
+    sinks = torch.linspace(-4.0, 6.0, shape[1])
+    expected = reference(
+        q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, window, sinks=sinks
+    )
+    assert (expected[rows] - plain[rows]).abs().max() > 0.05
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_prefill_attention(q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, out=out,
+                            window=window, sinks=sinks)  # fmt: skip
+    assert_close(out, expected, dtype, f"{isa} {dtype} {window=} sinks")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

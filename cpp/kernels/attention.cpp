@@ -61,13 +61,16 @@ int64_t first_visible(const DecodeAttentionArgs& a, int64_t context) {
   return a.window > 0 ? std::max<int64_t>(0, context - a.window) : 0;
 }
 
+// acc / l, each head's sums relative to its maximum m; a sink adds exp(sink − m) to the sum.
 void write_output(const DecodeAttentionArgs& a, const WorkItem& item, int group, const float* acc,
-                  const float* l) {
+                  const float* l, const float* m) {
   const int dim = a.head_dim;
   const int64_t row =
       item.query * a.out_token_stride + static_cast<int64_t>(item.kv_head) * group * dim;
   for (int h = 0; h < group; ++h) {
-    const float inverse = 1.0f / l[h];
+    float sum = l[h];
+    if (a.sinks != nullptr) sum += std::exp(a.sinks[item.kv_head * group + h] - m[h]);
+    const float inverse = 1.0f / sum;
     for (int i = 0; i < dim; ++i)
       store_element(a.q_dtype, a.out, row + h * dim + i, acc[h * dim + i] * inverse);
   }
@@ -155,7 +158,7 @@ void attend(void* context, int chunk) {
   }
 
   if (item.partial < 0) {
-    write_output(a, item, group, acc.data(), l.data());
+    write_output(a, item, group, acc.data(), l.data(), m.data());
     return;
   }
   float* out = job.partials + item.partial * partial_floats(group, dim);
@@ -170,11 +173,12 @@ void merge(void* context, int chunk) {
   const Merge& merge = job.merges[chunk];
   const int group = job.group, dim = job.args->head_dim;
   const int64_t stride = partial_floats(group, dim);
-  thread_local std::vector<float> acc, l;
+  thread_local std::vector<float> acc, l, tops;
   acc.assign(static_cast<size_t>(group) * dim, 0.0f);
   l.assign(group, 0.0f);
+  tops.assign(group, -std::numeric_limits<float>::infinity());
   for (int h = 0; h < group; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
+    float& top = tops[h];
     for (int p = 0; p < merge.count; ++p) {
       const float* part = job.partials + job.items[merge.first + p].partial * stride;
       top = std::max(top, part[h]);
@@ -187,7 +191,7 @@ void merge(void* context, int chunk) {
       for (int i = 0; i < dim; ++i) acc[h * dim + i] += part_acc[i] * weight;
     }
   }
-  write_output(*job.args, job.items[merge.first], group, acc.data(), l.data());
+  write_output(*job.args, job.items[merge.first], group, acc.data(), l.data(), tops.data());
 }
 
 void check_args(const DecodeAttentionArgs& a) {
@@ -211,6 +215,8 @@ void check_args(const DecodeAttentionArgs& a) {
   check(a.partition_tokens >= 0, "partition_tokens must be >= 0");
   check(a.window >= 0, "window must be >= 0");
   check(std::isfinite(a.softcap) && a.softcap >= 0.0f, "softcap must be finite and >= 0");
+  if (a.sinks != nullptr)
+    for (int h = 0; h < a.num_heads; ++h) check(std::isfinite(a.sinks[h]), "a sink is not finite");
   for (int d = 0; d < a.num_queries; ++d) {
     const int64_t context = index_at(a.context_lens, a.context_index_bytes, d);
     check(context >= 1 && context <= a.table_stride * a.block_size, [&] {

@@ -45,6 +45,9 @@ struct DecodeAttentionArgs {
   int window = 0;
   // Each score s (scale · q·k) becomes softcap · tanh(s / softcap) before the softmax; 0: none.
   float softcap = 0.0f;
+  // [num_heads] float32: each head's sink logit, one more softmax column with no value
+  // (gpt-oss); null: none.
+  const float* sinks = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the output.

@@ -93,7 +93,7 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                             uintptr_t block_tables, int table_index_bytes, int64_t table_stride,
                             uintptr_t context_lens, int context_index_bytes, float scale,
                             uintptr_t out, int64_t out_token_stride, int partition_tokens,
-                            int window, float softcap) {
+                            int window, float softcap, uintptr_t sinks) {
   const pk::DecodeAttentionArgs args{address<const void>(q),
                                      q_token_stride,
                                      static_cast<pk::DType>(q_dtype),
@@ -116,7 +116,8 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      out_token_stride,
                                      partition_tokens,
                                      window,
-                                     softcap};
+                                     softcap,
+                                     address<const float>(sinks)};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
 }
@@ -126,7 +127,8 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                              int num_kv_heads, int num_blocks, int block_size, int head_dim,
                              uintptr_t spans, int num_spans, uintptr_t block_tables,
                              int table_index_bytes, int64_t table_stride, float scale,
-                             uintptr_t out, int64_t out_token_stride, int window, float softcap) {
+                             uintptr_t out, int64_t out_token_stride, int window, float softcap,
+                             uintptr_t sinks) {
   const pk::PrefillAttentionArgs args{address<const void>(q),
                                       q_token_stride,
                                       static_cast<pk::DType>(q_dtype),
@@ -148,7 +150,8 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                                       address<void>(out),
                                       out_token_stride,
                                       window,
-                                      softcap};
+                                      softcap,
+                                      address<const float>(sinks)};
   py::gil_scoped_release released;
   pk::paged_prefill_attention(args);
 }
@@ -389,21 +392,22 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("table_index_bytes"), py::arg("table_stride"), py::arg("context_lens"),
         py::arg("context_index_bytes"), py::arg("scale"), py::arg("out"),
         py::arg("out_token_stride"), py::arg("partition_tokens"), py::arg("window") = 0,
-        py::arg("softcap") = 0.0f,
+        py::arg("softcap") = 0.0f, py::arg("sinks") = 0,
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
         "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself; window > 0: the "
-        "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap)");
+        "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap); "
+        "sinks: the address of a float32 logit per head, one more softmax column (0: none)");
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"),
         py::arg("q_token_stride"), py::arg("q_dtype"), py::arg("num_rows"), py::arg("num_heads"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"),
         py::arg("num_blocks"), py::arg("block_size"), py::arg("head_dim"), py::arg("spans"),
         py::arg("num_spans"), py::arg("block_tables"), py::arg("table_index_bytes"),
         py::arg("table_stride"), py::arg("scale"), py::arg("out"), py::arg("out_token_stride"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0f,
+        py::arg("window") = 0, py::arg("softcap") = 0.0f, py::arg("sinks") = 0,
         "causal attention of prompt chunks (spans: int64 [num_spans, 3] of first row, rows, "
-        "cached tokens before them) over the paged KV cache, read in place; window and softcap "
-        "as paged_decode_attention's");
-  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap");
+        "cached tokens before them) over the paged KV cache, read in place; window, softcap and "
+        "sinks as paged_decode_attention's");
+  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap", "sinks");
   m.def("attention_softcap", &attention_softcap, py::arg("values"), py::arg("n"), py::arg("cap"),
         "values[i] = cap * tanh(values[i] / cap) in place over n float32 values, with the "
         "current ISA's attention loops; returns the largest");

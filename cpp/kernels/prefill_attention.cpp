@@ -105,6 +105,10 @@ void attend(void* context, int index) {
     pos += n;
   }
 
+  if (a.sinks != nullptr)  // one more column in each row's sum: exp(sink − the row's maximum)
+    for (int h = 0; h < group; ++h)
+      for (int j = 0; j < rows; ++j)
+        l[h * kPrefillRows + j] += std::exp(a.sinks[first_head + h] - m[h * kPrefillRows + j]);
   for (int h = 0; h < group; ++h) {
     const int64_t at = (first_row * a.out_token_stride + (first_head + h) * dim) * q_bytes;
     kernels.store_output(a.q_dtype, ot.data() + h * per_head, l.data() + h * kPrefillRows, rows,
@@ -130,6 +134,8 @@ void check_args(const PrefillAttentionArgs& a) {
   check(a.table_stride >= 1, "table_stride must be >= 1");
   check(a.window >= 0, "window must be >= 0");
   check(std::isfinite(a.softcap) && a.softcap >= 0.0f, "softcap must be finite and >= 0");
+  if (a.sinks != nullptr)
+    for (int h = 0; h < a.num_heads; ++h) check(std::isfinite(a.sinks[h]), "a sink is not finite");
   for (int s = 0; s < a.num_spans; ++s) {
     const Span span = span_at(a, s);
     const auto name = [s] { return "span " + std::to_string(s); };

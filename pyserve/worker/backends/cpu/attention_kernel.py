@@ -46,18 +46,25 @@ def kernel_available() -> bool:
 
 def attention_features() -> frozenset[str]:
     """What the compiled attention kernels compute beyond plain causal attention: "window"
-    (a sliding window over the last W positions) and "softcap" (scores → cap·tanh(s / cap)),
-    as the module declares them (``pyserve._kernels.ATTENTION_FEATURES``)."""
+    (a sliding window over the last W positions), "softcap" (scores → cap·tanh(s / cap)) and
+    "sinks" (a logit per head in every softmax, with no value), as the module declares them
+    (``pyserve._kernels.ATTENTION_FEATURES``)."""
     if not kernel_available():
         return frozenset()
     return frozenset(getattr(quant.kernels(), "ATTENTION_FEATURES", ()))
 
 
-def _check_options(window: int, softcap: float) -> None:
+def _check_options(window: int, softcap: float, sinks: torch.Tensor | None, heads: int) -> int:
+    """The sinks' address (0: none), once the options are checked."""
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: none), not {window}")
     if not (softcap >= 0 and math.isfinite(softcap)):  # NaN fails the comparison
         raise ValueError(f"softcap must be finite and >= 0 (0: none), not {softcap}")
+    if sinks is None:
+        return 0
+    if sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be a contiguous float32 [{heads}] tensor")
+    return sinks.data_ptr()
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -162,11 +169,13 @@ class DecodeAttention(_BoundToCache):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [D, heads, head_dim] (rows may be strided) → out of q's shape and dtype; each query
         sees its context's last ``window`` positions (0: all), scores soft-capped at ``softcap``
-        (0: none)."""
-        _check_options(window, softcap)
+        (0: none), each head's softmax with its ``sinks`` logit as one more column (float32
+        [heads]; None: none)."""
+        sinks_at = _check_options(window, softcap, sinks, self.num_heads)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
@@ -195,6 +204,7 @@ class DecodeAttention(_BoundToCache):
             self.partition_tokens,
             window,
             softcap,
+            sinks_at,
         )
         return out
 
@@ -244,12 +254,13 @@ class PrefillAttention(_BoundToCache):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [rows, heads, head_dim] (rows may be strided) → the spans' rows of ``out`` (q's
         shape and dtype, contiguous heads); other rows of ``out`` are left as they are. Each row
         sees the last ``window`` positions up to its own (0: all), scores soft-capped at
-        ``softcap`` (0: none)."""
-        _check_options(window, softcap)
+        ``softcap`` (0: none), with the ``sinks`` as DecodeAttention.run's."""
+        sinks_at = _check_options(window, softcap, sinks, self.num_heads)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
         kv_heads, num_blocks, block_size, head_dim = self.geometry
         self._kernels.paged_prefill_attention(
@@ -275,6 +286,7 @@ class PrefillAttention(_BoundToCache):
             out_stride,
             window,
             softcap,
+            sinks_at,
         )
         return out
 
@@ -290,13 +302,15 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache (which already holds their K/V):
     row ``first + i`` of span (first, rows, start) sees its request's tokens [0, start + i]
     through ``block_tables[span]``, with a ``window`` only the last ``window`` of them, scores
-    soft-capped at ``softcap`` (0: none); query head h reads kv head h // (heads // kv_heads).
-    Returns ``out`` ([rows, heads, head_dim] in q's dtype; new and zeroed when None), written at
-    the spans' rows.
+    soft-capped at ``softcap`` (0: none), each head's ``sinks`` logit (float32 [heads]) one more
+    softmax column; query head h reads kv head h // (heads // kv_heads). Returns ``out``
+    ([rows, heads, head_dim] in q's dtype; new and zeroed when None), written at the spans'
+    rows.
     """
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
@@ -308,7 +322,7 @@ def paged_prefill_attention(
     )
     if out is None:
         out = torch.zeros(q.shape, dtype=q.dtype)
-    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks)
 
 
 def paged_decode_attention(
@@ -323,12 +337,14 @@ def paged_decode_attention(
     partition_tokens: int = 0,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [D, heads, head_dim] (one token per request) over each request's first
     ``context_lens[d]`` cached tokens, found through ``block_tables[d]``, with a ``window`` only
     the last ``window`` of them (the blocks before are not read), scores soft-capped at
-    ``softcap`` (0: none); query head h reads kv head h // (heads // kv_heads). Returns
-    [D, heads, head_dim] in q's dtype.
+    ``softcap`` (0: none), each head's ``sinks`` logit (float32 [heads]) one more softmax
+    column; query head h reads kv head h // (heads // kv_heads). Returns [D, heads, head_dim] in
+    q's dtype.
 
     block_tables: int32/int64 [D, width]; context_lens: int32/int64 [D]. ``partition_tokens``
     forces the context split (0: the kernel picks it from the load and its thread count).
@@ -347,7 +363,7 @@ def paged_decode_attention(
         k_cache=k_cache,
         partition_tokens=partition_tokens,
     )
-    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks)
 
 
 __all__ = [

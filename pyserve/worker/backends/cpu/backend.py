@@ -380,14 +380,19 @@ class CpuKernelsBackend(Backend):
         cache = self.kv_cache
         assert cache is not None
         k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
-        # the plan runs a layer with a window or a cap here only where the kernels compute them
-        window, softcap = layer.sliding_window or 0, layer.softcap or 0.0
+        # the plan runs a layer with a window, a cap or sinks here only where the kernels
+        # compute them
+        options = {
+            "window": layer.sliding_window or 0,
+            "softcap": layer.softcap or 0.0,
+            "sinks": None if layer.sinks is None else layer.sinks.float(),
+        }
         decode = meta.decode
         if meta.all_decode and decode is not None:
-            return decode.call.run(q, k_cache, v_cache, layer.scale, window=window, softcap=softcap)
+            return decode.call.run(q, k_cache, v_cache, layer.scale, **options)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.prefill is not None:
-            meta.prefill.run(q, k_cache, v_cache, layer.scale, out, window=window, softcap=softcap)
+            meta.prefill.run(q, k_cache, v_cache, layer.scale, out, **options)
         elif not meta.all_decode:  # prefill rows on the torch path (no prefill kernel here)
             assert k is not None and v is not None
             torch_meta = self._torch_metadata(meta)
@@ -397,8 +402,6 @@ class CpuKernelsBackend(Backend):
                 out[rows] = self.reference.prefill(layer, q[rows], k[rows], v[rows], span)
         if decode is not None:
             rows_q = q.index_select(0, decode.token_index)
-            decoded = decode.call.run(
-                rows_q, k_cache, v_cache, layer.scale, window=window, softcap=softcap
-            )
+            decoded = decode.call.run(rows_q, k_cache, v_cache, layer.scale, **options)
             out.index_copy_(0, decode.token_index, decoded)
         return out
