@@ -212,6 +212,38 @@ def test_stacked_q8_0_experts_are_packed_as_the_file_holds_them(tmp_path):
     assert (ours - ref).abs().max() < 0.02
 
 
+GPT_OSS = {
+    "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+    "hidden_size": 64, "vocab_size": 512, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+}  # fmt: skip
+
+
+def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
+    """gpt-oss as a Q8_0 GGUF: the stacked experts packed at 8 bits with their stacked biases,
+    every layer's experts grouped on the CPU kernels, attention (sinks, windows) on the
+    kernels, and the logits within the activations' rounding of the file's exact weights."""
+    import gguf
+
+    model = make_tiny_model(tmp_path / "hf", "gpt_oss", seed=3, **GPT_OSS)
+    path = tmp_path / "gpt-oss-q8.gguf"
+    write_gguf(model, path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    exact = load_runner(
+        str(path), num_blocks=64, block_size=4, quantization="none", kv_cache_dtype="float32"
+    )
+    packed = load_runner(str(path), num_blocks=64, block_size=4, quantization="auto")
+    assert set(packed.packed_precisions) == {"int8"}
+    info = packed.backend.info()
+    if info.name == "cpu-kernels":
+        assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
+        assert info.kernels["attention"] == "kernels", info.kernels
+    expert = packed.model.layers[2].moe.experts[6]
+    assert type(expert.down_proj).__name__ != "Linear" and expert.down_proj.bias is not None
+    prompt = list(range(5, 45))
+    ours, ref = (_prefill_logprobs(r, prompt) for r in (packed, exact))
+    assert (ours - ref).abs().max() < 0.02
+
+
 def _prefill_logprobs(runner, prompt: list[int]) -> torch.Tensor:
     from hf_parity import Driver
 
