@@ -22,6 +22,7 @@ from collections.abc import Awaitable
 from aiohttp import web
 
 from pyserve import replicas
+from pyserve.chat.harmony import HARMONY
 from pyserve.chat.reasoning import REASONING_PARSERS
 from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
@@ -156,17 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--tool-call-parser",
         default="auto",
-        choices=["auto", "none", *TOOL_CALL_PARSERS],
+        choices=["auto", "none", *TOOL_CALL_PARSERS, HARMONY],
         help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; "
-        "mistral [TOOL_CALLS]; generic: any model, tools in the system prompt and one JSON "
-        "object of calls or a reply); auto: the format its chat template uses, else generic; "
-        "none: refuse tools",
+        "mistral [TOOL_CALLS]; harmony: gpt-oss; generic: any model, tools in the system "
+        "prompt and one JSON object of calls or a reply); auto: the format its chat template "
+        "uses, else generic; none: refuse tools",
     )
     add(
         "--reasoning-parser",
-        choices=list(REASONING_PARSERS),
+        choices=[*REASONING_PARSERS, HARMONY],
         help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the "
-        "model opens it; deepseek_r1: the prompt does); none: the thought stays in the content",
+        "model opens it; deepseek_r1: the prompt does); none: the thought stays in the content. "
+        "A harmony model's (gpt-oss) analysis channel is its reasoning_content without a flag",
     )
     add(
         "--pooling",

@@ -47,10 +47,13 @@ def after_thought(
     *,
     opened: bool,
     added_tokens: Mapping[str, int] | None = None,
+    answer_opening: str = "",
 ) -> Grammar:
     """``grammar`` applied to the answer of a reasoning model: the output may first think
     (``start`` ... ``end``, the thought free and ending at the first ``end``), then must follow
     ``grammar``. ``opened``: the prompt already opened the thought, so the output starts in it.
+    ``answer_opening``: text that the answer starts with, thought or not (harmony's header of
+    its final message).
 
     JSON and regex grammars become the rule ``answer``; a Lark (or EBNF) grammar keeps its
     rules, its ``start`` renamed ``answer`` (so it must not have rules named ``thought``,
@@ -70,12 +73,15 @@ def after_thought(
         thought = f"thought_text[lazy]: /(.|\\n)*/ {closing}\nthought: {opening}thought_text\n"
 
     optional = "" if opened else "?"
+    lead = lark_text(answer_opening, tokens) + " " if answer_opening else ""
     if grammar.kind in ("json_object", "json_schema", "regex"):
         if grammar.kind == "regex":
             answer = f"/{regex_to_lark(grammar.text)}/"
         else:
             answer = f"%json {_with_options(grammar.text or ANY_JSON_OBJECT)}"
-        return Grammar("lark", f"start: thought{optional} answer\n{thought}answer: {answer}\n")
+        return Grammar(
+            "lark", f"start: thought{optional} {lead}answer\n{thought}answer: {answer}\n"
+        )
     text = gbnf_to_lark(grammar.text) if grammar.kind == "ebnf" else grammar.text
     rules = set(re.findall(r"(?m)^\s*([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?\s*:", text))
     if "start" not in rules or rules & {"thought", "thought_text", "answer"}:
@@ -84,7 +90,7 @@ def after_thought(
             "thought, thought_text or answer"
         )
     answer = re.sub(r"(?m)^(\s*)start(\s*(?:\[[^\]]*\])?\s*:)", r"\1answer\2", text)
-    return Grammar("lark", f"{answer}\nstart: thought{optional} answer\n{thought}")
+    return Grammar("lark", f"{answer}\nstart: thought{optional} {lead}answer\n{thought}")
 
 
 def lark_text(text: str, added_tokens: Mapping[str, int]) -> str:

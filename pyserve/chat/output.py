@@ -2,15 +2,18 @@
 
 A reasoning parser splits ``<think>...</think>`` off as the reasoning; a tool-call parser turns
 the format's call blocks into calls (and a "stop" into "tool_calls"), and the generic format's
-reply object into its text. Whole outputs become a ``ParsedMessage``; streamed, each generated
-chunk becomes an ``OutputDelta`` carrying whichever of the three it advanced, and text that may
-still turn out to be a marker is held back. Every API dialect writes these in its own shape.
+reply object into its text. A harmony model's output (gpt-oss) is read by the harmony reader
+alone, whose channels carry all three. Whole outputs become a ``ParsedMessage``; streamed, each
+generated chunk becomes an ``OutputDelta`` carrying whichever of the three it advanced, and text
+that may still turn out to be a marker is held back. Every API dialect writes these in its own
+shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyserve.chat.harmony import HarmonyFormat, HarmonyStream
 from pyserve.chat.reasoning import ReasoningParser, ReasoningStream
 from pyserve.chat.tool_calls import ToolCallParser
 from pyserve.chat.tool_stream import ToolCall, ToolCallDelta, ToolCallStream
@@ -44,9 +47,12 @@ class ChatOutput:
 
     tools: ToolCallParser | None = None
     reasoning: ReasoningParser | None = None
+    harmony: HarmonyFormat | None = None  # set: it reads the whole turn, the others are unused
 
     def message(self, text: str, finish_reason: str | None) -> ParsedMessage:
         """The assistant turn of a whole output, and its finish reason."""
+        if self.harmony is not None:
+            return _harmony_message(self.harmony, text, finish_reason)
         reasoning, content = None, text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.parse(text)
@@ -67,6 +73,9 @@ class ChatOutput:
 
 class ChatOutputStream:
     def __init__(self, output: ChatOutput) -> None:
+        self._harmony: HarmonyStream | None = (
+            output.harmony.stream() if output.harmony is not None else None
+        )
         self._reasoning: ReasoningStream | None = (
             output.reasoning.stream() if output.reasoning is not None else None
         )
@@ -87,6 +96,11 @@ class ChatOutputStream:
         return with_tool_calls(reason) if self.called else reason
 
     def _delta(self, text: str, final: bool) -> OutputDelta | None:
+        if self._harmony is not None:
+            read = self._harmony.finish() if final else self._harmony.feed(text)
+            self.called = self.called or bool(read.tool_calls)
+            delta = OutputDelta(read.content, read.reasoning, read.tool_calls)
+            return delta if delta else None
         thought, content = "", text
         if self._reasoning is not None:
             thought, content = self._reasoning.finish() if final else self._reasoning.feed(text)
@@ -100,6 +114,16 @@ class ChatOutputStream:
             self.called = True
         delta = OutputDelta(content, thought, calls)
         return delta if delta else None
+
+
+def _harmony_message(fmt: HarmonyFormat, text: str, finish_reason: str | None) -> ParsedMessage:
+    read = fmt.parse(text)
+    # OpenAI's null content beside calls or a thought; an output with nothing is "".
+    content = read.content or (None if read.tool_calls or read.reasoning else "")
+    message = ParsedMessage(content, read.reasoning or None, read.tool_calls, finish_reason)
+    if read.tool_calls:
+        message.finish_reason = with_tool_calls(finish_reason)
+    return message
 
 
 def with_tool_calls(reason: str | None) -> str | None:

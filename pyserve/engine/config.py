@@ -67,10 +67,12 @@ class EngineConfig:
     # On a CUDA device: the KV pool takes what is left of this fraction of the device's memory
     # once the weights are loaded (SGLang's --mem-fraction-static); None: kv_cache_tokens/bytes.
     mem_fraction_static: float | None = None
-    # How assistant output becomes tool calls: a pyserve.chat.tool_calls.PARSERS name, "auto"
-    # (the format the chat template writes, else "generic") or "none" (tools are refused).
+    # How assistant output becomes tool calls: a pyserve.chat.tool_calls.PARSERS name, "harmony"
+    # (gpt-oss), "auto" (the format the chat template writes, else "generic") or "none" (tools
+    # are refused).
     tool_call_parser: str = "auto"
-    # Splits <think>...</think> into reasoning_content: a REASONING_PARSERS name, or None.
+    # Splits <think>...</think> into reasoning_content: a REASONING_PARSERS name, "harmony", or
+    # None (a harmony model's thought is split off whatever this says).
     reasoning_parser: str | None = None
     # Embeddings (pyserve/engine/embeddings.py): last | mean | cls, None: the model's default;
     # whether they are scaled to unit length; how /v1/rerank scores (auto | yes-no | cosine).
@@ -145,16 +147,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        from pyserve.chat.harmony import HARMONY
         from pyserve.chat.reasoning import REASONING_PARSERS
         from pyserve.chat.tool_calls import PARSERS
 
-        if self.tool_call_parser not in ("auto", "none", *PARSERS):
-            names = ", ".join(("auto", "none", *PARSERS))
+        if self.tool_call_parser not in ("auto", "none", *PARSERS, HARMONY):
+            names = ", ".join(("auto", "none", *PARSERS, HARMONY))
             raise ValueError(
                 f"tool_call_parser must be one of {names}; got {self.tool_call_parser!r}"
             )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            names = ", ".join(REASONING_PARSERS)
+        reasoning_parsers = (*REASONING_PARSERS, HARMONY)
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning_parsers:
+            names = ", ".join(reasoning_parsers)
             raise ValueError(
                 f"reasoning_parser must be one of {names}; got {self.reasoning_parser!r}"
             )

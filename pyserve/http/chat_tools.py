@@ -4,7 +4,8 @@
 given (or, in the generic format, the messages that describe them), the grammar that enforces
 ``tool_choice`` or ``response_format``, and how the output is parsed back.
 ``ChatPlan.for_prompt`` then fits the grammar to a reasoning model's thought once the rendered
-prompt shows whether the template opened it.
+prompt shows whether the template opened it. A harmony model (gpt-oss) has a plan of its own:
+its channels carry thought and calls, its grammars write its headers, its turn ends stop it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
-from pyserve.chat import generic_tools
+from pyserve.chat import generic_tools, harmony_grammar
 from pyserve.chat.generic_tools import GenericPrompt
+from pyserve.chat.harmony import HarmonyFormat
+from pyserve.chat.harmony_prompt import HarmonyPrompt, template_tools
 from pyserve.chat.output import ChatOutput
 from pyserve.chat.policy import ChatPolicy
 from pyserve.chat.reasoning import ReasoningParser
@@ -29,6 +33,12 @@ from pyserve.http.generation import ChatSpec
 from pyserve.http.protocol import NamedToolChoice, TextFormat
 from pyserve.wire.main_to_worker import Grammar
 
+HARMONY_EFFORTS = ("low", "medium", "high")  # the reasoning efforts gpt-oss was trained on
+
+
+class MessageRewrite(Protocol):
+    def messages(self, messages: list[dict]) -> list[dict]: ...
+
 
 @dataclass(frozen=True)
 class ChatPlan:
@@ -36,15 +46,17 @@ class ChatPlan:
     grammar: Grammar | None
     grammar_param: str  # the request field the grammar comes from, for errors
     output: ChatOutput | None  # how the output is parsed; None: all of it is the content
-    keep_special_tokens: bool  # a tool marker is a special token: the parser must see it
-    # The generic format: how the messages are rewritten for a template that renders no tools.
-    generic_prompt: GenericPrompt | None = None
+    keep_special_tokens: bool  # a marker is a special token: the parser must see it
+    # How the messages are rewritten for the template: the generic format's (a template that
+    # renders no tools), harmony's (gpt-oss's template and its fields).
+    rewrite: MessageRewrite | None = None
+    stop_token_ids: tuple[int, ...] = ()  # beside the model's EOS: what ends the turn
 
     def template_messages(self, messages: list[dict]) -> list[dict]:
         """The messages the chat template renders (``ChatMessage.as_template_input`` dicts)."""
-        if self.generic_prompt is None:
+        if self.rewrite is None:
             return messages
-        return self.generic_prompt.messages(messages)
+        return self.rewrite.messages(messages)
 
     @classmethod
     def of(
@@ -65,6 +77,8 @@ class ChatPlan:
             if req.tool_choice is not None:
                 raise bad_request("tool_choice needs tools", param="tool_choice")
             choice = "none"
+        if policy.harmony:
+            return _harmony_plan(req, choice, grammar, param, policy, loose)
         parser: ToolCallParser | None = None
         if choice != "none":
             parser = policy.tool_call_parser
@@ -96,7 +110,7 @@ class ChatPlan:
             # and results are rewritten whether or not tools are offered this time.
             generic = GenericPrompt(_generic_instructions(req, choice, template_tools))
             template_tools = None
-        return cls(template_tools, grammar, param, output, keep_special, generic)
+        return cls(template_tools, grammar, param, output, keep_special, rewrite=generic)
 
     def for_prompt(self, prompt_ids: list[int], policy: ChatPolicy) -> ChatPlan:
         """The plan for this rendered prompt: a reasoning model thinks before the grammar."""
@@ -135,30 +149,11 @@ def _tool_grammar(
 ) -> tuple[Grammar | None, str]:
     """The grammar that enforces ``tool_choice`` (with ``response_format``'s, if any);
     ``grammar`` came from the request field ``param``."""
-    answer_format = req.response_format is not None and not isinstance(
-        req.response_format, TextFormat
-    )
-    if grammar is not None and not answer_format:
-        raise bad_request(
-            "json_schema, regex and ebnf constrain a text answer and cannot be combined with "
-            "tools: use response_format",
-            param=param,
-        )
-    functions = [tool.function for tool in req.tools or []]
-
-    def schemas(chosen: list) -> list[tuple[str, dict | None]]:
-        return [(f.name, None if f.name in loose else f.parameters) for f in chosen]
-
+    _check_beside_tools(req, grammar, param)
     if isinstance(choice, NamedToolChoice):
-        named = [f for f in functions if f.name == choice.function.name]
-        if not named:
-            raise bad_request(
-                f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                param="tool_choice",
-            )
         lark = tool_calls_lark(
             parser.call_format,
-            schemas(named),
+            _schemas(req, loose, choice),
             parallel=False,
             added_tokens=added_tokens,
         )
@@ -166,7 +161,7 @@ def _tool_grammar(
     parallel = req.parallel_tool_calls is not False
     lark = tool_calls_lark(
         parser.call_format,
-        schemas(functions),
+        _schemas(req, loose),
         parallel=parallel,
         added_tokens=added_tokens,
     )
@@ -181,6 +176,86 @@ def _tool_grammar(
         return None, "grammar"
     schema = msgspec.json.decode(grammar.text) if grammar.kind == "json_schema" else None
     return Grammar("lark", tool_calls_or_json_lark(lark, schema)), param
+
+
+def _check_beside_tools(req: ChatSpec, grammar: Grammar | None, param: str) -> None:
+    """Tools allow a response format's grammar, and no other."""
+    answer_format = req.response_format is not None and not isinstance(
+        req.response_format, TextFormat
+    )
+    if grammar is not None and not answer_format:
+        raise bad_request(
+            "json_schema, regex and ebnf constrain a text answer and cannot be combined with "
+            "tools: use response_format",
+            param=param,
+        )
+
+
+def _schemas(
+    req: ChatSpec, loose: Collection[str], named: NamedToolChoice | None = None
+) -> list[tuple[str, dict | None]]:
+    """(name, parameters schema) of the tools a grammar may call: all, or the ``named`` one
+    (a 400 if it is not among them); None for a tool held to any object (``loose``)."""
+    functions = [tool.function for tool in req.tools or []]
+    if named is not None:
+        functions = [f for f in functions if f.name == named.function.name]
+        if not functions:
+            raise bad_request(
+                f"tool_choice names {named.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+    return [(f.name, None if f.name in loose else f.parameters) for f in functions]
+
+
+def _harmony_plan(
+    req: ChatSpec,
+    choice: str | NamedToolChoice,
+    grammar: Grammar | None,
+    param: str,
+    policy: ChatPolicy,
+    loose: Collection[str],
+) -> ChatPlan:
+    """The plan of a harmony model (gpt-oss): the reader sees the special tokens, the turn's
+    ends stop generation, and a forced call or an answer format is held by harmony's grammars
+    (a call after an optional thought; the format's text in the final message)."""
+    effort = req.template_kwargs.get("reasoning_effort")
+    if effort is not None and effort not in HARMONY_EFFORTS:
+        raise params.unsupported(
+            "reasoning_effort", f"this model takes {', '.join(HARMONY_EFFORTS)}; got {effort!r}"
+        )
+    calls = choice != "none"
+    tokens = policy.added_tokens
+    tools = None
+    if calls:
+        if not policy.harmony_calls:
+            raise params.unsupported(
+                "tools", "this server reads no tool calls (--tool-call-parser none)"
+            )
+        _check_beside_tools(req, grammar, param)
+        named = choice if isinstance(choice, NamedToolChoice) else None
+        schemas = _schemas(req, loose, named)
+        if named is not None or choice == "required":
+            lark = harmony_grammar.calls_lark(schemas, tokens)
+            grammar, param = Grammar("lark", lark), "tool_choice"
+        elif grammar is not None:
+            schema = msgspec.json.decode(grammar.text) if grammar.kind == "json_schema" else None
+            lark = harmony_grammar.calls_lark(schemas, tokens, answer=True, answer_schema=schema)
+            grammar = Grammar("lark", lark)
+        tools = template_tools([msgspec.to_builtins(tool) for tool in req.tools or []])
+    elif grammar is not None:
+        try:
+            grammar = harmony_grammar.answer_after_thought(grammar, tokens)
+        except ValueError as exc:
+            raise params.unsupported(param, str(exc)) from None
+    return ChatPlan(
+        tools,
+        grammar,
+        param,
+        ChatOutput(harmony=HarmonyFormat(calls=calls)),
+        keep_special_tokens=True,
+        rewrite=HarmonyPrompt(),
+        stop_token_ids=tuple(policy.turn_end_ids),
+    )
 
 
 def _generic_instructions(

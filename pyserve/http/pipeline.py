@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -171,6 +172,7 @@ class Pipeline:
         arrival = time.perf_counter()
         state, engine = self.state, self.engine
         grammar, output, keep_special = req.grammar, None, False
+        sampling = req.sampling
         if req.chat is not None:
             spec = req.chat
             loose = await self._loose_tools(spec)
@@ -189,6 +191,9 @@ class Pipeline:
             prompts = [prompt]
             grammar, output, keep_special = plan.grammar, plan.output, plan.keep_special_tokens
             param = plan.grammar_param
+            if plan.stop_token_ids and not sampling.ignore_eos:  # they end the turn, as EOS does
+                stops = [*sampling.stop_token_ids, *plan.stop_token_ids]
+                sampling = dataclasses.replace(sampling, stop_token_ids=stops)
             if state.options.log_requests:
                 log.info("%s messages: %r", id, spec.messages)
         else:
@@ -198,13 +203,13 @@ class Pipeline:
                 log.info("%s prompts: %r", id, prompts)
         if grammar is not None:
             await state.call(engine.check_grammar(grammar, param))
-        detok = req.sampling.detok()
+        detok = sampling.detok()
         if keep_special:
             detok.skip_special_tokens = False
         choices = [
             (
                 prompt,
-                req.sampling.params(
+                sampling.params(
                     max_new_tokens=state.max_new_tokens(len(prompt), req.max_tokens),
                     choice=i,
                     grammar=grammar,
@@ -251,7 +256,7 @@ class Pipeline:
 
     def check_thinking(self, enable: bool | None, param: str) -> None:
         """A request that asks for a thought from a model that writes none is refused."""
-        if enable and self.policy.reasoning_parser is None:
+        if enable and not self.policy.reads_thoughts:
             raise unsupported(
                 param, "this server reads no thoughts (start it with --reasoning-parser)"
             )

@@ -130,6 +130,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: Annotated[list[MessageToolCall], Meta(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None  # an assistant's earlier refusal, rendered as its content
+    # An assistant's earlier thought, as pyserve (and vLLM) return it, or OpenRouter's name for
+    # it: templates that render thoughts (Qwen3, gpt-oss) read it as reasoning_content.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     audio: Unsupported = None
     function_call: Unsupported = None
 
@@ -158,6 +162,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought:
+            message["reasoning_content"] = thought
         return message
 
 

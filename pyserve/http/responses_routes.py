@@ -140,7 +140,7 @@ class ResponsesRoutes:
             spec.template_kwargs["reasoning_effort"] = effort
         if effort == "none":
             spec.enable_thinking = False
-        elif self.pipeline.policy.reasoning_parser is not None:
+        elif self.pipeline.policy.reads_thoughts:
             spec.enable_thinking = True
         elif not reads_effort:
             raise params.unsupported(
