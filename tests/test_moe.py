@@ -244,6 +244,65 @@ def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
     assert (ours - ref).abs().max() < 0.02
 
 
+def _as_published_mxfp4(directory) -> None:
+    """The gpt-oss checkpoint in ``directory`` rewritten as OpenAI publishes gpt-oss: every
+    expert tensor as MXFP4 codes ``*_blocks`` [experts, outputs, groups, 16] (the even element
+    in the low nibble) and exponents ``*_scales``, quantized by gguf-py, with the
+    quantization_config that tells transformers so."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(name).transpose(1, 2)  # [experts, out, in]
+        experts, n, k = weight.shape
+        blocks = gguf.quants.quantize(weight.reshape(experts * n, k).numpy(), mxfp4)
+        blocks = blocks.reshape(experts, n, k // 32, 17)
+        codes = np.empty((experts, n, k // 32, 32), np.uint8)
+        codes[..., :16], codes[..., 16:] = blocks[..., 1:] & 15, blocks[..., 1:] >> 4
+        state[name + "_blocks"] = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))
+        state[name + "_scales"] = torch.from_numpy(blocks[..., 0].copy())
+    save_file(state, path, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head",
+        ],
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_gpt_oss_as_published_with_mxfp4_experts_matches_transformers(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (as openai/gpt-oss-20b
+    ships): read as GGML's MXFP4 rows, the same model transformers dequantizes from the same
+    file: its greedy tokens and logprobs."""
+    from hf_parity import BLOCK_SIZE, Driver, assert_all_match, hf_greedy, make_prompts
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path / "hf"
+    make_tiny_model(directory, "gpt_oss", seed=3, **GPT_OSS)
+    _as_published_mxfp4(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompts = make_prompts(seed=4)[:4]
+    refs = hf_greedy(model, prompts)
+    runner = load_runner(
+        str(directory), num_blocks=256, block_size=BLOCK_SIZE, quantization="none",
+        kv_cache_dtype="float32",
+    )  # fmt: skip
+    expert = runner.model.layers[1].moe.experts[5].gate_up_proj.weight
+    published = model.model.layers[1].mlp.experts.gate_up_proj[5].T  # gate, up alternating
+    assert torch.equal(expert, torch.cat([published[::2], published[1::2]]))
+    driver = Driver(runner)
+    seqs = [driver.new_seq(p) for p in prompts]
+    driver.step([(s, s.pending) for s in seqs])
+    driver.run_decodes(seqs)
+    assert_all_match(seqs, refs)
+
+
 def _prefill_logprobs(runner, prompt: list[int]) -> torch.Tensor:
     from hf_parity import Driver
 

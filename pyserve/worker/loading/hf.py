@@ -12,6 +12,7 @@ import torch
 
 from pyserve.model_files import ModelFilesError, ModelSource, read_model_info
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor
+from pyserve.worker.loading.mxfp4 import MXFP4ExpertSlice
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.layout import FusedExperts
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_hf
@@ -160,8 +161,15 @@ def unfused_experts(
     if fused is None:
         return tensors
     gate, up, down = family.hf_expert_names
+    by_name = dict(tensors)
     out: list[tuple[str, StoredTensor]] = []
     for name, tensor in tensors:
+        packed = _MXFP4_EXPERTS.fullmatch(name)
+        if packed is not None:
+            out += _mxfp4_experts(packed, tensor, by_name, fused, (gate, up, down))
+            continue
+        if name.endswith("_scales") and _MXFP4_EXPERTS.fullmatch(name[: -len("scales")] + "blocks"):
+            continue  # read with its blocks
         match = _FUSED_EXPERTS.fullmatch(name)
         if match is None or not isinstance(tensor, SafetensorsTensor):
             out.append((name, tensor))
@@ -183,6 +191,48 @@ def unfused_experts(
                 piece = ExpertSlice(tensor, expert, fused, start, step, count)
                 out.append((f"{prefix}.{expert}.{part}.{kind}", piece))
     return out
+
+
+# the same, as MXFP4 codes and scales (gpt-oss as published: loading/mxfp4.py)
+_MXFP4_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)_blocks")
+
+
+def _mxfp4_experts(
+    match: re.Match,
+    blocks: StoredTensor,
+    by_name: dict[str, StoredTensor],
+    fused: FusedExperts,
+    names: tuple[str, str, str],
+) -> list[tuple[str, StoredTensor]]:
+    """Each expert's parts of an MXFP4 expert tensor (its rows are the outputs, [out, in] as a
+    projection's, whatever ``fused.transposed`` says of the float form)."""
+    prefix, proj = match.groups()
+    scales_name = f"{prefix}.{proj}_scales"
+    scales = by_name.get(scales_name)
+    shape = blocks.shape
+    if scales is None or len(shape) != 4 or tuple(scales.shape) != tuple(shape[:3]):
+        raise ModelLoadError(
+            f"{blocks.file}: {blocks.name!r} {list(shape)} needs {scales_name!r} of shape "
+            f"{list(shape[:3])}"
+        )
+    gate, up, down = names
+    outputs = shape[1]
+    if proj == "down_proj":
+        parts = [(down, 0, 1, outputs)]
+    elif fused.interleaved:
+        parts = [(gate, 0, 2, outputs // 2), (up, 1, 2, outputs // 2)]
+    else:
+        parts = [(gate, 0, 1, outputs // 2), (up, outputs // 2, 1, outputs // 2)]
+    return [
+        (
+            f"{prefix}.{expert}.{part}.weight",
+            MXFP4ExpertSlice(
+                blocks.file, blocks.name, scales_name, shape, expert, start, step, count
+            ),
+        )
+        for expert in range(shape[0])
+        for part, start, step, count in parts
+    ]
 
 
 class ExpertSlice(StoredTensor):
