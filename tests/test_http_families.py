@@ -1,7 +1,8 @@
-"""Qwen3, Gemma 3 and Qwen3-MoE through a real `pyserve run`: tiny random-weight models with
-SmolLM2's vocabulary and tokenizer (so text prompts and chat templates work) and the family's
+"""Qwen3, Gemma 3, Qwen3-MoE and gpt-oss through a real `pyserve run`: tiny random-weight models
+with SmolLM2's vocabulary and tokenizer (so text prompts and chat templates work) and the family's
 features on (q/k norms; Gemma's sliding windows shorter than the prompts, (1 + w) norms,
-sandwich norms, GELU-tanh, two rope tables; a mixture of 8 experts, top-2). Prompts are
+sandwich norms, GELU-tanh, two rope tables; a mixture of 8 experts, top-2; gpt-oss's sinks,
+biases, windows and clamped SwiGLU, here with SmolLM2's chat template). Prompts are
 prefilled in small chunks; a prompt whose prefix the cache holds gives the same tokens as the
 same prompt cold, and both equal Hugging Face's greedy output on the same weights (K/V in
 float32, so that the only differences are HF's own near-ties). Qwen3 is also served with
@@ -44,6 +45,14 @@ FAMILIES = {
         "moe_intermediate_size": 32,
         "norm_topk_prob": True,
     },
+    "gpt-oss": {
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 LONG_PROMPTS = [p + " and then, after a long while, it went on" for p in REFERENCE_PROMPTS]
 # server: (family, backend); the default backend is the CPU kernels where they apply
@@ -51,6 +60,7 @@ SERVERS = {
     "qwen3": ("qwen3", None),
     "gemma3": ("gemma3", None),
     "qwen3moe": ("qwen3moe", None),
+    "gpt-oss": ("gpt-oss", None),
     "qwen3-triton": ("qwen3", "triton"),
 }
 
@@ -96,7 +106,10 @@ def test_the_server_names_the_family_and_its_backend(server):
     assert status == 200
     info = json.loads(raw)
     assert info["architecture"] == server.family
-    assert "q/k norm" in info["model_features"]
+    if server.family == "gpt-oss":
+        assert "attention sinks" in info["model_features"]
+    else:
+        assert "q/k norm" in info["model_features"]
     if server.family == "gemma3":
         assert any(f.startswith(f"sliding window {WINDOW}") for f in info["model_features"])
     if server.family == "qwen3moe":

@@ -47,6 +47,7 @@ FAMILY_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
