@@ -478,4 +478,4 @@ def dequantize_weight(packed: PackedWeight | SegmentedWeight) -> torch.Tensor:
         w = d[..., None] * (u.view(rows, groups, -1).float() - Q6_OFFSET)
         return w.reshape(rows, -1)[: packed.n, : packed.k].contiguous()
     w = d.float()[..., None] * u.view(rows, groups, -1).float() + m.float()[..., None]
-    return w.view(rows, -1)[: packed.n, : packed.k].contiguous()
+    return w.reshape(rows, -1)[: packed.n, : packed.k].contiguous()
