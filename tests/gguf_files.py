@@ -24,6 +24,7 @@ ARCH = {  # HF model_type → GGUF general.architecture
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp's converter writes Mixtral as a Llama with experts
     "olmoe": "olmoe",
+    "gpt_oss": "gpt-oss",
 }
 
 _TOP = {
@@ -53,7 +54,9 @@ _MOE_PARTS = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.router": "ffn_gate_inp",  # gpt-oss
 }
+_GPT_OSS_PARTS = {"post_attention_layernorm": "post_attention_norm"}
 _MIXTRAL_NAMES = {
     "block_sparse_moe.": "mlp.",
     ".w1.": ".gate_proj.",
@@ -61,7 +64,7 @@ _MIXTRAL_NAMES = {
     ".w2.": ".down_proj.",
 }
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias)?")
 _GEMMA_PARTS = {
     **_PARTS,
     "post_attention_layernorm": "post_attention_norm",
@@ -168,6 +171,10 @@ def write_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     if getattr(cfg, "sliding_window", None) and model_type != "qwen3":
         writer.add_sliding_window(int(cfg.sliding_window))
     if model_type in ("gemma2", "gemma3_text") and cfg.query_pre_attn_scalar != head_dim:
@@ -200,17 +207,26 @@ def write_gguf(
         writer.add_expert_used_count(int(cfg.num_experts_per_tok))
         if getattr(cfg, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+        if model_type == "gpt_oss":
+            writer.add_expert_feed_forward_length(int(cfg.intermediate_size))
         if getattr(cfg, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
     gemma = model_type in ("gemma2", "gemma3_text")
     parts = {**(_GEMMA_PARTS if gemma else _PARTS), **_MOE_PARTS}
+    if model_type == "gpt_oss":
+        parts |= _GPT_OSS_PARTS
     stored = {}
     gates: dict[str, np.ndarray] = {}  # fusing: each layer's gate stack, until its up stack
-    for name, tensor in _merged_experts(model.state_dict()):
+    for name, tensor in _merged_experts(model.state_dict(), gpt_oss=model_type == "gpt_oss"):
         if isinstance(tensor, list):  # one stacked tensor: every expert's, in expert order
-            layer, proj = name
-            gguf_name = f"blk.{layer}.ffn_{proj}_exps.weight"
+            layer, proj, kind_ = name
+            gguf_name = f"blk.{layer}.ffn_{proj}_exps.{kind_}"
             array = np.stack([t.detach().float().numpy() for t in tensor])
+            if kind_ == "bias":  # [experts, n], in F32 as the converter leaves 1-D tensors
+                writer.add_tensor(gguf_name, array)
+                for e, values in enumerate(array):
+                    stored[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.bias"] = values
+                continue
             if fuse_gate_up_exps and proj in ("gate", "up"):
                 assert matrix_type is None, "fused experts are written in F32"
                 for e, values in enumerate(array):
@@ -233,7 +249,9 @@ def write_gguf(
             for e, values in enumerate(array):
                 stored[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = values.copy()
             continue
-        if name.startswith("model.layers."):
+        if name.endswith(".self_attn.sinks"):  # gpt-oss: the converter adds ".weight"
+            gguf_name = f"blk.{name.split('.')[2]}.attn_sinks.weight"
+        elif name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
             part, kind_ = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{parts[part]}.{kind_}"
@@ -278,23 +296,30 @@ def write_gguf(
     return stored
 
 
-def _merged_experts(state: dict):
+def _merged_experts(state: dict, gpt_oss: bool = False):
     """The state dict's (name, tensor) pairs in order, with each layer's experts stacked as the
-    converter stacks them: ((layer, "gate" | "up" | "down"), [each expert's matrix]) in place
-    of a checkpoint's per-expert tensors (Mixtral's w1/w3/w2 too), or of transformers' fused
-    [experts, 2·width, hidden] gate/up and [experts, hidden, width] down parameters."""
+    converter stacks them: ((layer, "gate" | "up" | "down", "weight" | "bias"), [each expert's
+    tensor]) in place of a checkpoint's per-expert tensors (Mixtral's w1/w3/w2 too), or of
+    transformers' fused [experts, 2·width, hidden] gate/up and [experts, hidden, width] down
+    parameters (gpt-oss's: transposed, gate and up alternating, with biases)."""
     stacks: dict[tuple[str, str], list] = {}
     out: list = []
     for name, tensor in state.items():
         fused = _FUSED_EXPERTS.fullmatch(name)
         if fused is not None:
-            layer, proj = fused.groups()
+            layer, proj, bias = fused.groups()
+            kind = "bias" if bias else "weight"
+            if gpt_oss and not bias:  # [experts, in, out]: as [experts, out, in]
+                tensor = tensor.transpose(1, 2)
             if proj == "down":
-                out.append(((layer, "down"), list(tensor)))
+                out.append(((layer, "down", kind), list(tensor)))
+            elif gpt_oss:  # the converter's split: even outputs the gate, odd ones the up
+                out.append(((layer, "gate", kind), list(tensor[:, ::2])))
+                out.append(((layer, "up", kind), list(tensor[:, 1::2])))
             else:
                 width = tensor.shape[1] // 2
-                out.append(((layer, "gate"), list(tensor[:, :width])))
-                out.append(((layer, "up"), list(tensor[:, width:])))
+                out.append(((layer, "gate", kind), list(tensor[:, :width])))
+                out.append(((layer, "up", kind), list(tensor[:, width:])))
             continue
         qwen_name = name
         for old, new in _MIXTRAL_NAMES.items():
@@ -306,7 +331,7 @@ def _merged_experts(state: dict):
         layer, expert, proj = one.groups()
         if (layer, proj) not in stacks:
             stacks[layer, proj] = []
-            out.append(((layer, proj), stacks[layer, proj]))
+            out.append(((layer, proj, "weight"), stacks[layer, proj]))
         assert int(expert) == len(stacks[layer, proj]), "experts out of order"
         stacks[layer, proj].append(tensor)
     return out

@@ -51,6 +51,7 @@ def make_tiny_model(directory, kind: str = "llama", seed: int = 0, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     torch.manual_seed(seed)

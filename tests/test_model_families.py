@@ -151,6 +151,28 @@ MOE_FAMILIES = {
     "mixtral": ("mixtral", {**MOE, "num_local_experts": 8, "intermediate_size": 32}),
     # q/k normalized over all heads at once
     "olmoe": ("olmoe", {**MOE, "num_experts": 8, "intermediate_size": 32}),
+    # sinks, biases everywhere, softmax over the top-k logits, a clamped SwiGLU, windows on the
+    # even layers, yarn with an unrounded ramp
+    "gpt-oss-window": (
+        "gpt_oss",
+        {
+            **MOE,
+            "head_dim": 16,
+            "num_local_experts": 8,
+            "intermediate_size": 32,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
 }
 FAMILIES |= MOE_FAMILIES
 
@@ -200,6 +222,7 @@ TRITON_FAMILIES = [
     "gemma2",
     "phi3-longrope-long-partial-window",
     "qwen3moe",
+    "gpt-oss-window",
 ]
 
 
@@ -344,6 +367,17 @@ def test_each_family_says_what_it_runs(family):
         "qwen2moe": ["qkv bias", "mixture of experts: top-2 of 8 + a shared expert on 2 layers"],
         "mixtral": ["mixture of experts: top-2 of 8 on 3 layers"],
         "olmoe": ["full-width q/k norm", "mixture of experts: top-2 of 8 on 3 layers"],
+        "gpt": [
+            "attention sinks",
+            "qkv bias",
+            "o bias",
+            "rope yarn",
+            "activation clamped_swiglu",
+            "softmax over the top-k logits",
+            "router bias",
+            "expert biases",
+            "sliding window 8 on 2 layers",
+        ],
     }.get(name.split("-")[0], [])
     if "partial" in name:
         expected.append("partial rotary 8/16")

@@ -59,9 +59,14 @@ class AttentionLayer:
     scale: float
     sliding_window: int | None = None  # the last W positions, the query's own included
     softcap: float | None = None  # scores → cap·tanh(scores / cap) before the softmax
+    # [heads] logits that join each head's softmax as one more column with no value (gpt-oss);
+    # the layer's parameter, filled in place by the loader
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, config: ModelConfig, index: int) -> AttentionLayer:
+    def of(
+        cls, config: ModelConfig, index: int, sinks: torch.Tensor | None = None
+    ) -> AttentionLayer:
         return cls(
             index=index,
             num_heads=config.num_heads,
@@ -70,6 +75,7 @@ class AttentionLayer:
             scale=config.scale,
             sliding_window=config.layers[index].sliding_window,
             softcap=config.attn_softcap,
+            sinks=sinks,
         )
 
 

@@ -64,7 +64,8 @@ def open_gguf_checkpoint(source: ModelSource) -> Checkpoint:
                 raise ModelLoadError(f"{shard}: tensor {tensor.name!r}: {problem}")
             stacked = parts[0].expert is not None
             experts = len({part.expert for part in parts})
-            if stacked and (len(tensor.shape) != 3 or int(tensor.shape[2]) != experts):
+            # [experts, rows, k] weights, [experts, n] biases
+            if stacked and (len(tensor.shape) not in (2, 3) or int(tensor.shape[-1]) != experts):
                 raise ModelLoadError(
                     f"{shard}: tensor {tensor.name!r} has shape {list(tensor.shape)}, "
                     f"the config implies {experts} experts"
@@ -129,12 +130,12 @@ class GGUFTensor(StoredTensor):
         self.type_name = tensor.tensor_type.name
         self._type = tensor.tensor_type
         self.offset, self.nbytes = int(tensor.data_offset), int(tensor.n_bytes)
-        if piece is not None:  # experts lie one after another: [experts, rows, k]
+        if piece is not None:  # experts lie one after another: [experts, rows, k], [experts, n]
             index, count = piece
             self.nbytes //= count
             self.offset += index * self.nbytes
-            experts, rows, k = self.shape
-            self.shape = (experts * rows // count, k)
+            experts, *rest = self.shape
+            self.shape = (experts * rest[0] // count, *rest[1:])
             self.name = f"{tensor.name}[{index}]"
         self._family, self._config = family, config
 

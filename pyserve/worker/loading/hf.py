@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from pyserve.model_files import ModelFilesError, ModelSource, read_model_info
 from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor
 from pyserve.worker.models.config import ModelConfig
+from pyserve.worker.models.layout import FusedExperts
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_hf
 from pyserve.worker.rope import check_rope
 
@@ -26,7 +28,7 @@ def open_hf_checkpoint(source: ModelSource) -> Checkpoint:
         path=str(directory),
         config=config,
         family=family,
-        tensors=[item for file in files for item in _list_tensors(file)],
+        tensors=unfused_experts([item for file in files for item in _list_tensors(file)], family),
     )
 
 
@@ -142,3 +144,82 @@ def _list_tensors(file: Path) -> list[tuple[str, StoredTensor]]:
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from None
     return listed
+
+
+# a layer's fused experts: "<prefix>.experts.gate_up_proj", "..._bias", "<prefix>.experts.down_proj"
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def unfused_experts(
+    tensors: list[tuple[str, StoredTensor]], family: Family
+) -> list[tuple[str, StoredTensor]]:
+    """``tensors`` with each fused 3-D expert tensor (``Family.hf_fused_experts``) replaced by
+    its per-expert parts, named as per-expert checkpoints name them ("...experts.3.up_proj.
+    weight"); each part reads only its expert's slice."""
+    fused = family.hf_fused_experts
+    if fused is None:
+        return tensors
+    gate, up, down = family.hf_expert_names
+    out: list[tuple[str, StoredTensor]] = []
+    for name, tensor in tensors:
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None or not isinstance(tensor, SafetensorsTensor):
+            out.append((name, tensor))
+            continue
+        prefix, proj, bias = match.groups()
+        kind = "bias" if bias else "weight"
+        for expert in range(tensor.shape[0]):
+            if proj == "down_proj":
+                parts = [(down, 0, 1, None)]
+            else:
+                outputs = tensor.shape[-1] if (fused.transposed or bias) else tensor.shape[1]
+                width = outputs // 2
+                parts = (
+                    [(gate, 0, 2, width), (up, 1, 2, width)]
+                    if fused.interleaved
+                    else [(gate, 0, 1, width), (up, width, 1, width)]
+                )
+            for part, start, step, count in parts:
+                piece = ExpertSlice(tensor, expert, fused, start, step, count)
+                out.append((f"{prefix}.{expert}.{part}.{kind}", piece))
+    return out
+
+
+class ExpertSlice(StoredTensor):
+    """One expert's outputs of a fused expert tensor ([out, in] or [out]), read alone: outputs
+    ``start``, ``start + step``, ... (``count`` of them; None: all)."""
+
+    def __init__(
+        self,
+        source: SafetensorsTensor,
+        expert: int,
+        fused: FusedExperts,
+        start: int,
+        step: int,
+        count: int | None,
+    ):
+        self.source, self.expert, self.start, self.step = source, expert, start, step
+        self.transpose = fused.transposed and len(source.shape) == 3
+        per_expert = source.shape[1:]
+        if self.transpose:
+            per_expert = per_expert[::-1]
+        outputs = per_expert[0] if count is None else count
+        self.shape = (outputs, *per_expert[1:])
+        self.file, self.type_name = source.file, source.type_name
+        self.name = f"{source.name}[{expert}]"
+        self.nbytes = source.nbytes // source.shape[0] * outputs // per_expert[0]
+
+    def values(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(self.source.file, framework="pt") as f:
+                t = f.get_slice(self.source.name)[self.expert : self.expert + 1][0]
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise ModelLoadError(
+                f"{self.file}: cannot read tensor {self.source.name!r} (corrupt or truncated: {e})"
+            ) from None
+        if self.transpose:
+            t = t.T
+        stop = self.start + self.step * self.shape[0]
+        return t[self.start : stop : self.step].contiguous()

@@ -4,6 +4,7 @@ they share (decoder.py). Importing this package registers every family; it stays
 from pyserve.worker.models import (  # noqa: F401
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     olmoe,
     phi3,

@@ -206,6 +206,14 @@ def gguf_rope(
             "factor": float(get("rope.scaling.factor")),
             "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
         }
+        # what llama.cpp's converter writes when the checkpoint sets them
+        for key, name in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ("rope.scaling.yarn_attn_factor", "attention_factor"),
+        ):
+            if (value := get(key)) is not None:
+                scaling[name] = float(value)
     elif kind not in ("none", None):
         raise ValueError(f"rope scaling {kind!r} is not supported (linear, yarn)")
     return RopeConfig(

@@ -55,6 +55,11 @@ class MoEConfig:
     normalize_top_k: bool  # the k probabilities rescaled to sum to 1 (Qwen3-MoE, Mixtral)
     # an expert every token runs, scaled by sigmoid(x · gate) (Qwen2-MoE); 0: none
     shared_expert_size: int = 0
+    router_bias: bool = False  # the router's logits have a bias (gpt-oss)
+    expert_bias: bool = False  # every expert's gate/up and down have biases (gpt-oss)
+    # the k largest logits first, then a softmax over those k alone (gpt-oss), rather than
+    # the k largest of a softmax over all experts
+    softmax_after_top_k: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -86,7 +91,14 @@ class ModelConfig:
     # Norms after attention and around the MLP as well (Gemma 2/3): x + norm(attn(norm(x))),
     # then x + norm(mlp(norm(x)))
     sandwich_norms: bool = False
-    activation: str = "silu"  # the MLP's gate: silu | gelu_tanh
+    activation: str = "silu"  # the MLP's gate: silu | gelu_tanh | clamped_swiglu
+    # clamped_swiglu (gpt-oss): gate clamped above at the limit, up to ±limit, then
+    # (up + 1) · gate · sigmoid(alpha · gate)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # a learned logit per head that joins every row's softmax as one more column, with no value
+    # (gpt-oss's attention sinks): rows can attend to "nothing"
+    attention_sinks: bool = False
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # scores → cap·tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits → cap·tanh(logits / cap) (Gemma 2)
@@ -157,12 +169,19 @@ class ModelConfig:
                 f"mixture of experts: top-{moe.top_k} of {moe.num_experts}{shared} "
                 f"on {moe_layers} layers"
             )
+            if moe.softmax_after_top_k:
+                found.append("softmax over the top-k logits")
+            if moe.router_bias:
+                found.append("router bias")
+            if moe.expert_bias:
+                found.append("expert biases")
         flags = {
             "qkv bias": self.qkv_bias,
             "o bias": self.o_bias,
             "q/k norm": self.qk_norm and not self.qk_norm_full_width,
             "full-width q/k norm": self.qk_norm and self.qk_norm_full_width,
             "sandwich norms": self.sandwich_norms,
+            "attention sinks": self.attention_sinks,
             f"norm offset {self.norm_offset:g}": self.norm_offset != 0,
             f"activation {self.activation}": self.activation != "silu",
             f"attention scale {self.scale:.4g}": self.attention_scale is not None,
@@ -174,7 +193,7 @@ class ModelConfig:
         return found + [name for name, on in flags.items() if on]
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 def uniform_layers(

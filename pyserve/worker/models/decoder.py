@@ -2,13 +2,13 @@
 describes and calls only backend ops (pyserve/worker/backends/base.py).
 
 A block: norm → attention (fused q/k/v projection; q/k norm, RoPE from the layer's table, the
-layer's window, scale and soft-cap, inside the backend) → [norm] → residual → norm → gated MLP
-(fused gate/up projection; SiLU or GELU-tanh), or a mixture of such MLPs (models/moe.py) →
-[norm] → residual; the bracketed norms are Gemma's "sandwich". With tensor parallelism (``tp``;
-the config is then one rank's share), the outputs of o_proj and down_proj (of the MLP or of
-every expert) are summed over the ranks, and the embedding and the logits are completed from
-every rank's slice of the vocabulary. The residual connections are added
-by the next norm in the same pass (``rms_norm(x, residual)``). Weights are stored [out, in] as
+layer's window, scale, soft-cap and sinks, inside the backend) → [norm] → residual → norm →
+gated MLP (fused gate/up projection; SiLU, GELU-tanh or gpt-oss's clamped SwiGLU), or a mixture
+of such MLPs (models/moe.py) → [norm] → residual; the bracketed norms are Gemma's "sandwich".
+With tensor parallelism (``tp``; the config is then one rank's share), the outputs of o_proj and
+down_proj (of the MLP or of every expert) are summed over the ranks, and the embedding and the
+logits are completed from every rank's slice of the vocabulary. The residual connections are
+added by the next norm in the same pass (``rms_norm(x, residual)``). Weights are stored [out, in] as
 in the checkpoints; q/k/v and gate/up are concatenated at load so each block runs 4 matmuls
 instead of 7. The batch is flat: [T, ...] rows from every request, no padding.
 """
@@ -65,10 +65,11 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.tp = tp
         self.rope_table = rope_table  # which of the model's rope tables this layer rotates with
-        self.attn = AttentionLayer.of(config, index)
         self.activation = config.activation
         hidden, inter, eps = config.hidden_size, config.intermediate_size, config.rms_norm_eps
         kw = {"dtype": dtype, "device": device}
+        self.sinks = _weight(config.num_heads, **kw) if config.attention_sinks else None
+        self.attn = AttentionLayer.of(config, index, self.sinks)
         self.attn_norm = RMSNorm(hidden, eps, **kw)
         qkv_size = config.q_size + 2 * config.kv_size  # q, k and v heads side by side
         self.qkv_proj = Linear(hidden, qkv_size, bias=config.qkv_bias, **kw)

@@ -54,6 +54,18 @@ class CheckpointTensor:
     expert: int | None = None
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A checkpoint that holds each layer's experts as 3-D tensors (transformers' fused form):
+    ``experts.gate_up_proj`` [experts, 2·width, hidden] and ``experts.down_proj`` [experts,
+    hidden, width], or both transposed ([experts, in, out]: x @ W), with biases
+    ``gate_up_proj_bias`` [experts, 2·width] and ``down_proj_bias`` [experts, hidden]. The HF
+    loader reads them as the per-expert tensors declared below (loading/hf.py)."""
+
+    transposed: bool  # [experts, in, out]
+    interleaved: bool  # gate and up outputs alternate (gpt-oss), else all gates then all ups
+
+
 def _param(module: str, name: str) -> str:
     return f"{module}.{name}"
 
@@ -186,6 +198,12 @@ def attention_tensors(config: ModelConfig, family: Family, i: int) -> list[Check
         p + hf, _gguf(g, family, hf), m + "o_proj",
         rows=None, split=Split.COLUMNS, segments=(q,), bias=config.o_bias,
     )  # fmt: skip
+    if config.attention_sinks:  # one logit per head: each rank holds its heads'
+        sinks = CheckpointTensor(
+            p + "self_attn.sinks", g + "attn_sinks.weight", m + "sinks",
+            split=Split.ROWS, segments=(config.num_heads,),
+        )  # fmt: skip
+        out.append(sinks)
     return out
 
 
@@ -197,6 +215,7 @@ def gated_mlp_tensors(
     *,
     fused: bool = False,
     expert: int | None = None,
+    bias: bool = False,
 ) -> list[CheckpointTensor]:
     """A gated MLP's gate/up (fused into ``module``.gate_up_proj) and down projections;
     ``hf_prefix`` ends in "." and names the checkpoint's gate_proj, up_proj and down_proj
@@ -207,7 +226,7 @@ def gated_mlp_tensors(
     if fused:
         out += _projection(
             hf_prefix + "gate_up_proj", up, module + "gate_up_proj",
-            rows=None, split=Split.ROWS, segments=(width, width), expert=expert,
+            rows=None, split=Split.ROWS, segments=(width, width), expert=expert, bias=bias,
         )  # fmt: skip
     else:
         for name, gguf, rows in (
@@ -216,11 +235,11 @@ def gated_mlp_tensors(
         ):
             out += _projection(
                 hf_prefix + name, gguf, module + "gate_up_proj",
-                rows=rows, split=Split.ROWS, segments=(width,), expert=expert,
+                rows=rows, split=Split.ROWS, segments=(width,), expert=expert, bias=bias,
             )  # fmt: skip
     out += _projection(
         hf_prefix + "down_proj", down, module + "down_proj",
-        rows=None, split=Split.COLUMNS, segments=(width,), expert=expert,
+        rows=None, split=Split.COLUMNS, segments=(width,), expert=expert, bias=bias,
     )  # fmt: skip
     return out
 
@@ -247,9 +266,10 @@ def moe_tensors(config: ModelConfig, family: Family, i: int) -> list[CheckpointT
     assert moe is not None
     prefix = f"model.layers.{i}.{family.hf_moe_prefix}."
     g, m = f"blk.{i}.", f"layers.{i}.moe."
-    out = [
-        CheckpointTensor(prefix + "gate.weight", g + "ffn_gate_inp.weight", m + "router"),
-    ]
+    router = f"{prefix}{family.hf_router_name}."
+    out = [CheckpointTensor(router + "weight", g + "ffn_gate_inp.weight", m + "router")]
+    if moe.router_bias:
+        out.append(CheckpointTensor(router + "bias", g + "ffn_gate_inp.bias", m + "router_bias"))
     gate, up, down = family.hf_expert_names
     for e in range(moe.num_experts):
         hf = f"{prefix}experts.{e}."
@@ -261,6 +281,7 @@ def moe_tensors(config: ModelConfig, family: Family, i: int) -> list[CheckpointT
                 f"{m}experts.{e}.",
                 moe.expert_size,
                 expert=e,
+                bias=moe.expert_bias,
             )
         ]
         out += parts

@@ -23,10 +23,18 @@ from pyserve.worker.models.config import MoEConfig
 class GatedMLP(nn.Module):
     """down(act(gate(x)) · up(x)), gate and up fused into one projection."""
 
-    def __init__(self, hidden: int, width: int, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        hidden: int,
+        width: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        bias: bool = False,
+    ):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * width, bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(width, hidden, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden, 2 * width, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(width, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
         return self.down_proj(backend.gated_activation(self.gate_up_proj(x), activation))
@@ -34,8 +42,9 @@ class GatedMLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """Routes each token to ``top_k`` experts and sums their outputs weighted by the router's
-    probabilities (softmax over every expert's logit in float32, as transformers computes
-    them), plus the shared expert scaled by its sigmoid gate where the model has one."""
+    probabilities (softmax over every expert's logit in float32, or over the k largest logits
+    alone: gpt-oss), plus the shared expert scaled by its sigmoid gate where the model has
+    one."""
 
     def __init__(
         self, hidden: int, moe: MoEConfig, *, dtype: torch.dtype, device: torch.device | str
@@ -43,12 +52,19 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = moe.top_k
         self.normalize = moe.normalize_top_k
+        self.softmax_after_top_k = moe.softmax_after_top_k
         self.router = nn.Parameter(
             torch.empty(moe.num_experts, hidden, dtype=dtype, device=device), requires_grad=False
         )
+        self.router_bias = (
+            nn.Parameter(torch.empty(moe.num_experts, dtype=dtype, device=device), False)
+            if moe.router_bias
+            else None
+        )
         kw = {"dtype": dtype, "device": device}
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, moe.expert_size, **kw) for _ in range(moe.num_experts)
+            GatedMLP(hidden, moe.expert_size, bias=moe.expert_bias, **kw)
+            for _ in range(moe.num_experts)
         )
         self.shared_expert = (
             GatedMLP(hidden, moe.shared_expert_size, **kw) if moe.shared_expert_size else None
@@ -61,8 +77,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
-        probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        bias = None if self.router_bias is None else self.router_bias.float()
+        logits = F.linear(x.float(), self.router.float(), bias)
+        if self.softmax_after_top_k:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), experts
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts

@@ -24,6 +24,7 @@ from pyserve.worker.models.common import (
     with_moe,
 )
 from pyserve.worker.models.config import LayerConfig, ModelConfig, uniform_layers
+from pyserve.worker.models.layout import FusedExperts
 
 
 class UnsupportedArchitecture(ValueError):
@@ -121,6 +122,10 @@ class Family:
     # in GGUF files, which carry it for few architectures: llama.cpp's rule per architecture)
     normalize_top_k = True
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hf_router_name = "gate"  # the router's module under hf_moe_prefix
+    # how the experts are stored where a checkpoint fuses them into 3-D tensors (None: the
+    # family's checkpoints hold one tensor per expert and projection)
+    hf_fused_experts: FusedExperts | None = None
 
     def gguf_part_of(self, hf_part: str) -> str | None:
         """llama.cpp's name for a block tensor's Hugging Face part ("self_attn.q_proj" →

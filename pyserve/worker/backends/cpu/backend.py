@@ -43,6 +43,7 @@ from pyserve.worker.backends.cpu.attention_kernel import (
 from pyserve.worker.backends.cpu.experts import ExpertKernels
 from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS, QuantLinear
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
+from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
 from pyserve.worker.backends.torch.attention import (
     ReferenceAttention,
     TorchAttentionMetadata,
@@ -114,6 +115,8 @@ class KernelPlan:
                 missing.append("sliding window")
             if config.attn_softcap is not None and "softcap" not in features:
                 missing.append("softcap")
+            if config.attention_sinks and "sinks" not in features:
+                missing.append("sinks")
             if not decode:
                 attention = "torch: no attention kernel for this cache"
             elif missing:
@@ -316,7 +319,9 @@ class CpuKernelsBackend(Backend):
         return layer_ops.rms_norm(x, weight, eps, residual)  # torch's ops where it cannot run
 
     def gated_activation(self, gate_up, activation):
-        return layer_ops.gated_activation(gate_up, activation)  # torch's ops where it cannot run
+        if activation in layer_ops.KERNEL_ACTIVATIONS:
+            return layer_ops.gated_activation(gate_up, activation)  # torch's where it cannot run
+        return reference_activation(gate_up, activation, self.config)
 
     def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
         meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]

@@ -52,6 +52,11 @@ def rope_features() -> frozenset[str]:
     return frozenset(getattr(kernels, "ROPE_FEATURES", ())) if kernels else frozenset()
 
 
+# the activations gated_activation computes (on the kernels, or torch's ops where they do not
+# apply); the others are the torch reference's (backends/torch/activations.py)
+KERNEL_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) · up for the activations of ``fused_activations`` (and silu); torch's ops
     where the kernels do not apply."""

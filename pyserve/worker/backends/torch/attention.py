@@ -13,7 +13,8 @@ For one mixed batch of prefill chunks and decodes:
   batched matmul, and merged per request with a split softmax (max and sum reduced across the
   request's chunks). Padding, and positions outside a layer's window, are masked out.
 
-Soft-capped scores (Gemma 2) go through an explicit softmax instead of SDPA, which has no cap.
+Soft-capped scores (Gemma 2) and sinks (gpt-oss: a per-head logit in every row's softmax, with no
+value) go through an explicit softmax instead of SDPA, which has neither.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class ReferenceAttention:
             values = values.flatten(1, 2)[:, :total].to(q.dtype)
         mask = span.mask(layer.sliding_window, q.device)
         queries = q.transpose(0, 1)  # [heads, rows, dim]
-        if layer.softcap is None:
+        if layer.softcap is None and layer.sinks is None:
             out = F.scaled_dot_product_attention(
                 queries[None],
                 keys[None],
@@ -254,7 +255,7 @@ class ReferenceAttention:
             if mask is None:  # causal over the chunk alone
                 n = q.shape[0]
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            out = _softcapped_attention(queries, keys, values, mask, layer)
+            out = _explicit_attention(queries, keys, values, mask, layer)
         return out.transpose(0, 1)
 
     def decode(self, layer: AttentionLayer, q: torch.Tensor, chunks: DecodeChunks) -> torch.Tensor:
@@ -269,11 +270,16 @@ class ReferenceAttention:
         bias = chunks.bias(layer.sliding_window)
         # [D, H, dim] -> [KVH, D, group, dim]: query head h uses kv head h // group
         q_by_kv = (q * layer.scale).view(num_rows, kv_heads, group, dim).transpose(0, 1)
+        # each head's sink logit, [KVH, 1, group, 1] as the scores are laid out
+        sinks = None if layer.sinks is None else layer.sinks.float().view(kv_heads, 1, group, 1)
         if chunks.one_chunk_each:
             scores = torch.matmul(q_by_kv, keys.transpose(-1, -2))  # [KVH, D, group, tokens]
             scores = _softcap(scores, layer.softcap)
             scores += bias[None, :, None, :]
-            probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bf16 too
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bf16 too
+            else:
+                probs = _softmax_with_sinks(scores, sinks.expand(*scores.shape[:-1], 1))
             out = torch.matmul(probs, values)  # [KVH, D, group, dim]
             return out.transpose(0, 1).reshape(num_rows, layer.num_heads, dim)
         q_by_kv = q_by_kv.index_select(1, chunks.chunk_owner)
@@ -287,10 +293,14 @@ class ReferenceAttention:
             (kv_heads, num_rows, group), float("-inf"), dtype=torch.float32, device=q.device
         )
         row_max.scatter_reduce_(1, owner[None, :, None].expand_as(chunk_max), chunk_max, "amax")
+        if sinks is not None:  # the sink is one more column of every row
+            row_max = torch.maximum(row_max, sinks[..., 0])
         # a chunk wholly before a window is all -inf: its weights are exp(-inf) = 0
         shift = row_max.index_select(1, owner)[..., None]
         weights = torch.exp(scores - shift)
         denom = torch.zeros_like(row_max).index_add_(1, owner, weights.sum(dim=-1))
+        if sinks is not None:
+            denom += torch.exp(sinks[..., 0] - row_max)
         partial = torch.matmul(weights.to(values.dtype), values).float()  # [KVH, C, group, dim]
         out = torch.zeros(kv_heads, num_rows, group, dim, dtype=torch.float32, device=q.device)
         out.index_add_(1, owner, partial)
@@ -323,17 +333,29 @@ def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
-def _softcapped_attention(
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] in float32 without the sink's column (as transformers'
+    eager attention for gpt-oss): ``sinks`` has the scores' shape but 1 in the last dim."""
+    combined = torch.cat([scores.float(), sinks], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1].to(scores.dtype)
+
+
+def _explicit_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, layer
 ) -> torch.Tensor:
     """q [heads, rows, dim], keys/values [kv_heads, tokens, dim], mask bool [rows, tokens] →
-    [heads, rows, dim]: scaled scores, soft-capped, masked, softmax in float32 (as transformers'
-    eager attention for Gemma 2)."""
+    [heads, rows, dim]: scaled scores, soft-capped, masked, softmax in float32 with the sinks'
+    column where the layer has sinks (as transformers' eager attention for Gemma 2 and
+    gpt-oss)."""
     group = q.shape[0] // keys.shape[0]
     keys = keys.repeat_interleave(group, dim=0)
     values = values.repeat_interleave(group, dim=0)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale
     scores = _softcap(scores, layer.softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sinks = layer.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = _softmax_with_sinks(scores, sinks).to(q.dtype)
     return torch.matmul(probs, values)

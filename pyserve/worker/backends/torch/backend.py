@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker.backends.base import Backend, BackendInfo
+from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
 from pyserve.worker.backends.torch.attention import (
     ReferenceAttention,
     TorchAttentionMetadata,
@@ -89,12 +90,7 @@ class TorchBackend(Backend):
         return F.rms_norm(x, weight.shape, weight, eps)
 
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        if activation == "silu":
-            return F.silu(gate) * up
-        if activation == "gelu_tanh":
-            return F.gelu(gate, approximate="tanh") * up
-        raise ValueError(f"activation {activation!r} is not supported")
+        return reference_activation(gate_up, activation, self.config)
 
     def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
         q, k, v = split_qkv(layer, qkv, cos, signed_sin, qk_norm)

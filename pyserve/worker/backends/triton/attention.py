@@ -141,9 +141,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    parts_ptr, lse_ptr, rows_ptr, o_ptr, o_row_stride,
+    parts_ptr, lse_ptr, rows_ptr, o_ptr, o_row_stride, sinks_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     head = tl.program_id(1)
@@ -154,24 +154,31 @@ def _decode_merge_kernel(
     dim_ok = dims < HEAD_DIM
     part = (entry.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
     lse = tl.load(lse_ptr + part, mask=split_ok, other=_NEG_INF)
-    weights = tl.exp(lse - tl.max(lse, axis=0))  # every row has at least its own position
+    best = tl.max(lse, axis=0)  # finite: every row has at least its own position
+    if HAS_SINKS:  # the sink: one more column in the softmax, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        best = tl.maximum(best, sink)
+    weights = tl.exp(lse - best)
     parts = tl.load(
         parts_ptr + part[:, None] * HEAD_DIM + dims[None, :],
         mask=split_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    denominator = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(sink - best)
+    out = tl.sum(parts * weights[:, None], axis=0) / denominator
     tl.store(o_ptr + row * o_row_stride + head * HEAD_DIM + dims, out, mask=dim_ok)
 
 
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, q_start_ptr, q_len_ptr, prefix_ptr,
-    q_row_stride, o_row_stride, table_stride, scale, softcap, window,
+    q_row_stride, o_row_stride, table_stride, scale, softcap, window, sinks_ptr,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     head = tl.program_id(1)
@@ -200,6 +207,9 @@ def _extend_kernel(
         lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
     best = tl.full([BLOCK_M], _NEG_INF, dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink's column first: its logit, weight exp(0), no value
+        best = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        total += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
@@ -261,6 +271,7 @@ def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
     num_splits: int, block_n: int | None = None, split_tokens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
 
@@ -268,6 +279,7 @@ def paged_decode_attention(
     included, at most ``max_context``); ``num_splits`` splits of the longest context are
     computed apart and merged. ``split_tokens``: int32 [1] on the device, the positions a
     split covers (None: decode_split_tokens of ``max_context``; a multiple of ``block_n``).
+    ``sinks``: float32 [heads], each head's sink logit (None: no sinks).
     """
     import torch
 
@@ -292,9 +304,9 @@ def paged_decode_attention(
         PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
-        parts, lse, rows, out, out.stride(0),
+        parts, lse, rows, out, out.stride(0), lse if sinks is None else sinks,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=_pow2(num_splits, floor=2), BLOCK_D=block_d,
+        BLOCK_S=_pow2(num_splits, floor=2), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
     )  # fmt: skip
 
 
@@ -302,9 +314,11 @@ def paged_extend_attention(
     q, k_cache, v_cache, out, tables, q_start, q_len, prefix, *, max_q_len: int,
     block_size: int, num_kv_heads: int, scale: float, softcap: float | None,
     window: int | None, block_m: int = 32, block_n: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Causal attention of each prefill entry's rows (``q_start``/``q_len`` [E]) over its cached
-    prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``."""
+    prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``;
+    ``sinks`` as paged_decode_attention's."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     chosen, num_warps = extend_tiles(head_dim, exact=dot_precision(q.dtype) == "ieee")
     block_n = block_n or chosen
@@ -312,8 +326,9 @@ def paged_extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, tables, q_start, q_len, prefix,
         q.stride(0), out.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0,
+        q if sinks is None else sinks,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        HAS_SINKS=sinks is not None, PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip

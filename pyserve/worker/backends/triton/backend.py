@@ -32,6 +32,7 @@ from pyserve.worker.backends.base import (
     model_forward,
 )
 from pyserve.worker.backends.common import EntrySplit, check_batch, table_rows_and_slots
+from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
@@ -279,7 +280,9 @@ class TritonBackend(Backend):
         return self._fused.rms_norm(x, weight, eps, residual)
 
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        return self._fused.gated_activation(gate_up, activation)
+        if activation in self._fused.ACTIVATIONS:
+            return self._fused.gated_activation(gate_up, activation)
+        return reference_activation(gate_up, activation, self.config)
 
     def attention(
         self,
@@ -311,6 +314,7 @@ class TritonBackend(Backend):
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.sliding_window,
+            sinks=None if layer.sinks is None else layer.sinks.float(),
         )
         if meta.decode_rows is not None:
             self._attention.paged_decode_attention(

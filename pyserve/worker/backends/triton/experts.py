@@ -85,7 +85,8 @@ BLOCK_N = 64
 @dataclass
 class ExpertStack:
     """One projection of every expert: float weights [E, N, K] (``bits`` 0), or 8-/4-bit ones
-    as quant_matmul.py lays a layer out, stacked: u uint8 [E, N, bytes], d and m [E, N, groups]."""
+    as quant_matmul.py lays a layer out, stacked: u uint8 [E, N, bytes], d and m [E, N, groups];
+    and the experts' biases [E, N] where they have them (gpt-oss)."""
 
     weight: torch.Tensor
     k: int
@@ -93,11 +94,13 @@ class ExpertStack:
     group: int = 0
     d: torch.Tensor | None = None
     m: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @staticmethod
     def fits(layers: list[nn.Module]) -> bool:
-        """Whether the layers stack: all bias-free layers of one kind, shape and format, plain
-        float Linears (not prepacked for oneDNN: no plain weight left) or TritonQuantLinears."""
+        """Whether the layers stack: all layers of one kind, shape and format, plain float
+        Linears (not prepacked for oneDNN: no plain weight left) or TritonQuantLinears, every
+        one with a bias or none."""
         if all(type(layer) is Linear for layer in layers):
             if any(layer.weight is None or layer.packed is not None for layer in layers):
                 return False
@@ -108,16 +111,17 @@ class ExpertStack:
             }
         else:
             return False
-        return len(formats) == 1 and all(layer.bias is None for layer in layers)
+        return len(formats) == 1 and len({layer.bias is None for layer in layers}) == 1
 
     @classmethod
     def of(cls, layers: list[nn.Module]) -> ExpertStack:
         """Layers that fit, stacked; each is left holding views into the stack, so the weights
         are not held twice."""
         first = layers[0]
+        bias = None if first.bias is None else _stacked(layers, "bias")
         if isinstance(first, Linear):
             stack = _stacked(layers, "weight")
-            return cls(stack, k=stack.shape[2])
+            return cls(stack, k=stack.shape[2], bias=bias)
         return cls(
             _stacked(layers, "qweight"),
             k=first.in_features,
@@ -125,6 +129,7 @@ class ExpertStack:
             group=first.group,
             d=_stacked(layers, "d"),
             m=_stacked(layers, "m"),
+            bias=bias,
         )
 
 
@@ -134,6 +139,7 @@ class ExpertGroups:
 
     order: torch.Tensor  # int64 [R]: the flat routing choice of each grouped row
     row_token: torch.Tensor  # int64 [R]: the token of each grouped row
+    row_expert: torch.Tensor  # int64 [R]: the expert of each grouped row
     block_expert: torch.Tensor  # int32 [tiles bound]: each tile's expert, -1 past the last
     block_row: torch.Tensor  # int32 [tiles bound]: each tile's first grouped row
     row_ends: torch.Tensor  # int32 [E]: one past each expert's last grouped row
@@ -161,6 +167,7 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
     return ExpertGroups(
         order=order,
         row_token=order // experts.shape[1],
+        row_expert=flat.index_select(0, order),
         block_expert=torch.where(inside, expert, -1).to(torch.int32),
         block_row=torch.where(inside, row, 0).to(torch.int32),
         row_ends=ends.to(torch.int32),
@@ -171,8 +178,9 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
 def grouped_matmul(
     x: torch.Tensor, stack: ExpertStack, groups: ExpertGroups, *, gather: bool
 ) -> torch.Tensor:
-    """Each grouped row times its expert's weight: [R, N] in x's dtype. ``gather``: x holds the
-    tokens [T, K] (a grouped row reads its token's row), else the grouped rows [R, K]."""
+    """Each grouped row times its expert's weight (plus its bias): [R, N] in x's dtype.
+    ``gather``: x holds the tokens [T, K] (a grouped row reads its token's row), else the
+    grouped rows [R, K]."""
     rows = groups.order.numel()
     weight = stack.weight
     n = weight.shape[1]
@@ -195,6 +203,8 @@ def grouped_matmul(
         GATHER=gather, BITS=stack.bits, GROUP=stack.group, BLOCK_M=groups.block_m,
         BLOCK_N=BLOCK_N, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip
+    if stack.bias is not None:
+        out += stack.bias.index_select(0, groups.row_expert)
     return out
 
 
@@ -214,7 +224,8 @@ class TritonExperts:
 
     @classmethod
     def of(cls, moe: SparseMoE) -> TritonExperts | None:
-        """None unless each projection's experts are bias-free layers of one kind and format:
+        """None unless each projection's experts are layers of one kind and format (biases on all
+        or none):
         plain float Linears (not prepacked) or TritonQuantLinears; else the stacks."""
         gate_up = [expert.gate_up_proj for expert in moe.experts]
         down = [expert.down_proj for expert in moe.experts]

@@ -66,9 +66,12 @@ def _gated_kernel(
     tl.store(out_ptr + row * width + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the others run in torch (backends/torch/activations.py)
+
+
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) · up for gate_up = [..., 2·width] holding gate then up."""
-    if activation not in ("silu", "gelu_tanh"):
+    if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported")
     width = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, 2 * width).contiguous()
