@@ -129,12 +129,15 @@ def write_gguf(
     matrix_type=None,
     tensor_types: dict | None = None,
     fuse_gate_up_exps: bool = False,
+    expert_type=None,
 ) -> dict:
     """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
     ``matrix_type`` (a gguf.GGMLQuantizationType), or each in ``tensor_types[hf name]`` (a GGML
     type name; one of RANDOM_BLOCK_TYPES replaces the weight with random blocks); a mixture's
     gate and up experts in one ``ffn_gate_up_exps`` tensor with ``fuse_gate_up_exps`` (the
-    converter's --fuse-gate-up-exps). Returns the
+    converter's --fuse-gate-up-exps); the stacked experts in ``expert_type`` (a
+    gguf.GGMLQuantizationType; default ``matrix_type``), as llama-quantize's MXFP4_MOE writes
+    them. Returns the
     state dict as the file holds it (in HF's layout, after any quantization), for an exact
     reference."""
     import gguf
@@ -237,12 +240,13 @@ def write_gguf(
                     fused = np.concatenate([gates.pop(layer), array], axis=1)
                     writer.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight", fused)
                 continue
-            if matrix_type is not None:
+            stacked_type = expert_type if expert_type is not None else matrix_type
+            if stacked_type is not None:
                 array = gguf.quants.dequantize(
-                    gguf.quants.quantize(array, matrix_type), matrix_type
+                    gguf.quants.quantize(array, stacked_type), stacked_type
                 )
                 writer.add_tensor(
-                    gguf_name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type
+                    gguf_name, gguf.quants.quantize(array, stacked_type), raw_dtype=stacked_type
                 )
             else:
                 writer.add_tensor(gguf_name, array)
