@@ -425,3 +425,26 @@ def test_a_file_from_llama_quantize_mxfp4_moe(tmp_path):
     got = quant.dequantize_weight(runner.model.layers[1].moe.experts[6].gate_up_proj.packed)
     assert torch.equal(got, exact.model.layers[1].moe.experts[6].gate_up_proj.weight)
     assert greedy(runner) == greedy(exact)
+
+
+def test_an_mxfp4_mixture_loads_in_about_its_size(tmp_path):
+    """A ~40 MB file (a Qwen3-MoE whose matrices, stacked experts included, are MXFP4) loads in
+    about its size: each expert packed from its slice of the file's blocks; a float32 copy of
+    the experts (~300 MB) would fail the bound."""
+    import gguf
+    import transformers
+    from test_gguf_packing import assert_loads_in_about_its_size, loading_peak
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=1024, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=1024, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    path = tmp_path / "moe-mxfp4.gguf"
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    write_gguf(model, path, matrix_type=mxfp4, random_types=("MXFP4",))
+    del model
+    got = loading_peak(str(path))
+    assert got["precisions"] == {"int8": 1, "mxfp4": 3 * (2 + 2 * 8)}, got
+    assert_loads_in_about_its_size(got, path.stat().st_size)
