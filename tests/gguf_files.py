@@ -114,7 +114,9 @@ def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -
         values = np.full((rows, k // block), value, np.float16) * rng.uniform(0.5, 1.5, (rows, 1))
         raw[..., at : at + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
 
-    if type_name == "Q6_K":  # w = d·sc·(q − 32), sc signed: centred already
+    if type_name == "MXFP4":  # w = e2m1(code)·2^(e − 128): weights up to ±12·2^−8 .. 2^−6
+        raw[..., 0] = rng.integers(120, 123, (rows, k // block), dtype=np.uint8)
+    elif type_name == "Q6_K":  # w = d·sc·(q − 32), sc signed: centred already
         half(size - 2, 1e-5)
     else:  # w = d·sc·q − dmin·mn: dmin balances the mean of sc·q
         top = 15.5 if type_name == "Q5_K" else 7.5
@@ -129,12 +131,17 @@ def write_gguf(
     matrix_type=None,
     tensor_types: dict | None = None,
     fuse_gate_up_exps: bool = False,
+    expert_type=None,
+    random_types: tuple[str, ...] = RANDOM_BLOCK_TYPES,
 ) -> dict:
     """Writes the HF causal LM ``model`` at ``path``: F32 tensors, or its matrices in
     ``matrix_type`` (a gguf.GGMLQuantizationType), or each in ``tensor_types[hf name]`` (a GGML
     type name; one of RANDOM_BLOCK_TYPES replaces the weight with random blocks); a mixture's
     gate and up experts in one ``ffn_gate_up_exps`` tensor with ``fuse_gate_up_exps`` (the
-    converter's --fuse-gate-up-exps). Returns the
+    converter's --fuse-gate-up-exps); the stacked experts in ``expert_type`` (a
+    gguf.GGMLQuantizationType; default ``matrix_type``), as llama-quantize's MXFP4_MOE writes
+    them; tensors of ``random_types`` (RANDOM_BLOCK_TYPES, and MXFP4 where asked: a large file
+    that gguf-py's quantizer would take long to write) as random blocks. Returns the
     state dict as the file holds it (in HF's layout, after any quantization), for an exact
     reference."""
     import gguf
@@ -237,12 +244,20 @@ def write_gguf(
                     fused = np.concatenate([gates.pop(layer), array], axis=1)
                     writer.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight", fused)
                 continue
-            if matrix_type is not None:
+            stacked_type = expert_type if expert_type is not None else matrix_type
+            if stacked_type is not None and stacked_type.name in random_types:
+                experts_, rows, k = array.shape
+                blocks = random_blocks(stacked_type.name, experts_ * rows, k, rng)
+                array = gguf.quants.dequantize(blocks, stacked_type).reshape(array.shape)
+                writer.add_tensor(
+                    gguf_name, blocks.reshape(experts_, rows, -1), raw_dtype=stacked_type
+                )
+            elif stacked_type is not None:
                 array = gguf.quants.dequantize(
-                    gguf.quants.quantize(array, matrix_type), matrix_type
+                    gguf.quants.quantize(array, stacked_type), stacked_type
                 )
                 writer.add_tensor(
-                    gguf_name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type
+                    gguf_name, gguf.quants.quantize(array, stacked_type), raw_dtype=stacked_type
                 )
             else:
                 writer.add_tensor(gguf_name, array)
@@ -264,7 +279,7 @@ def write_gguf(
         if tensor_types and name in tensor_types:
             qtype = gguf.GGMLQuantizationType[tensor_types[name]]
         blocks = None
-        if qtype is not None and qtype.name in RANDOM_BLOCK_TYPES:
+        if qtype is not None and qtype.name in random_types:
             blocks = random_blocks(qtype.name, array.shape[0], array.shape[1], rng)
             array = gguf.quants.dequantize(blocks, qtype)
         elif qtype is not None:  # what a reader will get back

@@ -209,7 +209,7 @@ def test_the_cpp_stack_checks_the_weights_and_tables_it_is_given():
     with pytest.raises(ValueError, match="down: 192x64 weights, expected 64x96"):
         stack.add_layer(norm.data_ptr(), norm.data_ptr(), *args, args[2], cache.data_ptr(),
                         cache.data_ptr())  # fmt: skip
-    with pytest.raises(ValueError, match="expected 8 or 9 fields"):
+    with pytest.raises(ValueError, match="expected 8 to 10 fields"):
         stack.add_layer(norm.data_ptr(), norm.data_ptr(), *args, (1, 2), cache.data_ptr(),
                         cache.data_ptr())  # fmt: skip
     layer = (norm.data_ptr(), norm.data_ptr(), *args, linear(packed["down"]), cache.data_ptr(),

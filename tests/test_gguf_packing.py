@@ -72,7 +72,7 @@ def test_the_kernels_pack_the_types_python_lists():
     assert set(kernels().GGML_PACKED_TYPES) == set(GGML_LARGEST_U)
     assert GGML_LARGEST_U == {
         "Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q8_0": 255,
-        "Q6_K": 63,
+        "Q6_K": 63, "MXFP4": 140,
     }  # fmt: skip
 
 

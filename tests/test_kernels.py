@@ -240,6 +240,7 @@ def test_a_nan_or_inf_input_gives_its_row_nan_and_leaves_the_others(isa, bits, a
 # GGML types the kernels read at their own width: bits, and whether with super-block scales
 OWN_WIDTH = {"Q4_K": (4, True), "Q5_K": (5, True), "Q6_K": (6, True), "Q5_0": (5, False)}
 OWN_WIDTH["Q5_1"] = (5, False)
+OWN_WIDTH["MXFP4"] = (4, False)  # its codes and exponents (tests/test_mxfp4.py)
 
 
 def ggml_weight(type_name: str, n: int, k: int, seed: int) -> quant.PackedWeight:
@@ -261,7 +262,14 @@ def ggml_weight(type_name: str, n: int, k: int, seed: int) -> quant.PackedWeight
 @pytest.mark.parametrize("activation_bits", [8, 16])
 @pytest.mark.parametrize(
     ("type_name", "bits_a_weight"),
-    [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.5625), ("Q5_0", 6.0), ("Q5_1", 6.0)],
+    [
+        ("Q4_K", 4.625),
+        ("Q5_K", 5.625),
+        ("Q6_K", 6.5625),
+        ("Q5_0", 6.0),
+        ("Q5_1", 6.0),
+        ("MXFP4", 4.25),
+    ],
 )
 def test_ggml_types_at_their_own_width_are_the_integer_formula(
     isa, activation_bits, type_name, bits_a_weight
@@ -270,7 +278,8 @@ def test_ggml_types_at_their_own_width_are_the_integer_formula(
     formula over the dequantized weights. Q4_K, Q5_K: d = D·sc and m = −Dmin·mn per group, from
     fp16 D, −Dmin per 256 inputs and 8-bit sc, mn. Q6_K: D·sc·(Σu·q − 32·Σq) per 16 inputs,
     from fp16 D and a signed sc per 16. Q5_0, Q5_1: fp16 d, m per 32, 5-bit u from nibbles and a
-    plane of high bits. Row counts through the kernels' 4/8/16-row blocks and 8-row panels,
+    plane of high bits. MXFP4: e2m1 codes looked up per nibble, a power of two per 32. Row
+    counts through the kernels' 4/8/16-row blocks and 8-row panels,
     partial tiles, a bias on every other shape."""
     shapes = [(1, 1, 256), (2, 37, 512), (5, 100, 256), (19, 33, 768), (40, 17, 256)]
     for i, (rows, n, k) in enumerate([*shapes, (3, 300, 1024)]):
@@ -302,7 +311,7 @@ def test_the_largest_q6_k_sum_shifted_by_the_headroom_stays_in_int32(isa, activa
 
 
 @pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_1", "MXFP4"])
 def test_own_widths_stay_off_the_amx_tiles(type_name):
     """The AMX path reads 4- and 8-bit tiles with fp16 group scales only: a K-quant with its own
     scales, or 5- or 6-bit tiles, take the VNNI loops even where int8 activations on many rows

@@ -393,7 +393,7 @@ ISAS = quant.kernels().supported_isas()  # best first
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("weight_type", ["int4", "int8", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("weight_type", ["int4", "int8", "Q4_K", "Q6_K", "MXFP4"])
 def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(weight_type, isa):
     """The CPU kernels' grouped matmuls (every active expert's rows in one call a projection),
     with the routing grouped and the outputs summed back in C++, give what the loop over each

@@ -196,13 +196,15 @@ void check_weights(const PackedWeights& w, int activation_bits) {
         "super-block scales need 4-, 5- or 6-bit weights, groups of 32 and k a multiple of 256");
   check(w.bits != 5 || w.group == 32, "5-bit weights come in groups of 32");
   check(w.bits != 6 || w.super_scales, "6-bit weights (Q6_K) come with their super-block scales");
+  check(!w.mxfp4 || (w.bits == 4 && w.group == 32 && !w.super_scales),
+        "MXFP4 weights are 4-bit codes in groups of 32 with their own exponents");
   check(w.n > 0 && w.k > 0, "sizes must be positive");
 }
 
 // The kernels for `rows` rows of activations on w: AMX tiles when they are on and apply.
 const KernelTable& table_for_rows(int rows, int activation_bits, const PackedWeights& w) {
   const bool amx = activation_bits == 8 && rows >= kAmxMinRows && (w.bits == 8 || w.bits == 4) &&
-                   !w.super_scales && &kernels() == &avx512_kernels() && amx_enabled();
+                   !w.super_scales && !w.mxfp4 && &kernels() == &avx512_kernels() && amx_enabled();
   return amx ? amx_kernels() : kernels();
 }
 

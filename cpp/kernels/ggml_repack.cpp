@@ -112,6 +112,28 @@ void int8_group(const float* w, uint8_t* u, uint16_t* d, uint16_t* m) {
   *m = scaled_half(*d, -128.0f);
 }
 
+// MXFP4 (17 bytes per 32: an E8M0 exponent e, then 16 bytes of e2m1 codes, qgemm.h) into the
+// 8-bit form: w = value·2^(e − 128) with value an integer in [−12, 12], so u = value + 128 with
+// d = 2^(e − 128) and m = −128·d is every weight exactly, where fp16 holds d and m (2^−24 ≤ d,
+// 128·d ≤ 2^15). Beyond, the weights are rounded as quantize_weight rounds floats.
+constexpr int kMxfp4HalfLowest = 128 - 24, kMxfp4HalfHighest = 128 + 15 - 7;
+
+void mxfp4_int8_group(const uint8_t* b, uint8_t* u, uint16_t* d, uint16_t* m) {
+  uint8_t codes[kGroup];
+  nibbles(b + 1, codes);
+  const int e = b[0];
+  if (e >= kMxfp4HalfLowest && e <= kMxfp4HalfHighest) {
+    *d = float_to_half(e8m0_half(b[0]));  // a power of two fp16 holds: exact
+    *m = scaled_half(*d, -128.0f);
+    for (int j = 0; j < kGroup; ++j) u[j] = static_cast<uint8_t>(kMxfp4Values[codes[j]] + 128);
+    return;
+  }
+  float w[kGroup];
+  for (int j = 0; j < kGroup; ++j)
+    w[j] = static_cast<float>(kMxfp4Values[codes[j]]) * e8m0_half(b[0]);
+  int8_group(w, u, d, m);
+}
+
 // Group g (32 weights) of one row: u, d, m.
 void decode_group(GgmlType type, const uint8_t* row, int g, uint8_t* u, uint16_t* d, uint16_t* m) {
   switch (type) {
@@ -166,6 +188,9 @@ void decode_group(GgmlType type, const uint8_t* row, int g, uint8_t* u, uint16_t
       int8_group(w, u, d, m);
       return;
     }
+    case GgmlType::kMXFP4:
+      mxfp4_int8_group(row + static_cast<int64_t>(g) * 17, u, d, m);
+      return;
     case GgmlType::kQ5_K: {  // 176 bytes: d, dmin, 12 scale bytes, 32 bytes of high bits, nibbles
       const int sub = g % 8;
       const uint8_t* b = row + static_cast<int64_t>(g / 8) * 176;
@@ -244,6 +269,23 @@ void q6_k_row(const uint8_t* row, int r, int groups, size_t group_bytes, uint8_t
   }
 }
 
+// Row r of a tile from MXFP4 rows in their own 4-bit form (qgemm.h): the codes into the groups'
+// nibbles as they are, the exponent bytes into the tile's scales.
+void mxfp4_row(const uint8_t* row, int r, int groups, size_t group_bytes, uint8_t* tile_data,
+               uint8_t* tile_exponents) {
+  uint8_t codes[kGroup];
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* b = row + static_cast<int64_t>(g) * 17;
+    tile_exponents[static_cast<size_t>(g) * kTileRows + r] = b[0];
+    nibbles(b + 1, codes);
+    uint8_t* block = tile_data + static_cast<size_t>(g) * group_bytes + r * 4;
+    for (int p = 0; p < kGroup / 8; ++p) {
+      for (int i = 0; i < 4; ++i)
+        block[p * 64 + i] = static_cast<uint8_t>(codes[8 * p + i] | (codes[8 * p + 4 + i] << 4));
+    }
+  }
+}
+
 // One tile: its 16 rows' groups, in the layout qgemm.h describes. Each row is written whole
 // (its lanes of every group); rows past the weight's end stay zero.
 void repack_tile(void* context, int tile) {
@@ -251,8 +293,10 @@ void repack_tile(void* context, int tile) {
   const int groups = job.k / kGroup;
   const size_t group_bytes = static_cast<size_t>(kGroup) * kTileRows * job.bits / 8;
   uint8_t* tile_data = job.data + static_cast<size_t>(tile) * groups * group_bytes;
+  const bool mxfp4 = job.type == GgmlType::kMXFP4 && job.bits == 4;
   const size_t scale_halves =
-      job.bits == 6      ? static_cast<size_t>(groups / kSuperGroups) * kQ6ScaleHalves
+      mxfp4              ? static_cast<size_t>(groups) * kTileRows / 2
+      : job.bits == 6    ? static_cast<size_t>(groups / kSuperGroups) * kQ6ScaleHalves
       : job.super_scales ? static_cast<size_t>(groups / kSuperGroups) * kSuperScaleHalves
                          : static_cast<size_t>(groups) * 2 * kTileRows;
   uint16_t* tile_scales = job.scales + static_cast<size_t>(tile) * scale_halves;
@@ -267,6 +311,10 @@ void repack_tile(void* context, int tile) {
     const uint8_t* source = job.blocks + row * job.row_bytes;
     if (job.bits == 6) {
       q6_k_row(source, r, groups, group_bytes, tile_data, tile_scales);
+      continue;
+    }
+    if (mxfp4) {
+      mxfp4_row(source, r, groups, group_bytes, tile_data, reinterpret_cast<uint8_t*>(tile_scales));
       continue;
     }
     if (job.super_scales)
@@ -313,6 +361,7 @@ GgmlType ggml_type_named(const std::string& name) {
   if (name == "Q4_K") return GgmlType::kQ4_K;
   if (name == "Q5_K") return GgmlType::kQ5_K;
   if (name == "Q6_K") return GgmlType::kQ6_K;
+  if (name == "MXFP4") return GgmlType::kMXFP4;
   throw std::invalid_argument("GGML type " + name + " is not packed straight into tiles");
 }
 
@@ -328,6 +377,8 @@ int ggml_type_largest_u(GgmlType type) {
       return 31;
     case GgmlType::kQ6_K:
       return 63;
+    case GgmlType::kMXFP4:
+      return 128 + 12;  // in the 8-bit form; the 4-bit one holds codes (qgemm.h)
     case GgmlType::kQ8_0:
       return 255;
   }
@@ -347,7 +398,10 @@ void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int ro
   }
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
     throw std::invalid_argument("bits must be 4, 5, 6 or 8");
-  if (ggml_type_largest_u(type) >= (1 << bits)) {
+  const bool mxfp4_codes = type == GgmlType::kMXFP4 && bits == 4;
+  if (mxfp4_codes && super_scales)
+    throw std::invalid_argument("MXFP4 blocks keep their own exponents, not super-block scales");
+  if (!mxfp4_codes && ggml_type_largest_u(type) >= (1 << bits)) {
     throw std::invalid_argument("the type's integers do not fit the tiles' bits");
   }
   if (rows <= 0 || k <= 0 || k % block_weights(type)) {

@@ -13,6 +13,10 @@
 //     computed as llama.cpp dequantizes them and rounded exactly as
 //     pyserve.worker.quant.quantize_weight rounds floats (within half an int8 step of each
 //     group's largest weight / 127).
+//   MXFP4 value·2^(e − 128), value an integer in [−12, 12]: into 4-bit tiles in its own form
+//     (qgemm.h: the codes and exponent bytes as they are), or into 8-bit ones as u = value + 128,
+//     d = 2^(e − 128), m = −128·d: bit for bit where fp16 holds d and m (e in [104, 136]), else
+//     rounded as Q6_K's are.
 // Other types (Q2_K/Q3_K, the IQ grids) are not this form; the loader dequantizes and quantizes
 // those (pyserve/worker/weight_packing.py).
 #pragma once
@@ -22,13 +26,13 @@
 
 namespace pyserve_kernels {
 
-enum class GgmlType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+enum class GgmlType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kMXFP4 };
 
 // Parses a GGML type name ("Q4_K"); throws std::invalid_argument for the others.
 GgmlType ggml_type_named(const std::string& name);
 
 // The largest u a type's groups hold (15: fits 4-bit tiles; 31: 5-bit ones; 255: 8-bit ones
-// only; Q6_K's 63: 6-bit tiles, or rounded into 8-bit ones).
+// only; Q6_K's 63: 6-bit tiles, or rounded into 8-bit ones; MXFP4: its 8-bit form's 140).
 int ggml_type_largest_u(GgmlType type);
 
 // rows × k weights, row r's blocks at blocks + r·row_bytes, into the tiles of `bits`-bit weights:
@@ -39,7 +43,8 @@ int ggml_type_largest_u(GgmlType type);
 // [ceil(rows/16)][k/256][kSuperScaleHalves] in qgemm.h's super-block form, the file's D, −Dmin
 // and 6-bit sc, mn as they are: every weight exactly the file's. Q6_K into 6 bits (with
 // `super_scales` only): data [..][k/32][384], scales [..][k/256][kQ6ScaleHalves], qgemm.h's
-// Q6_K form, every weight the file's.
+// Q6_K form, every weight the file's. MXFP4 into 4 bits: data in the 4-bit layout holding its
+// codes, scales [ceil(rows/16)][k/32][16] bytes: its exponents (qgemm.h), every weight the file's.
 void repack_ggml(GgmlType type, const uint8_t* blocks, int64_t row_bytes, int rows, int k, int bits,
                  uint8_t* data, uint16_t* scales, bool super_scales = false);
 

@@ -32,14 +32,15 @@ T* address(uintptr_t value) {
 
 void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintptr_t weights,
             uintptr_t scales, int n, int k, int bits, int group, uintptr_t bias, uintptr_t out,
-            int64_t out_stride, bool super_scales) {
+            int64_t out_stride, bool super_scales, bool mxfp4) {
   const pk::PackedWeights w{address<const uint8_t>(weights),
                             address<const uint16_t>(scales),
                             n,
                             k,
                             bits,
                             group,
-                            super_scales};
+                            super_scales,
+                            mxfp4};
   py::gil_scoped_release released;
   pk::quantized_matmul(address<const float>(x), x_stride, rows, activation_bits, w,
                        address<const float>(bias), address<float>(out), out_stride);
@@ -50,9 +51,9 @@ void matmul(uintptr_t x, int64_t x_stride, int rows, int activation_bits, uintpt
 class ExpertSet {
  public:
   void add(uintptr_t weights, uintptr_t scales, int n, int k, int bits, int group,
-           bool super_scales) {
+           bool super_scales, bool mxfp4) {
     weights_.push_back({address<const uint8_t>(weights), address<const uint16_t>(scales), n, k,
-                        bits, group, super_scales});
+                        bits, group, super_scales, mxfp4});
   }
   int size() const { return static_cast<int>(weights_.size()); }
   void matmul(uintptr_t x, int64_t x_stride, int activation_bits, uintptr_t counts, uintptr_t out,
@@ -250,13 +251,15 @@ py::list supported_isas() {
 }
 
 pk::StackLinear stack_linear_fields(const py::tuple& t) {
-  // (weights, scales, n, k, bits, group, bias, activation_bits[, super_scales]): QuantLinear's
-  pk::check(t.size() == 8 || t.size() == 9, [&] {
-    return "a linear layer: expected 8 or 9 fields, got " + std::to_string(t.size());
+  // (weights, scales, n, k, bits, group, bias, activation_bits[, super_scales[, mxfp4]]):
+  // QuantLinear's
+  pk::check(t.size() >= 8 && t.size() <= 10, [&] {
+    return "a linear layer: expected 8 to 10 fields, got " + std::to_string(t.size());
   });
   return {{address<const uint8_t>(t[0].cast<uintptr_t>()),
            address<const uint16_t>(t[1].cast<uintptr_t>()), t[2].cast<int>(), t[3].cast<int>(),
-           t[4].cast<int>(), t[5].cast<int>(), t.size() == 9 && t[8].cast<bool>()},
+           t[4].cast<int>(), t[5].cast<int>(), t.size() >= 9 && t[8].cast<bool>(),
+           t.size() == 10 && t[9].cast<bool>()},
           address<const float>(t[6].cast<uintptr_t>()),
           t[7].cast<int>()};
 }
@@ -377,9 +380,10 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("matmul", &matmul, py::arg("x"), py::arg("x_stride"), py::arg("rows"),
         py::arg("activation_bits"), py::arg("weights"), py::arg("scales"), py::arg("n"),
         py::arg("k"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("out"),
-        py::arg("out_stride"), py::arg("super_scales") = false,
+        py::arg("out_stride"), py::arg("super_scales") = false, py::arg("mxfp4") = false,
         "out[rows, n] = x[rows, k] @ W.T (+ bias); float32 addresses, bias 0 for none; "
-        "super_scales: the scales in Q4_K's super-block form (qgemm.h)");
+        "super_scales: the scales in Q4_K's super-block form; mxfp4: 4-bit MXFP4 codes with "
+        "an exponent byte per group (qgemm.h)");
   m.def("quantize_activations", &quantize_activations, py::arg("x"), py::arg("x_stride"),
         py::arg("rows"), py::arg("k"), py::arg("group"), py::arg("bits"), py::arg("weight_bits"),
         py::arg("q"), py::arg("scale"), py::arg("sum"),
@@ -453,6 +457,7 @@ PYBIND11_MODULE(_kernels, m) {
       .def(py::init<>())
       .def("add", &ExpertSet::add, py::arg("weights"), py::arg("scales"), py::arg("n"),
            py::arg("k"), py::arg("bits"), py::arg("group"), py::arg("super_scales"),
+           py::arg("mxfp4") = false,
            "the next expert's packed weights (their memory must outlive the set)")
       .def("__len__", &ExpertSet::size)
       .def("matmul", &ExpertSet::matmul, py::arg("x"), py::arg("x_stride"),
@@ -474,7 +479,8 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
            py::arg("window") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
-           "group, bias, activation_bits), or a list of such tuples: a fused projection's row "
+           "group, bias, activation_bits[, super_scales[, mxfp4]]), or a list of such tuples: a "
+           "fused projection's row "
            "segments at their own precisions, in order; q_norm and k_norm (both or neither, 0 for "
            "none): "
            "float32 [head_dim] per-head norms before RoPE; attn_out_norm, mlp_out_norm (0 for "
@@ -494,10 +500,12 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("repack_ggml", &repack_ggml, py::arg("type"), py::arg("blocks"), py::arg("row_bytes"),
         py::arg("rows"), py::arg("k"), py::arg("bits"), py::arg("data"), py::arg("scales"),
         py::arg("super_scales") = false,
-        "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) straight into the matmul's tiles; "
-        "super_scales (Q4_K into 4 bits): its scales in super-block form, every weight exact");
+        "GGML blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4) straight into the matmul's "
+        "tiles; super_scales (Q4_K into 4 bits): its scales in super-block form, every weight "
+        "exact; MXFP4 into 4 bits: its codes and exponents as they are (qgemm.h)");
   py::dict packed_types;  // name -> the largest u its groups hold (15 fits 4-bit tiles)
-  for (const char* name : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
+  for (const char* name :
+       {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}) {
     packed_types[name] = pk::ggml_type_largest_u(pk::ggml_type_named(name));
   }
   m.attr("GGML_PACKED_TYPES") = packed_types;

@@ -56,6 +56,9 @@ struct PackedWeights {
   // group: 4-bit weights, groups of 32, k padded to a multiple of 256. 6-bit weights always
   // have super-block scales, in Q6_K's form (below).
   bool super_scales = false;
+  // MXFP4 (below): 4-bit weights whose nibbles are e2m1 codes and whose scales are one E8M0
+  // exponent byte per group and row; groups of 32.
+  bool mxfp4 = false;
   int tiles() const { return (n + kTileRows - 1) / kTileRows; }
   int groups() const { return (k + group - 1) / group; }
   int k_padded() const { return groups() * group; }
@@ -103,6 +106,30 @@ inline const uint16_t* q6_block_at(const PackedWeights& w, int tile, int group) 
 }
 inline const int8_t* q6_sc_at(const uint16_t* block, int group) {
   return reinterpret_cast<const int8_t*>(block + kTileRows) + group % kSuperGroups * 2 * kTileRows;
+}
+
+// MXFP4 (the OCP microscaling format as llama.cpp stores it, 4.25 bits a weight, every weight the
+// file's): w = kMxfp4Values[code] · 2^(e − 128) per 32 inputs, the e2m1 values doubled so that
+// they are integers. The nibbles are codes in the 4-bit layout; the scales are bytes, not fp16:
+// per (tile, group) the 16 rows' exponents e. The loops look each code up as
+// u = kMxfp4Values[code] + kMxfp4Offset (0..24, an unsigned byte as the other formats' u),
+// start each group's integer sum at −kMxfp4Offset·Σq, so that it is Σ value·q exactly, and
+// scale it by 2^(e − 128): no offset term. |Σ value·q| ≤ 12·Q·32 stays within the 4-bit
+// weights' headroom.
+constexpr int kMxfp4Offset = 12;
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr uint8_t kMxfp4Codes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+// 2^(e − 128) as ggml's GGML_E8M0_TO_FP32_HALF computes it (e < 2: subnormal).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+// The 16 exponent bytes of (tile, group) of an MXFP4 weight.
+inline const uint8_t* mxfp4_exponents_at(const PackedWeights& w, int tile, int group) {
+  return reinterpret_cast<const uint8_t*>(w.scales) +
+         (static_cast<size_t>(tile) * w.groups() + group) * kTileRows;
 }
 
 // Exponents below this are raised to it: 2^−e and 2^(e − H) stay normal floats.

@@ -181,6 +181,64 @@ PYSERVE_AVX2 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a, 
   }
 }
 
+// 8 rows' 2^(e − 128) of an MXFP4 group's exponent bytes (qgemm.h's e8m0_half).
+PYSERVE_AVX2 inline __m256 e8m0_halves(const uint8_t* exponents) {
+  const __m256i e =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(exponents)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, below));
+}
+
+// MXFP4 (qgemm.h) half a tile at a time as tiles_rows below: the codes looked up into u ≤ 24
+// (vpmaddubsw's pair sums stay within 16 bits), each group's Σu·q started at −12·Σq and scaled by
+// its power of two, with no offset term.
+template <int R, class Q>
+PYSERVE_AVX2 void mxfp4_tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0,
+                                   int tile0, int tile1, const float* bias, float* out,
+                                   int64_t out_stride) {
+  const int groups = w.groups();
+  const size_t group_bytes = w.group_bytes();
+  const __m256i codes = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const void*>(kMxfp4Codes))));
+  for (int t = tile0; t < tile1; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* block = w.data + static_cast<size_t>(t) * groups * group_bytes + 32 * h;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        __m256i dot[R];  // Σ(u − 12)·q: from −12·Σq
+        for (int r = 0; r < R; ++r)
+          dot[r] =
+              _mm256_set1_epi32(-kMxfp4Offset * a.sum[static_cast<int64_t>(row0 + r) * groups + g]);
+        const Q* qa = static_cast<const Q*>(a.q) + static_cast<int64_t>(row0) * a.k_padded + g * 32;
+        for (int p = 0; p < 4; ++p) {
+          __m256i lo, hi;
+          nibble_quads<4>(block, p, &lo, &hi);
+          lo = _mm256_shuffle_epi8(codes, lo);
+          hi = _mm256_shuffle_epi8(codes, hi);
+          for (int r = 0; r < R; ++r) {
+            const Q* q = qa + r * a.k_padded + 8 * p;
+            if constexpr (sizeof(Q) == 2) {
+              dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(lo, q));
+              dot[r] = _mm256_add_epi32(dot[r], dot_u8_i16(hi, q + 4));
+            } else {
+              dot[r] = _mm256_add_epi32(dot[r], dot_u4(lo, broadcast_quad(q)));
+              dot[r] = _mm256_add_epi32(dot[r], dot_u4(hi, broadcast_quad(q + 4)));
+            }
+          }
+        }
+        const __m256 d = e8m0_halves(mxfp4_exponents_at(w, t, g) + kHalfRows * h);
+        for (int r = 0; r < R; ++r)  // in the row's unit (see qgemm.h)
+          acc[r] = add_scaled<Q>(acc[r], dot[r], d, a, (row0 + r) * int64_t{groups} + g);
+        block += group_bytes;
+      }
+      store_half_tile<R>(acc, w, a, row0, t, h, bias, out, out_stride);
+    }
+  }
+}
+
 template <int R, int BITS, class Q>
 PYSERVE_AVX2 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                              int tile1, const float* bias, float* out, int64_t out_stride) {
@@ -280,10 +338,14 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
   if constexpr (R <= 4) {
     if (rows != R)
       return tiles_bits<BITS, Q, R + 1>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
-    if constexpr (BITS == 6)
+    if constexpr (BITS == 6) {
       return q6_tiles_rows<R, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-    else
+    } else {
+      if constexpr (BITS == 4) {
+        if (w.mxfp4) return mxfp4_tiles_rows<R, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      }
       return tiles_rows<R, BITS, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
+    }
   }
 }
 

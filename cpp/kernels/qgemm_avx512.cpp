@@ -400,10 +400,22 @@ PYSERVE_AVX512 void q6_tiles_rows(const PackedWeights& w, const QuantizedRows& a
   }
 }
 
+// The 16 rows' 2^(e − 128) of an MXFP4 group's exponent bytes (qgemm.h's e8m0_half).
+PYSERVE_AVX512 inline __m512 e8m0_halves(const uint8_t* exponents) {
+  const __m512i e =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exponents)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 below = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(below, normal, small));
+}
+
 // R rows × one tile at a time: R int32 accumulators stay in registers while the tile's groups
 // stream through once, the R float ones in L1. Up to 16 rows, two panels: vpdpwssd / vpdpbusd
-// take ~6 cycles and two issue a cycle, so a tile needs ~12 independent sums in flight.
-template <int R, int BITS, class Q, bool kGroupOf32>
+// take ~6 cycles and two issue a cycle, so a tile needs ~12 independent sums in flight. MX: the
+// nibbles are MXFP4 codes, looked up into u by one vpshufb each, the sums started at −12·Σq and
+// scaled by the group's power of two (qgemm.h).
+template <int R, int BITS, class Q, bool kGroupOf32, bool MX = false>
 PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, int row0, int tile0,
                                int tile1, const float* bias, float* out, int64_t out_stride) {
   constexpr int P = kPanelRows;
@@ -423,6 +435,10 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
   const int32_t* const shift0 = a.shift + a.cell_at(row0, 0);
   const float* const scale0 = a.scale + a.cell_at(row0, 0);
   const float* const unit_sum0 = a.unit_sum + a.cell_at(row0, 0);
+  const int32_t* const sum0 = a.sum + a.cell_at(row0, 0);
+  // MXFP4's code → u table, in each 128-bit lane for vpshufb
+  const __m512i codes = _mm512_broadcast_i32x4(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const void*>(kMxfp4Codes))));
   constexpr int C = chains<R>();
   // quad j of a group into chain j % C
   auto add = [&](__m512i* dot, int j, __m512i u, const int32_t* at) PYSERVE_AVX512 {
@@ -438,6 +454,10 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
     for (int g = 0; g < groups; ++g) {
       __m512i dot[R * C];
       for (int r = 0; r < R * C; ++r) dot[r] = _mm512_setzero_si512();
+      if constexpr (MX) {  // Σ(u − 12)·q: from −12·Σq
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm512_set1_epi32(-kMxfp4Offset * sum0[panel_index(r, g, groups, P)]);
+      }
       prefetch_ahead(block, group_bytes);
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* wb = block + b * kBlockBytes;
@@ -458,6 +478,17 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
                                           high_bit(plane, 2 * p + 1), kOr),
                 qa + (2 * p + 1) * kQuadWords * P);
           }
+        } else if constexpr (MX) {
+#pragma GCC unroll 4
+          for (int p = 0; p < 4; ++p) {
+            const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
+            add(dot, 2 * p, _mm512_shuffle_epi8(codes, _mm512_and_si512(packed, low_nibbles)),
+                qa + 2 * p * kQuadWords * P);
+            add(dot, 2 * p + 1,
+                _mm512_shuffle_epi8(codes,
+                                    _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles)),
+                qa + (2 * p + 1) * kQuadWords * P);
+          }
         } else {
 #pragma GCC unroll 4
           for (int p = 0; p < 4; ++p) {
@@ -470,6 +501,16 @@ PYSERVE_AVX512 void tiles_rows(const PackedWeights& w, const QuantizedRows& a, i
         qa += 8 * kQuadWords * P;
       }
       fold_chains<R, C>(dot);
+      if constexpr (MX) {  // w = value · 2^(e − 128): no offset term
+        const __m512 d = e8m0_halves(mxfp4_exponents_at(w, t, g));
+        for (int r = 0; r < R; ++r) {
+          const int64_t cell = panel_index(r, g, groups, P);
+          _mm512_store_ps(acc[r], add_scaled<Q>(_mm512_load_ps(acc[r]), dot[r], d, shift0 + cell,
+                                                scale0 + cell));
+        }
+        block += group_bytes;
+        continue;
+      }
       __m512 d, m;
       if (super_scales) {  // D·sc and −Dmin·mn (qgemm.h): exact; D and −Dmin once a super-block
         const uint16_t* const from =
@@ -504,12 +545,18 @@ void tiles_bits(const PackedWeights& w, const QuantizedRows& a, int row0, int ro
                 int tile1, const float* bias, float* out, int64_t out_stride) {
   if constexpr (R <= kMaxRows) {
     if (rows == R) {
-      if constexpr (BITS == 6)
+      if constexpr (BITS == 6) {
         return q6_tiles_rows<R, Q>(w, a, row0, tile0, tile1, bias, out, out_stride);
-      else if (w.group == 32)
-        return tiles_rows<R, BITS, Q, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
-      else
-        return tiles_rows<R, BITS, Q, false>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      } else {
+        if constexpr (BITS == 4) {
+          if (w.mxfp4)
+            return tiles_rows<R, 4, Q, true, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
+        }
+        if (w.group == 32)
+          return tiles_rows<R, BITS, Q, true>(w, a, row0, tile0, tile1, bias, out, out_stride);
+        else
+          return tiles_rows<R, BITS, Q, false>(w, a, row0, tile0, tile1, bias, out, out_stride);
+      }
     }
     return tiles_bits<BITS, Q, R + 1>(w, a, row0, rows, tile0, tile1, bias, out, out_stride);
   }

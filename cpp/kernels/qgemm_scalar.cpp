@@ -100,6 +100,32 @@ void q6_groups(const PackedWeights& w, const QuantizedRows& a, int t, int r, flo
   }
 }
 
+// One tile's MXFP4 groups (qgemm.h) for activation row r, into acc[16]: Σ value·q per group
+// (u = value + 12, the sum started at −12·Σq), scaled by the group's 2^(e − 128).
+template <class Q>
+void mxfp4_groups(const PackedWeights& w, const QuantizedRows& a, int t, int r, float* acc) {
+  const int groups = w.groups();
+  const Q* q = static_cast<const Q*>(a.q);
+  for (int g = 0; g < groups; ++g) {
+    const size_t cell = static_cast<size_t>(t) * groups + g;
+    const uint8_t* block = w.data + cell * w.group_bytes();
+    const uint8_t* exponents = mxfp4_exponents_at(w, t, g);
+    const Q* qa = q + static_cast<int64_t>(r) * a.k_padded + g * 32;
+    const int64_t at = static_cast<int64_t>(r) * groups + g;
+    for (int n = 0; n < kTileRows; ++n) {
+      int32_t dot = -kMxfp4Offset * a.sum[at];
+      for (int i = 0; i < 32; ++i) dot += kMxfp4Codes[unpack(block, 4, n, i)] * qa[i];
+      const float d = e8m0_half(exponents[n]);
+      if constexpr (sizeof(Q) == 2) {  // a left shift within the headroom (unsigned: defined)
+        const auto shifted = static_cast<int32_t>(static_cast<uint32_t>(dot) << a.shift[at]);
+        acc[n] = std::fma(static_cast<float>(shifted), d, acc[n]);
+      } else {
+        acc[n] = std::fma(static_cast<float>(dot) * a.scale[at], d, acc[n]);
+      }
+    }
+  }
+}
+
 template <class Q>
 void tiles_as(const PackedWeights& w, const QuantizedRows& a, int row0, int rows, int tile0,
               int tile1, const float* bias, float* out, int64_t out_stride) {
@@ -111,7 +137,8 @@ void tiles_as(const PackedWeights& w, const QuantizedRows& a, int row0, int rows
     for (int r = row0; r < row0 + rows; ++r) {
       float acc[kTileRows] = {};
       if (w.bits == 6) q6_groups<Q>(w, a, t, r, acc);
-      for (int g = 0; g < groups && w.bits != 6; ++g) {
+      if (w.mxfp4) mxfp4_groups<Q>(w, a, t, r, acc);
+      for (int g = 0; g < groups && w.bits != 6 && !w.mxfp4; ++g) {
         const size_t cell = static_cast<size_t>(t) * groups + g;
         const uint8_t* block = w.data + cell * group_bytes;
         const uint16_t* sc =

@@ -151,8 +151,9 @@ class ModelRunner:
         )
         self.model.eval()
         self.quantized_linears = sum(packed.values())
-        # projections packed at each precision, e.g. {"int4": 144, "int8": 25}
-        self.packed_precisions = {f"int{bits}": n for bits, n in sorted(packed.items())}
+        # projections packed at each precision, e.g. {"int4": 144, "int8": 25} ("mxfp4": MXFP4's
+        # own form)
+        self.packed_precisions = dict(sorted(packed.items()))
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
         kv_dtype = DTYPES[self.kv_cache_dtype_name]
         if settings.mem_fraction_static is not None:

@@ -11,13 +11,15 @@ Weight formats (w = d·u + m per group, d and m fp16):
 - ``int4``: asymmetric 4-bit, u ∈ [0, 15], d = (max − min)/15, m = min (llama.cpp's Q4_1).
 Both round as llama.cpp does, so weights that a Q8_0 or Q4_1 GGUF held (the default model's)
 quantize back to exactly themselves. A GGUF's Q5_0/Q5_1/Q5_K and Q6_K tensors are packed as
-they are, at 5 and 6 bits with their own scales (``pack_ggml_blocks``; nothing quantizes floats
-to those widths).
+they are, at 5 and 6 bits with their own scales, and its MXFP4 tensors at 4 bits as their e2m1
+codes with a power-of-two exponent per group (``pack_ggml_blocks``; nothing quantizes floats to
+those forms).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import sys
 from collections.abc import Iterable
@@ -75,13 +77,20 @@ class PackedWeight:
     # [tiles, groups / 8, 320]: per 256 inputs the rows' fp16 D and −Dmin, then 8-bit sc and mn
     # per group (llama.cpp's Q4_K, d = D·sc and m = −Dmin·mn: cpp/kernels/qgemm.h); 6 bits (always
     # super_scales), uint8 [tiles, groups / 8, 288]: the rows' fp16 D, then a signed sc per 16
-    # inputs and row (llama.cpp's Q6_K, w = D·sc·(u − 32))
+    # inputs and row (llama.cpp's Q6_K, w = D·sc·(u − 32)); with mxfp4, uint8 [tiles, groups,
+    # 16]: the rows' E8M0 exponents e, the nibbles e2m1 codes (w = MXFP4_VALUES[code]·2^(e − 128))
     scales: torch.Tensor
     n: int
     k: int
     bits: int
     group: int
     super_scales: bool = False
+    mxfp4: bool = False
+
+    @property
+    def precision(self) -> str:
+        """What the startup log and /server_info call this weight's form: int4, ..., mxfp4."""
+        return "mxfp4" if self.mxfp4 else f"int{self.bits}"
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +260,19 @@ def super_scales_fit(type_names: Iterable[str], bits: int, k: int) -> bool:
     )
 
 
+# MXFP4's e2m1 values doubled, by code (gguf-py's quants.MXFP4.kvalues; cpp/kernels/qgemm.h)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_OFFSET = 12  # unpack_weight's u = value + 12, m = −12·d
+MXFP4 = "MXFP4"
+
+
+def mxfp4_fits(type_names: Iterable[str], bits: int) -> bool:
+    """Whether blocks of these types pack into 4-bit tiles in MXFP4's own form (all MXFP4: the
+    codes and exponents as they are, 4.25 bits a weight, every weight the file's; the CPU
+    kernels read it, the Triton ones do not)."""
+    return bits == 4 and all(t == MXFP4 for t in type_names)
+
+
 def ggml_fits(type_name: str, bits: int) -> bool:
     """Whether ``type_name`` blocks pack straight into ``bits``-bit tiles (6 bits: Q6_K only)."""
     if bits == 6:
@@ -271,19 +293,34 @@ def pack_ggml_blocks(
     a row] as a GGUF file stores them) one after another, packed straight into one weight's
     ``bits``-bit tiles with no float in between; every part but the last fills whole tiles.
     ``super_scales``: Q4_K, Q5_K or Q6_K parts keep their super-block scales (super_scales_fit;
-    Q6_K's 6-bit tiles have no other form)."""
+    Q6_K's 6-bit tiles have no other form). MXFP4 parts into 4 bits keep their own form
+    (mxfp4_fits: every part MXFP4)."""
+    parts = iter(parts)
+    first = next(parts, None)
+    if first is None:
+        raise ValueError("no parts")
+    parts = itertools.chain([first], parts)  # each part's bytes still read when its turn comes
+    mxfp4 = mxfp4_fits([first[0]], bits)
+    if mxfp4 and super_scales:
+        raise ValueError("MXFP4 blocks keep their own exponents, not super-block scales")
     tiles, groups = _ceil_to(rows, TILE_ROWS) // TILE_ROWS, k // GROUP
     data = weight_buffer((tiles, groups, GROUP * TILE_ROWS * bits // 8), torch.uint8)
     if bits == 6 and not super_scales:
         raise ValueError("6-bit tiles hold Q6_K blocks with their super-block scales only")
-    if super_scales:
+    if mxfp4:
+        scales = torch.empty(tiles, groups, TILE_ROWS, dtype=torch.uint8)
+    elif super_scales:
         size = Q6_SCALE_BYTES if bits == 6 else SUPER_SCALE_BYTES
         scales = torch.empty(tiles, groups // SUPER_GROUPS, size, dtype=torch.uint8)
     else:
         scales = torch.empty(tiles, groups, 2, TILE_ROWS, dtype=torch.float16)
     done = 0
     for type_name, part in parts:
-        if not ggml_fits(type_name, bits):
+        if mxfp4 != mxfp4_fits([type_name], bits):
+            raise ValueError(
+                "MXFP4 blocks pack into 4-bit tiles in their own form, all parts MXFP4"
+            )
+        if not (mxfp4 or ggml_fits(type_name, bits)):
             raise ValueError(f"{type_name} blocks do not pack into {bits}-bit tiles")
         if super_scales and not super_scales_fit([type_name], bits, k):
             raise ValueError(f"{type_name} blocks do not pack with super-block scales")
@@ -298,6 +335,8 @@ def pack_ggml_blocks(
         done += part.shape[0]
     if done != rows:
         raise ValueError(f"the parts hold {done} rows, not {rows}")
+    if mxfp4:  # exponent bytes: every one a finite power of two
+        return PackedWeight(data, scales, rows, k, bits, GROUP, mxfp4=True)
     fp16_bytes = 2 * TILE_ROWS if bits == 6 else 4 * TILE_ROWS  # D (and −Dmin) of the rows
     halves = scales[..., :fp16_bytes].contiguous().view(torch.float16) if super_scales else scales
     if not torch.isfinite(halves).all():
@@ -317,8 +356,8 @@ def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
             tiles = _ceil_to(rows, TILE_ROWS) // TILE_ROWS
             data = weight_buffer((tiles, *part.data.shape[1:]), part.data.dtype)
             scales = part.scales.new_empty((tiles, *part.scales.shape[1:]))
-        elif (part.bits, part.group, part.k, part.super_scales) != (
-            first.bits, first.group, first.k, first.super_scales,
+        elif (part.bits, part.group, part.k, part.super_scales, part.mxfp4) != (
+            first.bits, first.group, first.k, first.super_scales, first.mxfp4,
         ):  # fmt: skip
             raise ValueError("parts of one weight must share bits, group, inputs and scales")
         if done % TILE_ROWS:
@@ -331,7 +370,9 @@ def concat_packed(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
         tile, done = tile + count, done + part.n
     if first is None or done != rows:
         raise ValueError(f"the parts hold {done} rows, not {rows}")
-    return PackedWeight(data, scales, rows, first.k, first.bits, first.group, first.super_scales)
+    return PackedWeight(
+        data, scales, rows, first.k, first.bits, first.group, first.super_scales, first.mxfp4
+    )
 
 
 @torch.no_grad()
@@ -354,7 +395,9 @@ def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         d = d[picked, :, :, at].repeat_interleave(GROUP // 2, dim=-1)
         w = d * (u.float() - Q6_OFFSET)
         return w.view(len(rows), -1)[:, : packed.k]
-    if packed.super_scales:
+    if packed.mxfp4:
+        u, d, m = _mxfp4_u_d_m(u, packed.scales[tile][picked, :, at])
+    elif packed.super_scales:
         d, m = _super_group_scales(packed.scales[tile])  # [R, groups, 16] each
         d, m = d[picked, :, at], m[picked, :, at]
     else:
@@ -363,6 +406,20 @@ def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         m = scales[picked, :, 1, at].float()
     w = d[..., None] * u.float() + m[..., None]
     return w.view(len(rows), -1)[:, : packed.k]
+
+
+def _mxfp4_u_d_m(
+    codes: torch.Tensor, exponents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 codes (uint8, any shape) and their groups' exponent bytes → u = value + 12
+    (uint8), d = 2^(e − 128) and m = −12·d (float32, the exponents' shape): d·u + m is every
+    weight exactly (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 gives subnormals)."""
+    lookup = torch.tensor([v + MXFP4_OFFSET for v in MXFP4_VALUES], dtype=torch.uint8)
+    u = lookup[codes.long()]
+    e = exponents.int()
+    bits = torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23)
+    d = bits.contiguous().view(torch.float32)
+    return u, d, -MXFP4_OFFSET * d
 
 
 def _nonzero(d: torch.Tensor) -> torch.Tensor:
@@ -448,7 +505,8 @@ def _q6_half_scales(scales: torch.Tensor) -> torch.Tensor:
 def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed integers and scales back in row order: u uint8 [n_pad, k_pad] and d, m
     [n_pad, groups], padding included: fp16, or float32 with super-block scales; 6 bits (scales
-    per 16 inputs): d and m [n_pad, k_pad / 16], m = −32·d."""
+    per 16 inputs): d and m [n_pad, k_pad / 16], m = −32·d; MXFP4: u = the code's value + 12,
+    d = 2^(e − 128) and m = −12·d, float32."""
     tiles, groups, _ = packed.data.shape
     group, quads = packed.group, packed.group // 4
     blocks = packed.data.view(tiles, groups, -1, TILE_ROWS * 4)
@@ -459,6 +517,9 @@ def unpack_weight(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     if packed.bits == 6:
         d = _q6_half_scales(packed.scales).permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, -1)
         return u, d, -Q6_OFFSET * d
+    if packed.mxfp4:
+        exponents = packed.scales.permute(0, 2, 1).reshape(tiles * TILE_ROWS, groups)
+        return _mxfp4_u_d_m(u, exponents)
     if packed.super_scales:
         d, m = (s.permute(0, 2, 1).reshape(tiles * TILE_ROWS, groups)
                 for s in _super_group_scales(packed.scales))  # fmt: skip
@@ -478,4 +539,4 @@ def dequantize_weight(packed: PackedWeight | SegmentedWeight) -> torch.Tensor:
         w = d[..., None] * (u.view(rows, groups, -1).float() - Q6_OFFSET)
         return w.reshape(rows, -1)[: packed.n, : packed.k].contiguous()
     w = d.float()[..., None] * u.view(rows, groups, -1).float() + m.float()[..., None]
-    return w.view(rows, -1)[: packed.n, : packed.k].contiguous()
+    return w.reshape(rows, -1)[: packed.n, : packed.k].contiguous()

@@ -2,7 +2,10 @@
 
 A quantized GGUF is served at the precision it holds, tensor by tensor (``Packing("native")``):
 Q4_0/Q4_1/Q4_K weights on the 4-bit kernels, Q5_0/Q5_1/Q5_K and Q6_K on the CPU's 5- and 6-bit
-ones, Q8_0 (and Q5_*, Q6_K elsewhere) on the 8-bit ones. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+ones, MXFP4 on the CPU's 4-bit kernels in its own form (e2m1 codes and a power-of-two exponent
+per 32, 4.25 bits a weight), Q8_0 (and Q5_*, Q6_K elsewhere) on the 8-bit ones; MXFP4 elsewhere
+(the Triton kernels have no MXFP4 loop) on the 8-bit ones too, exactly (its values are integers
+times a power of two that fp16 holds, in any trained model). Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K and Q6_K blocks are packed from their own integers by the kernels module
 (cpp/kernels/ggml_repack.h), never passing through float32 (on the CPU kernels Q4_K, Q5_K and
 Q6_K keep their own super-block scales: 4.625, 5.625 and 6.5625 bits a weight, each the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,11 +37,13 @@ from pyserve.worker.loading.base import StoredTensor
 from pyserve.worker.loading.progress import LoadProgress
 from pyserve.worker.quant import (
     DEFAULT_ACTIVATION_BITS,
+    MXFP4,
     TILE_ROWS,
     PackedWeight,
     SegmentedWeight,
     concat_packed,
     ggml_fits,
+    mxfp4_fits,
     pack_ggml_blocks,
     piece_rows,
     quantize_weight,
@@ -45,6 +51,7 @@ from pyserve.worker.quant import (
 )
 
 PACKING_MODES = ("native", "int8", "int4")
+logger = logging.getLogger(__name__)
 # types the CPU kernels read at their own width, beyond the 4- and 8-bit ones
 OWN_WIDTH = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
@@ -55,8 +62,9 @@ class QuantizedLayers:
     packed projection's layer and a packed embedding table's module with these."""
 
     # reads what the file holds as it is: Q5_* and Q6_K at their own widths, Q4_K/Q5_K with
-    # their super-block scales, a fused projection's parts each at its own precision (the CPU
-    # kernels); False: 4- and 8-bit tiles with fp16 scales per group, one precision a projection
+    # their super-block scales, MXFP4 as its codes and exponents, a fused projection's parts each
+    # at its own precision (the CPU kernels); False: 4- and 8-bit tiles with fp16 scales per
+    # group, one precision a projection
     own_widths: bool
     # (PackedWeight | SegmentedWeight, bias or None, *, dtype, activation_bits) -> the layer
     linear: Callable[..., nn.Module]
@@ -79,6 +87,8 @@ class Packing:
 
     def bits(self, parts: list[StoredTensor], *, head: bool = False) -> int:
         """The precision of the projection made of ``parts`` (its rows' tensors, in order)."""
+        if not self.layers.own_widths and any(part.type_name == MXFP4 for part in parts):
+            _note_mxfp4_on_8_bits()
         own = {self._own_bits(part) for part in parts}
         if self.mode == "native" and own in ({5}, {6}):
             return own.pop()  # Q5_*, Q6_K as they are, the output projection too: fewer bytes
@@ -93,12 +103,15 @@ class Packing:
     def _own_bits(self, part: StoredTensor) -> int:
         if self.layers.own_widths and part.type_name in OWN_WIDTH:
             return OWN_WIDTH[part.type_name]
+        if part.type_name == MXFP4 and not self.layers.own_widths:
+            return 8  # its values are exact in 8-bit tiles; in fp16-scaled 4-bit ones they are not
         return part.native_bits or 8
 
     @property
     def super_scales(self) -> bool:
         """Whether Q4_K blocks keep their super-block scales (4.625 bits a weight, exactly the
-        file's values): the CPU kernels read them; the Triton ones read fp16 scales per group."""
+        file's values) and MXFP4 blocks their codes and exponents (4.25): the CPU kernels read
+        them; the Triton ones read fp16 scales per group."""
         return self.layers.own_widths
 
     def part_bits(self, parts: list[StoredTensor], *, head: bool = False) -> list[int] | None:
@@ -115,11 +128,17 @@ def pack_parts(parts: list[StoredTensor], bits: int, *, super_scales: bool = Fal
     """The weight made of ``parts``' rows one after another, packed at ``bits``: straight from
     the file's blocks into one weight where they fit ``bits``-bit tiles, else from their float
     values a piece of rows at a time; all parts' float values at once only when a part ends
-    mid-tile (rare head sizes). ``super_scales``: all-Q4_K parts keep their super-block scales."""
+    mid-tile (rare head sizes). ``super_scales``: the file's own scales where the layers read
+    them (Packing.super_scales): all-Q4_K parts keep their super-block scales, all-MXFP4 parts
+    at 4 bits their codes and exponents."""
     rows, k = sum(part.shape[0] for part in parts), parts[0].shape[1]
     if any(part.shape[0] % TILE_ROWS for part in parts[:-1]):
         values = torch.cat([part.values().float() for part in parts])
         return quantize_weight(values, bits)
+    types = [part.type_name for part in parts]
+    if super_scales and all(part.quantized for part in parts) and mxfp4_fits(types, bits):
+        blocks = ((part.type_name, _blocks(part)) for part in parts)
+        return pack_ggml_blocks(blocks, rows, k, bits)
     if all(part.quantized and ggml_fits(part.type_name, bits) for part in parts):
         # each part's bytes are read when its turn comes: one part's at a time
         blocks = ((part.type_name, _blocks(part)) for part in parts)
@@ -156,6 +175,21 @@ def _blocks(tensor: StoredTensor) -> np.ndarray:
     if blocks is None:
         raise ValueError(f"{tensor.name}: a quantized tensor without blocks")
     return blocks
+
+
+_mxfp4_noted = False
+
+
+def _note_mxfp4_on_8_bits() -> None:
+    """Says once per process where a backend without MXFP4 kernels puts MXFP4 tensors."""
+    global _mxfp4_noted
+    if not _mxfp4_noted:
+        _mxfp4_noted = True
+        logger.info(
+            "MXFP4 tensors: this backend's quantized kernels have no MXFP4 loop; packed as 8-bit "
+            "tiles (u = 2·e2m1 + 128, d = the block's power of two: every weight exact where fp16 "
+            "holds d, else rounded to int8), 8.5 bits a weight against the file's 4.25"
+        )
 
 
 class PackingPool:

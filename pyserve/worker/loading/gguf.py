@@ -23,7 +23,7 @@ from pyserve.worker.loading.base import Checkpoint, ModelLoadError, StoredTensor
 from pyserve.worker.models.config import ModelConfig
 from pyserve.worker.models.layout import CheckpointTensor, checkpoint_tensors
 from pyserve.worker.models.registry import Family, UnsupportedArchitecture, family_for_gguf
-from pyserve.worker.quant import ggml_largest_u
+from pyserve.worker.quant import MXFP4, ggml_largest_u
 from pyserve.worker.rope import check_rope
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -153,6 +153,8 @@ class GGUFTensor(StoredTensor):
     def native_bits(self) -> int | None:
         if not self.quantized:
             return None
+        if self.type_name == MXFP4:  # 4-bit codes: its 8-bit form is a fallback, not its width
+            return 4
         largest = ggml_largest_u().get(self.type_name)
         if largest is not None:
             return 4 if largest <= 15 else 8

@@ -113,7 +113,7 @@ def load_weights(
     norms_include_offset: bool = False,
     packing: Packing | None = None,
     progress: LoadProgress | None = None,
-) -> dict[int, int]:
+) -> dict[str, int]:
     """Reads every tensor into place, one at a time; every weight must appear. Norm weights get
     the family's offset added (Gemma's 1 + w) unless the file stores them with it already.
 
@@ -121,7 +121,7 @@ def load_weights(
     (``packing.layers``), packed as its tensors are read (no float copy of it exists;
     pyserve.worker.weight_packing says at what precision), and a quantized file's embedding
     becomes the backend's module for a packed table (a tied output projection shares it).
-    Returns how many projections were packed at each precision ({4: n, 8: m}).
+    Returns how many projections were packed at each precision ({"int4": n, "mxfp4": m}).
     """
     if packing is not None:
         _unallocate_linears(model)
@@ -174,15 +174,15 @@ def load_weights(
     if embedding is not None:
         del model.embed_tokens  # a registered parameter: a module cannot take its name directly
         model.embed_tokens = packing.layers.embedding(embedding, dtype=packing.dtype)
-    counts: dict[int, int] = {}
+    counts: dict[str, int] = {}
     for module_name, weight in packed.items():
         module = model.get_submodule(module_name)
         head = module_name == "lm_head"
         layer = _packed_layer(packing, weight, module.bias, head)
         parent, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-        for bits in sorted({segment.bits for segment in segments_of(weight)}):
-            counts[bits] = counts.get(bits, 0) + 1  # a segmented projection counts at each
+        for precision in sorted({segment.precision for segment in segments_of(weight)}):
+            counts[precision] = counts.get(precision, 0) + 1  # a segmented one counts at each
     return counts
 
 

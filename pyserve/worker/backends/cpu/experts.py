@@ -161,5 +161,5 @@ def _expert_set(layers: list[QuantLinear]):
     experts = quant.kernels().ExpertSet()
     for layer in layers:
         data, scales, n, k, bits, group, _bias = layer.weight_args
-        experts.add(data, scales, n, k, bits, group, layer.super_scales[0])
+        experts.add(data, scales, n, k, bits, group, layer.super_scales[0], layer.mxfp4[0])
     return experts

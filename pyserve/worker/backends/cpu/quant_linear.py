@@ -88,6 +88,7 @@ def quantized_matmul(
         packed.data.data_ptr(), packed.scales.data_ptr(),
         packed.n, packed.k, packed.bits, packed.group,
         bias_address, out.data_ptr(), max(out.stride(0), packed.n), packed.super_scales,
+        packed.mxfp4,
     )  # fmt: skip
     return out
 
@@ -148,8 +149,9 @@ class QuantLinear(nn.Module):
         # that run the kernel themselves (stack.py's decoder stack): one tuple, or
         # for a SegmentedWeight a list of them, one per segment (its rows of the bias)
         self._segment_rows: list[int] = []  # each segment's first output
-        # each segment's super_scales, the kernel's last argument
+        # each segment's super_scales and mxfp4, the kernel's last two arguments
         self.super_scales = [segment.super_scales for segment in segments_of(packed)]
+        self.mxfp4 = [segment.mxfp4 for segment in segments_of(packed)]
         args, row0 = [], 0
         for segment in segments_of(packed):
             bias_address = 0 if self._bias32 is None else self._bias32.data_ptr() + 4 * row0
@@ -199,15 +201,18 @@ class QuantLinear(nn.Module):
         if isinstance(self.weight_args, tuple):
             self._matmul(
                 flat.data_ptr(), k, rows, self.activation_bits, *self.weight_args,
-                out.data_ptr(), n, self.super_scales[0],
+                out.data_ptr(), n, self.super_scales[0], self.mxfp4[0],
             )  # fmt: skip
         else:  # each segment writes its columns of the rows
-            calls = zip(self._segment_rows, self.weight_args, self.super_scales, strict=True)
-            for row0, args, super_scales in calls:
+            calls = zip(
+                self._segment_rows, self.weight_args, self.super_scales, self.mxfp4, strict=True
+            )
+            for row0, args, super_scales, mxfp4 in calls:
                 address = out.data_ptr() + 4 * row0
                 self._matmul(
-                    flat.data_ptr(), k, rows, self.activation_bits, *args, address, n, super_scales
-                )
+                    flat.data_ptr(), k, rows, self.activation_bits, *args, address, n,
+                    super_scales, mxfp4,
+                )  # fmt: skip
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
@@ -236,7 +241,7 @@ class QuantEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.packed.bits}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.packed.precision}"
 
 
 def quantize_model_linears(

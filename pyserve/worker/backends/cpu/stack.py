@@ -37,9 +37,9 @@ def _linear(module: torch.nn.Module) -> tuple[int, ...] | list[tuple[int, ...]] 
     if not isinstance(module, quant_linear.QuantLinear) or module.max_kernel_rows is not None:
         return None
     if isinstance(module.weight_args, list):
-        segments = zip(module.weight_args, module.super_scales, strict=True)
-        return [(*args, module.activation_bits, sup) for args, sup in segments]
-    return (*module.weight_args, module.activation_bits, module.super_scales[0])
+        segments = zip(module.weight_args, module.super_scales, module.mxfp4, strict=True)
+        return [(*args, module.activation_bits, sup, mx) for args, sup, mx in segments]
+    return (*module.weight_args, module.activation_bits, module.super_scales[0], module.mxfp4[0])
 
 
 def _float32_vector(t: torch.Tensor, size: int) -> bool:

@@ -185,6 +185,11 @@ def quant_matmul(
 def device_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, d, m) of a packed weight in this module's layout, on the CPU: u uint8 [n, k_pad]
     (8-bit) or [n, k_pad/2] (4-bit), d and m fp16 [n, groups]."""
+    if packed.mxfp4:  # its u (value + 12) would not fit the nibbles, its d and m not fp16
+        raise ValueError(
+            "MXFP4's own form runs on the CPU kernels; the Triton layers take it in 8-bit tiles "
+            "(weight_packing.Packing with own_widths=False)"
+        )
     u, d, m = unpack_weight(packed)
     u, d, m = u[: packed.n], d[: packed.n], m[: packed.n]
     if packed.bits == 4:
