@@ -301,6 +301,22 @@ def test_gpt_oss_as_published_with_mxfp4_experts_matches_transformers(tmp_path):
     driver.step([(s, s.pending) for s in seqs])
     driver.run_decodes(seqs)
     assert_all_match(seqs, refs)
+    # served as the file holds it: the experts' codes and exponents on the kernels, no float copy
+    packed = load_runner(str(directory), num_blocks=64, block_size=BLOCK_SIZE, quantization="auto")
+    assert packed.quantization == "int4" and "mxfp4" in packed.packed_precisions
+    assert type(packed.model.layers[1].moe.experts[5].gate_up_proj).__name__ != "Linear"
+    if packed.backend.info().name == "cpu-kernels":
+        assert packed.backend.info().kernels["experts"] == "grouped on 3 of 3 layers"
+    # the experts compute what the file holds (the float projections are requantized to 8 bits,
+    # which moves this sensitive random model's logprobs by ~0.1 by itself)
+    x = torch.randn(5, GPT_OSS["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for e in (0, 5):
+        want = runner.model.layers[1].moe.experts[e].gate_up_proj(x)
+        got = packed.model.layers[1].moe.experts[e].gate_up_proj(x)
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    for prompt in prompts:
+        ours, ref = (_prefill_logprobs(r, prompt) for r in (packed, runner))
+        assert ours.argmax() == ref.argmax()
 
 
 def _prefill_logprobs(runner, prompt: list[int]) -> torch.Tensor:

@@ -25,11 +25,15 @@ def open_hf_checkpoint(source: ModelSource) -> Checkpoint:
     directory = Path(source.path)
     family, config = read_hf_config(source)
     files = safetensors_files(directory)
+    tensors = unfused_experts([item for file in files for item in _list_tensors(file)], family)
     return Checkpoint(
         path=str(directory),
         config=config,
         family=family,
-        tensors=unfused_experts([item for file in files for item in _list_tensors(file)], family),
+        tensors=tensors,
+        # MXFP4 experts (gpt-oss as published): served packed, each at its own precision (the
+        # float projections at 8 bits), as a GGUF with 4-bit experts is
+        quantization_hint="int4" if any(t.quantized for _, t in tensors) else None,
     )
 
 
