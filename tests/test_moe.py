@@ -516,3 +516,63 @@ def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):
         for p in (fused, plain)
     )
     assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------- llama.cpp's converter
+
+
+def llama_cpp_converter():
+    """convert_hf_to_gguf.py of the llama.cpp that compare.py builds llama-server from (the
+    llama-cpp-python sdist in the peers cache), or None."""
+    from pyserve.model_files import cache_dir
+
+    found = sorted((cache_dir() / "peers" / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return found[-1] if found and (found[-1] / "convert_hf_to_gguf.py").is_file() else None
+
+
+CONVERTED = {
+    # renormalized, as Qwen3-MoE checkpoints are: the converter writes no expert_weights_norm
+    # and llama.cpp renormalizes every qwen3moe file (so does pyserve)
+    "qwen3moe": {
+        "head_dim": 16, "num_experts": 8, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    },
+    "qwen2moe": {
+        "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+    },
+    "mixtral": {"num_local_experts": 8, "intermediate_size": 32},
+    "olmoe": {"num_experts": 8, "intermediate_size": 32},
+    "gpt-oss": {
+        "head_dim": 16, "num_local_experts": 8, "intermediate_size": 32, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.skipif(llama_cpp_converter() is None, reason="no llama.cpp source here")
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tmp_path):
+    """Each mixture-of-experts family written by llama.cpp's convert_hf_to_gguf.py itself (its
+    names, stacked experts, metadata and tokenizer) loads into the model the HF directory
+    gives: the same config, the same logprobs to float32 rounding."""
+    from tiny_models import build_tiny_smollm
+
+    source = llama_cpp_converter()
+    directory = build_tiny_smollm(
+        tmp_path / "hf", seed=7, max_position_embeddings=1024, family=family,
+        overrides={"num_experts_per_tok": 2, **CONVERTED[family]},
+    )  # fmt: skip
+    path = tmp_path / "converted.gguf"
+    done = subprocess.run(
+        [sys.executable, str(source / "convert_hf_to_gguf.py"), str(directory),
+         "--outfile", str(path), "--outtype", "f32"],
+        env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
+        capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    options = {"num_blocks": 64, "block_size": 4, "quantization": "none"}
+    hf = load_runner(str(directory), kv_cache_dtype="float32", **options)
+    converted = load_runner(str(path), kv_cache_dtype="float32", **options)
+    assert converted.config.features() == hf.config.features()
+    for prompt in ([5, 9, 200, 17, 3], list(range(30, 70))):
+        ours, ref = (_prefill_logprobs(r, prompt) for r in (converted, hf))
+        assert (ours - ref).abs().max() < 1e-4
