@@ -107,10 +107,11 @@ def test_projections_kept_at_their_parts_precisions_run_on_the_stack(tmp_path):
     assert_stack_matches_layer_loop(path, num_prompts=6, quantization="auto")
 
 
-@pytest.fixture(scope="module", params=[name for name in FAMILIES if name not in MOE_FAMILIES])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family_model(request, tmp_path_factory) -> tuple[str, str]:
-    """(name, directory) of test_model_families' tiny model of each dense family, features on
-    (a mixture of experts runs the layer loop: test_moe.py)."""
+    """(name, directory) of test_model_families' tiny model of each family, features on (the
+    mixtures of experts too: the kernel router, grouped experts, a shared expert, OLMoE's q/k
+    norms over all heads)."""
     kind, overrides = FAMILIES[request.param]
     directory = tmp_path_factory.mktemp(request.param)
     make_tiny_model(directory, kind, seed=17, **overrides)

@@ -41,6 +41,7 @@ class SparseMoE(nn.Module):
         self, hidden: int, moe: MoEConfig, *, dtype: torch.dtype, device: torch.device | str
     ):
         super().__init__()
+        self.config = moe  # what a backend's own router checks it computes (backends/cpu)
         self.top_k = moe.top_k
         self.normalize = moe.normalize_top_k
         self.router = nn.Parameter(
@@ -67,10 +68,16 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def shared_expert_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """sigmoid(x · shared_gate) [T, 1], the shared expert's scale; None without one."""
+        if self.shared_gate is None:
+            return None
+        return torch.sigmoid(F.linear(x, self.shared_gate))
+
     def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts, gate = backend.route_experts(self, x)
         out = backend.run_experts(self, x, weights, experts, activation)
-        if self.shared_expert is not None and self.shared_gate is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_gate))
+        if self.shared_expert is not None:
+            assert gate is not None
             out += self.shared_expert(x, backend, activation) * gate
         return out
