@@ -26,7 +26,6 @@ import torch
 
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu.quant_linear import QuantLinear
-from pyserve.worker.models.config import MoEConfig
 
 ALIGN = 64  # bytes: each expert's packed weights start on a cache line
 
@@ -134,7 +133,7 @@ class KernelRouter:
     def unsupported(moe: SparseMoE) -> str | None:
         """Why the kernel cannot route ``moe`` as SparseMoE does, or None."""
         config = moe.config
-        for f in fields(MoEConfig):
+        for f in fields(config):
             if f.name not in ROUTE_FIELDS and getattr(config, f.name) != f.default:
                 return f"the router's {f.name}"
         hidden = moe.router.shape[1]
