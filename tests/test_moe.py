@@ -439,6 +439,8 @@ def test_the_kernel_router_is_the_same_on_every_isa_and_thread_count():
 
 def test_the_kernel_router_checks_its_arguments():
     x, router = torch.zeros(2, 16), torch.zeros(8, 16)
+    weights, experts, _ = _kernel_route(torch.zeros(0, 16), router, 2, False)  # a step of none
+    assert weights.shape == experts.shape == (0, 2)
     with pytest.raises(ValueError, match="top-9 of 8 experts"):
         _kernel_route(x, router, 9, False)
     with pytest.raises(ValueError, match="a shared gate needs its output"):

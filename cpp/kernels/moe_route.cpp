@@ -249,11 +249,11 @@ void moe_route(const MoeRouteArgs& a) {
            " experts: k must be in [1, experts]";
   });
   check(a.x_stride >= a.hidden, "the row stride is shorter than the row");
-  check(a.x != nullptr && a.router != nullptr && a.weights != nullptr && a.experts != nullptr,
-        "null pointer");
   check((a.shared_gate == nullptr) == (a.shared_weight == nullptr),
         "a shared gate needs its output, and an output its gate");
-  if (a.tokens == 0) return;
+  if (a.tokens == 0) return;  // (an empty tensor's address may be null)
+  check(a.x != nullptr && a.router != nullptr && a.weights != nullptr && a.experts != nullptr,
+        "null pointer");
   thread_local std::vector<float> logits;
   const int columns = a.num_experts + (a.shared_gate != nullptr ? 1 : 0);
   logits.resize(static_cast<size_t>(a.tokens) * columns);
