@@ -2,7 +2,9 @@
 
 An expert is a gated MLP like a dense layer's (fused gate/up, then down): its projections are
 the backend's linear layers, so a quantized checkpoint's experts run on the same kernels as
-the dense projections, each at its file's precision. The step's tokens are grouped by expert
+the dense projections, each at its file's precision. The backend routes the tokens
+(``Backend.route_experts``: ``route`` in torch, or the CPU kernels' own router, which the CPU
+decoder stack shares). The step's tokens are grouped by expert
 (one stable sort of the routing choices), and each expert picked by at least one token runs
 once over its group (``Backend.run_experts``: a loop in torch, or the CPU kernels' grouped
 matmuls), so a decode token reads only its k experts' weights. Experts that no token picked are not
