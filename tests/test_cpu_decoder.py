@@ -29,6 +29,8 @@ from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu.backend import LayerPlan
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack, unsupported
+from pyserve.worker.models.decoder import DecoderLayer
+from pyserve.worker.models.moe import SparseMoE
 from pyserve.worker.offline import OfflineEngine
 
 STACK_RUNS = quant.kernels().isa() == "avx512_vnni"  # the prefill kernel and fused ops need it
@@ -107,14 +109,24 @@ def test_projections_kept_at_their_parts_precisions_run_on_the_stack(tmp_path):
     assert_stack_matches_layer_loop(path, num_prompts=6, quantization="auto")
 
 
-@pytest.fixture(scope="module", params=[name for name in FAMILIES if name not in MOE_FAMILIES])
-def family_model(request, tmp_path_factory) -> tuple[str, str]:
-    """(name, directory) of test_model_families' tiny model of each dense family, features on
-    (a mixture of experts runs the layer loop: test_moe.py)."""
-    kind, overrides = FAMILIES[request.param]
-    directory = tmp_path_factory.mktemp(request.param)
+def saved_family(name: str, tmp_path_factory) -> tuple[str, str]:
+    kind, overrides = FAMILIES[name]
+    directory = tmp_path_factory.mktemp(name)
     make_tiny_model(directory, kind, seed=17, **overrides)
-    return request.param, str(directory)
+    return name, str(directory)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory) -> tuple[str, str]:
+    """(name, directory) of test_model_families' tiny model of each family, features on (the
+    mixtures of experts too: the kernel router, grouped experts, a shared expert, OLMoE's q/k
+    norms over all heads)."""
+    return saved_family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=list(MOE_FAMILIES))
+def moe_family_model(request, tmp_path_factory) -> tuple[str, str]:
+    return saved_family(request.param, tmp_path_factory)
 
 
 @needs_stack
@@ -125,6 +137,64 @@ def test_every_family_on_the_stack_is_its_layer_loop_bit_for_bit(family_model, c
     assert_stack_matches_layer_loop(
         directory, num_prompts=8, kv_cache_dtype=cache, max_model_len=served
     )
+
+
+def moe_model(directory, kind: str, router: str) -> str:
+    """test_model_families' tiny ``kind`` mixture (qwen2_moe: with its shared expert and a
+    dense layer) with every sparse layer's router set to ``router``: "zero" (every probability
+    equal: every token on the same k experts, torch.topk's choice among ties, the other experts
+    idle) or "plus-minus" (experts 0 and 1 opposite, the rest 0: each token's first choice is 0
+    or 1, its second a tie among the six zero logits)."""
+    name = {"qwen2_moe": "qwen2moe-shared", "qwen3_moe": "qwen3moe"}[kind]
+    model = make_tiny_model(directory, kind, seed=17, **FAMILIES[name][1])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:  # a dense layer
+                continue
+            gate.weight.zero_()
+            if router == "plus-minus":
+                direction = torch.randn(gate.weight.shape[1], generator=gen)
+                gate.weight[0], gate.weight[1] = direction, -direction
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+@needs_stack
+@pytest.mark.parametrize("router", ["zero", "plus-minus"])
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_routes_with_ties_idle_experts_and_one_expert_for_all_on_the_stack(tmp_path, kind, router):
+    """Routers that tie (all experts, or the six after each token's first choice), send every
+    token to the same experts and leave others without a token: the stack routes as the layer
+    loop does, to the bit, over mixed batches and prefix hits."""
+    assert_stack_matches_layer_loop(moe_model(tmp_path, kind, router), num_prompts=6)
+
+
+@needs_stack
+def test_a_mixture_of_experts_step_is_one_stack_call(moe_family_model, monkeypatch):
+    """With the stack on, a mixture's steps never enter the layer loop (neither a decoder layer
+    nor a SparseMoE runs in Python): each forward is one DecoderStack.forward, and the backend
+    says so."""
+    _, directory = moe_family_model
+    built = engine(directory, True)
+    info = built.runner.backend.info().kernels
+    assert info["decoder_stack"] == "on" and info["experts"].startswith("grouped on ")
+    assert info["moe_router"] == info["experts"].replace("grouped", "kernels")
+    calls = []
+    stack = built.runner.decoder_stack
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+
+    def no_loop(*args, **kwargs):
+        raise AssertionError("the layer loop ran")
+
+    monkeypatch.setattr(DecoderLayer, "forward", no_loop)
+    monkeypatch.setattr(SparseMoE, "forward", no_loop)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = built.generate([[5, 9, 200, 17], list(range(30, 70))], params)
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+    assert len(calls) >= 6  # a prefill, then a decode step a token
 
 
 @needs_stack
@@ -275,3 +345,96 @@ def test_the_cpp_stack_checks_the_weights_and_tables_it_is_given():
         forward([rope.data_ptr()] * 2, [rope.data_ptr()])
     with pytest.raises(ValueError, match="a rope table's null address"):
         forward([rope.data_ptr(), 0], [rope.data_ptr()] * 2)
+
+
+def test_a_mixture_the_stack_cannot_run_is_refused_saying_why(moe_family_model):
+    """A mixture runs on the stack with both its kernel router and its grouped experts; without
+    either the stack is refused, naming the layer and what is missing."""
+    _, directory = moe_family_model
+    runner = load_runner(directory, num_blocks=16, quantization="int4")
+    backend = runner.backend
+    model, cache, plan = runner.model, runner.kv_cache, backend.plan
+    grouped, routers = backend.expert_kernels, backend.expert_routers
+    first = next(i for i, layer in enumerate(model.layers) if layer.moe is not None)
+    if STACK_RUNS:
+        assert unsupported(model, cache, plan, grouped, routers) is None
+    assert unsupported(model, cache, plan, {}, routers) == (
+        f"layer {first}: a mixture of experts: its experts are not grouped on the kernels"
+    )
+    assert unsupported(model, cache, plan, grouped, {}) == (
+        f"layer {first}: a mixture of experts: its router is not on the kernels (not built)"
+    )
+
+
+def test_the_cpp_stack_checks_a_mixtures_experts():
+    kernels = quant.kernels()
+    hidden, width, num_experts = 64, 32, 4
+    stack = kernels.DecoderStack(
+        hidden=hidden, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, eps=1e-5,
+        cache_dtype=0, num_blocks=8, block_size=8,
+    )  # fmt: skip
+    weights = {
+        "qkv": quant.quantize_weight(torch.randn(128, hidden), 4),
+        "o": quant.quantize_weight(torch.randn(hidden, hidden), 4),
+        "gate_up": quant.quantize_weight(torch.randn(2 * width, hidden), 4),
+        "down": quant.quantize_weight(torch.randn(hidden, width), 4),
+        "wide_down": quant.quantize_weight(torch.randn(hidden, 2 * width), 4),
+    }
+
+    def linear(p):
+        return (p.data.data_ptr(), p.scales.data_ptr(), p.n, p.k, p.bits, p.group, 0, 16)
+
+    def expert_set(p, count=num_experts):
+        experts = kernels.ExpertSet()
+        for _ in range(count):
+            experts.add(p.data.data_ptr(), p.scales.data_ptr(), p.n, p.k, p.bits, p.group, False)
+        return experts
+
+    router, norm, cache = torch.zeros(num_experts, hidden), torch.ones(hidden), torch.zeros(64)
+    gate_up, down = expert_set(weights["gate_up"]), expert_set(weights["down"])
+    layer = (norm.data_ptr(), norm.data_ptr(), linear(weights["qkv"]), linear(weights["o"]))
+    caches = (cache.data_ptr(), cache.data_ptr())
+
+    def moe(**kw):
+        args = {
+            "router": router.data_ptr(), "num_experts": num_experts, "top_k": 2,
+            "normalize": True, "gate_up": gate_up, "down": down, "activation_bits": 16, **kw,
+        }  # fmt: skip
+        return kernels.StackMoE(**args)
+
+    def add(mixture, gate_up_linear=None, down_linear=None, **kw):
+        stack.add_layer(*layer, gate_up_linear, down_linear, *caches, moe=mixture, **kw)
+
+    for mixture, match in (
+        (moe(num_experts=5), "4 gate/up and 4 down experts for a router of 5"),
+        (moe(top_k=5), "top-5 of 4 experts"),
+        (moe(down=expert_set(weights["wide_down"])), "expert 0's weights are 64x64 and 64x64"),
+        (moe(down=expert_set(weights["down"], 3)), "4 gate/up and 3 down experts"),
+        (moe(activation_bits=4), "activation bits 8 or 16"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            add(mixture)
+    with pytest.raises(ValueError, match="a shared expert needs its gate and both projections"):
+        moe(shared_gate=norm.data_ptr())
+    with pytest.raises(ValueError, match="router"):
+        moe(router=0)
+    with pytest.raises(ValueError, match="gate_up and down, or a mixture of experts"):
+        add(moe(), linear(weights["gate_up"]), linear(weights["down"]))
+    with pytest.raises(ValueError, match="gate_up and down, or a mixture of experts"):
+        add(None)
+    with pytest.raises(ValueError, match="a full-width q/k norm without its weights"):
+        add(moe(), full_width_qk_norm=True)
+    shared = moe(
+        shared_gate=norm.data_ptr(), shared_gate_up=linear(weights["gate_up"]),
+        shared_down=linear(weights["wide_down"]),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="moe shared gate_up: 64x64 weights, expected 128x64"):
+        add(shared)
+    assert stack.num_layers == 0
+    add(moe())
+    shared = moe(
+        shared_gate=norm.data_ptr(), shared_gate_up=linear(weights["gate_up"]),
+        shared_down=linear(weights["down"]),
+    )  # fmt: skip
+    add(shared, q_norm=norm.data_ptr(), k_norm=norm.data_ptr(), full_width_qk_norm=True)
+    assert stack.num_layers == 2

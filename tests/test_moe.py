@@ -198,10 +198,13 @@ def test_stacked_q8_0_experts_are_packed_as_the_file_holds_them(tmp_path):
     packed = load_runner(str(path), num_blocks=64, block_size=4, quantization="auto")
     assert set(packed.packed_precisions) == {"int8"}
     info = packed.backend.info()
-    if info.name == "cpu-kernels":  # the layer loop, each layer's experts as grouped matmuls
+    if info.name == "cpu-kernels":  # each layer's router and grouped experts on the kernels
         assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
-        assert info.kernels["decoder_stack"].startswith("off: layer 0: a mixture of experts")
-        assert info.kernels["torch_threads"].startswith("1 ")  # beside the kernels' pool
+        assert info.kernels["moe_router"] == "kernels on 3 of 3 layers", info.kernels
+        if packed.decoder_stack is not None:  # every layer in one call (test_cpu_decoder.py)
+            assert info.kernels["decoder_stack"] == "on", info.kernels
+        else:  # the layer loop
+            assert info.kernels["torch_threads"].startswith("1 ")  # beside the kernels' pool
     layer = packed.model.layers[0].moe
     assert type(layer.experts[5].gate_up_proj).__name__ != "Linear"  # packed, not float
     reference = exact.model.layers[1].moe.experts[3].down_proj.weight
@@ -576,3 +579,163 @@ def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tm
     for prompt in ([5, 9, 200, 17, 3], list(range(30, 70))):
         ours, ref = (_prefill_logprobs(r, prompt) for r in (converted, hf))
         assert (ours - ref).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------- the kernel router
+
+
+def _kernel_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, shared=None):
+    """_kernels.moe_route's (weights, experts, shared gate or None) for x [T, hidden]."""
+    tokens, hidden = x.shape
+    weights = torch.empty(tokens, top_k)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64)
+    gate = None if shared is None else torch.empty(tokens)
+    quant.kernels().moe_route(
+        x.data_ptr(), hidden, tokens, hidden, router.data_ptr(), router.shape[0], top_k,
+        normalize, weights.data_ptr(), experts.data_ptr(),
+        0 if shared is None else shared.data_ptr(), 0 if gate is None else gate.data_ptr(),
+    )  # fmt: skip
+    return weights, experts, gate
+
+
+# (experts, k): torch.topk sorts with std::partial_sort where k · 64 <= experts, else with
+# std::nth_element and a sort of the first k - 1; both regimes, k = 1 and k = experts
+ROUTES = [(8, 1), (8, 2), (8, 4), (8, 8), (16, 2), (60, 4), (64, 1), (64, 8), (128, 2), (128, 8),
+          (256, 2), (256, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("num_experts", "top_k"), ROUTES)
+def test_the_kernel_router_picks_torchs_experts_ties_included(num_experts, top_k, isa):
+    """moe_route (the CPU backend's router, shared by its layer loop and its decoder stack)
+    against SparseMoE.route in torch on exact ties: small integers make every logit exact in
+    any summation order, so equal logits are equal in both, and the kernel must pick and order
+    the tied experts as torch.topk does (its std::nth_element / std::partial_sort order, which
+    the kernel reproduces, not "the lowest id first"). Weights within float32 rounding."""
+    gen = torch.Generator().manual_seed(num_experts * 100 + top_k)
+    hidden = 33  # a partial 16-lane block at the end
+    x = torch.randint(-2, 3, (40, hidden), generator=gen).float()
+    routers = {
+        "all tied": torch.zeros(num_experts, hidden),
+        "a few distinct logits": torch.randint(-1, 2, (3, hidden), generator=gen).float()[
+            torch.randint(0, 3, (num_experts,), generator=gen)
+        ],
+        "many ties": torch.randint(-1, 2, (num_experts, hidden), generator=gen).float(),
+    }
+    layer = SparseMoE(hidden, MoEConfig(num_experts, top_k, 16, True), dtype=torch.float32,
+                      device="cpu")  # fmt: skip
+    quant.kernels().set_isa(isa)
+    try:
+        for name, router in routers.items():
+            layer.router.data.copy_(router)
+            for normalize in (False, True):
+                layer.normalize = normalize
+                want_weights, want_experts = layer.route(x)
+                weights, experts, _ = _kernel_route(x, router, top_k, normalize)
+                assert torch.equal(experts, want_experts), (name, normalize)
+                torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    finally:
+        quant.kernels().set_isa(ISAS[0])
+    if top_k < num_experts:  # all tied: every token the same k experts, the others idle
+        _, experts, _ = _kernel_route(x, routers["all tied"], top_k, False)
+        assert (experts == experts[0]).all()
+
+
+def test_the_kernel_router_is_the_same_on_every_isa_and_thread_count():
+    """Random float inputs (sums that round), with a shared gate: the same bits on every ISA
+    and with 1 or 2 threads (the dot products sum in one order everywhere), and within float32
+    rounding of torch's route and sigmoid gate."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, num_experts, top_k = 72, 64, 4
+    x = torch.randn(70, hidden, generator=gen)  # 70 · 65 · 72 products: the threaded path
+    router = torch.randn(num_experts, hidden, generator=gen) * 0.3
+    shared = torch.randn(hidden, generator=gen) * 0.3
+    kernels = quant.kernels()
+    threads = kernels.num_threads()
+    results = []
+    try:
+        for isa in ISAS:
+            kernels.set_isa(isa)
+            for n in (1, 2):
+                kernels.set_num_threads(n)
+                results.append(_kernel_route(x, router, top_k, True, shared))
+    finally:
+        kernels.set_isa(ISAS[0])
+        kernels.set_num_threads(threads)
+    first = results[0]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    layer = SparseMoE(hidden, MoEConfig(num_experts, top_k, 16, True, shared_expert_size=8),
+                      dtype=torch.float32, device="cpu")  # fmt: skip
+    layer.router.data.copy_(router)
+    layer.shared_gate.data.copy_(shared[None])
+    want_weights, want_experts = layer.route(x)
+    weights, experts, gate = first
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gate[:, None], layer.shared_expert_gate(x), rtol=1e-5, atol=1e-7)
+
+
+def test_the_kernel_router_checks_its_arguments():
+    x, router = torch.zeros(2, 16), torch.zeros(8, 16)
+    weights, experts, _ = _kernel_route(torch.zeros(0, 16), router, 2, False)  # a step of none
+    assert weights.shape == experts.shape == (0, 2)
+    with pytest.raises(ValueError, match="top-9 of 8 experts"):
+        _kernel_route(x, router, 9, False)
+    with pytest.raises(ValueError, match="a shared gate needs its output"):
+        quant.kernels().moe_route(
+            x.data_ptr(), 16, 2, 16, router.data_ptr(), 8, 2, False, x.data_ptr(),
+            x.data_ptr(), router.data_ptr(), 0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_the_cpu_backends_route_matches_transformers_sparse_block(kind, router):
+    """The CPU kernels backend's SparseMoE (its kernel router, the experts in torch) against
+    transformers' block: ties, every token on one expert, idle experts, a shared gate."""
+    from pyserve.worker.backends import attention_backend
+    from pyserve.worker.backends.cpu.experts import KernelRouter
+
+    top_k = 2
+    block, _ = _hf_block(kind, top_k)
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if router == "ties":
+            block.gate.weight.zero_()
+        elif router == "one-expert-for-all":
+            x = x.abs()
+            block.gate.weight.fill_(-0.1)
+            block.gate.weight[0] = 1.0
+    ours = _ours(block, kind, top_k)
+    backend = attention_backend(
+        "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
+        dtype=torch.float32,
+    )  # fmt: skip
+    kernel_router = KernelRouter.build(ours)
+    assert kernel_router is not None
+    backend.expert_routers[id(ours)] = kernel_router
+    with torch.no_grad():
+        want = block(x[None])[0]
+        got = ours(x, backend, "silu")
+        _, picked, gate = backend.route_experts(ours, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(picked, ours.route(x)[1])  # torch's choice, ties included
+    assert (gate is None) == (kind != "qwen2_moe")
+
+
+def test_a_routing_feature_the_kernel_router_lacks_leaves_the_route_to_torch():
+    """A MoEConfig field beyond those moe_route computes (gpt-oss's router bias, expert biases,
+    softmax over the top-k logits), set away from its default: no kernel router, saying which
+    field, and the stack refuses the mixture; at its default the kernel routes."""
+    from pyserve.worker.backends.cpu.experts import KernelRouter
+
+    for field in (None, "router_bias", "expert_bias", "softmax_after_top_k"):
+        config = MoEConfig(EXPERTS, 2, WIDTH, True, **({field: True} if field else {}))
+        layer = SparseMoE(HIDDEN, config, dtype=torch.float32, device="cpu")
+        why = KernelRouter.unsupported(layer)
+        assert why == (f"the router's {field}" if field else None)
+        assert (KernelRouter.build(layer) is None) == (field is not None)
+    bf16 = SparseMoE(HIDDEN, MoEConfig(EXPERTS, 2, WIDTH, True), dtype=torch.bfloat16,
+                     device="cpu")  # fmt: skip
+    assert KernelRouter.unsupported(bf16) == "a torch.bfloat16 router"

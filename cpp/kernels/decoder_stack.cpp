@@ -10,6 +10,7 @@
 #include "arg_checks.h"
 #include "dispatch.h"
 #include "layer_ops.h"
+#include "moe.h"
 #include "prefill_attention.h"
 
 namespace pyserve_kernels {
@@ -35,7 +36,18 @@ void check_linear(const StackLinear& linear, int n, int k, const char* name) {
 // The per-forward scratch of one calling thread (the worker's forward runs on one thread).
 struct Buffers {
   std::vector<float> normed, qkv, attn, o, gate_up, act, q_decode, out_decode;
+  // a mixture's: the route, the rows grouped by expert and their projections, the shared gate
+  std::vector<float> route_weights, row_weights, grouped, grouped_gate_up, grouped_act, grouped_out,
+      shared_weights;
+  std::vector<int64_t> route_experts, row_tokens, counts;
 };
+
+// `size(v, rows, width)`: v holding at least rows × width elements, its data
+template <class T>
+T* sized(std::vector<T>& v, int64_t rows, int64_t width) {
+  if (static_cast<int64_t>(v.size()) < rows * width) v.resize(static_cast<size_t>(rows * width));
+  return v.data();
+}
 
 void matmul(const StackLinear& linear, const float* x, int rows, float* out) {
   const PackedWeights& w = linear.weights;
@@ -55,6 +67,104 @@ void rms_norm_rows(const float* x, int rows, int hidden, const float* weight, fl
   args.residual = residual;
   args.residual_stride = residual != nullptr ? hidden : 0;
   rms_norm(args);
+}
+
+// RMSNorm of `width` columns of rows `stride` apart, in place (the norm reads a row before it
+// writes it)
+void rms_norm_columns(float* x, int64_t stride, int rows, int width, const float* weight,
+                      float eps) {
+  rms_norm({DType::kFloat32, x, stride, rows, width, weight, eps, x, stride});
+}
+
+void check_moe(const StackMoE& m, int hidden, const std::string& name) {
+  check(m.num_experts > 0 && m.top_k >= 1 && m.top_k <= m.num_experts, [&] {
+    return name + ": top-" + std::to_string(m.top_k) + " of " + std::to_string(m.num_experts) +
+           " experts";
+  });
+  check(static_cast<int>(m.gate_up.size()) == m.num_experts &&
+            static_cast<int>(m.down.size()) == m.num_experts,
+        [&] {
+          return name + ": " + std::to_string(m.gate_up.size()) + " gate/up and " +
+                 std::to_string(m.down.size()) + " down experts for a router of " +
+                 std::to_string(m.num_experts);
+        });
+  const int width = m.width();
+  for (int e = 0; e < m.num_experts; ++e) {
+    const PackedWeights& gate_up = m.gate_up[static_cast<size_t>(e)];
+    const PackedWeights& down = m.down[static_cast<size_t>(e)];
+    check(gate_up.data != nullptr && gate_up.scales != nullptr && down.data != nullptr &&
+              down.scales != nullptr,
+          [&] { return name + ": expert " + std::to_string(e) + " has no weights"; });
+    check(width > 0 && gate_up.n == 2 * width && gate_up.k == hidden && down.n == hidden &&
+              down.k == width,
+          [&] {
+            return name + ": expert " + std::to_string(e) + "'s weights are " +
+                   std::to_string(gate_up.n) + "x" + std::to_string(gate_up.k) + " and " +
+                   std::to_string(down.n) + "x" + std::to_string(down.k) + ", expected 2·" +
+                   std::to_string(width) + "x" + std::to_string(hidden) + " and " +
+                   std::to_string(hidden) + "x" + std::to_string(width);
+          });
+  }
+  check(m.activation_bits == 8 || m.activation_bits == 16, name + ": activation bits 8 or 16");
+  if (m.shared_gate != nullptr) {
+    const int shared = m.shared_width();
+    check(shared > 0, name + ": a shared gate without a shared expert");
+    check_linear(m.shared_gate_up, 2 * shared, hidden, (name + " shared gate_up").c_str());
+    check_linear(m.shared_down, hidden, shared, (name + " shared down").c_str());
+  }
+}
+
+// A mixture's output for the rows `x` ([rows][hidden]) into out: SparseMoE.forward as the CPU
+// kernels backend computes it (Backend.route_experts, ExpertKernels.run, the shared expert's
+// QuantLinears), the same calls on the same values
+void run_moe(const StackMoE& m, const float* x, int rows, int hidden, GatedActivation activation,
+             Buffers& buf, float* out) {
+  const int k = m.top_k, width = m.width();
+  const int64_t choices = static_cast<int64_t>(rows) * k;
+  float* weights = sized(buf.route_weights, rows, k);
+  int64_t* experts = sized(buf.route_experts, rows, k);
+  float* shared = m.shared_gate != nullptr ? sized(buf.shared_weights, rows, 1) : nullptr;
+  MoeRouteArgs route{x, hidden,      rows,    hidden, m.router, m.num_experts,
+                     k, m.normalize, weights, experts};
+  route.shared_gate = m.shared_gate;
+  route.shared_weight = shared;
+  moe_route(route);
+  int64_t* row_tokens = sized(buf.row_tokens, choices, 1);
+  float* row_weights = sized(buf.row_weights, choices, 1);
+  int64_t* counts = sized(buf.counts, m.num_experts, 1);
+  moe_group(experts, weights, rows, k, m.num_experts, row_tokens, row_weights, counts);
+  float* grouped = sized(buf.grouped, choices, hidden);
+  for (int64_t r = 0; r < choices; ++r)
+    std::copy(x + row_tokens[r] * hidden, x + (row_tokens[r] + 1) * hidden, grouped + r * hidden);
+  float* gate_up = sized(buf.grouped_gate_up, choices, 2 * width);
+  grouped_matmul(grouped, hidden, m.activation_bits, m.gate_up.data(), counts, m.num_experts,
+                 gate_up, 2 * width);
+  float* act = sized(buf.grouped_act, choices, width);
+  silu_mul({DType::kFloat32, gate_up, 2 * width, static_cast<int>(choices), width, act, width,
+            activation});
+  float* y = sized(buf.grouped_out, choices, hidden);
+  grouped_matmul(act, width, m.activation_bits, m.down.data(), counts, m.num_experts, y, hidden);
+  moe_combine(y, hidden, row_tokens, row_weights, static_cast<int>(choices), hidden, out, hidden,
+              rows);
+  if (m.shared_gate == nullptr) return;
+  // out += shared_expert(x) · gate: the product rounded, then the sum, as torch's two ops
+  const int shared_width = m.shared_width();
+  float* shared_gate_up = sized(buf.grouped_gate_up, rows, 2 * shared_width);
+  matmul(m.shared_gate_up, x, rows, shared_gate_up);
+  float* shared_act = sized(buf.grouped_act, rows, shared_width);
+  silu_mul({DType::kFloat32, shared_gate_up, 2 * shared_width, rows, shared_width, shared_act,
+            shared_width, activation});
+  float* shared_out = sized(buf.grouped_out, rows, hidden);
+  matmul(m.shared_down, shared_act, rows, shared_out);
+  for (int t = 0; t < rows; ++t) {
+    const float gate = shared[t];
+    const float* from = shared_out + static_cast<int64_t>(t) * hidden;
+    float* to = out + static_cast<int64_t>(t) * hidden;
+    for (int i = 0; i < hidden; ++i) {
+      volatile float product = from[i] * gate;  // volatile: never contracted into an FMA
+      to[i] += product;
+    }
+  }
 }
 
 }  // namespace
@@ -93,10 +203,16 @@ void DecoderStack::add_layer(const StackLayer& layer) {
            std::to_string(num_rope_tables()) + ": out of range";
   });
   check(layer.window >= 0, "window must be >= 0 (0: none)");
+  check(!layer.full_width_qk_norm || layer.q_norm != nullptr,
+        "a full-width q/k norm without its weights");
   check_linear(layer.qkv, qkv_size, s.hidden, "qkv");
   check_linear(layer.o, s.hidden, q_size, "o");
-  check_linear(layer.gate_up, 2 * s.intermediate, s.hidden, "gate_up");
-  check_linear(layer.down, s.hidden, s.intermediate, "down");
+  if (layer.is_moe()) {
+    check_moe(layer.moe, s.hidden, "moe");
+  } else {
+    check_linear(layer.gate_up, 2 * s.intermediate, s.hidden, "gate_up");
+    check_linear(layer.down, s.hidden, s.intermediate, "down");
+  }
   layers_.push_back(layer);
 }
 
@@ -130,8 +246,11 @@ void DecoderStack::forward(const StackBatch& b) const {
   float* qkv = size(buf.qkv, qkv_size);
   float* attn = size(buf.attn, q_size);
   float* o = size(buf.o, hidden);
-  float* gate_up = size(buf.gate_up, 2 * s.intermediate);
-  float* act = size(buf.act, s.intermediate);
+  // the dense MLP's buffers only where a layer has one (a mixture's are its own)
+  const bool dense = std::any_of(layers_.begin(), layers_.end(),
+                                 [](const StackLayer& layer) { return !layer.is_moe(); });
+  float* gate_up = dense ? size(buf.gate_up, 2 * s.intermediate) : nullptr;
+  float* act = dense ? size(buf.act, s.intermediate) : nullptr;
   float* q_decode = nullptr;
   float* out_decode = nullptr;
   if (!in_place && b.num_decodes > 0) {
@@ -165,12 +284,16 @@ void DecoderStack::forward(const StackBatch& b) const {
       rms_norm_rows(b.hidden, rows, hidden, layer.input_norm, s.eps, b.residual, normed);
     }
     matmul(layer.qkv, normed, rows, qkv);
+    if (layer.full_width_qk_norm) {  // q's heads normalized together, then k's
+      rms_norm_columns(qkv, qkv_size, rows, q_size, layer.q_norm, s.eps);
+      rms_norm_columns(qkv + q_size, qkv_size, rows, s.num_kv_heads * dim, layer.k_norm, s.eps);
+    }
     const int rotary_dim = s.rotary_dims[layer.rope_table];
     rope.cos = b.cos[layer.rope_table];
     rope.sin = b.sin[layer.rope_table];
     rope.rotary_dim = rotary_dim == dim ? 0 : rotary_dim;
-    rope.q_norm = layer.q_norm;
-    rope.k_norm = layer.k_norm;
+    rope.q_norm = layer.full_width_qk_norm ? nullptr : layer.q_norm;
+    rope.k_norm = layer.full_width_qk_norm ? nullptr : layer.k_norm;
     rope.k_cache = layer.k_cache;
     rope.v_cache = layer.v_cache;
     rope_write_kv(rope);
@@ -204,15 +327,19 @@ void DecoderStack::forward(const StackBatch& b) const {
     } else {
       rms_norm_rows(o, rows, hidden, layer.post_attention_norm, s.eps, b.residual, normed);
     }
-    matmul(layer.gate_up, mlp_in, rows, gate_up);
-    silu_mul({DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act,
-              s.intermediate, s.activation});
-    if (layer.mlp_out_norm != nullptr) {  // the down projection into o (free now), normalized
-      matmul(layer.down, act, rows, o);
-      rms_norm_rows(o, rows, hidden, layer.mlp_out_norm, s.eps, nullptr, b.hidden);
+    // the MLP's output into a free buffer where a norm follows (o, or normed where o is the
+    // MLP's input: a mixture reads its input after it has written output), else into hidden
+    float* mlp_out = layer.mlp_out_norm == nullptr ? b.hidden : mlp_in == o ? normed : o;
+    if (layer.is_moe()) {
+      run_moe(layer.moe, mlp_in, rows, hidden, s.activation, buf, mlp_out);
     } else {
-      matmul(layer.down, act, rows, b.hidden);
+      matmul(layer.gate_up, mlp_in, rows, gate_up);
+      silu_mul({DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act,
+                s.intermediate, s.activation});
+      matmul(layer.down, act, rows, mlp_out);
     }
+    if (layer.mlp_out_norm != nullptr)
+      rms_norm_rows(mlp_out, rows, hidden, layer.mlp_out_norm, s.eps, nullptr, b.hidden);
   }
 }
 

@@ -1,10 +1,11 @@
 // The decoder layers of a model run back to back in C++ on the CPU kernels: per layer RMSNorm
-// (adding the residual), the fused qkv matmul, RoPE + KV write (with the layer's rope table and,
-// if the model has them, per-head q/k norms), paged prefill and decode attention (the layer's
-// sliding window, the model's soft-cap), the o matmul, [RMSNorm], RMSNorm (adding the residual),
-// the gate/up matmul, the gated activation (SiLU or GELU-tanh), the down matmul, [RMSNorm]; the
-// bracketed norms are Gemma's sandwich. These are the calls, in the same order and on the same
-// buffers' values, that the Python layer loop makes (DecoderLayer.forward in
+// (adding the residual), the fused qkv matmul, [full-width q/k norms], RoPE + KV write (with the
+// layer's rope table and, if the model has them, per-head q/k norms), paged prefill and decode
+// attention (the layer's sliding window, the model's soft-cap), the o matmul, [RMSNorm], RMSNorm
+// (adding the residual), the gate/up matmul, the gated activation (SiLU or GELU-tanh), the down
+// matmul, or in their place a mixture of experts (StackMoE), [RMSNorm]; the bracketed norms
+// after the o and down matmuls are Gemma's sandwich. These are the calls, in the same order and on
+// the same buffers' values, that the Python layer loop makes (DecoderLayer.forward in
 // pyserve/worker/models/decoder.py over the CPU kernels backend), so the results are bit for bit
 // its. What it removes is Python between the ~9 calls a layer (module calls, argument checks,
 // tensor allocations: a visible share of a batch-32 decode step, while the kernels' pool waits).
@@ -43,21 +44,46 @@ struct StackLinear {
   }
 };
 
+// A mixture of experts in place of a layer's dense MLP (SparseMoE, pyserve/worker/models/moe.py,
+// as the CPU kernels backend runs it): the router (moe_route), the routing choices grouped by
+// expert (moe_group), every active expert's gate/up and down as one grouped matmul each with the
+// gated activation between, each token's outputs summed back in expert order (moe_combine), and
+// where the model has one the shared expert, scaled by its sigmoid gate and added.
+struct StackMoE {
+  const float* router = nullptr;  // [num_experts][hidden]
+  int num_experts = 0;
+  int top_k = 0;
+  bool normalize = false;  // the k weights rescaled to sum to 1
+  int activation_bits = 16;
+  std::vector<PackedWeights> gate_up;  // per expert: [2 · width][hidden]
+  std::vector<PackedWeights> down;     // per expert: [hidden][width]
+  // the shared expert (Qwen2-MoE), or none: its gate [hidden] and projections
+  const float* shared_gate = nullptr;
+  StackLinear shared_gate_up{}, shared_down{};
+  int width() const { return down.empty() ? 0 : down[0].k; }
+  int shared_width() const { return shared_gate == nullptr ? 0 : shared_down.weights.k; }
+};
+
 struct StackLayer {
   const float* input_norm;  // [hidden]
   const float* post_attention_norm;
-  StackLinear qkv, o, gate_up, down;
+  StackLinear qkv, o, gate_up, down;  // gate_up and down: the dense MLP's (unused with `moe`)
   void* k_cache;  // this layer's, [num_kv_heads][num_blocks][head_dim][block_size]
   void* v_cache;  // [num_kv_heads][num_blocks][block_size][head_dim]
-  // [head_dim] each, both or neither: RMSNorm of every q and k head before RoPE (Qwen3, Gemma 3)
+  // both or neither: RMSNorm of every q and k head before RoPE (Qwen3, Gemma 3), [head_dim] each;
+  // with full_width_qk_norm, of all q heads together and all k heads together (OLMoE), the
+  // weights [num_heads · head_dim] and [num_kv_heads · head_dim]
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
+  bool full_width_qk_norm = false;
   // [hidden] each, or none: the o projection's output normalized (no residual) before it joins
   // the residual stream, and the down projection's likewise (Gemma 2/3's sandwich)
   const float* attn_out_norm = nullptr;
   const float* mlp_out_norm = nullptr;
   int rope_table = 0;  // which of the forward's cos/sin tables this layer rotates with
   int window = 0;      // attends to the last `window` positions (itself included); 0: all
+  StackMoE moe = {};   // router set: this layer's MLP is a mixture of experts
+  bool is_moe() const { return moe.router != nullptr; }
 };
 
 struct StackShape {

@@ -56,6 +56,7 @@ class ExpertSet {
                         bits, group, super_scales, mxfp4});
   }
   int size() const { return static_cast<int>(weights_.size()); }
+  const std::vector<pk::PackedWeights>& weights() const { return weights_; }
   void matmul(uintptr_t x, int64_t x_stride, int activation_bits, uintptr_t counts, uintptr_t out,
               int64_t out_stride) const {
     py::gil_scoped_release released;
@@ -72,6 +73,25 @@ void moe_group(uintptr_t experts, uintptr_t weights, int tokens, int top_k, int 
   pk::moe_group(address<const int64_t>(experts), address<const float>(weights), tokens, top_k,
                 num_experts, address<int64_t>(row_token), address<float>(row_weight),
                 address<int64_t>(counts));
+}
+
+void moe_route(uintptr_t x, int64_t x_stride, int tokens, int hidden, uintptr_t router,
+               int num_experts, int top_k, bool normalize, uintptr_t weights, uintptr_t experts,
+               uintptr_t shared_gate, uintptr_t shared_weight) {
+  pk::MoeRouteArgs args{address<const float>(x),
+                        x_stride,
+                        tokens,
+                        hidden,
+                        address<const float>(router),
+                        num_experts,
+                        top_k,
+                        normalize,
+                        address<float>(weights),
+                        address<int64_t>(experts)};
+  args.shared_gate = address<const float>(shared_gate);
+  args.shared_weight = address<float>(shared_weight);
+  py::gil_scoped_release released;
+  pk::moe_route(args);
 }
 
 void moe_combine(uintptr_t y, int64_t y_stride, uintptr_t row_token, uintptr_t row_weight, int rows,
@@ -279,6 +299,32 @@ pk::StackLinear stack_linear(const py::object& linear) {
   return first;
 }
 
+// A layer's mixture of experts for the stack: the router's address, the experts' projections
+// (the ExpertSets the layer loop's grouped matmuls run) and the shared expert, if any
+pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool normalize,
+                            const ExpertSet& gate_up, const ExpertSet& down, int activation_bits,
+                            uintptr_t shared_gate, const py::object& shared_gate_up,
+                            const py::object& shared_down) {
+  pk::StackMoE moe;
+  moe.router = address<const float>(router);
+  pk::check(moe.router != nullptr, "a mixture without a router");
+  moe.num_experts = num_experts;
+  moe.top_k = top_k;
+  moe.normalize = normalize;
+  moe.activation_bits = activation_bits;
+  moe.gate_up = gate_up.weights();
+  moe.down = down.weights();
+  moe.shared_gate = address<const float>(shared_gate);
+  pk::check((moe.shared_gate == nullptr) == shared_gate_up.is_none() &&
+                shared_gate_up.is_none() == shared_down.is_none(),
+            "a shared expert needs its gate and both projections");
+  if (moe.shared_gate != nullptr) {
+    moe.shared_gate_up = stack_linear(shared_gate_up);
+    moe.shared_down = stack_linear(shared_down);
+  }
+  return moe;
+}
+
 pk::GatedActivation gated_activation_named(const std::string& name) {
   if (name == "silu") return pk::GatedActivation::kSilu;
   if (name == "gelu_tanh") return pk::GatedActivation::kGeluTanh;
@@ -309,15 +355,20 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
                      const py::object& qkv, const py::object& o, const py::object& gate_up,
                      const py::object& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
                      uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
-                     int rope_table, int window) {
+                     int rope_table, int window, bool full_width_qk_norm, const py::object& moe) {
+  // a mixture's layer has no dense gate_up and down (None)
+  pk::check(moe.is_none() != (gate_up.is_none() && down.is_none()),
+            "a layer's MLP: gate_up and down, or a mixture of experts (moe), not both");
   pk::StackLayer layer{address<const float>(input_norm),
                        address<const float>(post_attention_norm),
                        stack_linear(qkv),
                        stack_linear(o),
-                       stack_linear(gate_up),
-                       stack_linear(down),
+                       gate_up.is_none() ? pk::StackLinear{} : stack_linear(gate_up),
+                       down.is_none() ? pk::StackLinear{} : stack_linear(down),
                        address<void>(k_cache),
                        address<void>(v_cache)};
+  layer.full_width_qk_norm = full_width_qk_norm;
+  if (!moe.is_none()) layer.moe = moe.cast<pk::StackMoE>();
   layer.q_norm = address<const float>(q_norm);
   layer.k_norm = address<const float>(k_norm);
   layer.attn_out_norm = address<const float>(attn_out_norm);
@@ -448,6 +499,13 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("counts"),
         "routing choices (int64 / float32 [tokens, top_k]) grouped by expert, stably: each "
         "row's token and weight, each expert's row count");
+  m.def("moe_route", &moe_route, py::arg("x"), py::arg("x_stride"), py::arg("tokens"),
+        py::arg("hidden"), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
+        py::arg("normalize"), py::arg("weights"), py::arg("experts"), py::arg("shared_gate") = 0,
+        py::arg("shared_weight") = 0,
+        "a mixture's router in float32: softmax(x · routerᵀ) over every expert, the top_k in "
+        "torch.topk's order (float32 weights, int64 expert ids [tokens, top_k]; normalize: "
+        "rescaled to sum to 1); shared_gate (0: none): shared_weight[t] = sigmoid(x_t · gate)");
   m.def("moe_combine", &moe_combine, py::arg("y"), py::arg("y_stride"), py::arg("row_token"),
         py::arg("row_weight"), py::arg("rows"), py::arg("hidden"), py::arg("out"),
         py::arg("out_stride"), py::arg("tokens"),
@@ -464,6 +522,14 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("activation_bits"), py::arg("counts"), py::arg("out"), py::arg("out_stride"),
            "rows grouped by expert (counts: int64 [experts]) times their expert's weights, "
            "each row as matmul computes it");
+  py::class_<pk::StackMoE>(m, "StackMoE", "a decoder stack layer's mixture of experts")
+      .def(py::init(&make_stack_moe), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
+           py::arg("normalize"), py::arg("gate_up"), py::arg("down"), py::arg("activation_bits"),
+           py::arg("shared_gate") = 0, py::arg("shared_gate_up") = py::none(),
+           py::arg("shared_down") = py::none(),
+           "router: float32 [num_experts, hidden]; gate_up, down: the experts' ExpertSets (their "
+           "weights must outlive the stack); shared_gate (float32 [hidden], 0: none) with "
+           "shared_gate_up and shared_down, linears as add_layer takes them");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
                                "a decoder-only model's layers run back to back in C++")
       .def(py::init(&make_stack), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
@@ -477,7 +543,8 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
-           py::arg("window") = 0,
+           py::arg("window") = 0, py::arg("full_width_qk_norm") = false,
+           py::arg("moe") = py::none(),
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
            "group, bias, activation_bits[, super_scales[, mxfp4]]), or a list of such tuples: a "
            "fused projection's row "
@@ -486,7 +553,9 @@ PYBIND11_MODULE(_kernels, m) {
            "float32 [head_dim] per-head norms before RoPE; attn_out_norm, mlp_out_norm (0 for "
            "none): float32 [hidden] norms of the o and down projections' outputs; rope_table: "
            "the index of the forward's cos/sin this layer rotates with; window > 0: attends to "
-           "the last `window` positions")
+           "the last `window` positions; full_width_qk_norm: q_norm and k_norm (float32 "
+           "[num_heads * head_dim], [num_kv_heads * head_dim]) normalize all heads at once; moe: "
+           "a StackMoE in place of gate_up and down (None then)")
       .def_property_readonly("num_layers", &pk::DecoderStack::num_layers)
       .def_property_readonly("num_rope_tables", &pk::DecoderStack::num_rope_tables)
       .def("forward", &stack_forward, py::arg("rows"), py::arg("hidden"), py::arg("residual"),

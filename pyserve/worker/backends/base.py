@@ -211,6 +211,15 @@ class Backend(ABC):
         }
         return f"grouped on {len(self.expert_kernels)} of {len(moes)} layers" if moes else None
 
+    def route_experts(
+        self, moe: SparseMoE, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The mixture's routing of tokens x [T, hidden]: (weights [T, k] in x's dtype, expert
+        ids [T, k], the shared expert's gate [T, 1] or None), SparseMoE.route's and
+        SparseMoE.shared_expert_gate's; a backend may compute the same on its kernels."""
+        weights, experts = moe.route(x)
+        return weights, experts, moe.shared_expert_gate(x)
+
     def run_experts(
         self,
         moe: SparseMoE,

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
             normed = self.attn_norm(hidden, backend, residual)  # residual += previous MLP output
         qkv = self.qkv_proj(normed)
         if self.full_width_qk_norm:
-            qkv = self._full_width_qk_norm(qkv)
+            qkv = self._full_width_qk_norm(qkv, backend)
         attn = backend.attention(self.attn, qkv, cos, signed_sin, metadata, self.qk_norm)
         attn = self.o_proj(attn)
         if self.tp is not None:
@@ -134,26 +134,29 @@ class DecoderLayer(nn.Module):
             out = self.mlp_out_norm(out, backend)
         return out, residual
 
-    def _full_width_qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+    def _full_width_qk_norm(self, qkv: torch.Tensor, backend: Backend) -> torch.Tensor:
         """qkv with q and k each RMS-normalized over all their heads, in float32 as
-        transformers' OLMoE computes it; under tensor parallelism the sum of squares spans
-        every rank's heads."""
+        transformers' OLMoE computes it: the backend's RMSNorm over the whole width (so that a
+        fast path running the same norm computes the same values), or under tensor parallelism
+        with the sum of squares spanning every rank's heads."""
         assert self.q_norm is not None and self.k_norm is not None
         q_size = self.attn.num_heads * self.attn.head_dim
         kv_size = self.attn.num_kv_heads * self.attn.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        return torch.cat(
-            [self._norm_across_ranks(q, self.q_norm), self._norm_across_ranks(k, self.k_norm), v],
-            dim=-1,
-        )
+        if self.tp is None:
+            q, k = (
+                backend.rms_norm(t, n.weight, n.eps)
+                for t, n in ((q, self.q_norm), (k, self.k_norm))
+            )
+        else:
+            q, k = self._norm_across_ranks(q, self.q_norm), self._norm_across_ranks(k, self.k_norm)
+        return torch.cat([q, k, v], dim=-1)
 
     def _norm_across_ranks(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        assert self.tp is not None
         wide = x.float()
-        if self.tp is None:
-            mean = wide.pow(2).mean(-1, keepdim=True)
-        else:
-            total = self.tp.all_reduce(wide.pow(2).sum(-1, keepdim=True))
-            mean = total / (x.shape[-1] * self.tp.size)
+        total = self.tp.all_reduce(wide.pow(2).sum(-1, keepdim=True))
+        mean = total / (x.shape[-1] * self.tp.size)
         return norm.weight * (wide * torch.rsqrt(mean + norm.eps)).to(x.dtype)
 
 

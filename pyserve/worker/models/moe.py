@@ -2,7 +2,9 @@
 
 An expert is a gated MLP like a dense layer's (fused gate/up, then down): its projections are
 the backend's linear layers, so a quantized checkpoint's experts run on the same kernels as
-the dense projections, each at its file's precision. The step's tokens are grouped by expert
+the dense projections, each at its file's precision. The backend routes the tokens
+(``Backend.route_experts``: ``route`` in torch, or the CPU kernels' own router, which the CPU
+decoder stack shares). The step's tokens are grouped by expert
 (one stable sort of the routing choices), and each expert picked by at least one token runs
 once over its group (``Backend.run_experts``: a loop in torch, or the CPU kernels' grouped
 matmuls), so a decode token reads only its k experts' weights. Experts that no token picked are not
@@ -50,6 +52,7 @@ class SparseMoE(nn.Module):
         self, hidden: int, moe: MoEConfig, *, dtype: torch.dtype, device: torch.device | str
     ):
         super().__init__()
+        self.config = moe  # what a backend's own router checks it computes (backends/cpu)
         self.top_k = moe.top_k
         self.normalize = moe.normalize_top_k
         self.softmax_after_top_k = moe.softmax_after_top_k
@@ -87,10 +90,16 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def shared_expert_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """sigmoid(x · shared_gate) [T, 1], the shared expert's scale; None without one."""
+        if self.shared_gate is None:
+            return None
+        return torch.sigmoid(F.linear(x, self.shared_gate))
+
     def forward(self, x: torch.Tensor, backend: Backend, activation: str) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts, gate = backend.route_experts(self, x)
         out = backend.run_experts(self, x, weights, experts, activation)
-        if self.shared_expert is not None and self.shared_gate is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_gate))
+        if self.shared_expert is not None:
+            assert gate is not None
             out += self.shared_expert(x, backend, activation) * gate
         return out

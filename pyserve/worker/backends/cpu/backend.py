@@ -40,7 +40,7 @@ from pyserve.worker.backends.cpu.attention_kernel import (
     attention_features,
     kernel_available,
 )
-from pyserve.worker.backends.cpu.experts import ExpertKernels
+from pyserve.worker.backends.cpu.experts import ExpertKernels, KernelRouter
 from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS, QuantLinear
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
 from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
@@ -93,6 +93,7 @@ class KernelPlan:
     layers: list[LayerPlan] = field(default_factory=list)
     stack: str = "not built"  # "on", or why not
     experts: str | None = None  # a mixture's experts: on how many layers the grouped matmuls run
+    router: str | None = None  # a mixture's router: on how many layers the kernel routes
     torch_threads: str | None = None  # set where torch's own threads were cut, and why
 
     @classmethod
@@ -158,6 +159,7 @@ class KernelPlan:
             "gated_activation": self.activation,
             "decoder_stack": self.stack,
             **({"experts": self.experts} if self.experts is not None else {}),
+            **({"moe_router": self.router} if self.router is not None else {}),
             **({"torch_threads": self.torch_threads} if self.torch_threads is not None else {}),
         }
 
@@ -203,6 +205,8 @@ class CpuKernelsBackend(Backend):
         self.use_stack = use_stack
         self.max_chunk_tokens = max_chunk_tokens
         self.reference: ReferenceAttention | None = None  # what the kernels do not cover
+        # each mixture's router on the kernels (by id() of its SparseMoE), for float32 tokens
+        self.expert_routers: dict[int, KernelRouter] = {}
 
     @classmethod
     def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
@@ -234,16 +238,25 @@ class CpuKernelsBackend(Backend):
 
     def prepare_model(self, model) -> None:
         assert self.plan is not None and self.kv_cache is not None
+        # each mixture's experts as grouped matmuls, where every expert is on the kernels (before
+        # the stack: grouping moves the experts' weights, which the stack then points into)
+        self.plan.experts = self.group_experts(model, ExpertKernels.build)
+        moes = [layer.moe for layer in model.layers if layer.moe is not None]
+        self.expert_routers = {
+            id(moe): router for moe in moes if (router := KernelRouter.build(moe)) is not None
+        }
+        if moes:
+            self.plan.router = f"kernels on {len(self.expert_routers)} of {len(moes)} layers"
         if not self.use_stack:
             self.stack, why = None, "off"
         elif model.tp is not None:
             # the stack runs every layer in one C++ call, with no place for the all-reduces
             self.stack, why = None, "tensor parallel"
         else:
-            self.stack, why = CpuDecoderStack.build(model, self.kv_cache, self.plan)
+            self.stack, why = CpuDecoderStack.build(
+                model, self.kv_cache, self.plan, self.expert_kernels, self.expert_routers
+            )
         self.plan.stack = "on" if self.stack is not None else f"off: {why}"
-        # each mixture's experts as grouped matmuls, where every expert is on the kernels
-        self.plan.experts = self.group_experts(model, ExpertKernels.build)
         if self.stack is None and _every_projection_on_the_kernels(model):
             # The layer loop's torch ops are then small ones between kernel calls, and torch's
             # OpenMP threads, spinning after each, would take the cores the kernels' own pool
@@ -322,6 +335,12 @@ class CpuKernelsBackend(Backend):
         if activation in layer_ops.KERNEL_ACTIVATIONS:
             return layer_ops.gated_activation(gate_up, activation)  # torch's where it cannot run
         return reference_activation(gate_up, activation, self.config)
+
+    def route_experts(self, moe, x):
+        router = self.expert_routers.get(id(moe))
+        if router is None or x.dtype != torch.float32:
+            return super().route_experts(moe, x)
+        return router.route(x)  # the decoder stack's route, to the bit
 
     def attention(self, layer, qkv, cos, signed_sin, metadata, qk_norm=None):
         meta: CpuKernelsMetadata = metadata  # type: ignore[assignment]

@@ -1,4 +1,12 @@
-"""A mixture's experts on the kernels: one grouped matmul a projection for all of a step's
+"""A mixture's router and experts on the kernels.
+
+The router (``KernelRouter``, ``_kernels.moe_route``) computes SparseMoE.route and the shared
+expert's gate in C++ for the layer loop and the decoder stack alike: torch's float32 matmul,
+softmax and sigmoid round in orders of their own, which no other code reproduces, so both paths
+take the kernel's and route every token the same way to the bit (within float32 rounding of
+torch's, and with torch.topk's order among equal probabilities).
+
+The experts: one grouped matmul a projection for all of a step's
 experts (``_kernels.ExpertSet``, cpp/kernels/dispatch.cpp's grouped_matmul), so that the
 thread pool runs every active expert's token group side by side instead of two kernel calls
 and a gather an expert, one expert after another. Each row is computed as the expert's own
@@ -11,7 +19,7 @@ prefetcher does not cross."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +121,61 @@ class ExpertKernels:
             self.hidden, out.data_ptr(), self.hidden, tokens,
         )  # fmt: skip
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+# The MoEConfig fields moe_route computes; another field set away from its default (a routing
+# feature added later) leaves the mixture to torch's route, which knows it.
+ROUTE_FIELDS = frozenset(
+    {"num_experts", "top_k", "expert_size", "normalize_top_k", "shared_expert_size"}
+)
+
+
+class KernelRouter:
+    """SparseMoE.route and SparseMoE.shared_expert_gate of one mixture on the kernels, for
+    float32 tokens."""
+
+    def __init__(self, moe: SparseMoE) -> None:
+        self.router = moe.router  # float32 [experts, hidden], contiguous (checked by build)
+        self.shared_gate = moe.shared_gate  # float32 [1, hidden] or None
+        self.top_k, self.normalize = moe.top_k, moe.normalize
+
+    @staticmethod
+    def unsupported(moe: SparseMoE) -> str | None:
+        """Why the kernel cannot route ``moe`` as SparseMoE does, or None."""
+        config = moe.config
+        for f in fields(config):
+            if f.name not in ROUTE_FIELDS and getattr(config, f.name) != f.default:
+                return f"the router's {f.name}"
+        hidden = moe.router.shape[1]
+        gates = [moe.router] + ([] if moe.shared_gate is None else [moe.shared_gate])
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in gates):
+            return f"a {moe.router.dtype} router"
+        if moe.shared_gate is not None and moe.shared_gate.shape != (1, hidden):
+            return "a shared gate unlike [1, hidden]"
+        return None
+
+    @classmethod
+    def build(cls, moe: SparseMoE) -> KernelRouter | None:
+        return None if cls.unsupported(moe) else cls(moe)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Backend.route_experts for float32 tokens x [T, hidden]."""
+        experts_count, hidden = self.router.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden:
+            raise ValueError(f"moe_route takes float32 [T, {hidden}], not {x.dtype} {x.shape}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        tokens = x.shape[0]
+        weights = torch.empty(tokens, self.top_k)
+        experts = torch.empty(tokens, self.top_k, dtype=torch.int64)
+        gate = None if self.shared_gate is None else torch.empty(tokens, 1)
+        quant.kernels().moe_route(
+            x.data_ptr(), max(x.stride(0), hidden), tokens, hidden, self.router.data_ptr(),
+            experts_count, self.top_k, self.normalize, weights.data_ptr(), experts.data_ptr(),
+            0 if gate is None else self.shared_gate.data_ptr(),
+            0 if gate is None else gate.data_ptr(),
+        )  # fmt: skip
+        return weights, experts, gate
 
 
 def _move_into_one_buffer(moe: SparseMoE) -> None:

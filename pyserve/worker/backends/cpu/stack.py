@@ -6,9 +6,12 @@ decode step, time in which the kernels' second thread waits. The stack runs the 
 calls, in the same order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the
 logits are bit for bit the layer loop's (tested). It runs every feature the layer loop runs on
 the kernels: q/k norms, Gemma's sandwich norms, SiLU or GELU-tanh, per-layer sliding windows,
-the attention soft-cap, and several rope tables (partial rotary too), each layer rotating with
-its own. Python keeps the embedding lookup (and its scale), the rope tables' cos/sin, the
-per-forward metadata, the final norm, the output projection and its soft-cap.
+the attention soft-cap, several rope tables (partial rotary too), each layer rotating with
+its own, OLMoE's q/k norms over all heads, and mixtures of experts: the kernel router
+(experts.KernelRouter), the grouped experts (experts.ExpertKernels) and a shared expert with
+its sigmoid gate, the calls SparseMoE makes on this backend. Python keeps the embedding lookup
+(and its scale), the rope tables' cos/sin, the per-forward metadata, the final norm, the output
+projection and its soft-cap.
 
 ``build`` reads the model's description (models/config.py) and the backend's kernel plan, and
 refuses, saying why, any model whose layers compute something the stack does not: then the layer
@@ -24,11 +27,15 @@ import torch
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu import quant_linear
 from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES, PrefillAttention
+from pyserve.worker.backends.cpu.experts import ExpertKernels, KernelRouter
 from pyserve.worker.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from pyserve.worker.backends.cpu.backend import CpuKernelsMetadata, KernelPlan
-    from pyserve.worker.models.decoder import CausalLM
+    from pyserve.worker.models.decoder import CausalLM, DecoderLayer
+    from pyserve.worker.models.moe import SparseMoE
 
 
 def _linear(module: torch.nn.Module) -> tuple[int, ...] | list[tuple[int, ...]] | None:
@@ -54,8 +61,44 @@ def _address(norm: torch.nn.Module | None) -> int:
 STACK_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> str | None:
-    """Why the stack cannot run this model exactly as the layer loop does, or None."""
+def _moe_unsupported(
+    moe: SparseMoE,
+    hidden: int,
+    grouped: Mapping[int, object],
+    routers: Mapping[int, KernelRouter],
+) -> str | None:
+    """Why the stack cannot run this mixture as the layer loop does on this backend, or None."""
+    if id(moe) not in routers:
+        return f"its router is not on the kernels ({KernelRouter.unsupported(moe) or 'not built'})"
+    if not isinstance(grouped.get(id(moe)), ExpertKernels):
+        return "its experts are not grouped on the kernels"
+    if moe.shared_expert is not None:
+        shared = (moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj)
+        if any(_linear(m) is None for m in shared):
+            return "its shared expert is not on the kernels at every batch size"
+    return None
+
+
+def _full_width_norms_fit(layer: DecoderLayer) -> bool:
+    """Whether a full-width q/k norm's weights are float32 [q heads' width], [k heads' width]."""
+    attn = layer.attn
+    if layer.q_norm is None or layer.k_norm is None:
+        return False
+    return _float32_vector(layer.q_norm.weight, attn.num_heads * attn.head_dim) and (
+        _float32_vector(layer.k_norm.weight, attn.num_kv_heads * attn.head_dim)
+    )
+
+
+def unsupported(
+    model: CausalLM,
+    kv_cache: PagedKVCache,
+    plan: KernelPlan,
+    grouped: Mapping[int, object] | None = None,
+    routers: Mapping[int, KernelRouter] | None = None,
+) -> str | None:
+    """Why the stack cannot run this model exactly as the layer loop does, or None. ``grouped``
+    and ``routers``: the backend's grouped experts and kernel routers, by id() of each
+    SparseMoE (a mixture runs on the stack only with both)."""
     cfg = model.config
     if not (plan.decode_attention and plan.prefill_attention):
         return "the attention kernels are not in use"
@@ -79,14 +122,18 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
     for i, layer in enumerate(model.layers):
         layer_plan = plan.layers[i]
         if layer.moe is not None:
-            return f"layer {i}: a mixture of experts (the layer loop runs it)"
-        if layer.full_width_qk_norm:
-            return f"layer {i}: a q/k norm over all heads"
+            why = _moe_unsupported(layer.moe, cfg.hidden_size, grouped or {}, routers or {})
+            if why:
+                return f"layer {i}: a mixture of experts: {why}"
         if not layer_plan.attention_on_kernels:
             return f"layer {i}: attention on {layer_plan.attention}"
+        if layer.attn.sinks is not None:
+            return f"layer {i}: attention sinks"
         if not layer_plan.fused_rope:
             return f"layer {i}: rope + KV write on {layer_plan.rope_kv}"
-        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        linears = [layer.qkv_proj, layer.o_proj]
+        if layer.moe is None:
+            linears += [layer.gate_up_proj, layer.down_proj]
         if any(_linear(m) is None for m in linears):
             return f"layer {i}: a linear layer is not on the kernels at every batch size"
         hidden_norms = [layer.attn_norm, layer.mlp_norm]
@@ -96,7 +143,10 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
         if (layer.q_norm is None) != (layer.k_norm is None):
             return f"layer {i}: a q norm without a k norm, or a k norm without a q norm"
         head_norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
-        if not all(_float32_vector(n.weight, cfg.head_dim) for n in head_norms):
+        if layer.full_width_qk_norm:
+            if not _full_width_norms_fit(layer):
+                return f"layer {i}: full-width q/k norm weights are not float32 [heads · head_dim]"
+        elif not all(_float32_vector(n.weight, cfg.head_dim) for n in head_norms):
             return f"layer {i}: q/k norm weights are not float32 [head_dim]"
         if {n.eps for n in hidden_norms + head_norms} != {eps}:
             return "the norms' eps differ"
@@ -116,22 +166,49 @@ def unsupported(model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan) -> st
     return None
 
 
+def _stack_moe(moe: SparseMoE, experts: ExpertKernels, router: KernelRouter) -> object:
+    """The stack's description of a mixture (``_kernels.StackMoE``): the router's address,
+    the grouped experts' sets and the shared expert's gate and projections."""
+    shared = moe.shared_expert
+    return quant.kernels().StackMoE(
+        router=router.router.data_ptr(),
+        num_experts=router.router.shape[0],
+        top_k=router.top_k,
+        normalize=router.normalize,
+        gate_up=experts.gate_up,
+        down=experts.down,
+        activation_bits=experts.activation_bits,
+        shared_gate=0 if router.shared_gate is None else router.shared_gate.data_ptr(),
+        shared_gate_up=None if shared is None else _linear(shared.gate_up_proj),
+        shared_down=None if shared is None else _linear(shared.down_proj),
+    )
+
+
 class CpuDecoderStack:
     """The C++ stack of one model and its cache; the backend's fast path calls ``run`` in place
     of the model's layer loop."""
 
-    def __init__(self, stack: object, rotary_dims: list[int]) -> None:
+    def __init__(self, stack: object, rotary_dims: list[int], keep: list[object]) -> None:
         self._stack = stack
         self._rotary_dims = rotary_dims  # each rope table's, for checking the tables given
+        self._keep = keep  # what the stack points into beyond the model: the grouped experts
 
     @classmethod
     def build(
-        cls, model: CausalLM, kv_cache: PagedKVCache, plan: KernelPlan
+        cls,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        plan: KernelPlan,
+        grouped: Mapping[int, object] | None = None,
+        routers: Mapping[int, KernelRouter] | None = None,
     ) -> tuple[CpuDecoderStack | None, str]:
-        """(the stack, "") where it applies, else (None, why not)."""
-        reason = unsupported(model, kv_cache, plan)
+        """(the stack, "") where it applies, else (None, why not). ``grouped``, ``routers``: as
+        ``unsupported`` takes them."""
+        grouped, routers = grouped or {}, routers or {}
+        reason = unsupported(model, kv_cache, plan, grouped, routers)
         if reason:
             return None, reason
+        keep: list[object] = []
         cfg = model.config
         kv_heads, num_blocks, block_size, head_dim = kv_cache.v[0].shape
         stack = quant.kernels().DecoderStack(
@@ -149,13 +226,19 @@ class CpuDecoderStack:
             rotary_dims=[table.rotary_dim for table in model.rotary],
         )
         for i, layer in enumerate(model.layers):
+            moe = None
+            if layer.moe is not None:
+                experts = grouped[id(layer.moe)]
+                assert isinstance(experts, ExpertKernels)
+                moe = _stack_moe(layer.moe, experts, routers[id(layer.moe)])
+                keep.append(experts)
             stack.add_layer(
                 layer.attn_norm.weight.data_ptr(),
                 layer.mlp_norm.weight.data_ptr(),
                 _linear(layer.qkv_proj),
                 _linear(layer.o_proj),
-                _linear(layer.gate_up_proj),
-                _linear(layer.down_proj),
+                None if moe is not None else _linear(layer.gate_up_proj),
+                None if moe is not None else _linear(layer.down_proj),
                 kv_cache.k[i].data_ptr(),
                 kv_cache.v[i].data_ptr(),
                 q_norm=_address(layer.q_norm),
@@ -164,8 +247,10 @@ class CpuDecoderStack:
                 mlp_out_norm=_address(layer.mlp_out_norm),
                 rope_table=layer.rope_table,
                 window=layer.attn.sliding_window or 0,
+                full_width_qk_norm=layer.full_width_qk_norm,
+                moe=moe,
             )
-        return cls(stack, [table.rotary_dim for table in model.rotary]), ""
+        return cls(stack, [table.rotary_dim for table in model.rotary], keep), ""
 
     def run(
         self,
