@@ -19,7 +19,7 @@ for the output projection and some attn_v/ffn_down, F32 norms). So per size:
 - ``llama-quantize`` (built from the llama-cpp-python sdist, in compare.py's llama.cpp build
   directory) turns it into ``model-Q4_K_M.gguf``; the F16 file is deleted unless ``--keep-f16``.
 
-Shapes (vocabulary 32000):
+Shapes (vocabulary 32000 but for gpt-oss):
 
 - 0.5b = 24 layers × hidden 1024, MLP 2816, 16 heads, 4 KV heads, tied embeddings;
 - 1.5b = Qwen2.5-1.5B's: 28 layers × hidden 1536, MLP 8960, 12 heads, 2 KV heads (head_dim
@@ -30,6 +30,12 @@ Shapes (vocabulary 32000):
   16 layers × hidden 1536, 64 experts of width 512 with the top 8 a token (``norm_topk_prob``),
   16 heads, 4 KV heads of head_dim 128, untied; 2.6B parameters, 0.5B active a token (0.4B
   besides the embedding and output matrices).
+- gpt-oss = gpt-oss-20b's blocks scaled down (arch ``gpt-oss``): 12 layers × hidden 1536, 32
+  experts of width 1536 with the top 4 a token, 32 heads and 4 KV heads of head_dim 64 (q wider
+  than the hidden size, as gpt-oss's), windows of 128 on the even layers, sinks, biases, yarn;
+  SmolLM2's whole 49152-id vocabulary; 2.9B parameters, 0.4B active a token. Its F16 file is
+  written by llama.cpp's own convert_hf_to_gguf.py and quantized to ``MXFP4_MOE``: the experts
+  MXFP4 (as gpt-oss ships them), attention, embedding and output Q8_0, the rest F32.
 
 The first four are Llama blocks. Every dimension is a multiple of 256, so llama-quantize uses
 K-quants everywhere (no fallback types). A model whose bf16 weights pass ``IN_MEMORY_BYTES`` (the
@@ -122,6 +128,23 @@ SIZES = {
         "num_key_value_heads": 4,
         "head_dim": 128,
         "tie_word_embeddings": False,
+    },
+    "gpt-oss": {
+        "model_type": "gpt_oss",
+        "quant": "MXFP4_MOE",  # the others are Q4_K_M
+        "hidden_size": 1536,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 12,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "tie_word_embeddings": False,
+        # SmolLM2's whole vocabulary: llama.cpp's converter knows its pre-tokenizer by the
+        # tokenization of a probe text, which a cut vocabulary changes
+        "vocab_size": 49152,
     },
 }
 # bf16 bytes above which a model's safetensors are written tensor by tensor (see above)
@@ -240,7 +263,8 @@ def _model_config(size: str):
 
     params = dict(SIZES[size])
     model_type = params.pop("model_type", "llama")
-    return AutoConfig.for_model(model_type, **COMMON, **params, dtype="bfloat16")
+    params.pop("quant", None)
+    return AutoConfig.for_model(model_type, **{**COMMON, **params}, dtype="bfloat16")
 
 
 def _meta_model(config):
@@ -262,7 +286,7 @@ def build_hf_dir(size: str, out: Path) -> None:
     config = _model_config(size)
     if _bf16_bytes(config) > IN_MEMORY_BYTES:
         _write_hf_shards(config, out)
-        write_tokenizer(out)
+        write_tokenizer(out, config.vocab_size)
         return
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built (and initialized) in bf16: 2 bytes a weight
@@ -276,7 +300,7 @@ def build_hf_dir(size: str, out: Path) -> None:
     # shards of 2 GB: safetensors holds a shard's bytes while it writes it
     model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
     del model
-    write_tokenizer(out)
+    write_tokenizer(out, config.vocab_size)
 
 
 def _bf16_bytes(config) -> int:
@@ -520,16 +544,45 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def quant_of(size: str) -> str:
+    """The llama-quantize type of ``size``'s file: Q4_K_M, or MXFP4_MOE for gpt-oss."""
+    return SIZES[size].get("quant", QUANT)
+
+
+def gguf_path(size: str, out: Path = OUT_DIR) -> Path:
+    """Where ``size``'s quantized file is (kquant_files.py makes it)."""
+    return out / size / f"model-{quant_of(size)}.gguf"
+
+
+def convert_with_llama_cpp(hf_dir: Path, path: Path) -> None:
+    """llama.cpp's own convert_hf_to_gguf.py (from the sdist compare.py builds llama-server
+    from) writes ``hf_dir`` as an F16 file: for gpt-oss, whose fused, transposed experts and
+    biases only the converter itself lays out."""
+    sources = sorted((peers_dir() / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    if not sources:
+        build_llama_server()  # unpacks the sdist
+        sources = sorted((peers_dir() / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    source = sources[-1]
+    subprocess.run(
+        [sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_dir),
+         "--outfile", str(path), "--outtype", "f16"],
+        env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
+        check=True,
+    )  # fmt: skip
+
+
 def model_files(size: str, out: Path, *, keep_f16: bool = False) -> dict:
-    """The cached files of ``size`` under ``out`` (``hf/``, ``model-Q4_K_M.gguf`` and, with
-    ``keep_f16``, ``model-F16.gguf``), each made only if missing. Returns their paths, sizes,
-    the GGUF's tensor types, the seconds each step took and the peak memory so far."""
+    """The cached files of ``size`` under ``out`` (``hf/``, ``model-Q4_K_M.gguf`` (or its
+    quant_of) and, with ``keep_f16``, ``model-F16.gguf``), each made only if missing. Returns
+    their paths, sizes, the GGUF's tensor types, the seconds each step took and the peak memory
+    so far."""
     if size not in SIZES:
         raise ValueError(f"size {size!r}: one of {', '.join(SIZES)}")
     out.mkdir(parents=True, exist_ok=True)
     hf = out / "hf"
     f16 = out / "model-F16.gguf"
-    q = out / f"model-{QUANT}.gguf"
+    quant = quant_of(size)
+    q = out / f"model-{quant}.gguf"
     took: dict[str, float] = {}
     notes: list[str] = []
     quantize_peak = None
@@ -551,7 +604,10 @@ def model_files(size: str, out: Path, *, keep_f16: bool = False) -> dict:
             tmp = f16.with_suffix(".gguf.tmp")
             start = time.monotonic()
             print(f"[{size}] writing {f16.name}")
-            write_f16_gguf(hf, tmp)
+            if SIZES[size].get("model_type") == "gpt_oss":
+                convert_with_llama_cpp(hf, tmp)
+            else:
+                write_f16_gguf(hf, tmp)
             tmp.rename(f16)
             took["f16_gguf"] = time.monotonic() - start
             print(f"[{size}] {f16.name} in {took['f16_gguf']:.0f} s")
@@ -559,8 +615,8 @@ def model_files(size: str, out: Path, *, keep_f16: bool = False) -> dict:
             binary = find_llama_quantize()
             tmp = q.with_suffix(".gguf.tmp")
             start = time.monotonic()
-            print(f"[{size}] {binary.name} {f16.name} {q.name} {QUANT} {THREADS}")
-            notes, quantize_peak = quantize(binary, f16, tmp)
+            print(f"[{size}] {binary.name} {f16.name} {q.name} {quant} {THREADS}")
+            notes, quantize_peak = quantize(binary, f16, tmp, quant)
             tmp.rename(q)
             took["quantize"] = time.monotonic() - start
             for line in notes:

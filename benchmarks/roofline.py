@@ -43,6 +43,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import bandwidth  # noqa: E402
 import compare  # noqa: E402
 import serving  # noqa: E402
+from kquant_files import gguf_path  # noqa: E402
 
 KQUANT_DIR = BENCH_DIR / "out" / "kquant-models"
 KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -293,7 +294,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="*", default=[], help="GGUF files")
     p.add_argument(
-        "--sizes", nargs="*", default=[], help="kquant_files.py sizes (their Q4_K_M files)"
+        "--sizes",
+        nargs="*",
+        default=[],
+        help="kquant_files.py sizes (their Q4_K_M or MXFP4_MOE files)",
     )
     p.add_argument("--peers", nargs="*", default=["llamacpp"], choices=["llamacpp"])
     p.add_argument("--llama-server", default=None)
@@ -311,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="default: OUT_DIR/roofline.json")
     args = p.parse_args(argv)
-    args.models += [str(KQUANT_DIR / s / "model-Q4_K_M.gguf") for s in args.sizes]
+    args.models += [str(gguf_path(s, KQUANT_DIR)) for s in args.sizes]
     if not args.models:
         p.error("give --models or --sizes")
     return args
