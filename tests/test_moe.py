@@ -451,7 +451,9 @@ def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(weight_type, 
         quant.kernels().set_isa(ISAS[0])
 
 
-def _check_grouped_routes(kernels, layer, backend, Backend, gen) -> None:
+def _check_grouped_routes(
+    kernels, layer, backend, Backend, gen, activation: str = "silu", scale: float = 1.0
+) -> None:
     first = torch.randint(0, EXPERTS, (40,), generator=gen)
     routes = {
         "a decode token": torch.tensor([[7, 1]]),
@@ -459,10 +461,10 @@ def _check_grouped_routes(kernels, layer, backend, Backend, gen) -> None:
         "every token on two experts": torch.tensor([[2, 5]] * 64),
     }
     for name, experts in routes.items():
-        x = torch.randn(len(experts), 256, generator=gen)
+        x = torch.randn(len(experts), layer.router.shape[1], generator=gen) * scale
         weights = torch.rand(experts.shape, generator=gen)
-        got = kernels.run(x, weights, experts, "silu", backend)
-        want = Backend.run_experts(backend, layer, x, weights, experts, "silu")
+        got = kernels.run(x, weights, experts, activation, backend)
+        want = Backend.run_experts(backend, layer, x, weights, experts, activation)
         assert torch.equal(got, want), name
 
 
@@ -489,13 +491,8 @@ def test_grouped_experts_with_biases_equal_the_loop_bit_for_bit():
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
         dtype=torch.float32,
     )  # fmt: skip
-    first = torch.randint(0, EXPERTS, (40,), generator=gen)
-    experts = torch.stack([first, (first + 3) % EXPERTS], dim=1)
-    x = torch.randn(len(experts), 64, generator=gen) * 3  # past the SwiGLU's clamp
-    weights = torch.rand(experts.shape, generator=gen)
-    got = kernels.run(x, weights, experts, "clamped_swiglu", backend)
-    want = Backend.run_experts(backend, layer, x, weights, experts, "clamped_swiglu")
-    assert torch.equal(got, want)
+    # inputs 3x larger: gate/up values past the SwiGLU's clamp
+    _check_grouped_routes(kernels, layer, backend, Backend, gen, "clamped_swiglu", scale=3.0)
 
 
 def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):

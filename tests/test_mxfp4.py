@@ -195,22 +195,6 @@ def test_the_isas_agree_bit_for_bit_on_mxfp4():
                 assert torch.equal(other, results[0]), (rows, bits)
 
 
-@pytest.mark.skipif(KERNELS.amx_status() != "", reason=f"no AMX here: {KERNELS.amx_status()}")
-def test_mxfp4_stays_off_the_amx_tiles():
-    """The AMX tiles read fp16-scaled integers only: int8 activations on many rows of an MXFP4
-    weight take the VNNI loops."""
-    packed = mxfp4_weight(48, 512, seed=3)
-    x = random_input(40, 512, seed=3)
-    before = KERNELS.amx()
-    KERNELS.set_amx(True)
-    try:
-        got = quant_linear.quantized_matmul(x, packed, activation_bits=8)
-    finally:
-        KERNELS.set_amx(before)
-    want, magnitude = exact_reference(x, packed, 8)
-    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all()
-
-
 def test_mxfp4_flag_needs_4_bit_groups_of_32():
     w = quant.quantize_weight(torch.randn(16, 64), 8)
     x, out = torch.randn(1, 64), torch.empty(1, 16)
