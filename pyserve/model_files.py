@@ -385,10 +385,16 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:
 def _convert_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
     """transformers' tokenizer for the file (BPE or SentencePiece vocabularies, with the file's
     BOS/EOS rules), and the family's chat template where the file carries none."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(gguf_path)
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except (TypeError, ValueError, KeyError):
+        # AutoTokenizer reads the model's config first, only to pick the tokenizer's class, and
+        # transformers' reader fails on some files' metadata (gpt-oss's rope scaling keys): the
+        # generic fast tokenizer reads the tokenizer keys alone
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p.parent), gguf_file=p.name)
     if not getattr(tok, "chat_template", None):
         template = default_chat_template(read_gguf_metadata(gguf_path).get("general.architecture"))
         if template:

@@ -573,6 +573,11 @@ def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tm
     hf = load_runner(str(directory), kv_cache_dtype="float32", **options)
     converted = load_runner(str(path), kv_cache_dtype="float32", **options)
     assert converted.config.features() == hf.config.features()
+    from pyserve.model_files import load_tokenizer, resolve_model
+
+    text = "Hello world, a tokenizer check: 12345 ünïcødé!"
+    tokenizers = (load_tokenizer(resolve_model(str(p))) for p in (path, directory))
+    assert len({tuple(t.encode(text)) for t in tokenizers}) == 1
     for prompt in ([5, 9, 200, 17, 3], list(range(30, 70))):
         ours, ref = (_prefill_logprobs(r, prompt) for r in (converted, hf))
         assert (ours - ref).abs().max() < 1e-4
