@@ -284,12 +284,16 @@ def test_gpt_oss_as_published_with_mxfp4_experts_matches_transformers(tmp_path):
     ships): read as GGML's MXFP4 rows, the same model transformers dequantizes from the same
     file: its greedy tokens and logprobs."""
     from hf_parity import BLOCK_SIZE, Driver, assert_all_match, hf_greedy, make_prompts
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     directory = tmp_path / "hf"
     make_tiny_model(directory, "gpt_oss", seed=3, **GPT_OSS)
     _as_published_mxfp4(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    # dequantized by transformers itself, never through its hub kernels (no network here)
+    dequantized = Mxfp4Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, quantization_config=dequantized
+    ).eval()
     prompts = make_prompts(seed=4)[:4]
     refs = hf_greedy(model, prompts)
     runner = load_runner(

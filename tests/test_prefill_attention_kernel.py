@@ -219,9 +219,7 @@ def test_sinks_match_reference(isa, dtype, window):
     q, k_cache, v_cache, spans, tables, plain = reference_case(dtype, shape, block)
     rows = ~plain[:, 0, 0].isnan()
     sinks = torch.linspace(-4.0, 6.0, shape[1])
-    expected = reference(
-        q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, window, sinks=sinks
-    )
+    expected = reference(q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, window, sinks=sinks)
     assert (expected[rows] - plain[rows]).abs().max() > 0.05
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     paged_prefill_attention(q, k_cache, v_cache, spans, tables, shape[0] ** -0.5, out=out,
