@@ -204,8 +204,8 @@ void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, ui
 
 // act(gate) · up over rows of [gate | up]
 void gated_activation(pk::GatedActivation activation, int dtype, uintptr_t input,
-                      int64_t input_stride, int rows, int width, uintptr_t out,
-                      int64_t out_stride) {
+                      int64_t input_stride, int rows, int width, uintptr_t out, int64_t out_stride,
+                      float alpha = 0.0f, float limit = 0.0f) {
   const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
                              address<const void>(input),
                              input_stride,
@@ -213,7 +213,9 @@ void gated_activation(pk::GatedActivation activation, int dtype, uintptr_t input
                              width,
                              address<void>(out),
                              out_stride,
-                             activation};
+                             activation,
+                             alpha,
+                             limit};
   py::gil_scoped_release released;
   pk::silu_mul(args);
 }
@@ -228,6 +230,12 @@ void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, i
                    uintptr_t out, int64_t out_stride) {
   gated_activation(pk::GatedActivation::kGeluTanh, dtype, input, input_stride, rows, width, out,
                    out_stride);
+}
+
+void clamped_swiglu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width,
+                        uintptr_t out, int64_t out_stride, float alpha, float limit) {
+  gated_activation(pk::GatedActivation::kClampedSwiglu, dtype, input, input_stride, rows, width,
+                   out, out_stride, alpha, limit);
 }
 
 void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
@@ -482,7 +490,13 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("out_stride"),
         "out = gelu_tanh(input[:, :width]) * input[:, width:], gelu_tanh as "
         "torch.nn.functional.gelu(approximate='tanh')");
-  m.attr("GATED_ACTIVATIONS") = py::make_tuple("gelu_tanh");
+  m.def("clamped_swiglu_mul", &clamped_swiglu_mul, py::arg("dtype"), py::arg("input"),
+        py::arg("input_stride"), py::arg("rows"), py::arg("width"), py::arg("out"),
+        py::arg("out_stride"), py::arg("alpha"), py::arg("limit"),
+        "gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit), out = "
+        "(u + 1) * g * sigmoid(g * alpha), gate and up the two halves of each input row, as "
+        "transformers' GptOssExperts computes it (bfloat16: every op rounded as torch's)");
+  m.attr("GATED_ACTIVATIONS") = py::make_tuple("gelu_tanh", "clamped_swiglu");
   m.def("rope_write_kv", &rope_write_kv, py::arg("qkv"), py::arg("qkv_stride"), py::arg("rows"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
         py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
