@@ -77,7 +77,8 @@ void moe_group(uintptr_t experts, uintptr_t weights, int tokens, int top_k, int 
 
 void moe_route(uintptr_t x, int64_t x_stride, int tokens, int hidden, uintptr_t router,
                int num_experts, int top_k, bool normalize, uintptr_t weights, uintptr_t experts,
-               uintptr_t shared_gate, uintptr_t shared_weight) {
+               uintptr_t shared_gate, uintptr_t shared_weight, uintptr_t bias,
+               bool softmax_after_top_k) {
   pk::MoeRouteArgs args{address<const float>(x),
                         x_stride,
                         tokens,
@@ -90,6 +91,8 @@ void moe_route(uintptr_t x, int64_t x_stride, int tokens, int hidden, uintptr_t 
                         address<int64_t>(experts)};
   args.shared_gate = address<const float>(shared_gate);
   args.shared_weight = address<float>(shared_weight);
+  args.bias = address<const float>(bias);
+  args.softmax_after_top_k = softmax_after_top_k;
   py::gil_scoped_release released;
   pk::moe_route(args);
 }
@@ -516,10 +519,12 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("moe_route", &moe_route, py::arg("x"), py::arg("x_stride"), py::arg("tokens"),
         py::arg("hidden"), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
         py::arg("normalize"), py::arg("weights"), py::arg("experts"), py::arg("shared_gate") = 0,
-        py::arg("shared_weight") = 0,
-        "a mixture's router in float32: softmax(x · routerᵀ) over every expert, the top_k in "
-        "torch.topk's order (float32 weights, int64 expert ids [tokens, top_k]; normalize: "
-        "rescaled to sum to 1); shared_gate (0: none): shared_weight[t] = sigmoid(x_t · gate)");
+        py::arg("shared_weight") = 0, py::arg("bias") = 0, py::arg("softmax_after_top_k") = false,
+        "a mixture's router in float32: softmax(x · routerᵀ [+ bias]) over every expert, the "
+        "top_k in torch.topk's order (float32 weights, int64 expert ids [tokens, top_k]; "
+        "normalize: rescaled to sum to 1); shared_gate (0: none): shared_weight[t] = sigmoid(x_t "
+        "· gate); bias: float32 [num_experts] (0: none); softmax_after_top_k: the top_k logits "
+        "first, then a softmax over those k (normalize unused)");
   m.def("moe_combine", &moe_combine, py::arg("y"), py::arg("y_stride"), py::arg("row_token"),
         py::arg("row_weight"), py::arg("rows"), py::arg("hidden"), py::arg("out"),
         py::arg("out_stride"), py::arg("tokens"),
