@@ -225,7 +225,8 @@ GPT_OSS = {
 def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
     """gpt-oss as a Q8_0 GGUF: the stacked experts packed at 8 bits with their stacked biases,
     every layer's experts grouped on the CPU kernels, attention (sinks, windows) on the
-    kernels, and the logits within the activations' rounding of the file's exact weights."""
+    kernels, the whole model on the decoder stack where it runs (AVX-512 VNNI), and the logits
+    within the activations' rounding of the file's exact weights."""
     import gguf
 
     model = make_tiny_model(tmp_path / "hf", "gpt_oss", seed=3, **GPT_OSS)
@@ -240,6 +241,8 @@ def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
     if info.name == "cpu-kernels":
         assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
         assert info.kernels["attention"] == "kernels", info.kernels
+        if info.kernels["isa"] == "avx512_vnni":
+            assert info.kernels["decoder_stack"] == "on", info.kernels
     expert = packed.model.layers[2].moe.experts[6]
     assert type(expert.down_proj).__name__ != "Linear" and expert.down_proj.bias is not None
     prompt = list(range(5, 45))

@@ -315,7 +315,8 @@ pk::StackLinear stack_linear(const py::object& linear) {
 pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool normalize,
                             const ExpertSet& gate_up, const ExpertSet& down, int activation_bits,
                             uintptr_t shared_gate, const py::object& shared_gate_up,
-                            const py::object& shared_down) {
+                            const py::object& shared_down, uintptr_t router_bias,
+                            bool softmax_after_top_k, uintptr_t gate_up_bias, uintptr_t down_bias) {
   pk::StackMoE moe;
   moe.router = address<const float>(router);
   pk::check(moe.router != nullptr, "a mixture without a router");
@@ -323,6 +324,10 @@ pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool n
   moe.top_k = top_k;
   moe.normalize = normalize;
   moe.activation_bits = activation_bits;
+  moe.router_bias = address<const float>(router_bias);
+  moe.softmax_after_top_k = softmax_after_top_k;
+  moe.gate_up_bias = address<const float>(gate_up_bias);
+  moe.down_bias = address<const float>(down_bias);
   moe.gate_up = gate_up.weights();
   moe.down = down.weights();
   moe.shared_gate = address<const float>(shared_gate);
@@ -339,13 +344,15 @@ pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool n
 pk::GatedActivation gated_activation_named(const std::string& name) {
   if (name == "silu") return pk::GatedActivation::kSilu;
   if (name == "gelu_tanh") return pk::GatedActivation::kGeluTanh;
-  throw std::invalid_argument("activation " + name + ": silu or gelu_tanh");
+  if (name == "clamped_swiglu") return pk::GatedActivation::kClampedSwiglu;
+  throw std::invalid_argument("activation " + name + ": silu, gelu_tanh or clamped_swiglu");
 }
 
 pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int head_dim,
                             int intermediate, float eps, int cache_dtype, int num_blocks,
                             int block_size, const std::string& activation, float softcap,
-                            const py::sequence& rotary_dims) {
+                            const py::sequence& rotary_dims, float swiglu_alpha,
+                            float swiglu_limit) {
   pk::StackShape shape{hidden,
                        num_heads,
                        num_kv_heads,
@@ -356,6 +363,8 @@ pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int hea
                        num_blocks,
                        block_size,
                        gated_activation_named(activation),
+                       swiglu_alpha,
+                       swiglu_limit,
                        softcap,
                        {}};
   for (auto dim : rotary_dims) shape.rotary_dims.push_back(dim.cast<int>());
@@ -366,7 +375,8 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
                      const py::object& qkv, const py::object& o, const py::object& gate_up,
                      const py::object& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
                      uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
-                     int rope_table, int window, bool full_width_qk_norm, const py::object& moe) {
+                     int rope_table, int window, bool full_width_qk_norm, const py::object& moe,
+                     uintptr_t sinks) {
   // a mixture's layer has no dense gate_up and down (None)
   pk::check(moe.is_none() != (gate_up.is_none() && down.is_none()),
             "a layer's MLP: gate_up and down, or a mixture of experts (moe), not both");
@@ -386,6 +396,7 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
   layer.mlp_out_norm = address<const float>(mlp_out_norm);
   layer.rope_table = rope_table;
   layer.window = window;
+  layer.sinks = address<const float>(sinks);
   stack.add_layer(layer);
 }
 
@@ -545,25 +556,32 @@ PYBIND11_MODULE(_kernels, m) {
       .def(py::init(&make_stack_moe), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
            py::arg("normalize"), py::arg("gate_up"), py::arg("down"), py::arg("activation_bits"),
            py::arg("shared_gate") = 0, py::arg("shared_gate_up") = py::none(),
-           py::arg("shared_down") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("router_bias") = 0,
+           py::arg("softmax_after_top_k") = false, py::arg("gate_up_bias") = 0,
+           py::arg("down_bias") = 0,
            "router: float32 [num_experts, hidden]; gate_up, down: the experts' ExpertSets (their "
            "weights must outlive the stack); shared_gate (float32 [hidden], 0: none) with "
-           "shared_gate_up and shared_down, linears as add_layer takes them");
+           "shared_gate_up and shared_down, linears as add_layer takes them; router_bias "
+           "(float32 [num_experts]) and softmax_after_top_k as moe_route takes them; "
+           "gate_up_bias, down_bias (float32 [num_experts, 2 * width] and [num_experts, hidden], "
+           "0: none): each grouped row's expert's, added after its matmul");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
                                "a decoder-only model's layers run back to back in C++")
       .def(py::init(&make_stack), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("cache_dtype"),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("activation") = "silu",
            py::arg("softcap") = 0.0f, py::arg("rotary_dims") = py::tuple(),
-           "eps: every norm's; activation: silu or gelu_tanh; softcap > 0: attention scores -> "
-           "softcap * tanh(score / softcap); rotary_dims: each rope table's rotated dims (even, "
-           "<= head_dim), empty: one table of head_dim")
+           py::arg("swiglu_alpha") = 0.0f, py::arg("swiglu_limit") = 0.0f,
+           "eps: every norm's; activation: silu, gelu_tanh or clamped_swiglu (with swiglu_alpha "
+           "and swiglu_limit); softcap > 0: attention scores -> softcap * tanh(score / softcap); "
+           "rotary_dims: each rope table's rotated dims (even, <= head_dim), empty: one table of "
+           "head_dim")
       .def("add_layer", &stack_add_layer, py::arg("input_norm"), py::arg("post_attention_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
            py::arg("window") = 0, py::arg("full_width_qk_norm") = false,
-           py::arg("moe") = py::none(),
+           py::arg("moe") = py::none(), py::arg("sinks") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
            "group, bias, activation_bits[, super_scales[, mxfp4]]), or a list of such tuples: a "
            "fused projection's row "
@@ -574,7 +592,8 @@ PYBIND11_MODULE(_kernels, m) {
            "the index of the forward's cos/sin this layer rotates with; window > 0: attends to "
            "the last `window` positions; full_width_qk_norm: q_norm and k_norm (float32 "
            "[num_heads * head_dim], [num_kv_heads * head_dim]) normalize all heads at once; moe: "
-           "a StackMoE in place of gate_up and down (None then)")
+           "a StackMoE in place of gate_up and down (None then); sinks: float32 [num_heads], each "
+           "head's sink logit in both attention calls (0: none)")
       .def_property_readonly("num_layers", &pk::DecoderStack::num_layers)
       .def_property_readonly("num_rope_tables", &pk::DecoderStack::num_rope_tables)
       .def("forward", &stack_forward, py::arg("rows"), py::arg("hidden"), py::arg("residual"),
