@@ -159,15 +159,17 @@ def moe_model(directory, kind: str, router: str) -> str:
     equal: every token on the same k experts, torch.topk's choice among ties, the other experts
     idle) or "plus-minus" (experts 0 and 1 opposite, the rest 0: each token's first choice is 0
     or 1, its second a tie among the six zero logits)."""
-    name = {"qwen2_moe": "qwen2moe-shared", "qwen3_moe": "qwen3moe"}[kind]
-    model = make_tiny_model(directory, kind, seed=17, **FAMILIES[name][1])
+    name = {"qwen2_moe": "qwen2moe-shared", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss-window"}
+    model = make_tiny_model(directory, kind, seed=17, **FAMILIES[name[kind]][1])
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
+            gate = getattr(layer.mlp, "router" if kind == "gpt_oss" else "gate", None)
             if gate is None:  # a dense layer
                 continue
             gate.weight.zero_()
+            if getattr(gate, "bias", None) is not None:  # gpt-oss's router bias
+                gate.bias.zero_()
             if router == "plus-minus":
                 direction = torch.randn(gate.weight.shape[1], generator=gen)
                 gate.weight[0], gate.weight[1] = direction, -direction
@@ -177,12 +179,36 @@ def moe_model(directory, kind: str, router: str) -> str:
 
 @needs_stack
 @pytest.mark.parametrize("router", ["zero", "plus-minus"])
-@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_routes_with_ties_idle_experts_and_one_expert_for_all_on_the_stack(tmp_path, kind, router):
     """Routers that tie (all experts, or the six after each token's first choice), send every
     token to the same experts and leave others without a token: the stack routes as the layer
-    loop does, to the bit, over mixed batches and prefix hits."""
+    loop does, to the bit, over mixed batches and prefix hits (gpt-oss: ties among the logits,
+    its top k picked before the softmax)."""
     assert_stack_matches_layer_loop(moe_model(tmp_path, kind, router), num_prompts=6)
+
+
+@needs_stack
+@pytest.mark.parametrize("matrix_type", ["Q8_0", "MXFP4"])
+def test_a_quantized_gpt_oss_file_runs_on_the_stack(tmp_path, matrix_type):
+    """gpt-oss as a GGUF of Q8_0 or MXFP4 matrices (the stacked experts with their stacked
+    biases, q/k/v/o biases, sinks): the experts grouped, the clamped SwiGLU on the kernels and
+    the whole model on the stack, which equals the layer loop to the bit."""
+    import gguf
+
+    kind, overrides = FAMILIES["gpt-oss-window"]
+    model = make_tiny_model(tmp_path / "hf", kind, seed=1, **overrides)
+    path = tmp_path / f"gpt-oss-{matrix_type}.gguf"
+    write_gguf(model, path, matrix_type=getattr(gguf.GGMLQuantizationType, matrix_type))
+    built = engine(str(path), True, quantization="auto", kv_cache_dtype="float32")
+    info = built.runner.backend.info().kernels
+    assert info["decoder_stack"] == "on", info
+    assert info["gated_activation"] == "kernels" and info["attention"] == "kernels", info
+    assert info["experts"] == "grouped on 3 of 3 layers", info
+    expert = built.runner.model.layers[0].moe.experts[3]
+    assert expert.gate_up_proj.bias is not None
+    assert expert.gate_up_proj.packed.mxfp4 == (matrix_type == "MXFP4")
+    assert_stack_matches_layer_loop(str(path), num_prompts=6, quantization="auto")
 
 
 @needs_stack
@@ -338,8 +364,13 @@ def test_the_cpp_stack_checks_the_weights_and_tables_it_is_given():
     for dims, match in (([18], "rotary_dim 18 must be even"), ([16, 7], "rope table 1: rotary")):
         with pytest.raises(ValueError, match=match):
             kernels.DecoderStack(**shape, rotary_dims=dims)
-    with pytest.raises(ValueError, match="activation relu: silu or gelu_tanh"):
+    with pytest.raises(ValueError, match="activation relu: silu, gelu_tanh or clamped_swiglu"):
         kernels.DecoderStack(**shape, activation="relu")
+    for alpha, limit in ((1.702, 0.0), (float("nan"), 7.0)):
+        with pytest.raises(ValueError, match="the clamped SwiGLU's alpha and limit"):
+            kernels.DecoderStack(
+                **shape, activation="clamped_swiglu", swiglu_alpha=alpha, swiglu_limit=limit
+            )
     with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
         kernels.DecoderStack(**shape, softcap=-1.0)
 

@@ -1,4 +1,5 @@
-"""Fused RMSNorm, SiLU·up and GELU-tanh·up (pyserve._kernels via worker/backends/cpu/layer_ops.py).
+"""Fused RMSNorm, SiLU·up, GELU-tanh·up and gpt-oss's clamped SwiGLU (pyserve._kernels via
+worker/backends/cpu/layer_ops.py).
 
 Against Hugging Face's arithmetic written out in torch (LlamaRMSNorm: float32 mean of squares,
 rsqrt, the bf16 roundings; SwiGLU: F.silu(gate) * up), on every instruction set this CPU runs
@@ -314,6 +315,128 @@ def test_gated_activation_dispatches_and_falls_back():
         layer_ops.gated_activation(x, "relu")
     torch.testing.assert_close(run_kernel(layer_ops.gated_activation, x, "gelu_tanh"),
                                F.gelu(gate, approximate="tanh") * up)  # fmt: skip
+
+
+# ------------------------------------------------------------------ gpt-oss's clamped SwiGLU
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def clamped_swiglu_exact(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate with its float32 clamps, u + 1 and g · alpha (exact
+    in float32 or rounded once, as torch's ops round them) and the rest in float64: the sigmoid
+    exact, where torch's and the kernel's each err by an ulp or two."""
+    g, u = gate.clamp(max=LIMIT), up.clamp(min=-LIMIT, max=LIMIT)
+    z = (g * ALPHA).double()
+    return (u + 1).double() * (g.double() * torch.sigmoid(z))
+
+
+def swiglu_inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gates and ups over the whole range: normal ones, sweeps across ±limit (up: ±9) and down
+    to −60 (sigmoid(alpha·g) ~1e-44), the float32 neighbours of ±limit, large negatives."""
+    gen = torch.Generator().manual_seed(seed)
+    limit = torch.tensor(LIMIT)
+    beside = [torch.nextafter(limit, limit + 1), torch.nextafter(limit, limit - 1)]
+    edges = torch.stack([limit, *beside, -limit, -beside[0], -beside[1]])
+    gate = torch.cat((torch.randn(n, generator=gen) * 4, torch.linspace(-12, 12, n),
+                      torch.linspace(-60, -40, n), edges))  # fmt: skip
+    up = torch.cat((torch.randn(n, generator=gen) * 4, torch.linspace(-9, 9, n),
+                    torch.randn(n, generator=gen), edges.flip(0)))  # fmt: skip
+    return gate, up
+
+
+@pytest.mark.parametrize("rows", [1, 3, 129])
+@pytest.mark.parametrize("width", [1536, 45])
+def test_clamped_swiglu_float32_is_the_torch_formula_within_4_ulp(isa, threads, rows, width):
+    """float32 against transformers' formula with an exact sigmoid: within 4 ulp wherever the
+    result is above 1e-30 (measured: 3.1 on the AVX-512 loops, whose exp is a float32
+    polynomial; 2.5 on the scalar ones; torch's own ops 2.8), and torch's ops within the same
+    bound; where alpha·g ≤ −87 the kernel gives 0 (torch: 0 or up to ~1e-36)."""
+    gate, up = swiglu_inputs(rows * width, rows + width)
+    gate, up = gate[: rows * width].view(rows, width), up[: rows * width].view(rows, width)
+    out = run_kernel(layer_ops.clamped_swiglu_mul, torch.cat((gate, up), 1), ALPHA, LIMIT)
+    exact = clamped_swiglu_exact(gate, up)
+    reference = layer_ops.clamped_swiglu_torch(gate, up, ALPHA, LIMIT)
+    measurable = exact.abs() > 1e-30
+    assert ulps(out, exact)[measurable].max() <= 4.0
+    assert ulps(reference, exact)[measurable].max() <= 4.0
+    assert (out[~measurable].abs() <= 1e-30).all()
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-30)
+
+
+def test_clamped_swiglu_edges(isa):
+    """The clamps as torch's: a gate past the limit (inf too) is the limit, an up past ±limit is
+    ±limit, bit for bit; up = −1 gives ±0; very negative gates give −0 as torch's ops do; a NaN
+    gate or up stays NaN (clamp keeps it), and a gate of −inf is NaN (−inf · 0), as in torch."""
+    limit = torch.tensor(LIMIT)
+    past = torch.nextafter(limit, limit + 1)
+
+    def act(gate, up):
+        gate_up = torch.cat((torch.tensor(gate), torch.tensor(up)))[None]
+        return run_kernel(layer_ops.clamped_swiglu_mul, gate_up, ALPHA, LIMIT)[0]
+
+    gates = [LIMIT, past.item(), 8.0, 1e30, float("inf")]
+    at_limit = act(gates, [0.5] * 5)
+    assert (at_limit == at_limit[0]).all() and at_limit[0] > 0
+    ups = [LIMIT, past.item(), 1e30, float("inf"), -LIMIT, -past.item(), -1e30, -float("inf")]
+    out = act([1.5] * 8, ups)
+    assert (out[:4] == out[0]).all() and (out[4:] == out[4]).all()
+    torch.testing.assert_close(out[0] / out[4], torch.tensor((LIMIT + 1) / (1 - LIMIT)))
+    large, ups = [-60.0, -1e4, -1e30, 3.0, -2.0], [2.0, 2.0, 2.0, -1.0, -1.0]
+    got = act(large, ups)
+    want = layer_ops.clamped_swiglu_torch(torch.tensor(large), torch.tensor(ups), ALPHA, LIMIT)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    nan = act([float("nan"), 1.0, -float("inf")], [1.0, float("nan"), 1.0])
+    assert nan.isnan().all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 129])
+@pytest.mark.parametrize("width", [1536, 45])
+def test_clamped_swiglu_bfloat16_is_torchs(isa, threads, rows, width):
+    """bf16: each op rounded to bf16 as torch's bf16 ops round it, so the result is torch's bit
+    for bit but where the two float32 sigmoids (a few ulps apart) round to different bf16
+    values: at most 1 element in 1000, each one bf16 step of the sigmoid away."""
+    gen = torch.Generator().manual_seed(rows + 5 * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 5).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([LIMIT, 8.0, -60.0, 0.0])  # width ≥ 4
+    gate_up[0, width : width + 4] = torch.tensor([-LIMIT, 9.0, 2.0, -1.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = run_kernel(layer_ops.clamped_swiglu_mul, gate_up, ALPHA, LIMIT)
+    expected = layer_ops.clamped_swiglu_torch(gate, up, ALPHA, LIMIT)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    differ = got != expected
+    assert differ.sum() <= max(1, got.numel() // 1000)
+    torch.testing.assert_close(got[differ].float(), expected[differ].float(), rtol=2**-6, atol=0)
+
+
+def test_clamped_swiglu_dispatch_and_arguments():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2 * 40, generator=gen) * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert "clamped_swiglu" in KERNELS.GATED_ACTIVATIONS
+    assert "clamped_swiglu" in layer_ops.KERNEL_ACTIVATIONS
+    fused = run_kernel(layer_ops.clamped_swiglu_mul, x, ALPHA, LIMIT)
+    dispatched = run_kernel(
+        layer_ops.gated_activation, x, "clamped_swiglu", alpha=ALPHA, limit=LIMIT
+    )
+    assert torch.equal(fused, dispatched)
+    # another alpha and limit reach the kernel
+    other = run_kernel(layer_ops.clamped_swiglu_mul, x, 1.0, 2.5)
+    torch.testing.assert_close(other, layer_ops.clamped_swiglu_torch(gate, up, 1.0, 2.5))
+    # torch where the kernel does not apply (float16); 3-D inputs keep their shape
+    half = x.half()
+    torch.testing.assert_close(
+        run_kernel(layer_ops.clamped_swiglu_mul, half, ALPHA, LIMIT),
+        layer_ops.clamped_swiglu_torch(half[:, :40], half[:, 40:], ALPHA, LIMIT),
+    )
+    batched = torch.randn(2, 3, 2 * 16)
+    assert run_kernel(layer_ops.clamped_swiglu_mul, batched, ALPHA, LIMIT).shape == (2, 3, 16)
+    for alpha, limit in ((ALPHA, 0.0), (float("nan"), LIMIT), (ALPHA, float("inf"))):
+        with pytest.raises(ValueError, match="clamped SwiGLU"):
+            layer_ops.clamped_swiglu_mul(x, alpha, limit)
+    with pytest.raises(ValueError, match="limit must be finite"):
+        out = torch.empty(3, 40)
+        KERNELS.clamped_swiglu_mul(0, x.data_ptr(), 80, 3, 40, out.data_ptr(), 40, ALPHA, -1.0)
 
 
 # ------------------------------------------------------------------ rope + KV: q/k norm, partial

@@ -225,7 +225,8 @@ GPT_OSS = {
 def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
     """gpt-oss as a Q8_0 GGUF: the stacked experts packed at 8 bits with their stacked biases,
     every layer's experts grouped on the CPU kernels, attention (sinks, windows) on the
-    kernels, and the logits within the activations' rounding of the file's exact weights."""
+    kernels, the whole model on the decoder stack where it runs (AVX-512 VNNI), and the logits
+    within the activations' rounding of the file's exact weights."""
     import gguf
 
     model = make_tiny_model(tmp_path / "hf", "gpt_oss", seed=3, **GPT_OSS)
@@ -240,6 +241,8 @@ def test_a_q8_0_gpt_oss_gguf_runs_its_biased_experts_grouped(tmp_path):
     if info.name == "cpu-kernels":
         assert info.kernels["experts"] == "grouped on 3 of 3 layers", info.kernels
         assert info.kernels["attention"] == "kernels", info.kernels
+        if info.kernels["isa"] == "avx512_vnni":
+            assert info.kernels["decoder_stack"] == "on", info.kernels
     expert = packed.model.layers[2].moe.experts[6]
     assert type(expert.down_proj).__name__ != "Linear" and expert.down_proj.bias is not None
     prompt = list(range(5, 45))
@@ -590,7 +593,15 @@ def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tm
 # ---------------------------------------------------------------------- the kernel router
 
 
-def _kernel_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, shared=None):
+def _kernel_route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    shared=None,
+    bias=None,
+    softmax_after_top_k: bool = False,
+):
     """_kernels.moe_route's (weights, experts, shared gate or None) for x [T, hidden]."""
     tokens, hidden = x.shape
     weights = torch.empty(tokens, top_k)
@@ -600,6 +611,7 @@ def _kernel_route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: 
         x.data_ptr(), hidden, tokens, hidden, router.data_ptr(), router.shape[0], top_k,
         normalize, weights.data_ptr(), experts.data_ptr(),
         0 if shared is None else shared.data_ptr(), 0 if gate is None else gate.data_ptr(),
+        bias=0 if bias is None else bias.data_ptr(), softmax_after_top_k=softmax_after_top_k,
     )  # fmt: skip
     return weights, experts, gate
 
@@ -645,6 +657,91 @@ def test_the_kernel_router_picks_torchs_experts_ties_included(num_experts, top_k
     if top_k < num_experts:  # all tied: every token the same k experts, the others idle
         _, experts, _ = _kernel_route(x, routers["all tied"], top_k, False)
         assert (experts == experts[0]).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("num_experts", "top_k"), ROUTES)
+def test_the_kernel_router_with_a_bias_and_softmax_after_top_k_is_sparse_moes(
+    num_experts, top_k, isa
+):
+    """gpt-oss's routing on moe_route (a bias on the logits; the k largest logits, then a softmax
+    over those k) against SparseMoE.route on exact ties (small integers: every logit and bias
+    sum exact in any order), in both of torch.topk's regimes: the same experts in the same
+    order, ties among the logits included, and weights within float32 rounding. With
+    softmax_after_top_k the kernel ignores normalize, as SparseMoE.route does."""
+    gen = torch.Generator().manual_seed(num_experts * 100 + top_k + 1)
+    hidden = 33
+    x = torch.randint(-2, 3, (40, hidden), generator=gen).float()
+    routers = {
+        "all tied": (torch.zeros(num_experts, hidden), torch.zeros(num_experts)),
+        "ties left by the bias": (
+            torch.randint(-1, 2, (num_experts, hidden), generator=gen).float(),
+            torch.randint(-2, 3, (num_experts,), generator=gen).float(),
+        ),
+        "the bias alone": (
+            torch.zeros(num_experts, hidden),
+            torch.randint(-1, 2, (num_experts,), generator=gen).float(),
+        ),
+    }
+    for softmax_after_top_k in (True, False):
+        config = MoEConfig(
+            num_experts, top_k, 16, True, router_bias=True, softmax_after_top_k=softmax_after_top_k
+        )
+        layer = SparseMoE(hidden, config, dtype=torch.float32, device="cpu")
+        quant.kernels().set_isa(isa)
+        try:
+            for name, (router, bias) in routers.items():
+                layer.router.data.copy_(router)
+                layer.router_bias.data.copy_(bias)
+                for normalize in (False, True):
+                    layer.normalize = normalize
+                    want_weights, want_experts = layer.route(x)
+                    weights, experts, _ = _kernel_route(
+                        x, router, top_k, normalize, bias=bias,
+                        softmax_after_top_k=softmax_after_top_k,
+                    )  # fmt: skip
+                    where = (name, softmax_after_top_k, normalize)
+                    assert torch.equal(experts, want_experts), where
+                    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+        finally:
+            quant.kernels().set_isa(ISAS[0])
+
+
+def test_the_kernel_routers_softmax_after_top_k_on_random_logits():
+    """Random float inputs (sums that round) with a bias, gpt-oss's mode: the same experts as
+    SparseMoE.route, weights within float32 rounding, each token's k weights summing to 1 and
+    in descending order, the same bits on every ISA and thread count."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, num_experts, top_k = 72, 32, 4
+    x = torch.randn(70, hidden, generator=gen)
+    router = torch.randn(num_experts, hidden, generator=gen) * 0.3
+    bias = torch.randn(num_experts, generator=gen)
+    kernels = quant.kernels()
+    threads = kernels.num_threads()
+    results = []
+    try:
+        for isa in ISAS:
+            kernels.set_isa(isa)
+            for n in (1, 2):
+                kernels.set_num_threads(n)
+                results.append(
+                    _kernel_route(x, router, top_k, False, bias=bias, softmax_after_top_k=True)
+                )
+    finally:
+        kernels.set_isa(ISAS[0])
+        kernels.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][:2], other[:2], strict=True))
+    config = MoEConfig(num_experts, top_k, 16, False, router_bias=True, softmax_after_top_k=True)
+    layer = SparseMoE(hidden, config, dtype=torch.float32, device="cpu")
+    layer.router.data.copy_(router)
+    layer.router_bias.data.copy_(bias)
+    want_weights, want_experts = layer.route(x)
+    weights, experts, _ = results[0]
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(70))
+    assert (weights[:, :-1] >= weights[:, 1:]).all()
 
 
 def test_the_kernel_router_is_the_same_on_every_isa_and_thread_count():
@@ -695,11 +792,12 @@ def test_the_kernel_router_checks_its_arguments():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("router", ROUTERS)
 def test_the_cpu_backends_route_matches_transformers_sparse_block(kind, router):
-    """The CPU kernels backend's SparseMoE (its kernel router, the experts in torch) against
-    transformers' block: ties, every token on one expert, idle experts, a shared gate."""
+    """The CPU kernels backend's SparseMoE (its kernel router, the experts in torch, gpt-oss's
+    clamped SwiGLU on the kernels) against transformers' block: ties, every token on one
+    expert, idle experts, a shared gate, gpt-oss's router bias and softmax over the top k."""
     from pyserve.worker.backends import attention_backend
     from pyserve.worker.backends.cpu.experts import KernelRouter
 
@@ -707,12 +805,15 @@ def test_the_cpu_backends_route_matches_transformers_sparse_block(kind, router):
     block, _ = _hf_block(kind, top_k)
     x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        gate = _router(block)
         if router == "ties":
-            block.gate.weight.zero_()
+            gate.weight.zero_()
+            if kind == "gpt_oss":
+                gate.bias.zero_()
         elif router == "one-expert-for-all":
             x = x.abs()
-            block.gate.weight.fill_(-0.1)
-            block.gate.weight[0] = 1.0
+            gate.weight.fill_(-0.1)
+            gate.weight[0] = 1.0
     ours = _ours(block, kind, top_k)
     backend = attention_backend(
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
@@ -723,25 +824,36 @@ def test_the_cpu_backends_route_matches_transformers_sparse_block(kind, router):
     backend.expert_routers[id(ours)] = kernel_router
     with torch.no_grad():
         want = block(x[None])[0]
-        got = ours(x, backend, "silu")
+        if kind == "gpt_oss":
+            want = want[0]  # (output, router scores)
+        got = ours(x, backend, "clamped_swiglu" if kind == "gpt_oss" else "silu")
         _, picked, gate = backend.route_experts(ours, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(picked, ours.route(x)[1])  # torch's choice, ties included
     assert (gate is None) == (kind != "qwen2_moe")
 
 
-def test_a_routing_feature_the_kernel_router_lacks_leaves_the_route_to_torch():
-    """A MoEConfig field beyond those moe_route computes (gpt-oss's router bias, expert biases,
-    softmax over the top-k logits), set away from its default: no kernel router, saying which
-    field, and the stack refuses the mixture; at its default the kernel routes."""
+def test_a_routing_feature_the_kernel_router_lacks_leaves_the_route_to_torch(monkeypatch):
+    """gpt-oss's MoEConfig fields (router bias, expert biases, softmax over the top-k logits)
+    route on the kernels; a field beyond those the kernels compute (one taken out of
+    ROUTE_FIELDS here, as a routing feature added to MoEConfig later would be), set away from
+    its default: no kernel router, saying which field (and the stack refuses the mixture)."""
+    from pyserve.worker.backends.cpu import experts
     from pyserve.worker.backends.cpu.experts import KernelRouter
 
-    for field in (None, "router_bias", "expert_bias", "softmax_after_top_k"):
+    fields = ("router_bias", "expert_bias", "softmax_after_top_k")
+    for field in (None, *fields):
         config = MoEConfig(EXPERTS, 2, WIDTH, True, **({field: True} if field else {}))
         layer = SparseMoE(HIDDEN, config, dtype=torch.float32, device="cpu")
-        why = KernelRouter.unsupported(layer)
-        assert why == (f"the router's {field}" if field else None)
-        assert (KernelRouter.build(layer) is None) == (field is not None)
+        assert KernelRouter.unsupported(layer) is None
+        assert KernelRouter.build(layer) is not None
+    for field in fields:
+        monkeypatch.setattr(experts, "ROUTE_FIELDS", experts.ROUTE_FIELDS - {field})
+        config = MoEConfig(EXPERTS, 2, WIDTH, True, **{field: True})
+        layer = SparseMoE(HIDDEN, config, dtype=torch.float32, device="cpu")
+        assert KernelRouter.unsupported(layer) == f"the router's {field}"
+        assert KernelRouter.build(layer) is None
+        monkeypatch.undo()
     bf16 = SparseMoE(HIDDEN, MoEConfig(EXPERTS, 2, WIDTH, True), dtype=torch.bfloat16,
                      device="cpu")  # fmt: skip
     assert KernelRouter.unsupported(bf16) == "a torch.bfloat16 router"

@@ -114,11 +114,32 @@ void check_moe(const StackMoE& m, int hidden, const std::string& name) {
   }
 }
 
+// The model's gated activation over rows of [gate | up] (2 · width apart) into out (width apart)
+void activate(const StackShape& s, const float* gate_up, int rows, int width, float* out) {
+  silu_mul({DType::kFloat32, gate_up, 2 * static_cast<int64_t>(width), rows, width, out, width,
+            s.activation, s.swiglu_alpha, s.swiglu_limit});
+}
+
+// rows[r] += bias[e] for the rows of each expert e in turn (counts[e] of them): each grouped
+// row's own expert's bias, one float32 add an element, as torch's add of the gathered biases
+void add_expert_bias(float* rows, int width, const float* bias, const int64_t* counts,
+                     int num_experts) {
+  int64_t r = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const float* b = bias + static_cast<int64_t>(e) * width;
+    for (int64_t end = r + counts[e]; r < end; ++r) {
+      float* row = rows + r * width;
+      for (int j = 0; j < width; ++j) row[j] += b[j];
+    }
+  }
+}
+
 // A mixture's output for the rows `x` ([rows][hidden]) into out: SparseMoE.forward as the CPU
 // kernels backend computes it (Backend.route_experts, ExpertKernels.run, the shared expert's
 // QuantLinears), the same calls on the same values
-void run_moe(const StackMoE& m, const float* x, int rows, int hidden, GatedActivation activation,
-             Buffers& buf, float* out) {
+void run_moe(const StackMoE& m, const float* x, int rows, const StackShape& s, Buffers& buf,
+             float* out) {
+  const int hidden = s.hidden;
   const int k = m.top_k, width = m.width();
   const int64_t choices = static_cast<int64_t>(rows) * k;
   float* weights = sized(buf.route_weights, rows, k);
@@ -128,6 +149,8 @@ void run_moe(const StackMoE& m, const float* x, int rows, int hidden, GatedActiv
                      k, m.normalize, weights, experts};
   route.shared_gate = m.shared_gate;
   route.shared_weight = shared;
+  route.bias = m.router_bias;
+  route.softmax_after_top_k = m.softmax_after_top_k;
   moe_route(route);
   int64_t* row_tokens = sized(buf.row_tokens, choices, 1);
   float* row_weights = sized(buf.row_weights, choices, 1);
@@ -139,11 +162,13 @@ void run_moe(const StackMoE& m, const float* x, int rows, int hidden, GatedActiv
   float* gate_up = sized(buf.grouped_gate_up, choices, 2 * width);
   grouped_matmul(grouped, hidden, m.activation_bits, m.gate_up.data(), counts, m.num_experts,
                  gate_up, 2 * width);
+  if (m.gate_up_bias != nullptr)
+    add_expert_bias(gate_up, 2 * width, m.gate_up_bias, counts, m.num_experts);
   float* act = sized(buf.grouped_act, choices, width);
-  silu_mul({DType::kFloat32, gate_up, 2 * width, static_cast<int>(choices), width, act, width,
-            activation});
+  activate(s, gate_up, static_cast<int>(choices), width, act);
   float* y = sized(buf.grouped_out, choices, hidden);
   grouped_matmul(act, width, m.activation_bits, m.down.data(), counts, m.num_experts, y, hidden);
+  if (m.down_bias != nullptr) add_expert_bias(y, hidden, m.down_bias, counts, m.num_experts);
   moe_combine(y, hidden, row_tokens, row_weights, static_cast<int>(choices), hidden, out, hidden,
               rows);
   if (m.shared_gate == nullptr) return;
@@ -152,8 +177,7 @@ void run_moe(const StackMoE& m, const float* x, int rows, int hidden, GatedActiv
   float* shared_gate_up = sized(buf.grouped_gate_up, rows, 2 * shared_width);
   matmul(m.shared_gate_up, x, rows, shared_gate_up);
   float* shared_act = sized(buf.grouped_act, rows, shared_width);
-  silu_mul({DType::kFloat32, shared_gate_up, 2 * shared_width, rows, shared_width, shared_act,
-            shared_width, activation});
+  activate(s, shared_gate_up, rows, shared_width, shared_act);
   float* shared_out = sized(buf.grouped_out, rows, hidden);
   matmul(m.shared_down, shared_act, rows, shared_out);
   for (int t = 0; t < rows; ++t) {
@@ -175,9 +199,14 @@ DecoderStack::DecoderStack(const StackShape& shape) : shape_(shape) {
         "bad model shape");
   check(shape.num_blocks > 0 && shape.block_size > 0, "bad cache shape");
   check(std::isfinite(shape.eps) && shape.eps >= 0.0f, "eps must be finite and >= 0");
-  check(
-      shape.activation == GatedActivation::kSilu || shape.activation == GatedActivation::kGeluTanh,
-      "unknown gated activation");
+  check(shape.activation == GatedActivation::kSilu ||
+            shape.activation == GatedActivation::kGeluTanh ||
+            shape.activation == GatedActivation::kClampedSwiglu,
+        "unknown gated activation");
+  check(shape.activation != GatedActivation::kClampedSwiglu ||
+            (std::isfinite(shape.swiglu_alpha) && std::isfinite(shape.swiglu_limit) &&
+             shape.swiglu_limit > 0.0f),
+        "the clamped SwiGLU's alpha and limit must be finite, the limit > 0");
   check(std::isfinite(shape.softcap) && shape.softcap >= 0.0f,
         "softcap must be finite and >= 0 (0: none)");
   if (shape_.rotary_dims.empty()) shape_.rotary_dims.push_back(shape.head_dim);
@@ -301,6 +330,7 @@ void DecoderStack::forward(const StackBatch& b) const {
       prefill.k_cache = layer.k_cache;
       prefill.v_cache = layer.v_cache;
       prefill.window = layer.window;
+      prefill.sinks = layer.sinks;
       paged_prefill_attention(prefill);
     }
     if (b.num_decodes > 0) {
@@ -311,6 +341,7 @@ void DecoderStack::forward(const StackBatch& b) const {
       decode.k_cache = layer.k_cache;
       decode.v_cache = layer.v_cache;
       decode.window = layer.window;
+      decode.sinks = layer.sinks;
       paged_decode_attention(decode);
       if (!in_place)
         for (int d = 0; d < b.num_decodes; ++d)
@@ -331,11 +362,10 @@ void DecoderStack::forward(const StackBatch& b) const {
     // MLP's input: a mixture reads its input after it has written output), else into hidden
     float* mlp_out = layer.mlp_out_norm == nullptr ? b.hidden : mlp_in == o ? normed : o;
     if (layer.is_moe()) {
-      run_moe(layer.moe, mlp_in, rows, hidden, s.activation, buf, mlp_out);
+      run_moe(layer.moe, mlp_in, rows, s, buf, mlp_out);
     } else {
       matmul(layer.gate_up, mlp_in, rows, gate_up);
-      silu_mul({DType::kFloat32, gate_up, 2 * s.intermediate, rows, s.intermediate, act,
-                s.intermediate, s.activation});
+      activate(s, gate_up, rows, s.intermediate, act);
       matmul(layer.down, act, rows, mlp_out);
     }
     if (layer.mlp_out_norm != nullptr)

@@ -1,14 +1,15 @@
 // The decoder layers of a model run back to back in C++ on the CPU kernels: per layer RMSNorm
 // (adding the residual), the fused qkv matmul, [full-width q/k norms], RoPE + KV write (with the
 // layer's rope table and, if the model has them, per-head q/k norms), paged prefill and decode
-// attention (the layer's sliding window, the model's soft-cap), the o matmul, [RMSNorm], RMSNorm
-// (adding the residual), the gate/up matmul, the gated activation (SiLU or GELU-tanh), the down
-// matmul, or in their place a mixture of experts (StackMoE), [RMSNorm]; the bracketed norms
-// after the o and down matmuls are Gemma's sandwich. These are the calls, in the same order and on
-// the same buffers' values, that the Python layer loop makes (DecoderLayer.forward in
-// pyserve/worker/models/decoder.py over the CPU kernels backend), so the results are bit for bit
-// its. What it removes is Python between the ~9 calls a layer (module calls, argument checks,
-// tensor allocations: a visible share of a batch-32 decode step, while the kernels' pool waits).
+// attention (the layer's sliding window and sinks, the model's soft-cap), the o matmul, [RMSNorm],
+// RMSNorm (adding the residual), the gate/up matmul, the gated activation (SiLU, GELU-tanh or
+// gpt-oss's clamped SwiGLU), the down matmul, or in their place a mixture of experts (StackMoE),
+// [RMSNorm]; the bracketed norms after the o and down matmuls are Gemma's sandwich. These are the
+// calls, in the same order and on the same buffers' values, that the Python layer loop makes
+// (DecoderLayer.forward in pyserve/worker/models/decoder.py over the CPU kernels backend), so the
+// results are bit for bit its. What it removes is Python between the ~9 calls a layer (module
+// calls, argument checks, tensor allocations: a visible share of a batch-32 decode step, while the
+// kernels' pool waits).
 //
 // The stack holds pointers into tensors that Python owns (packed weights, norms, caches); the
 // Python side (pyserve/worker/backends/cpu/stack.py) keeps them alive and checks every shape once.
@@ -48,12 +49,19 @@ struct StackLinear {
 // as the CPU kernels backend runs it): the router (moe_route), the routing choices grouped by
 // expert (moe_group), every active expert's gate/up and down as one grouped matmul each with the
 // gated activation between, each token's outputs summed back in expert order (moe_combine), and
-// where the model has one the shared expert, scaled by its sigmoid gate and added.
+// where the model has one the shared expert, scaled by its sigmoid gate and added. gpt-oss's
+// router adds a bias to its logits and takes the softmax of the top k alone, and its experts add
+// a bias to each grouped row after each grouped matmul (as ExpertKernels.run in
+// pyserve/worker/backends/cpu/experts.py).
 struct StackMoE {
   const float* router = nullptr;  // [num_experts][hidden]
   int num_experts = 0;
   int top_k = 0;
-  bool normalize = false;  // the k weights rescaled to sum to 1
+  bool normalize = false;               // the k weights rescaled to sum to 1
+  const float* router_bias = nullptr;   // [num_experts], or none
+  bool softmax_after_top_k = false;     // moe_route's mode (MoeRouteArgs)
+  const float* gate_up_bias = nullptr;  // [num_experts][2 · width], or none
+  const float* down_bias = nullptr;     // [num_experts][hidden], or none
   int activation_bits = 16;
   std::vector<PackedWeights> gate_up;  // per expert: [2 · width][hidden]
   std::vector<PackedWeights> down;     // per expert: [hidden][width]
@@ -80,9 +88,10 @@ struct StackLayer {
   // the residual stream, and the down projection's likewise (Gemma 2/3's sandwich)
   const float* attn_out_norm = nullptr;
   const float* mlp_out_norm = nullptr;
-  int rope_table = 0;  // which of the forward's cos/sin tables this layer rotates with
-  int window = 0;      // attends to the last `window` positions (itself included); 0: all
-  StackMoE moe = {};   // router set: this layer's MLP is a mixture of experts
+  int rope_table = 0;            // which of the forward's cos/sin tables this layer rotates with
+  int window = 0;                // attends to the last `window` positions (itself included); 0: all
+  const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or none
+  StackMoE moe = {};             // router set: this layer's MLP is a mixture of experts
   bool is_moe() const { return moe.router != nullptr; }
 };
 
@@ -97,6 +106,8 @@ struct StackShape {
   int num_blocks;
   int block_size;
   GatedActivation activation = GatedActivation::kSilu;
+  float swiglu_alpha = 0.0f;  // the clamped SwiGLU's (unused by the other activations)
+  float swiglu_limit = 0.0f;
   float softcap = 0.0f;  // attention scores → softcap · tanh(s / softcap); 0: none
   // The rope tables' rotated dims (each even, in [2, head_dim]; < head_dim: partial rotary),
   // one per table: the forward receives each table's cos and sin, [T][rotary_dims[i]].

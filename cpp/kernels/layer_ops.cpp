@@ -66,10 +66,30 @@ float gelu_tanh(float gate) {
   return static_cast<float>(x / (1.0 + std::exp(-z)));
 }
 
+// transformers' GptOssExperts._apply_gate in torch's order of ops, each result rounded to the
+// dtype as torch's ops round it (sigmoid as torch's: 1 / (1 + exp(−z))); the caller rounds the
+// final product when it stores it. std::min / std::max keep a NaN gate or up NaN, as clamp does.
+float clamped_swiglu(DType dtype, float gate, float up, float alpha, float limit) {
+  const float g = rounded(dtype, std::min(gate, limit));
+  const float u = rounded(dtype, std::min(std::max(up, -limit), limit));
+  const float z = rounded(dtype, g * alpha);
+  const float sigmoid = rounded(dtype, 1.0f / (1.0f + std::exp(-z)));
+  const float glu = rounded(dtype, g * sigmoid);
+  return rounded(dtype, u + 1.0f) * glu;
+}
+
 void silu_mul_rows_scalar(const SiluMulArgs& a, int row0, int row1) {
   const bool gelu = a.activation == GatedActivation::kGeluTanh;
   for (int r = row0; r < row1; ++r) {
     const int64_t in = r * a.input_stride, out = r * a.out_stride;
+    if (a.activation == GatedActivation::kClampedSwiglu) {
+      for (int i = 0; i < a.width; ++i)
+        store_element(
+            a.dtype, a.out, out + i,
+            clamped_swiglu(a.dtype, load_element(a.dtype, a.input, in + i),
+                           load_element(a.dtype, a.input, in + a.width + i), a.alpha, a.limit));
+      continue;
+    }
     for (int i = 0; i < a.width; ++i) {
       const float gate = load_element(a.dtype, a.input, in + i);
       float act = gelu ? gelu_tanh(gate) : gate / (1.0f + std::exp(-gate));
@@ -224,8 +244,12 @@ void rope_write_kv(const RopeKvArgs& a) {
 void silu_mul(const SiluMulArgs& a) {
   check_common(a.dtype, a.rows, a.width, a.input_stride, 2 * static_cast<int64_t>(a.width),
                a.out_stride, a.input, a.out);
-  check(a.activation == GatedActivation::kSilu || a.activation == GatedActivation::kGeluTanh,
+  check(a.activation == GatedActivation::kSilu || a.activation == GatedActivation::kGeluTanh ||
+            a.activation == GatedActivation::kClampedSwiglu,
         "unknown gated activation");
+  check(a.activation != GatedActivation::kClampedSwiglu ||
+            (std::isfinite(a.alpha) && std::isfinite(a.limit) && a.limit > 0.0f),
+        "the clamped SwiGLU's alpha and limit must be finite, the limit > 0");
   if (a.rows == 0) return;
   run_rows(a, kernels_for_isa().silu_mul_rows, a.width);
 }

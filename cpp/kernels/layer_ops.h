@@ -12,7 +12,10 @@
 //             hidden_states`), stored back into the residual rows, then normalized.
 //   silu_mul: out = act(gate) · up, gate and up the two halves of each row, act SiLU or GELU's
 //             tanh approximation (F.gelu(approximate="tanh"), Gemma's MLP); bf16: act rounded to
-//             bf16 before the product, as F.silu's and F.gelu's bf16 outputs are.
+//             bf16 before the product, as F.silu's and F.gelu's bf16 outputs are. Or gpt-oss's
+//             clamped SwiGLU (transformers' GptOssExperts._apply_gate): g = min(gate, limit),
+//             u = clamp(up, ±limit), out = (u + 1) · (g · sigmoid(g · alpha)), each op rounded
+//             as torch's (in bf16: every op's result rounded to bf16, as torch's bf16 ops are).
 //   rope_write_kv (float32): the q and k heads of a fused qkv projection row rotated (rotate-half
 //             layout, x·cos + swapped(x)·signed_sin with the products and the sum each rounded,
 //             as torch's three ops and HF's apply_rotary_pos_emb are: no FMA), q in place; k and
@@ -51,6 +54,8 @@ enum class GatedActivation : int {
   // 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), computed as x·sigmoid(2·that tanh's argument),
   // the same function without 1 + tanh's cancellation for negative x
   kGeluTanh = 1,
+  // gpt-oss's: (clamp(up, ±limit) + 1) · g·sigmoid(alpha·g), g = min(gate, limit)
+  kClampedSwiglu = 2,
 };
 
 struct SiluMulArgs {
@@ -62,6 +67,8 @@ struct SiluMulArgs {
   void* out;  // [rows][width]
   int64_t out_stride;
   GatedActivation activation = GatedActivation::kSilu;
+  float alpha = 0.0f;  // kClampedSwiglu's sigmoid scale and clamp limit (unused otherwise)
+  float limit = 0.0f;
 };
 
 // gelu_tanh's z = x·(kGeluZ + kGeluZCubed·x²): 2·√(2/π) and that times 0.044715
@@ -112,7 +119,7 @@ const LayerOpKernels& avx512_layer_ops();
 // Check their arguments (std::invalid_argument), then split the rows over the thread pool when
 // there are enough elements to pay for it.
 void rms_norm(const RmsNormArgs& args);
-void silu_mul(const SiluMulArgs& args);      // args.activation(gate) · up
+void silu_mul(const SiluMulArgs& args);      // args.activation's gate · up
 void rope_write_kv(const RopeKvArgs& args);  // checks slots against the cache too
 
 }  // namespace pyserve_kernels

@@ -115,6 +115,51 @@ PYSERVE_AVX512_MATH inline __m512 gelu_tanh(__m512 x) {
   return _mm512_div_ps(_mm512_mul_ps(x, numerator), _mm512_add_ps(one, e));
 }
 
+// what the dtype T holds of v: v itself in float32, v rounded to bf16 otherwise
+template <DType T>
+PYSERVE_AVX512_MATH inline __m512 as_dtype(__m512 v) {
+  if constexpr (T == DType::kFloat32)
+    return v;
+  else
+    return avx512::round_to_bf16(v);
+}
+
+// The scalar loop's clamped SwiGLU (layer_ops.cpp), its ops in the same order and rounded to T
+// as it rounds them; sigmoid(z) = 1 / (1 + e) for z ≥ 0 and e / (1 + e) below, e = exp(−|z|) ≤ 1
+// (no overflow), taken as 0 for z ≤ −87, where exp's clamp would leave ~1e-38 and torch's
+// 1 / (1 + exp(−z)) gives 0 or a denormal. min / max return their second operand when one is
+// NaN: a NaN gate or up stays NaN, as torch's clamp keeps it.
+template <DType T>
+PYSERVE_AVX512_MATH inline __m512 clamped_swiglu(__m512 gate, __m512 up, __m512 alpha,
+                                                 __m512 limit) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  const __m512 g = as_dtype<T>(_mm512_min_ps(limit, gate));
+  const __m512 u = as_dtype<T>(_mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(zero, limit), up)));
+  const __m512 z = as_dtype<T>(_mm512_mul_ps(g, alpha));
+  const __m512 magnitude = _mm512_abs_ps(z);
+  __m512 e = avx512::exp_nonpositive(_mm512_sub_ps(zero, magnitude));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(87.0f), _CMP_GE_OQ), zero);
+  const __mmask16 negative = _mm512_cmp_ps_mask(z, zero, _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+  const __m512 sigmoid = as_dtype<T>(_mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+  const __m512 glu = as_dtype<T>(_mm512_mul_ps(g, sigmoid));
+  return _mm512_mul_ps(as_dtype<T>(_mm512_add_ps(u, one)), glu);
+}
+
+template <DType T>
+PYSERVE_AVX512_MATH void clamped_swiglu_rows_as(const SiluMulArgs& a, int row0, int row1) {
+  const __m512 alpha = _mm512_set1_ps(a.alpha), limit = _mm512_set1_ps(a.limit);
+  for (int r = row0; r < row1; ++r) {
+    const int64_t in = r * a.input_stride, out = r * a.out_stride;
+    for (int i = 0; i < a.width; i += 16) {
+      const __mmask16 live = lanes(a.width - i);
+      const __m512 gate = load<T>(a.input, in + i, live);
+      const __m512 up = load<T>(a.input, in + a.width + i, live);
+      store<T>(a.out, out + i, live, clamped_swiglu<T>(gate, up, alpha, limit));
+    }
+  }
+}
+
 template <DType T, GatedActivation A>
 PYSERVE_AVX512_MATH void gated_mul_rows_as(const SiluMulArgs& a, int row0, int row1) {
   for (int r = row0; r < row1; ++r) {
@@ -278,6 +323,9 @@ void rms_norm_rows(const RmsNormArgs& a, int row0, int row1) {
 void silu_mul_rows(const SiluMulArgs& a, int row0, int row1) {
   constexpr auto kSilu = GatedActivation::kSilu, kGelu = GatedActivation::kGeluTanh;
   const bool f32 = a.dtype == DType::kFloat32;
+  if (a.activation == GatedActivation::kClampedSwiglu)
+    return f32 ? clamped_swiglu_rows_as<DType::kFloat32>(a, row0, row1)
+               : clamped_swiglu_rows_as<DType::kBFloat16>(a, row0, row1);
   if (a.activation == kGelu)
     return f32 ? gated_mul_rows_as<DType::kFloat32, kGelu>(a, row0, row1)
                : gated_mul_rows_as<DType::kBFloat16, kGelu>(a, row0, row1);

@@ -77,7 +77,8 @@ void moe_group(uintptr_t experts, uintptr_t weights, int tokens, int top_k, int 
 
 void moe_route(uintptr_t x, int64_t x_stride, int tokens, int hidden, uintptr_t router,
                int num_experts, int top_k, bool normalize, uintptr_t weights, uintptr_t experts,
-               uintptr_t shared_gate, uintptr_t shared_weight) {
+               uintptr_t shared_gate, uintptr_t shared_weight, uintptr_t bias,
+               bool softmax_after_top_k) {
   pk::MoeRouteArgs args{address<const float>(x),
                         x_stride,
                         tokens,
@@ -90,6 +91,8 @@ void moe_route(uintptr_t x, int64_t x_stride, int tokens, int hidden, uintptr_t 
                         address<int64_t>(experts)};
   args.shared_gate = address<const float>(shared_gate);
   args.shared_weight = address<float>(shared_weight);
+  args.bias = address<const float>(bias);
+  args.softmax_after_top_k = softmax_after_top_k;
   py::gil_scoped_release released;
   pk::moe_route(args);
 }
@@ -204,8 +207,8 @@ void rms_norm(int dtype, uintptr_t x, int64_t x_stride, int rows, int hidden, ui
 
 // act(gate) · up over rows of [gate | up]
 void gated_activation(pk::GatedActivation activation, int dtype, uintptr_t input,
-                      int64_t input_stride, int rows, int width, uintptr_t out,
-                      int64_t out_stride) {
+                      int64_t input_stride, int rows, int width, uintptr_t out, int64_t out_stride,
+                      float alpha = 0.0f, float limit = 0.0f) {
   const pk::SiluMulArgs args{static_cast<pk::DType>(dtype),
                              address<const void>(input),
                              input_stride,
@@ -213,7 +216,9 @@ void gated_activation(pk::GatedActivation activation, int dtype, uintptr_t input
                              width,
                              address<void>(out),
                              out_stride,
-                             activation};
+                             activation,
+                             alpha,
+                             limit};
   py::gil_scoped_release released;
   pk::silu_mul(args);
 }
@@ -228,6 +233,12 @@ void gelu_tanh_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, i
                    uintptr_t out, int64_t out_stride) {
   gated_activation(pk::GatedActivation::kGeluTanh, dtype, input, input_stride, rows, width, out,
                    out_stride);
+}
+
+void clamped_swiglu_mul(int dtype, uintptr_t input, int64_t input_stride, int rows, int width,
+                        uintptr_t out, int64_t out_stride, float alpha, float limit) {
+  gated_activation(pk::GatedActivation::kClampedSwiglu, dtype, input, input_stride, rows, width,
+                   out, out_stride, alpha, limit);
 }
 
 void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
@@ -304,7 +315,8 @@ pk::StackLinear stack_linear(const py::object& linear) {
 pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool normalize,
                             const ExpertSet& gate_up, const ExpertSet& down, int activation_bits,
                             uintptr_t shared_gate, const py::object& shared_gate_up,
-                            const py::object& shared_down) {
+                            const py::object& shared_down, uintptr_t router_bias,
+                            bool softmax_after_top_k, uintptr_t gate_up_bias, uintptr_t down_bias) {
   pk::StackMoE moe;
   moe.router = address<const float>(router);
   pk::check(moe.router != nullptr, "a mixture without a router");
@@ -312,6 +324,10 @@ pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool n
   moe.top_k = top_k;
   moe.normalize = normalize;
   moe.activation_bits = activation_bits;
+  moe.router_bias = address<const float>(router_bias);
+  moe.softmax_after_top_k = softmax_after_top_k;
+  moe.gate_up_bias = address<const float>(gate_up_bias);
+  moe.down_bias = address<const float>(down_bias);
   moe.gate_up = gate_up.weights();
   moe.down = down.weights();
   moe.shared_gate = address<const float>(shared_gate);
@@ -328,13 +344,15 @@ pk::StackMoE make_stack_moe(uintptr_t router, int num_experts, int top_k, bool n
 pk::GatedActivation gated_activation_named(const std::string& name) {
   if (name == "silu") return pk::GatedActivation::kSilu;
   if (name == "gelu_tanh") return pk::GatedActivation::kGeluTanh;
-  throw std::invalid_argument("activation " + name + ": silu or gelu_tanh");
+  if (name == "clamped_swiglu") return pk::GatedActivation::kClampedSwiglu;
+  throw std::invalid_argument("activation " + name + ": silu, gelu_tanh or clamped_swiglu");
 }
 
 pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int head_dim,
                             int intermediate, float eps, int cache_dtype, int num_blocks,
                             int block_size, const std::string& activation, float softcap,
-                            const py::sequence& rotary_dims) {
+                            const py::sequence& rotary_dims, float swiglu_alpha,
+                            float swiglu_limit) {
   pk::StackShape shape{hidden,
                        num_heads,
                        num_kv_heads,
@@ -345,6 +363,8 @@ pk::DecoderStack make_stack(int hidden, int num_heads, int num_kv_heads, int hea
                        num_blocks,
                        block_size,
                        gated_activation_named(activation),
+                       swiglu_alpha,
+                       swiglu_limit,
                        softcap,
                        {}};
   for (auto dim : rotary_dims) shape.rotary_dims.push_back(dim.cast<int>());
@@ -355,7 +375,8 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
                      const py::object& qkv, const py::object& o, const py::object& gate_up,
                      const py::object& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
                      uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
-                     int rope_table, int window, bool full_width_qk_norm, const py::object& moe) {
+                     int rope_table, int window, bool full_width_qk_norm, const py::object& moe,
+                     uintptr_t sinks) {
   // a mixture's layer has no dense gate_up and down (None)
   pk::check(moe.is_none() != (gate_up.is_none() && down.is_none()),
             "a layer's MLP: gate_up and down, or a mixture of experts (moe), not both");
@@ -375,6 +396,7 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
   layer.mlp_out_norm = address<const float>(mlp_out_norm);
   layer.rope_table = rope_table;
   layer.window = window;
+  layer.sinks = address<const float>(sinks);
   stack.add_layer(layer);
 }
 
@@ -482,7 +504,13 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("out_stride"),
         "out = gelu_tanh(input[:, :width]) * input[:, width:], gelu_tanh as "
         "torch.nn.functional.gelu(approximate='tanh')");
-  m.attr("GATED_ACTIVATIONS") = py::make_tuple("gelu_tanh");
+  m.def("clamped_swiglu_mul", &clamped_swiglu_mul, py::arg("dtype"), py::arg("input"),
+        py::arg("input_stride"), py::arg("rows"), py::arg("width"), py::arg("out"),
+        py::arg("out_stride"), py::arg("alpha"), py::arg("limit"),
+        "gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit), out = "
+        "(u + 1) * g * sigmoid(g * alpha), gate and up the two halves of each input row, as "
+        "transformers' GptOssExperts computes it (bfloat16: every op rounded as torch's)");
+  m.attr("GATED_ACTIVATIONS") = py::make_tuple("gelu_tanh", "clamped_swiglu");
   m.def("rope_write_kv", &rope_write_kv, py::arg("qkv"), py::arg("qkv_stride"), py::arg("rows"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
         py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
@@ -502,10 +530,12 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("moe_route", &moe_route, py::arg("x"), py::arg("x_stride"), py::arg("tokens"),
         py::arg("hidden"), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
         py::arg("normalize"), py::arg("weights"), py::arg("experts"), py::arg("shared_gate") = 0,
-        py::arg("shared_weight") = 0,
-        "a mixture's router in float32: softmax(x · routerᵀ) over every expert, the top_k in "
-        "torch.topk's order (float32 weights, int64 expert ids [tokens, top_k]; normalize: "
-        "rescaled to sum to 1); shared_gate (0: none): shared_weight[t] = sigmoid(x_t · gate)");
+        py::arg("shared_weight") = 0, py::arg("bias") = 0, py::arg("softmax_after_top_k") = false,
+        "a mixture's router in float32: softmax(x · routerᵀ [+ bias]) over every expert, the "
+        "top_k in torch.topk's order (float32 weights, int64 expert ids [tokens, top_k]; "
+        "normalize: rescaled to sum to 1); shared_gate (0: none): shared_weight[t] = sigmoid(x_t "
+        "· gate); bias: float32 [num_experts] (0: none); softmax_after_top_k: the top_k logits "
+        "first, then a softmax over those k (normalize unused)");
   m.def("moe_combine", &moe_combine, py::arg("y"), py::arg("y_stride"), py::arg("row_token"),
         py::arg("row_weight"), py::arg("rows"), py::arg("hidden"), py::arg("out"),
         py::arg("out_stride"), py::arg("tokens"),
@@ -526,25 +556,32 @@ PYBIND11_MODULE(_kernels, m) {
       .def(py::init(&make_stack_moe), py::arg("router"), py::arg("num_experts"), py::arg("top_k"),
            py::arg("normalize"), py::arg("gate_up"), py::arg("down"), py::arg("activation_bits"),
            py::arg("shared_gate") = 0, py::arg("shared_gate_up") = py::none(),
-           py::arg("shared_down") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("router_bias") = 0,
+           py::arg("softmax_after_top_k") = false, py::arg("gate_up_bias") = 0,
+           py::arg("down_bias") = 0,
            "router: float32 [num_experts, hidden]; gate_up, down: the experts' ExpertSets (their "
            "weights must outlive the stack); shared_gate (float32 [hidden], 0: none) with "
-           "shared_gate_up and shared_down, linears as add_layer takes them");
+           "shared_gate_up and shared_down, linears as add_layer takes them; router_bias "
+           "(float32 [num_experts]) and softmax_after_top_k as moe_route takes them; "
+           "gate_up_bias, down_bias (float32 [num_experts, 2 * width] and [num_experts, hidden], "
+           "0: none): each grouped row's expert's, added after its matmul");
   py::class_<pk::DecoderStack>(m, "DecoderStack",
                                "a decoder-only model's layers run back to back in C++")
       .def(py::init(&make_stack), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("cache_dtype"),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("activation") = "silu",
            py::arg("softcap") = 0.0f, py::arg("rotary_dims") = py::tuple(),
-           "eps: every norm's; activation: silu or gelu_tanh; softcap > 0: attention scores -> "
-           "softcap * tanh(score / softcap); rotary_dims: each rope table's rotated dims (even, "
-           "<= head_dim), empty: one table of head_dim")
+           py::arg("swiglu_alpha") = 0.0f, py::arg("swiglu_limit") = 0.0f,
+           "eps: every norm's; activation: silu, gelu_tanh or clamped_swiglu (with swiglu_alpha "
+           "and swiglu_limit); softcap > 0: attention scores -> softcap * tanh(score / softcap); "
+           "rotary_dims: each rope table's rotated dims (even, <= head_dim), empty: one table of "
+           "head_dim")
       .def("add_layer", &stack_add_layer, py::arg("input_norm"), py::arg("post_attention_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
            py::arg("window") = 0, py::arg("full_width_qk_norm") = false,
-           py::arg("moe") = py::none(),
+           py::arg("moe") = py::none(), py::arg("sinks") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
            "group, bias, activation_bits[, super_scales[, mxfp4]]), or a list of such tuples: a "
            "fused projection's row "
@@ -555,7 +592,8 @@ PYBIND11_MODULE(_kernels, m) {
            "the index of the forward's cos/sin this layer rotates with; window > 0: attends to "
            "the last `window` positions; full_width_qk_norm: q_norm and k_norm (float32 "
            "[num_heads * head_dim], [num_kv_heads * head_dim]) normalize all heads at once; moe: "
-           "a StackMoE in place of gate_up and down (None then)")
+           "a StackMoE in place of gate_up and down (None then); sinks: float32 [num_heads], each "
+           "head's sink logit in both attention calls (0: none)")
       .def_property_readonly("num_layers", &pk::DecoderStack::num_layers)
       .def_property_readonly("num_rope_tables", &pk::DecoderStack::num_rope_tables)
       .def("forward", &stack_forward, py::arg("rows"), py::arg("hidden"), py::arg("residual"),

@@ -12,9 +12,11 @@ namespace pyserve_kernels {
 // A mixture's router and its shared expert's gate (SparseMoE.route and its gate in
 // pyserve/worker/models/moe.py), all in float32: logits = x · routerᵀ, a softmax over every
 // expert, the top_k largest probabilities in torch.topk's order (its tie order too), rescaled to
-// sum to 1 where `normalize`; shared_weight[t] = sigmoid(x_t · shared_gate). Each dot product
-// sums in one fixed order on every ISA and thread count, so a token's route never depends on
-// which of them ran it.
+// sum to 1 where `normalize`; shared_weight[t] = sigmoid(x_t · shared_gate). With a bias, each
+// logit is x · router[e] + bias[e]; with softmax_after_top_k (gpt-oss) the top_k largest logits
+// are picked first (torch.topk's order) and the weights are a softmax over those k alone
+// (`normalize` unused). Each dot product sums in one fixed order on every ISA and thread count,
+// so a token's route never depends on which of them ran it.
 struct MoeRouteArgs {
   const float* x;  // [tokens][x_stride]
   int64_t x_stride;
@@ -28,6 +30,8 @@ struct MoeRouteArgs {
   int64_t* experts;                    // [tokens][top_k]: out
   const float* shared_gate = nullptr;  // [hidden], or none
   float* shared_weight = nullptr;      // [tokens]: out, with shared_gate
+  const float* bias = nullptr;         // [num_experts], or none
+  bool softmax_after_top_k = false;
 };
 void moe_route(const MoeRouteArgs& args);
 

@@ -196,38 +196,56 @@ bool ranks_above(const Choice& x, const Choice& y) {
   return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
 }
 
-// One token: softmax over its logits, the top k as torch.topk(sorted=True) picks and orders them
-// on the CPU (std::partial_sort where k · 64 ≤ n, else std::nth_element and std::sort of the
-// first k − 1, with its comparison: equal probabilities come out in the order those algorithms
-// leave them, which is what a tie between experts resolves to in torch), then the renormalization.
-void choose(const MoeRouteArgs& a, float* logits, std::vector<Choice>& queue, int t) {
-  const int n = a.num_experts, k = a.top_k;
-  float largest = logits[0];
-  for (int e = 1; e < n; ++e) largest = std::max(largest, logits[e]);
+// values[0..n) ← softmax(values) in place, as torch's softmax computes it: the largest, exp of
+// each minus it, their sum in order, one reciprocal, then products
+void softmax(float* values, int n) {
+  float largest = values[0];
+  for (int e = 1; e < n; ++e) largest = std::max(largest, values[e]);
   float sum = 0.0f;
   for (int e = 0; e < n; ++e) {
-    logits[e] = std::exp(logits[e] - largest);
-    sum += logits[e];
+    values[e] = std::exp(values[e] - largest);
+    sum += values[e];
   }
-  const float inverse = 1.0f / sum;  // as torch's softmax: one reciprocal, then products
-  queue.resize(static_cast<size_t>(n));
-  for (int e = 0; e < n; ++e) queue[static_cast<size_t>(e)] = {logits[e] * inverse, e};
-  if (static_cast<int64_t>(k) * 64 <= n) {
+  const float inverse = 1.0f / sum;
+  for (int e = 0; e < n; ++e) values[e] *= inverse;
+}
+
+// The first k of queue in torch.topk(sorted=True)'s order as it picks them on the CPU
+// (std::partial_sort where k · 64 ≤ n, else std::nth_element and std::sort of the first k − 1,
+// with its comparison): equal values come out in the order those algorithms leave them, which is
+// what a tie between experts resolves to in torch.
+void top_k(std::vector<Choice>& queue, int k) {
+  if (static_cast<int64_t>(k) * 64 <= static_cast<int64_t>(queue.size())) {
     std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), ranks_above);
   } else {
     std::nth_element(queue.begin(), queue.begin() + (k - 1), queue.end(), ranks_above);
     std::sort(queue.begin(), queue.begin() + (k - 1), ranks_above);
   }
+}
+
+// One token: its logits (+ the bias), then either a softmax over them, the top k and the
+// renormalization, or (softmax_after_top_k) the top k logits and a softmax over those k.
+void choose(const MoeRouteArgs& a, float* logits, std::vector<Choice>& queue, int t) {
+  const int n = a.num_experts, k = a.top_k;
+  if (a.bias != nullptr)
+    for (int e = 0; e < n; ++e) logits[e] += a.bias[e];
+  if (!a.softmax_after_top_k) softmax(logits, n);
+  queue.resize(static_cast<size_t>(n));
+  for (int e = 0; e < n; ++e) queue[static_cast<size_t>(e)] = {logits[e], e};
+  top_k(queue, k);
   float* weights = a.weights + static_cast<int64_t>(t) * k;
   int64_t* experts = a.experts + static_cast<int64_t>(t) * k;
-  float total = 0.0f;
   for (int j = 0; j < k; ++j) {
     weights[j] = queue[static_cast<size_t>(j)].first;
     experts[j] = queue[static_cast<size_t>(j)].second;
-    total += weights[j];
   }
-  if (a.normalize)
+  if (a.softmax_after_top_k) {
+    softmax(weights, k);
+  } else if (a.normalize) {
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) total += weights[j];
     for (int j = 0; j < k; ++j) weights[j] = weights[j] / total;
+  }
   if (a.shared_gate != nullptr) a.shared_weight[t] = 1.0f / (1.0f + std::exp(-logits[n]));
 }
 

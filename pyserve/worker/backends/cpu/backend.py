@@ -332,8 +332,11 @@ class CpuKernelsBackend(Backend):
         return layer_ops.rms_norm(x, weight, eps, residual)  # torch's ops where it cannot run
 
     def gated_activation(self, gate_up, activation):
-        if activation in layer_ops.KERNEL_ACTIVATIONS:
-            return layer_ops.gated_activation(gate_up, activation)  # torch's where it cannot run
+        if activation in layer_ops.KERNEL_ACTIVATIONS:  # torch's where it cannot run
+            config = self.config
+            return layer_ops.gated_activation(
+                gate_up, activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit
+            )
         return reference_activation(gate_up, activation, self.config)
 
     def route_experts(self, moe, x):

@@ -123,10 +123,20 @@ class ExpertKernels:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-# The MoEConfig fields moe_route computes; another field set away from its default (a routing
-# feature added later) leaves the mixture to torch's route, which knows it.
+# The MoEConfig fields the kernels compute (moe_route: the router, its bias and gpt-oss's softmax
+# after the top k; ExpertKernels and the stack: the experts' biases); another field set away from
+# its default (a routing feature added later) leaves the mixture to torch's route, which knows it.
 ROUTE_FIELDS = frozenset(
-    {"num_experts", "top_k", "expert_size", "normalize_top_k", "shared_expert_size"}
+    {
+        "num_experts",
+        "top_k",
+        "expert_size",
+        "normalize_top_k",
+        "shared_expert_size",
+        "router_bias",
+        "expert_bias",
+        "softmax_after_top_k",
+    }
 )
 
 
@@ -137,7 +147,9 @@ class KernelRouter:
     def __init__(self, moe: SparseMoE) -> None:
         self.router = moe.router  # float32 [experts, hidden], contiguous (checked by build)
         self.shared_gate = moe.shared_gate  # float32 [1, hidden] or None
+        self.bias = moe.router_bias  # float32 [experts] or None
         self.top_k, self.normalize = moe.top_k, moe.normalize
+        self.softmax_after_top_k = moe.softmax_after_top_k
 
     @staticmethod
     def unsupported(moe: SparseMoE) -> str | None:
@@ -146,12 +158,16 @@ class KernelRouter:
         for f in fields(config):
             if f.name not in ROUTE_FIELDS and getattr(config, f.name) != f.default:
                 return f"the router's {f.name}"
-        hidden = moe.router.shape[1]
+        experts, hidden = moe.router.shape
         gates = [moe.router] + ([] if moe.shared_gate is None else [moe.shared_gate])
+        if moe.router_bias is not None:
+            gates.append(moe.router_bias)
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in gates):
             return f"a {moe.router.dtype} router"
         if moe.shared_gate is not None and moe.shared_gate.shape != (1, hidden):
             return "a shared gate unlike [1, hidden]"
+        if moe.router_bias is not None and moe.router_bias.shape != (experts,):
+            return "a router bias unlike [experts]"
         return None
 
     @classmethod
@@ -174,6 +190,7 @@ class KernelRouter:
             experts_count, self.top_k, self.normalize, weights.data_ptr(), experts.data_ptr(),
             0 if gate is None else self.shared_gate.data_ptr(),
             0 if gate is None else gate.data_ptr(),
+            0 if self.bias is None else self.bias.data_ptr(), self.softmax_after_top_k,
         )  # fmt: skip
         return weights, experts, gate
 

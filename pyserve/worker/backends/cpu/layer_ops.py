@@ -1,5 +1,6 @@
-"""Fused RMSNorm, SiLU(gate)·up / GELU-tanh(gate)·up and RoPE (with q/k norm and partial rotary)
-+ KV write on `pyserve._kernels` for the CPU worker, torch elsewhere.
+"""Fused RMSNorm, SiLU(gate)·up / GELU-tanh(gate)·up / gpt-oss's clamped SwiGLU and RoPE (with
+q/k norm and partial rotary) + KV write on `pyserve._kernels` for the CPU worker, torch
+elsewhere.
 
 torch runs RMSNorm as six element-wise ops and SwiGLU's activation as two, each a dispatch and a
 pass over memory; a decode step makes ~90 such calls, which at small batches cost as much as a
@@ -54,16 +55,21 @@ def rope_features() -> frozenset[str]:
 
 # the activations gated_activation computes (on the kernels, or torch's ops where they do not
 # apply); the others are the torch reference's (backends/torch/activations.py)
-KERNEL_ACTIVATIONS = ("silu", "gelu_tanh")
+KERNEL_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
-def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_activation(
+    gate_up: torch.Tensor, activation: str, *, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
     """act(gate) · up for the activations of ``fused_activations`` (and silu); torch's ops
-    where the kernels do not apply."""
+    where the kernels do not apply. alpha, limit: the clamped SwiGLU's (ModelConfig's
+    swiglu_alpha and swiglu_limit)."""
     if activation == "silu":
         return silu_mul(gate_up)
     if activation == "gelu_tanh":
         return gelu_tanh_mul(gate_up)
+    if activation == "clamped_swiglu":
+        return clamped_swiglu_mul(gate_up, alpha, limit)
     raise ValueError(f"no fused kernel for the activation {activation!r}")
 
 
@@ -125,12 +131,39 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     )
 
 
+def clamped_swiglu_torch(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's gated activation in torch's ops, as transformers' GptOssExperts._apply_gate."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(clamp(up, ±limit) + 1) · g·sigmoid(alpha·g), g = min(gate, limit), for gate_up =
+    [..., 2·width] holding gate then up (gpt-oss's experts). The kernel makes torch's ops in
+    their order with their roundings (bfloat16: each op's result rounded to bf16), its
+    sigmoid within a few float32 ulps of torch's."""
+    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+        raise ValueError(f"clamped SwiGLU: alpha {alpha} and limit {limit} (finite, limit > 0)")
+    fused = "clamped_swiglu" in fused_activations()
+    return _gated(
+        gate_up,
+        "clamped_swiglu_mul",
+        lambda g, up: clamped_swiglu_torch(g, up, alpha, limit),
+        fused=fused,
+        options={"alpha": alpha, "limit": limit},
+    )
+
+
 def _gated(
     gate_up: torch.Tensor,
     kernel: str,
     reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     fused: bool,
+    options: dict | None = None,
 ) -> torch.Tensor:
     """act(gate) · up through the kernel ``kernel``, or ``reference(gate, up)`` in torch where
     the kernel cannot take the tensor (or is not built: ``fused`` False)."""
@@ -142,7 +175,7 @@ def _gated(
     out = torch.empty(rows, width, dtype=gate_up.dtype)
     getattr(fused_kernels(), kernel)(
         DTYPE_CODES[gate_up.dtype], flat.data_ptr(), max(flat.stride(0), 2 * width), rows, width,
-        out.data_ptr(), width,
+        out.data_ptr(), width, **(options or {}),
     )  # fmt: skip
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
 

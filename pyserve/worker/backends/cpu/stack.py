@@ -5,13 +5,14 @@ argument checks and a fresh output tensor; at batch 32 that Python is a visible 
 decode step, time in which the kernels' second thread waits. The stack runs the same kernel
 calls, in the same order, on the same values, from C++ (cpp/kernels/decoder_stack.cpp): the
 logits are bit for bit the layer loop's (tested). It runs every feature the layer loop runs on
-the kernels: q/k norms, Gemma's sandwich norms, SiLU or GELU-tanh, per-layer sliding windows,
-the attention soft-cap, several rope tables (partial rotary too), each layer rotating with
-its own, OLMoE's q/k norms over all heads, and mixtures of experts: the kernel router
-(experts.KernelRouter), the grouped experts (experts.ExpertKernels) and a shared expert with
-its sigmoid gate, the calls SparseMoE makes on this backend. Python keeps the embedding lookup
-(and its scale), the rope tables' cos/sin, the per-forward metadata, the final norm, the output
-projection and its soft-cap.
+the kernels: q/k norms, Gemma's sandwich norms, SiLU, GELU-tanh or gpt-oss's clamped SwiGLU,
+per-layer sliding windows, attention sinks, the attention soft-cap, several rope tables
+(partial rotary too), each layer rotating with its own, OLMoE's q/k norms over all heads, and
+mixtures of experts: the kernel router (experts.KernelRouter, gpt-oss's router bias and
+softmax over the top k included), the grouped experts (experts.ExpertKernels, with their
+biases) and a shared expert with its sigmoid gate, the calls SparseMoE makes on this backend.
+Python keeps the embedding lookup (and its scale), the rope tables' cos/sin, the per-forward
+metadata, the final norm, the output projection and its soft-cap.
 
 ``build`` reads the model's description (models/config.py) and the backend's kernel plan, and
 refuses, saying why, any model whose layers compute something the stack does not: then the layer
@@ -58,7 +59,7 @@ def _address(norm: torch.nn.Module | None) -> int:
 
 
 # the gated activations the stack computes (cpp/kernels/module.cpp, DecoderStack's activation)
-STACK_ACTIVATIONS = ("silu", "gelu_tanh")
+STACK_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 def _moe_unsupported(
@@ -127,8 +128,8 @@ def unsupported(
                 return f"layer {i}: a mixture of experts: {why}"
         if not layer_plan.attention_on_kernels:
             return f"layer {i}: attention on {layer_plan.attention}"
-        if layer.attn.sinks is not None:
-            return f"layer {i}: attention sinks"
+        if layer.attn.sinks is not None and not _float32_vector(layer.attn.sinks, cfg.num_heads):
+            return f"layer {i}: attention sinks are not float32 [heads]"
         if not layer_plan.fused_rope:
             return f"layer {i}: rope + KV write on {layer_plan.rope_kv}"
         linears = [layer.qkv_proj, layer.o_proj]
@@ -167,9 +168,14 @@ def unsupported(
 
 
 def _stack_moe(moe: SparseMoE, experts: ExpertKernels, router: KernelRouter) -> object:
-    """The stack's description of a mixture (``_kernels.StackMoE``): the router's address,
-    the grouped experts' sets and the shared expert's gate and projections."""
+    """The stack's description of a mixture (``_kernels.StackMoE``): the router's address (and
+    its bias's), the grouped experts' sets (and their stacked biases) and the shared expert's
+    gate and projections."""
     shared = moe.shared_expert
+
+    def address(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
     return quant.kernels().StackMoE(
         router=router.router.data_ptr(),
         num_experts=router.router.shape[0],
@@ -181,6 +187,10 @@ def _stack_moe(moe: SparseMoE, experts: ExpertKernels, router: KernelRouter) -> 
         shared_gate=0 if router.shared_gate is None else router.shared_gate.data_ptr(),
         shared_gate_up=None if shared is None else _linear(shared.gate_up_proj),
         shared_down=None if shared is None else _linear(shared.down_proj),
+        router_bias=address(router.bias),
+        softmax_after_top_k=router.softmax_after_top_k,
+        gate_up_bias=address(experts.gate_up_bias),
+        down_bias=address(experts.down_bias),
     )
 
 
@@ -224,6 +234,8 @@ class CpuDecoderStack:
             activation=cfg.activation,
             softcap=model.layers[0].attn.softcap or 0.0,
             rotary_dims=[table.rotary_dim for table in model.rotary],
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
         )
         for i, layer in enumerate(model.layers):
             moe = None
@@ -249,6 +261,7 @@ class CpuDecoderStack:
                 window=layer.attn.sliding_window or 0,
                 full_width_qk_norm=layer.full_width_qk_norm,
                 moe=moe,
+                sinks=0 if layer.attn.sinks is None else layer.attn.sinks.data_ptr(),
             )
         return cls(stack, [table.rotary_dim for table in model.rotary], keep), ""
 
