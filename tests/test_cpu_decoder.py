@@ -124,13 +124,7 @@ def family_model(request, tmp_path_factory) -> tuple[str, str]:
     return saved_family(request.param, tmp_path_factory)
 
 
-# families the stack refuses, and the start of its reason
-NOT_ON_THE_STACK = {"gpt-oss-window": "off: the clamped_swiglu activation"}
-
-
-@pytest.fixture(
-    scope="module", params=[name for name in MOE_FAMILIES if name not in NOT_ON_THE_STACK]
-)
+@pytest.fixture(scope="module", params=list(MOE_FAMILIES))
 def moe_family_model(request, tmp_path_factory) -> tuple[str, str]:
     return saved_family(request.param, tmp_path_factory)
 
@@ -140,14 +134,6 @@ def moe_family_model(request, tmp_path_factory) -> tuple[str, str]:
 def test_every_family_on_the_stack_is_its_layer_loop_bit_for_bit(family_model, cache):
     name, directory = family_model
     served = SERVED_CONTEXT.get(name)
-    if name in NOT_ON_THE_STACK:  # the layer loop runs it, and the stack says why
-        runner = load_runner(
-            directory, num_blocks=96, block_size=8, quantization="int4", backend="cpu-kernels",
-            kv_cache_dtype=cache,
-        )  # fmt: skip
-        reason = runner.backend.info().kernels["decoder_stack"]
-        assert reason.startswith(NOT_ON_THE_STACK[name]), reason
-        return
     assert_stack_matches_layer_loop(
         directory, num_prompts=8, kv_cache_dtype=cache, max_model_len=served
     )
