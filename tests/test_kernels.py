@@ -124,6 +124,16 @@ def exact_reference(x, packed, activation_bits, bias=None) -> tuple[torch.Tensor
     return out, (term_d.abs() + term_m.abs()).sum(-1)
 
 
+def assert_formula(x, packed, activation_bits, bias=None, where: object = None) -> torch.Tensor:
+    """The kernels' x @ Wᵀ (+ bias), checked against exact_reference within float32 rounding;
+    returns it."""
+    got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
+    want, magnitude = exact_reference(x, packed, activation_bits, bias)
+    error = (got.double() - want).abs()
+    assert (error <= 2e-6 * magnitude + 1e-6).all(), (where, error.max().item())
+    return got
+
+
 @pytest.mark.parametrize("weight_bits", [4, 8])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_activation_quantization_is_exactly_the_reference(isa, bits, weight_bits):
@@ -166,9 +176,7 @@ def test_the_largest_dot_product_shifted_by_the_headroom_stays_in_int32(isa, bit
     w[1, 32:] = 0.5
     w[2] = -w[2]
     packed = quant.quantize_weight(w, bits)
-    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
-    want, magnitude = exact_reference(x, packed, activation_bits)
-    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
+    got = assert_formula(x, packed, activation_bits)
     assert (got[0, :2] > 0).all() and got[0, 2] < 0
 
 
@@ -177,10 +185,7 @@ def assert_integer_formula(shapes, bits, activation_bits, group=quant.GROUP, bia
         packed = quant.quantize_weight(random_weight(n, k, seed=i), bits, group=group)
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if biased and i % 2 else None
-        got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
-        want, magnitude = exact_reference(x, packed, activation_bits, bias)
-        error = (got.double() - want).abs()
-        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+        assert_formula(x, packed, activation_bits, bias, (rows, n, k))
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
@@ -287,10 +292,7 @@ def test_ggml_types_at_their_own_width_are_the_integer_formula(
         assert packed.nbytes * 8 / (-(-n // 16) * 16 * k) == bits_a_weight
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if i % 2 else None
-        got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
-        want, magnitude = exact_reference(x, packed, activation_bits, bias)
-        error = (got.double() - want).abs()
-        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+        assert_formula(x, packed, activation_bits, bias, (rows, n, k))
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
@@ -304,9 +306,7 @@ def test_the_largest_q6_k_sum_shifted_by_the_headroom_stays_in_int32(isa, activa
     packed = quant.pack_ggml_blocks([("Q6_K", blocks)], 16, 256, 6, super_scales=True)
     x = torch.full((1, 256), 1e-6)
     x[0, :32] = top * 2.0**-15
-    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
-    want, magnitude = exact_reference(x, packed, activation_bits)
-    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
+    got = assert_formula(x, packed, activation_bits)
     assert (got < 0).all()
 
 

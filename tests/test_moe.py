@@ -707,6 +707,23 @@ def test_the_kernel_router_with_a_bias_and_softmax_after_top_k_is_sparse_moes(
             quant.kernels().set_isa(ISAS[0])
 
 
+def _on_every_isa_and_thread_count(call) -> list:
+    """``call()``'s result on every ISA this CPU runs, with 1 and with 2 threads."""
+    kernels = quant.kernels()
+    threads = kernels.num_threads()
+    results = []
+    try:
+        for isa in ISAS:
+            kernels.set_isa(isa)
+            for n in (1, 2):
+                kernels.set_num_threads(n)
+                results.append(call())
+    finally:
+        kernels.set_isa(ISAS[0])
+        kernels.set_num_threads(threads)
+    return results
+
+
 def test_the_kernel_routers_softmax_after_top_k_on_random_logits():
     """Random float inputs (sums that round) with a bias, gpt-oss's mode: the same experts as
     SparseMoE.route, weights within float32 rounding, each token's k weights summing to 1 and
@@ -716,20 +733,9 @@ def test_the_kernel_routers_softmax_after_top_k_on_random_logits():
     x = torch.randn(70, hidden, generator=gen)
     router = torch.randn(num_experts, hidden, generator=gen) * 0.3
     bias = torch.randn(num_experts, generator=gen)
-    kernels = quant.kernels()
-    threads = kernels.num_threads()
-    results = []
-    try:
-        for isa in ISAS:
-            kernels.set_isa(isa)
-            for n in (1, 2):
-                kernels.set_num_threads(n)
-                results.append(
-                    _kernel_route(x, router, top_k, False, bias=bias, softmax_after_top_k=True)
-                )
-    finally:
-        kernels.set_isa(ISAS[0])
-        kernels.set_num_threads(threads)
+    results = _on_every_isa_and_thread_count(
+        lambda: _kernel_route(x, router, top_k, False, bias=bias, softmax_after_top_k=True)
+    )
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0][:2], other[:2], strict=True))
     config = MoEConfig(num_experts, top_k, 16, False, router_bias=True, softmax_after_top_k=True)
@@ -753,18 +759,7 @@ def test_the_kernel_router_is_the_same_on_every_isa_and_thread_count():
     x = torch.randn(70, hidden, generator=gen)  # 70 · 65 · 72 products: the threaded path
     router = torch.randn(num_experts, hidden, generator=gen) * 0.3
     shared = torch.randn(hidden, generator=gen) * 0.3
-    kernels = quant.kernels()
-    threads = kernels.num_threads()
-    results = []
-    try:
-        for isa in ISAS:
-            kernels.set_isa(isa)
-            for n in (1, 2):
-                kernels.set_num_threads(n)
-                results.append(_kernel_route(x, router, top_k, True, shared))
-    finally:
-        kernels.set_isa(ISAS[0])
-        kernels.set_num_threads(threads)
+    results = _on_every_isa_and_thread_count(lambda: _kernel_route(x, router, top_k, True, shared))
     first = results[0]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

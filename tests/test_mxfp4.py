@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_files import write_gguf
-from test_kernels import exact_reference, random_input, reference_activations
+from test_kernels import assert_formula, random_input, reference_activations
 from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker import quant
@@ -139,10 +139,7 @@ def test_mxfp4_matmul_is_the_integer_formula(isa, activation_bits):
         packed = mxfp4_weight(n, k, seed=i)
         x = random_input(rows, k, seed=i)
         bias = torch.randn(n) if i % 2 else None
-        got = quant_linear.quantized_matmul(x, packed, bias, activation_bits=activation_bits)
-        want, magnitude = exact_reference(x, packed, activation_bits, bias)
-        error = (got.double() - want).abs()
-        assert (error <= 2e-6 * magnitude + 1e-6).all(), (rows, n, k, error.max().item())
+        assert_formula(x, packed, activation_bits, bias, (rows, n, k))
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
@@ -173,9 +170,7 @@ def test_the_largest_mxfp4_sum_shifted_by_the_headroom_stays_in_int32(isa, activ
     packed = quant.pack_ggml_blocks([("MXFP4", blocks)], 16, 64, 4)
     x = torch.full((1, 64), 1e-6)
     x[0, :32] = top * 2.0**-15
-    got = quant_linear.quantized_matmul(x, packed, activation_bits=activation_bits)
-    want, magnitude = exact_reference(x, packed, activation_bits)
-    assert ((got.double() - want).abs() <= 2e-6 * magnitude + 1e-6).all(), (got, want)
+    got = assert_formula(x, packed, activation_bits)
     assert (got[0, :8] > 0).all() and (got[0, 8:] < 0).all()
 
 
