@@ -427,9 +427,6 @@ def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(weight_type, 
     one token, many, experts no token picked."""
     from test_kernels import ggml_weight
 
-    from pyserve.worker.backends import attention_backend
-    from pyserve.worker.backends.base import Backend
-    from pyserve.worker.backends.cpu.experts import ExpertKernels
     from pyserve.worker.backends.cpu.quant_linear import QuantLinear
 
     hidden, width = 256, 256  # K-quants: whole 256-input blocks on both projections
@@ -445,22 +442,26 @@ def test_grouped_experts_on_the_kernels_equal_the_loop_bit_for_bit(weight_type, 
                 packed = ggml_weight(weight_type, n, k, seed=e)
                 linear = QuantLinear.from_packed(packed, None, max_kernel_rows=None)
             setattr(expert, name, linear)
+    quant.kernels().set_isa(isa)
+    try:
+        _check_grouped_routes(layer, gen)
+    finally:
+        quant.kernels().set_isa(ISAS[0])
+
+
+def _check_grouped_routes(layer, gen, activation: str = "silu", scale: float = 1.0) -> None:
+    """``layer``'s experts (QuantLinears) grouped on the kernels against the base backend's
+    loop over them, to the bit: a decode token, many tokens, every token on two experts."""
+    from pyserve.worker.backends import attention_backend
+    from pyserve.worker.backends.base import Backend
+    from pyserve.worker.backends.cpu.experts import ExpertKernels
+
     kernels = ExpertKernels.build(layer)
     assert kernels is not None
     backend = attention_backend(
         "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
         dtype=torch.float32,
     )  # fmt: skip
-    quant.kernels().set_isa(isa)
-    try:
-        _check_grouped_routes(kernels, layer, backend, Backend, gen)
-    finally:
-        quant.kernels().set_isa(ISAS[0])
-
-
-def _check_grouped_routes(
-    kernels, layer, backend, Backend, gen, activation: str = "silu", scale: float = 1.0
-) -> None:
     first = torch.randint(0, EXPERTS, (40,), generator=gen)
     routes = {
         "a decode token": torch.tensor([[7, 1]]),
@@ -478,9 +479,6 @@ def _check_grouped_routes(
 def test_grouped_experts_with_biases_equal_the_loop_bit_for_bit():
     """gpt-oss's experts (a bias on gate/up and on down, the clamped SwiGLU) as grouped
     matmuls: each grouped row gets its own expert's bias, as the expert's layer adds it."""
-    from pyserve.worker.backends import attention_backend
-    from pyserve.worker.backends.base import Backend
-    from pyserve.worker.backends.cpu.experts import ExpertKernels
     from pyserve.worker.backends.cpu.quant_linear import QuantLinear
 
     moe = MoEConfig(EXPERTS, 2, 64, True, expert_bias=True)
@@ -492,14 +490,8 @@ def test_grouped_experts_with_biases_equal_the_loop_bit_for_bit():
             weight = torch.randn((n, k), generator=gen) * 0.05
             bias = torch.randn(n, generator=gen)
             setattr(expert, name, QuantLinear(weight, bias, 8, max_kernel_rows=None))
-    kernels = ExpertKernels.build(layer)
-    assert kernels is not None
-    backend = attention_backend(
-        "cpu-kernels", heads=2, kv_heads=2, dim=16, num_layers=1, num_blocks=4, block_size=4,
-        dtype=torch.float32,
-    )  # fmt: skip
     # inputs 3x larger: gate/up values past the SwiGLU's clamp
-    _check_grouped_routes(kernels, layer, backend, Backend, gen, "clamped_swiglu", scale=3.0)
+    _check_grouped_routes(layer, gen, "clamped_swiglu", scale=3.0)
 
 
 def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):
