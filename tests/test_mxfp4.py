@@ -390,8 +390,7 @@ def test_a_file_from_llama_quantize_mxfp4_moe(tmp_path):
         text=True,
         timeout=300,
     )
-    if done.returncode != 0:
-        pytest.skip(f"llama-quantize cannot quantize this tiny model: {done.stderr[-500:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == "MXFP4", types
     assert types["blk.0.attn_q.weight"] == "Q8_0", types
