@@ -59,8 +59,8 @@ class AttentionLayer:
     scale: float
     sliding_window: int | None = None  # the last W positions, the query's own included
     softcap: float | None = None  # scores → cap·tanh(scores / cap) before the softmax
-    # [heads] logits that join each head's softmax as one more column with no value (gpt-oss);
-    # the layer's parameter, filled in place by the loader
+    # float32 [heads] logits that join each head's softmax as one more column with no value
+    # (gpt-oss); the layer's parameter, filled in place by the loader
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod

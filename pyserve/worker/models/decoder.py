@@ -68,7 +68,13 @@ class DecoderLayer(nn.Module):
         self.activation = config.activation
         hidden, inter, eps = config.hidden_size, config.intermediate_size, config.rms_norm_eps
         kw = {"dtype": dtype, "device": device}
-        self.sinks = _weight(config.num_heads, **kw) if config.attention_sinks else None
+        # float32 whatever the model's dtype: every backend's softmax takes them so (exact for
+        # bf16/fp16 checkpoints' values), with no cast a step
+        self.sinks = (
+            _weight(config.num_heads, dtype=torch.float32, device=device)
+            if config.attention_sinks
+            else None
+        )
         self.attn = AttentionLayer.of(config, index, self.sinks)
         self.attn_norm = RMSNorm(hidden, eps, **kw)
         qkv_size = config.q_size + 2 * config.kv_size  # q, k and v heads side by side

@@ -407,7 +407,7 @@ class CpuKernelsBackend(Backend):
         options = {
             "window": layer.sliding_window or 0,
             "softcap": layer.softcap or 0.0,
-            "sinks": None if layer.sinks is None else layer.sinks.float(),
+            "sinks": layer.sinks,
         }
         decode = meta.decode
         if meta.all_decode and decode is not None:

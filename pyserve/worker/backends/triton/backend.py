@@ -314,7 +314,7 @@ class TritonBackend(Backend):
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.sliding_window,
-            sinks=None if layer.sinks is None else layer.sinks.float(),
+            sinks=layer.sinks,
         )
         if meta.decode_rows is not None:
             self._attention.paged_decode_attention(
