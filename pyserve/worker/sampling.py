@@ -82,6 +82,29 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def ban_stop_tokens_before_min_tokens(
+    logits: torch.Tensor, seqs: Sequence[SamplingSequence], eos_token_ids: Sequence[int]
+) -> None:
+    """Sets to -inf, in place, the EOS (unless ``ignore_eos``) and ``stop_token_ids`` logits of
+    the rows whose request has fewer than ``min_tokens`` output tokens."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(eos_token_ids)
+        banned = [t for t in banned if 0 <= t < vocab]
+        rows.extend([i] * len(banned))
+        cols.extend(banned)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = _NEG_INF
+
+
 class Sampler:
     """Turns float32 logits ``[S, V]`` into one token per row."""
 
@@ -100,6 +123,11 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
 
+    @property
+    def shared_generator(self) -> torch.Generator:
+        """The generator of unseeded requests (speculative verification draws from it too)."""
+        return self._shared
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -115,7 +143,7 @@ class Sampler:
         want_logprobs = num_top > 0 or any(p.logprobs for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        self._ban_stop_tokens_before_min_tokens(logits, seqs)
+        ban_stop_tokens_before_min_tokens(logits, seqs, self.eos_token_ids)
         add_logit_bias(logits, params)
         if grammar_masks is not None:
             apply_masks(logits, grammar_masks)
@@ -131,26 +159,6 @@ class Sampler:
             tokens = self._sample_random_rows(logits, seqs, greedy)
 
         return _gather_logprobs(tokens, raw_logprobs, params, num_top)
-
-    def _ban_stop_tokens_before_min_tokens(
-        self, logits: torch.Tensor, seqs: Sequence[SamplingSequence]
-    ) -> None:
-        vocab = logits.shape[1]
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if len(seq.output_ids) >= p.min_tokens:
-                continue
-            banned = set(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned.update(self.eos_token_ids)
-            banned = [t for t in banned if 0 <= t < vocab]
-            rows.extend([i] * len(banned))
-            cols.extend(banned)
-        if rows:
-            device = logits.device
-            logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = _NEG_INF
 
     def _sample_random_rows(
         self, logits: torch.Tensor, seqs: Sequence[SamplingSequence], greedy: list[bool]
