@@ -359,3 +359,36 @@ def test_accepted_count_follows_min_p_q() -> None:
     # with k = 1 the mean accepted count is sum(min(p, q)) itself
     first = sum(1 for out in outs if out.accepted >= 1) / DRAWS
     assert first == pytest.approx(alpha, abs=0.02)
+
+
+def test_ngram_rejection_is_the_target_without_the_draft() -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=5)
+    p0 = ref_probs(TINY_LOGITS, params)
+    draft = 0  # the most likely token: rejected often enough to test the corrections
+    logits = torch.tensor([TINY_LOGITS] * 2).repeat(DRAWS, 1)
+    outs = verify_drafts(
+        Sampler([EOS], seed=13), logits, [DraftProposal(Seq(params), [draft]) for _ in range(DRAWS)]
+    )
+    accepted = sum(out.accepted for out in outs)
+    assert accepted / DRAWS == pytest.approx(p0[draft], abs=0.02)
+    counts = [0] * TINY
+    for out in outs:
+        if out.accepted == 0:
+            counts[out.token_ids[0]] += 1
+    rest = [0.0 if t == draft else x / (1 - p0[draft]) for t, x in enumerate(p0)]
+    assert chi_square(counts, rest) < CHI2_BOUND, (counts, rest)
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone() -> None:
+    gen = torch.Generator().manual_seed(21)
+    q = torch.softmax(torch.randn(3, VOCAB, generator=gen), dim=-1)
+    logits = torch.randn(4, VOCAB, generator=gen)
+    drafts = [int(t) for t in logits[:3].argmax(dim=-1)]
+    makers = [
+        lambda: DraftProposal(seq(temperature=0.0, **PENALISED), drafts),
+        lambda: DraftProposal(seq(temperature=0.7, seed=1, top_p=0.9, **PENALISED), drafts),
+        lambda: DraftProposal(seq(temperature=1.0, seed=2, top_k=10), drafts, q),
+    ]
+    alone = [verify_drafts(Sampler([EOS]), logits, [make()])[0] for make in makers]
+    together = verify_drafts(Sampler([EOS]), logits.repeat(3, 1), [make() for make in makers])
+    assert together == alone
