@@ -53,8 +53,8 @@ void check_draft_args(int64_t max_tokens, int64_t min_match, int64_t max_match, 
 // ------------------------------------------------------------------------------------------
 // NgramStore
 
-NgramStore::NgramStore(int32_t max_ngram, int64_t vocab_size)
-    : max_ngram_(max_ngram), vocab_size_(vocab_size) {
+NgramStore::NgramStore(int32_t max_ngram, int64_t vocab_size, uint64_t hash_mask)
+    : max_ngram_(max_ngram), vocab_size_(vocab_size), hash_mask_(hash_mask) {
   check_max_ngram(max_ngram);
   check_vocab_size(vocab_size);
   heads_.resize(static_cast<size_t>(max_ngram));
@@ -71,11 +71,11 @@ void NgramStore::check_tokens(const int32_t* tokens, size_t n, const char* what)
   }
 }
 
-void NgramStore::suffix_hashes(const int32_t* last_end, int32_t count, uint64_t* hashes) {
+void NgramStore::suffix_hashes(const int32_t* last_end, int32_t count, uint64_t* hashes) const {
   uint64_t h = 0x9e3779b97f4a7c15ULL;
   for (int32_t n = 1; n <= count; ++n) {
     h = mix(h + static_cast<uint32_t>(last_end[-n]));
-    hashes[n - 1] = h;
+    hashes[n - 1] = h & hash_mask_;
   }
 }
 
@@ -152,7 +152,8 @@ void NgramStore::clear() {
 // ------------------------------------------------------------------------------------------
 // NgramIndex
 
-NgramIndex::NgramIndex(int32_t max_ngram, int64_t vocab_size) : store_(max_ngram, vocab_size) {}
+NgramIndex::NgramIndex(int32_t max_ngram, int64_t vocab_size, uint64_t hash_mask)
+    : store_(max_ngram, vocab_size, hash_mask) {}
 
 void NgramIndex::append(const int32_t* tokens, size_t n) {
   store_.check_tokens(tokens, n, "tokens");
@@ -170,7 +171,7 @@ NgramDraft NgramIndex::draft(int64_t max_tokens, int64_t min_match, int64_t max_
   const int32_t top = static_cast<int32_t>(std::min(max_match, len - 1));
   if (max_tokens == 0 || top < min_match) return out;
   uint64_t hashes[kMaxNgram];
-  NgramStore::suffix_hashes(store_.data_at(len), top, hashes);
+  store_.suffix_hashes(store_.data_at(len), top, hashes);
   for (int32_t n = top; n >= min_match; --n) {
     const int64_t start = store_.find(store_.data_at(len - n), n, hashes[n - 1]);
     if (start < 0) continue;
@@ -186,8 +187,9 @@ NgramDraft NgramIndex::draft(int64_t max_tokens, int64_t min_match, int64_t max_
 // ------------------------------------------------------------------------------------------
 // NgramCorpus
 
-NgramCorpus::NgramCorpus(int32_t max_ngram, int64_t token_budget, int64_t vocab_size)
-    : store_(max_ngram, vocab_size), token_budget_(token_budget) {
+NgramCorpus::NgramCorpus(int32_t max_ngram, int64_t token_budget, int64_t vocab_size,
+                         uint64_t hash_mask)
+    : store_(max_ngram, vocab_size, hash_mask), token_budget_(token_budget) {
   // The store's 32-bit back links rely on a live window under 2**31 tokens.
   require(token_budget >= 0 && token_budget <= std::numeric_limits<int32_t>::max(),
           "token_budget must be in [0, 2**31-1], got " + std::to_string(token_budget));
@@ -226,7 +228,7 @@ NgramDraft NgramCorpus::draft(const int32_t* context, size_t n, int64_t max_toke
   NgramDraft out;
   if (max_tokens == 0 || top < min_match) return out;
   uint64_t hashes[kMaxNgram];
-  NgramStore::suffix_hashes(context + n, top, hashes);
+  store_.suffix_hashes(context + n, top, hashes);
   for (int32_t len = top; len >= min_match; --len) {
     const int64_t start = store_.find(context + n - len, len, hashes[len - 1]);
     if (start < 0) continue;

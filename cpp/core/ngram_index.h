@@ -42,7 +42,8 @@ void check_draft_args(int64_t max_tokens, int64_t min_match, int64_t max_match, 
 // begin() are dropped (their storage is reclaimed in bulk).
 class NgramStore {
  public:
-  NgramStore(int32_t max_ngram, int64_t vocab_size);
+  // hash_mask keeps only some bits of each hash: tests narrow it to force collisions.
+  NgramStore(int32_t max_ngram, int64_t vocab_size, uint64_t hash_mask = ~0ULL);
 
   int32_t max_ngram() const { return max_ngram_; }
   int64_t vocab_size() const { return vocab_size_; }
@@ -66,11 +67,12 @@ class NgramStore {
   void clear();
 
   // hashes[n - 1] = hash of the n tokens ending just before `last_end`, for n = 1..count.
-  static void suffix_hashes(const int32_t* last_end, int32_t count, uint64_t* hashes);
+  void suffix_hashes(const int32_t* last_end, int32_t count, uint64_t* hashes) const;
 
  private:
   int32_t max_ngram_;
   int64_t vocab_size_;
+  uint64_t hash_mask_;
   int64_t base_ = 0;   // global position of tokens_[0]
   int64_t begin_ = 0;  // first live position
   std::vector<int32_t> tokens_;
@@ -84,7 +86,8 @@ class NgramStore {
 
 class NgramIndex {
  public:
-  explicit NgramIndex(int32_t max_ngram, int64_t vocab_size = 2147483647);
+  explicit NgramIndex(int32_t max_ngram, int64_t vocab_size = 2147483647,
+                      uint64_t hash_mask = ~0ULL);
 
   int32_t max_ngram() const { return store_.max_ngram(); }
   int64_t size() const { return store_.end(); }
@@ -100,7 +103,8 @@ class NgramIndex {
 
 class NgramCorpus {
  public:
-  NgramCorpus(int32_t max_ngram, int64_t token_budget, int64_t vocab_size = 2147483647);
+  NgramCorpus(int32_t max_ngram, int64_t token_budget, int64_t vocab_size = 2147483647,
+              uint64_t hash_mask = ~0ULL);
 
   int32_t max_ngram() const { return store_.max_ngram(); }
   int64_t token_budget() const { return token_budget_; }

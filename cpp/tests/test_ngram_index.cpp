@@ -170,14 +170,15 @@ TEST(combined_draft_prefers_the_longer_match_then_the_request) {
   CHECK_THROWS(pyserve::ngram_draft(index, &narrow, 2, 1, 3), ValueError);
 }
 
-TEST(random_histories_match_a_scan) {
-  std::mt19937 rng(12345);
+// hash_mask 3 puts every n-gram in one of four chains: lookups must still be exact.
+static void random_histories(uint64_t hash_mask, uint32_t seed) {
+  std::mt19937 rng(seed);
   for (int trial = 0; trial < 300; ++trial) {
     const int32_t vocab = 1 + static_cast<int32_t>(rng() % 4);
     const int32_t max_ngram = 1 + static_cast<int32_t>(rng() % 5);
     const int64_t budget = static_cast<int64_t>(rng() % 40);
-    NgramIndex index(max_ngram);
-    NgramCorpus corpus(max_ngram, budget);
+    NgramIndex index(max_ngram, 2147483647, hash_mask);
+    NgramCorpus corpus(max_ngram, budget, 2147483647, hash_mask);
     Tokens history;
     std::vector<Tokens> kept;  // what the corpus should hold
     int64_t kept_tokens = 0;
@@ -211,6 +212,13 @@ TEST(random_histories_match_a_scan) {
                scan(kept, history, false, max_tokens, min_match, max_match));
     }
   }
+}
+
+TEST(random_histories_match_a_scan) { random_histories(~0ULL, 12345); }
+
+TEST(random_histories_match_a_scan_when_hashes_collide) {
+  random_histories(3, 777);
+  random_histories(0, 778);
 }
 
 int main() { return check::run_all_tests(); }
