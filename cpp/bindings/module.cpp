@@ -7,7 +7,9 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "pyserve's C++ scheduling core: BlockAllocator, RadixCache, Planner, NgramIndex, NgramCorpus (cpp/README.md)";
+  m.doc() =
+      "pyserve's C++ scheduling core: BlockAllocator, RadixCache, Planner, NgramIndex, NgramCorpus "
+      "(cpp/README.md)";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
