@@ -22,9 +22,10 @@ using PyNgramCorpus = Guarded<NgramCorpus>;
 
 namespace {
 
-// Appends and corpus inserts this long release the GIL (as RadixCache.insert does): indexing
-// costs about max_ngram hash-table updates a token.
-constexpr size_t kReleaseGilTokens = 16384;
+// Appends and corpus inserts this long release the GIL. Far fewer tokens than for
+// RadixCache.insert: indexing costs max_ngram hash-table updates a token (on the order of a
+// microsecond a token at max_ngram 8), so a few hundred tokens already outweigh a GIL hand-off.
+constexpr size_t kReleaseGilTokens = 512;
 
 // NgramIndex.append(tokens) -> None
 PyObject* index_append(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
