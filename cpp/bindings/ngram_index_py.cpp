@@ -23,8 +23,8 @@ using PyNgramCorpus = Guarded<NgramCorpus>;
 namespace {
 
 // Appends and corpus inserts this long release the GIL. Far fewer tokens than for
-// RadixCache.insert: indexing costs max_ngram hash-table updates a token (on the order of a
-// microsecond a token at max_ngram 8), so a few hundred tokens already outweigh a GIL hand-off.
+// RadixCache.insert: indexing costs max_ngram hash-table updates a token, far more than the
+// tree's memcmp, so a few hundred tokens already outweigh a GIL hand-off.
 constexpr size_t kReleaseGilTokens = 512;
 
 // NgramIndex.append(tokens) -> None
