@@ -9,6 +9,7 @@ often; every answer and every error must be identical. Nothing here measures spe
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -236,3 +237,38 @@ def test_corpus_eviction_under_a_small_budget() -> None:
     assert (corpus.num_sequences, corpus.num_tokens) == (1, 5)
     assert corpus.draft([2], 3, 1, 2) == [3, 4, 5]
     assert corpus.draft([1], 3, 1, 2) == []
+
+
+def test_threads_share_a_corpus() -> None:
+    """Requests drafting on their own threads while another fills the corpus: no deadlock, and
+    every draft is a run of tokens the corpus or the request holds."""
+    corpus = core.NgramCorpus(4, 4096)
+    pattern = [1, 2, 3, 4, 5, 6, 7] * 40
+    errors: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            index = core.NgramIndex(4)
+            for t in pattern:
+                index.append([t])
+                for token in core.ngram_draft(index, corpus, 4, 1, 4):
+                    assert 1 <= token <= 7
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def producer() -> None:
+        try:
+            for _ in range(200):
+                corpus.add_sequence(array("i", pattern * 4).tobytes())  # long: releases the GIL
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=request) for _ in range(3)]
+    threads.append(threading.Thread(target=producer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors
+    assert corpus.num_tokens <= corpus.token_budget
