@@ -56,5 +56,6 @@ struct Guarded {
 void bind_block_allocator(py::module_& m);
 void bind_radix_cache(py::module_& m);
 void bind_planner(py::module_& m);
+void bind_ngram(py::module_& m);
 
 }  // namespace pyserve_bindings

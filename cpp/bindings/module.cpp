@@ -1,4 +1,4 @@
-// The pybind11 module `pyserve._core`: exception mapping and the three classes.
+// The pybind11 module `pyserve._core`: exception mapping and the classes.
 #include <pybind11/pybind11.h>
 
 #include "errors.h"
@@ -7,7 +7,9 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "pyserve's C++ scheduling core: BlockAllocator, RadixCache, Planner (cpp/README.md)";
+  m.doc() =
+      "pyserve's C++ scheduling core: BlockAllocator, RadixCache, Planner, NgramIndex, NgramCorpus "
+      "(cpp/README.md)";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -24,4 +26,5 @@ PYBIND11_MODULE(_core, m) {
   pyserve_bindings::bind_block_allocator(m);
   pyserve_bindings::bind_radix_cache(m);
   pyserve_bindings::bind_planner(m);
+  pyserve_bindings::bind_ngram(m);
 }
