@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+from test_sampling import EOS, VOCAB, Seq
 from worker_testlib import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.wire.main_to_worker import SamplingParams
 from pyserve.worker.sampling import Sampler, make_generator
 from pyserve.worker.speculative_verify import DraftProposal, verify_drafts
 
-VOCAB = 64
-EOS = 2
 # chi-square bound for the distribution tests: far above the 99.99th percentile for the few
 # degrees of freedom used; the seeds are fixed, so the verdict never changes between runs
 CHI2_BOUND = 40.0
-
-
-@dataclass
-class Seq:
-    params: SamplingParams
-    prompt_ids: torch.Tensor = field(default_factory=lambda: torch.tensor([5, 6, 7]))
-    output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
 
 def seq(output: list[int] | None = None, **params) -> Seq:
