@@ -32,10 +32,9 @@ py::list step_entries(const Step& s) {
     e["num_tokens"] = s.num_tokens[i];
     e["is_decode"] = static_cast<bool>(s.is_decode[i]);
     e["sample"] = static_cast<bool>(s.sample[i]);
-    py::list inputs;
-    if (!s.is_decode[i]) {
-      for (int32_t k = 0; k < s.num_tokens[i]; ++k) inputs.append(s.input_ids[input_at++]);
-    }
+    py::list inputs;  // a decode entry's are its drafts: all its positions but the first
+    const int32_t num_inputs = s.is_decode[i] ? s.num_tokens[i] - 1 : s.num_tokens[i];
+    for (int32_t k = 0; k < num_inputs; ++k) inputs.append(s.input_ids[input_at++]);
     e["input_ids"] = inputs;
     e["block_offset"] = s.block_offsets[i];
     py::list blocks;
@@ -86,6 +85,8 @@ py::dict request_dict(const pyserve::RequestInfo& r) {
   d["planned_samples"] = r.planned_samples;
   d["num_blocks"] = r.num_blocks;
   d["inflight_steps"] = r.inflight_steps;
+  d["draft_len"] = r.draft_len;
+  d["verifying"] = r.verifying;
   d["output"] = to_list(r.output);
   return d;
 }
@@ -111,7 +112,8 @@ void bind_planner(py::module_& m) {
       .def(py::init([](int64_t num_blocks, int64_t block_size, int64_t max_running_requests,
                        int64_t max_prefill_tokens, int64_t chunked_prefill_size,
                        const std::string& policy, bool enable_radix_cache, int64_t vocab_size,
-                       double init_reserve_ratio, double min_reserve_ratio, double reserve_decay) {
+                       double init_reserve_ratio, double min_reserve_ratio, double reserve_decay,
+                       int64_t max_draft_tokens) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -124,6 +126,7 @@ void bind_planner(py::module_& m) {
              c.init_reserve_ratio = init_reserve_ratio;
              c.min_reserve_ratio = min_reserve_ratio;
              c.reserve_decay = reserve_decay;
+             c.max_draft_tokens = max_draft_tokens;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -131,7 +134,7 @@ void bind_planner(py::module_& m) {
            py::arg("chunked_prefill_size") = 2048, py::arg("policy") = "fcfs",
            py::arg("enable_radix_cache") = true, py::arg("vocab_size") = 2147483647,
            py::arg("init_reserve_ratio") = 0.7, py::arg("min_reserve_ratio") = 0.1,
-           py::arg("reserve_decay") = 0.001)
+           py::arg("reserve_decay") = 0.001, py::arg("max_draft_tokens") = 0)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{
@@ -164,6 +167,14 @@ void bind_planner(py::module_& m) {
             return std::make_shared<Step>(std::move(*step));
           },
           "the next Step, or None when there is nothing to compute and nothing to drop")
+      .def(
+          "set_draft",
+          [](PyPlanner& p, int64_t rid, py::handle draft) {
+            auto tokens = to_int32s(draft, "draft");
+            p.held([&](Planner& x) { x.set_draft(rid, std::move(tokens)); });
+          },
+          py::arg("rid"), py::arg("draft"),
+          "drafted tokens for the request's next decode entry to verify (empty: none)")
       .def(
           "report",
           [](PyPlanner& p, int64_t step_id, py::handle rids, py::handle tokens) {

@@ -41,6 +41,8 @@ const PlannerConfig& validated(const PlannerConfig& c) {
               std::to_string(c.min_reserve_ratio) + " and " + std::to_string(c.init_reserve_ratio));
   require(c.reserve_decay >= 0.0,
           "reserve_decay must be >= 0, got " + std::to_string(c.reserve_decay));
+  require(c.max_draft_tokens >= 0 && c.max_draft_tokens <= 65536,
+          "max_draft_tokens must be in [0, 65536], got " + std::to_string(c.max_draft_tokens));
   return c;
 }
 
@@ -140,6 +142,39 @@ void Planner::end_request(Request& r) {
 
 int64_t Planner::flush_cache() { return cache_.reset(); }
 
+void Planner::set_draft(int64_t rid, std::vector<int32_t> draft) {
+  Request* r = find(rid);
+  if (!r || r->state == RequestState::kDone) {
+    throw KeyError("set_draft: request " + std::to_string(rid) +
+                   (r ? " is already finished or aborted" : " is unknown"));
+  }
+  const std::string name = "set_draft: request " + std::to_string(rid);
+  if (draft.empty()) {
+    r->draft.clear();
+    return;
+  }
+  // Drafts continue a sampled token, so the request must be decoding.
+  require(r->state == RequestState::kRunning && r->num_scheduled >= r->prefill_target,
+          name + " is " + state_name(r->state) +
+              (r->state == RequestState::kRunning ? " with its prefill not fully planned" : "") +
+              ": only a decoding request takes drafts");
+  require(r->verifying.empty(), name + " still awaits the report that verifies its drafts");
+  const int64_t k = static_cast<int64_t>(draft.size());
+  require(k <= config_.max_draft_tokens, name + ": " + std::to_string(k) +
+                                             " drafts, more than max_draft_tokens = " +
+                                             std::to_string(config_.max_draft_tokens));
+  for (size_t i = 0; i < draft.size(); ++i) {
+    require(draft[i] >= 0 && draft[i] < config_.vocab_size,
+            name + ": draft[" + std::to_string(i) + "] = " + std::to_string(draft[i]) +
+                " is out of range [0, " + std::to_string(config_.vocab_size) + ")");
+  }
+  require(r->planned_samples + 1 + k <= r->max_new_tokens,
+          name + ": " + std::to_string(k) + " drafts could take it past max_new_tokens = " +
+              std::to_string(r->max_new_tokens) + " (" + std::to_string(r->planned_samples) +
+              " samples planned)");
+  r->draft = std::move(draft);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Blocks
 
@@ -175,6 +210,16 @@ void Planner::release_blocks(Request& r) {
   r.num_scheduled = 0;
   r.num_computed = 0;
   r.prefill_target = 0;
+  r.draft.clear();
+}
+
+// Releases r's scheduled positions from new_scheduled on: the blocks wholly past it go back.
+// Tree blocks lie below tree_len <= num_computed <= new_scheduled, so none is released.
+void Planner::truncate_scheduled(Request& r, int64_t new_scheduled) {
+  const size_t keep = static_cast<size_t>(blocks_for(new_scheduled));
+  allocator_.decref(r.table.data() + keep, r.table.size() - keep);
+  r.table.resize(keep);
+  r.num_scheduled = new_scheduled;
 }
 
 void Planner::remove_running(Request& r) {
@@ -255,22 +300,67 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
       step.input_ids.push_back(r.token_at(pos));
     step.num_prefill_tokens += num_tokens;
   }
-  record.entries.push_back(InflightEntry{&r, start + num_tokens, sample});
+  record.entries.push_back(InflightEntry{&r, start + num_tokens, sample, 0});
   r.num_scheduled += num_tokens;
   if (sample) ++r.planned_samples;
   ++r.inflight_steps;
 }
 
-// One decode token for every running request whose prefill is fully scheduled. Oldest first, so
-// that when blocks run out the victims (newest first) have no entry in this step yet.
+// A decode entry of k drafts: the last sampled token, then the drafts, each position sampled.
+void Planner::add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_len) {
+  const int64_t k = static_cast<int64_t>(r.draft.size());
+  add_entry(step, record, r, 1 + k, /*decode=*/true, old_len);
+  step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
+  step.num_decode_tokens += k;
+  record.entries.back().drafts = static_cast<int32_t>(k);
+  r.planned_samples += k;  // an upper bound until the report says how many were accepted
+  r.verifying.swap(r.draft);
+  r.draft.clear();
+}
+
+// Decoding, sampling left, and not waiting for a verify result its next input depends on.
+bool Planner::decode_eligible(const Request& r) const {
+  return r.num_scheduled >= r.prefill_target && r.planned_samples < r.max_new_tokens &&
+         r.verifying.empty();
+}
+
+// The new block a plain 1-token decode of r needs (0 or 1).
+int64_t Planner::plain_decode_blocks(const Request& r) const {
+  return r.num_scheduled / block_size_ >= static_cast<int64_t>(r.table.size()) ? 1 : 0;
+}
+
+// One decode token for every running request whose prefill is fully scheduled, plus its drafts
+// when they fit. Oldest first, so that when blocks run out the victims (newest first) have no
+// entry in this step yet.
 void Planner::plan_decodes(Step& step, InflightStep& record) {
+  // Blocks the plain decodes not yet planned need: drafts take only what is left beside them,
+  // so that they never cause a retraction.
+  int64_t plain_blocks_left = 0;
+  for (const Request* r : running_) {
+    if (decode_eligible(*r)) plain_blocks_left += plain_decode_blocks(*r);
+  }
   for (size_t i = 0; i < running_.size();) {
     Request& r = *running_[i];
-    if (r.num_scheduled < r.prefill_target || r.planned_samples >= r.max_new_tokens) {
+    if (!decode_eligible(r)) {
       ++i;
       continue;
     }
+    plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
+    if (!r.draft.empty()) {
+      const int64_t k = static_cast<int64_t>(r.draft.size());
+      const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
+      // After a retraction memory is short, and the count of blocks left is stale.
+      if (!retracted_this_plan_ && available_blocks() >= extra + plain_blocks_left) {
+        if (!allocate_blocks(extra, r.table)) {
+          throw InvariantError("a verify entry sized to the available blocks did not fit");
+        }
+        add_verify_entry(step, record, r, old_len);
+        ++i;
+        continue;
+      }
+      r.draft.clear();  // falls back to a plain decode
+    }
     if (r.num_scheduled / block_size_ >= static_cast<int64_t>(old_len)) {
       while (!allocate_blocks(1, r.table)) {
         Request* victim = newest_retractable();
@@ -460,67 +550,109 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
                        " is out of range [0, " + std::to_string(config_.vocab_size) + ")");
     }
   }
-  // Match the rids to the step's sampling entries: a merge when they come in step order (the
-  // worker's order), a lookup otherwise.
-  scratch_targets_.assign(num_rids, nullptr);
+  // Match each token to its rid's sampling entry: a merge when they come in step order (the
+  // worker's order), a lookup otherwise. A verify entry of k drafts takes 1..k+1 tokens.
+  const size_t num_entries = s.entries.size();
+  scratch_targets_.assign(num_rids, 0);
+  scratch_counts_.assign(num_entries, 0);
   size_t e = 0;
   bool in_order = true;
   for (size_t i = 0; i < num_rids && in_order; ++i) {
-    while (e < s.entries.size() && !(s.entries[e].sample && s.entries[e].request->rid == rids[i])) {
+    if (i > 0 && rids[i] == rids[i - 1]) {
+      const size_t prev = scratch_targets_[i - 1];
+      if (scratch_counts_[prev] > s.entries[prev].drafts) {
+        in_order = false;  // the lookup below names the error
+      } else {
+        scratch_targets_[i] = prev;
+        ++scratch_counts_[prev];
+      }
+      continue;
+    }
+    while (e < num_entries && !(s.entries[e].sample && s.entries[e].request->rid == rids[i])) {
       ++e;
     }
-    if (e == s.entries.size()) {
+    if (e == num_entries) {
       in_order = false;
     } else {
-      scratch_targets_[i] = s.entries[e++].request;
+      scratch_targets_[i] = e;
+      scratch_counts_[e] = 1;
+      ++e;
     }
   }
   if (!in_order) {
-    std::unordered_map<int64_t, Request*> sampling;
-    for (const InflightEntry& entry : s.entries) {
-      if (entry.sample) sampling.emplace(entry.request->rid, entry.request);
+    std::unordered_map<int64_t, size_t> sampling;
+    for (size_t j = 0; j < num_entries; ++j) {
+      if (s.entries[j].sample) sampling.emplace(s.entries[j].request->rid, j);
     }
+    std::fill(scratch_counts_.begin(), scratch_counts_.end(), 0);
     for (size_t i = 0; i < num_rids; ++i) {
       auto it = sampling.find(rids[i]);
-      if (it == sampling.end()) {
+      if (it == sampling.end() || scratch_counts_[it->second] > s.entries[it->second].drafts) {
         throw ProtocolError("report for step " + std::to_string(step_id) + " names request " +
                             std::to_string(rids[i]) +
-                            ", which did not sample in that step (or is named twice)");
+                            ", which did not sample in that step (or is named more often than "
+                            "it sampled)");
       }
       scratch_targets_[i] = it->second;
-      sampling.erase(it);
+      ++scratch_counts_[it->second];
     }
   }
 
   // A request that has not ended must get its sample: the worker drops only ended requests, and
   // a missing token would leave positions whose token the core does not know.
-  size_t required = 0;
-  for (const InflightEntry& entry : s.entries) {
-    required += entry.sample && entry.request->state != RequestState::kDone ? 1 : 0;
+  bool any_verify = false;
+  for (size_t j = 0; j < num_entries; ++j) {
+    const InflightEntry& entry = s.entries[j];
+    const Request& r = *entry.request;
+    any_verify = any_verify || entry.drafts > 0;
+    if (entry.sample && r.state != RequestState::kDone && scratch_counts_[j] == 0) {
+      throw ProtocolError("report for step " + std::to_string(step_id) +
+                          " leaves out the sample of request " + std::to_string(r.rid) +
+                          ", which is " + state_name(r.state) +
+                          " (only finished or aborted requests may be left out)");
+    }
   }
-  size_t named = 0;
-  for (const Request* r : scratch_targets_) named += r->state != RequestState::kDone ? 1 : 0;
-  if (named != required) {
-    for (const InflightEntry& entry : s.entries) {
-      const Request& r = *entry.request;
-      if (entry.sample && r.state != RequestState::kDone &&
-          std::find(scratch_targets_.begin(), scratch_targets_.end(), &r) ==
-              scratch_targets_.end()) {
-        throw ProtocolError("report for step " + std::to_string(step_id) +
-                            " leaves out the sample of request " + std::to_string(r.rid) +
-                            ", which is " + state_name(r.state) +
-                            " (only finished or aborted requests may be left out)");
+  // A verify entry's tokens before its last are accepted drafts: K/V computed for any other
+  // token must not count as computed (it could reach the cache).
+  if (any_verify) {
+    std::vector<int32_t> seen(num_entries, 0);
+    for (size_t i = 0; i < num_rids; ++i) {
+      const size_t j = scratch_targets_[i];
+      const Request& r = *s.entries[j].request;
+      const int32_t m = seen[j]++;
+      if (s.entries[j].drafts == 0 || r.state == RequestState::kDone ||
+          m + 1 == scratch_counts_[j]) {
+        continue;
+      }
+      if (tokens[i] != r.verifying[static_cast<size_t>(m)]) {
+        throw ProtocolError("report for step " + std::to_string(step_id) + ": request " +
+                            std::to_string(r.rid) + "'s token " + std::to_string(m) + " is " +
+                            std::to_string(tokens[i]) + ", not its draft " +
+                            std::to_string(r.verifying[static_cast<size_t>(m)]) +
+                            ", yet more tokens follow it");
       }
     }
   }
 
-  for (const InflightEntry& entry : s.entries) {
+  for (size_t j = 0; j < num_entries; ++j) {
+    const InflightEntry& entry = s.entries[j];
     Request& r = *entry.request;
     --r.inflight_steps;
-    if (r.state == RequestState::kRunning) r.num_computed = std::max(r.num_computed, entry.end);
+    if (entry.drafts > 0) r.verifying.clear();
+    if (r.state != RequestState::kRunning) continue;
+    if (entry.drafts == 0) {
+      r.num_computed = std::max(r.num_computed, entry.end);
+      continue;
+    }
+    // The K/V past the accepted drafts and the first position after them is of rejected drafts.
+    // No later entry names r (it waited for this report), so its scheduled positions end here.
+    const int64_t accepted_end = entry.end - entry.drafts - 1 + scratch_counts_[j];
+    r.num_computed = std::max(r.num_computed, accepted_end);
+    r.planned_samples -= entry.drafts + 1 - scratch_counts_[j];
+    truncate_scheduled(r, accepted_end);
   }
   for (size_t i = 0; i < num_rids; ++i) {
-    Request& r = *scratch_targets_[i];
+    Request& r = *s.entries[scratch_targets_[i]].request;
     if (r.state != RequestState::kDone) r.output.push_back(tokens[i]);
   }
   for (const InflightEntry& entry : s.entries) {
@@ -567,6 +699,8 @@ RequestInfo Planner::request(int64_t rid) const {
   info.planned_samples = r->planned_samples;
   info.num_blocks = static_cast<int64_t>(r->table.size());
   info.inflight_steps = r->inflight_steps;
+  info.draft_len = static_cast<int64_t>(r->draft.size());
+  info.verifying = static_cast<int64_t>(r->verifying.size());
   info.output = r->output;
   return info;
 }

@@ -13,6 +13,16 @@
 // its blocks at once: the worker runs steps in order, so a block reused by a later step is
 // written only after the earlier step is done.
 //
+// Speculative decoding: set_draft(rid, d1..dk) makes that request's next decode entry a verify
+// entry of 1 + k positions (its last sampled token, then the drafts), with KV blocks for all of
+// them. Drafts never cost another request its place: if the free and evictable blocks cannot
+// hold the extra positions beside the plain decodes still to be planned in this step, or a
+// retraction already happened in it, the entry falls back to a plain 1-token decode. The report
+// gives 1..k+1 tokens for it (the accepted drafts, then one more); the rejected positions are
+// released: num_scheduled rolls back to the new computed length and blocks wholly past it are
+// freed. Until that report the request gets no entry. Only computed whole blocks enter the
+// cache, so no cached block ever holds rejected K/V.
+//
 // Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
 // for every running request whose table holds it; the tree blocks in a running request's table
 // lie on the path to the node it locks; each running request holds exactly one lock.
@@ -48,6 +58,7 @@ struct PlannerConfig {
   double init_reserve_ratio = 0.7;
   double min_reserve_ratio = 0.1;
   double reserve_decay = 0.001;
+  int64_t max_draft_tokens = 0;  // the most drafts one decode entry verifies; 0: no drafts
 };
 
 struct RequestInfo {
@@ -61,6 +72,8 @@ struct RequestInfo {
   int64_t planned_samples = 0;
   int64_t num_blocks = 0;
   int32_t inflight_steps = 0;
+  int64_t draft_len = 0;  // drafts set for the next plan()
+  int64_t verifying = 0;  // drafts of an unreported verify entry
   std::vector<int32_t> output;
 };
 
@@ -93,10 +106,20 @@ class Planner {
   // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
   std::optional<Step> plan();
 
+  // Drafts d1..dk for running request rid's next decode entry (empty: none), replacing any set
+  // since the last plan(); the next plan() consumes them, verifying them or falling back to a
+  // plain decode. The caller drafts from what it knows: the planner cannot check that the drafts
+  // follow the request's latest token. KeyError if rid is unknown or ended; ValueError if it is
+  // not running with its prefill planned, still verifying earlier drafts, or if a token is out
+  // of range, k > max_draft_tokens, or 1 + k samples would pass max_new_tokens.
+  void set_draft(int64_t rid, std::vector<int32_t> draft);
+
   // Step step_id is done (the oldest unreported one: steps are reported in the order planned).
-  // rids[i] sampled tokens[i]; rids must be entries of that step that sample. ProtocolError for
-  // a wrong step or rid, ValueError for mismatched lengths or a token out of range; nothing
-  // changes when it throws.
+  // rids[i] sampled tokens[i]; rids must be entries of that step that sample. A verify entry of
+  // k drafts names its rid 1..k+1 times, its tokens in order: the accepted drafts, then one
+  // more; a token that is named before the last must equal its draft. ProtocolError for a wrong
+  // step or rid, a rid named too often or a mismatched draft, ValueError for mismatched lengths
+  // or a token out of range; nothing changes when it throws.
   void report(int64_t step_id, const int64_t* rids, size_t num_rids, const int32_t* tokens,
               size_t num_tokens);
 
@@ -124,6 +147,7 @@ class Planner {
     Request* request;  // stays valid: a request is erased only when no unreported step names it
     int64_t end;       // the entry computes positions up to here
     bool sample;
+    int32_t drafts;    // a verify entry's drafts: it samples up to drafts + 1 tokens
   };
   struct InflightStep {
     int64_t step_id;
@@ -136,6 +160,9 @@ class Planner {
   int64_t available_blocks() const;
   int64_t future_blocks(const Request& r) const;
   bool allocate_blocks(int64_t n, std::vector<BlockId>& table);
+  bool decode_eligible(const Request& r) const;
+  int64_t plain_decode_blocks(const Request& r) const;
+  void truncate_scheduled(Request& r, int64_t new_scheduled);
 
   void plan_decodes(Step& step, InflightStep& record);
   void plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget);
@@ -145,6 +172,7 @@ class Planner {
                  int64_t& reserved);
   void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
                  size_t old_table_len);
+  void add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len);
 
   Request* newest_retractable() const;
   void retract(Request& r, Step& step);
@@ -170,7 +198,8 @@ class Planner {
   double reserve_ratio_;
   bool retracted_this_plan_ = false;
   std::vector<int32_t> scratch_tokens_;
-  std::vector<Request*> scratch_targets_;
+  std::vector<size_t> scratch_targets_;  // report: the entry each token belongs to
+  std::vector<int32_t> scratch_counts_;  // report: tokens named for each entry
 };
 
 }  // namespace pyserve

@@ -42,6 +42,17 @@ void Planner::check_invariants() const {
       fail(name + " holds blocks while " + state_name(r.state));
     }
     if (r.planned_samples > r.max_new_tokens) fail(name + " planned more samples than allowed");
+    if (!r.draft.empty()) {
+      if (r.state != RequestState::kRunning || r.num_scheduled < r.prefill_target) {
+        fail(name + " holds drafts while not decoding");
+      }
+      if (!r.verifying.empty()) fail(name + " holds new drafts while verifying earlier ones");
+      const int64_t k = static_cast<int64_t>(r.draft.size());
+      if (k > config_.max_draft_tokens) fail(name + " holds more drafts than max_draft_tokens");
+      if (r.planned_samples + 1 + k > r.max_new_tokens) {
+        fail(name + "'s drafts could take it past max_new_tokens");
+      }
+    }
     if (static_cast<int64_t>(r.output.size()) > r.max_new_tokens) {
       fail(name + " has more output than max_new_tokens");
     }
@@ -57,13 +68,35 @@ void Planner::check_invariants() const {
 
   // In-flight counts.
   std::unordered_map<const Request*, int32_t> named;
+  std::unordered_map<const Request*, const InflightEntry*> verify;
   for (const InflightStep& s : inflight_) {
-    for (const InflightEntry& e : s.entries) ++named[e.request];
+    for (const InflightEntry& e : s.entries) {
+      ++named[e.request];
+      if (e.drafts < 0 || e.drafts > config_.max_draft_tokens) {
+        fail("step " + std::to_string(s.step_id) + " has an entry with a bad draft count");
+      }
+      if (e.drafts == 0) continue;
+      if (!e.sample) fail("step " + std::to_string(s.step_id) + " verifies without sampling");
+      if (!verify.emplace(e.request, &e).second) {
+        fail("request " + std::to_string(e.request->rid) + " has two unreported verify entries");
+      }
+    }
   }
   for (const auto& [rid, owned] : requests_) {
     auto it = named.find(owned.get());
     if ((it == named.end() ? 0 : it->second) != owned->inflight_steps) {
       fail("request " + std::to_string(rid) + " miscounts the unreported steps naming it");
+    }
+    // While a verify entry is unreported the request waits: nothing is scheduled after it.
+    auto v = verify.find(owned.get());
+    const size_t k = v == verify.end() ? 0 : static_cast<size_t>(v->second->drafts);
+    if (owned->verifying.size() != k) {
+      fail("request " + std::to_string(rid) + " verifies " +
+           std::to_string(owned->verifying.size()) + " drafts, but its unreported steps " +
+           std::to_string(k));
+    }
+    if (k > 0 && owned->state == RequestState::kRunning && v->second->end != owned->num_scheduled) {
+      fail("request " + std::to_string(rid) + " is scheduled past its unreported verify entry");
     }
   }
 

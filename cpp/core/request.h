@@ -39,7 +39,14 @@ struct Request {
   int64_t prefill_target = 0;
   int64_t num_scheduled = 0;
   int64_t num_computed = 0;
-  int64_t planned_samples = 0;  // samples planned so far, reported or not
+  int64_t planned_samples = 0;  // samples planned so far, reported or not (a verify entry
+                                // counts all 1 + k it may yield until its report)
+
+  // Speculative decoding. draft: tokens set_draft proposed for the next decode entry, consumed
+  // by the next plan(). verifying: the drafts of an unreported verify entry; while it is
+  // non-empty the request gets no entry, because its next input depends on the verify result.
+  std::vector<int32_t> draft;
+  std::vector<int32_t> verifying;
 
   int64_t cached_tokens = 0;  // prefix hit at the first admission
   bool ever_admitted = false;

@@ -11,19 +11,22 @@ struct Step {
   // One value per entry, in entry order.
   std::vector<int64_t> rids;
   std::vector<int32_t> start_pos;      // tokens already in the KV cache for that request
-  std::vector<int32_t> num_tokens;     // tokens computed by the entry (1 for a decode)
-  std::vector<uint8_t> is_decode;      // the input is the request's last sampled token
+  std::vector<int32_t> num_tokens;     // tokens computed by the entry (1 + drafts for a decode)
+  // The first input is the request's last sampled token; any further inputs are drafted
+  // tokens to verify (a sample after each of the 1 + k positions).
+  std::vector<uint8_t> is_decode;
   std::vector<uint8_t> sample;         // a token is sampled after the entry
   std::vector<int32_t> block_offsets;  // where the entry's new block ids go in its table
   std::vector<int32_t> block_counts;   // how many new block ids the entry carries
   // Concatenated in entry order.
-  std::vector<int32_t> input_ids;  // tokens of the non-decode entries
+  // Tokens of the non-decode entries, and the drafts of the decode entries (num_tokens - 1 each).
+  std::vector<int32_t> input_ids;
   std::vector<int32_t> block_ids;
   // Request ids, not entries.
   std::vector<int64_t> dropped;    // finished or aborted since the previous step
   std::vector<int64_t> retracted;  // retracted while planning this step
   int64_t num_prefill_tokens = 0;
-  int64_t num_decode_tokens = 0;
+  int64_t num_decode_tokens = 0;  // positions computed by decode entries, drafts included
 
   size_t num_entries() const { return rids.size(); }
 };
