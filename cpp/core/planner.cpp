@@ -160,18 +160,18 @@ void Planner::set_draft(int64_t rid, std::vector<int32_t> draft) {
               ": only a decoding request takes drafts");
   require(r->verifying.empty(), name + " still awaits the report that verifies its drafts");
   const int64_t k = static_cast<int64_t>(draft.size());
-  require(k <= config_.max_draft_tokens, name + ": " + std::to_string(k) +
-                                             " drafts, more than max_draft_tokens = " +
-                                             std::to_string(config_.max_draft_tokens));
+  require(k <= config_.max_draft_tokens,
+          name + ": " + std::to_string(k) +
+              " drafts, more than max_draft_tokens = " + std::to_string(config_.max_draft_tokens));
   for (size_t i = 0; i < draft.size(); ++i) {
     require(draft[i] >= 0 && draft[i] < config_.vocab_size,
             name + ": draft[" + std::to_string(i) + "] = " + std::to_string(draft[i]) +
                 " is out of range [0, " + std::to_string(config_.vocab_size) + ")");
   }
   require(r->planned_samples + 1 + k <= r->max_new_tokens,
-          name + ": " + std::to_string(k) + " drafts could take it past max_new_tokens = " +
-              std::to_string(r->max_new_tokens) + " (" + std::to_string(r->planned_samples) +
-              " samples planned)");
+          name + ": " + std::to_string(k) +
+              " drafts could take it past max_new_tokens = " + std::to_string(r->max_new_tokens) +
+              " (" + std::to_string(r->planned_samples) + " samples planned)");
   r->draft = std::move(draft);
 }
 

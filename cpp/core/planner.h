@@ -147,7 +147,7 @@ class Planner {
     Request* request;  // stays valid: a request is erased only when no unreported step names it
     int64_t end;       // the entry computes positions up to here
     bool sample;
-    int32_t drafts;    // a verify entry's drafts: it samples up to drafts + 1 tokens
+    int32_t drafts;  // a verify entry's drafts: it samples up to drafts + 1 tokens
   };
   struct InflightStep {
     int64_t step_id;

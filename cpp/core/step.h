@@ -10,8 +10,8 @@ struct Step {
   int64_t step_id = 0;
   // One value per entry, in entry order.
   std::vector<int64_t> rids;
-  std::vector<int32_t> start_pos;      // tokens already in the KV cache for that request
-  std::vector<int32_t> num_tokens;     // tokens computed by the entry (1 + drafts for a decode)
+  std::vector<int32_t> start_pos;   // tokens already in the KV cache for that request
+  std::vector<int32_t> num_tokens;  // tokens computed by the entry (1 + drafts for a decode)
   // The first input is the request's last sampled token; any further inputs are drafted
   // tokens to verify (a sample after each of the 1 + k positions).
   std::vector<uint8_t> is_decode;
