@@ -10,10 +10,10 @@ returns lists, its natural form, so that caller code such as ``blocks + fresh`` 
   leaves by (last access, node id). Its prefix matches and block ids are meant to agree exactly
   with the C++ cache for the same sequence of calls.
 - ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill, reservation,
-  retraction, abort and overlapped steps, following the planning rules of cpp/README.md
-  (including its reservation arithmetic). Node layout inside the cache may differ from the
-  core's (the core extends a decoding request's leaf in place), so tests compare the two
-  planners through the invariants a worker relies on, not step by step.
+  retraction, abort, overlapped steps and speculative verify entries, following the planning
+  rules of cpp/README.md (including its reservation arithmetic). Node layout inside the cache
+  may differ from the core's (the core extends a decoding request's leaf in place), so tests
+  compare the two planners through the invariants a worker relies on, not step by step.
 
 Everything here favours plain, obviously-correct code over speed: it is the "straightforward
 Python implementation" that the core benchmark measures against.
@@ -329,7 +329,8 @@ class Step:
         tokens, blocks = array("i", self.input_ids).tolist(), array("i", self.block_ids).tolist()
         out, t, b = [], 0, 0
         for i, rid in enumerate(rids):
-            ids = [] if decode[i] else tokens[t : t + counts[i]]
+            n_in = counts[i] - 1 if decode[i] else counts[i]  # a decode's inputs: its drafts
+            ids = tokens[t : t + n_in]
             t += len(ids)
             out.append(
                 dict(
@@ -367,6 +368,8 @@ class _Request:
     cached_tokens: int = 0
     admitted_once: bool = False
     inflight: int = 0  # unreported steps that contain this request
+    draft: list[int] = field(default_factory=list)  # for the next plan() (set_draft)
+    verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
 
     @property
     def tokens(self) -> list[int]:
@@ -393,6 +396,7 @@ class Planner:
         init_reserve_ratio: float = 0.7,
         min_reserve_ratio: float = 0.1,
         reserve_decay: float = 0.001,
+        max_draft_tokens: int = 0,
     ) -> None:
         for name, value in dict(
             max_running_requests=max_running_requests,
@@ -406,6 +410,8 @@ class Planner:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         if not 0 <= min_reserve_ratio <= init_reserve_ratio <= 1 or reserve_decay < 0:
             raise ValueError("reserve ratios must satisfy 0 <= min <= init <= 1, decay >= 0")
+        if not 0 <= max_draft_tokens <= 65536:
+            raise ValueError(f"max_draft_tokens must be in [0, 65536], got {max_draft_tokens}")
         self.allocator = BlockAllocator(num_blocks)
         self.cache = RadixCache(block_size, self.allocator)
         self.block_size = block_size
@@ -419,10 +425,12 @@ class Planner:
         self.min_reserve_ratio = min_reserve_ratio
         self.reserve_decay = reserve_decay
         self.reserve_ratio = init_reserve_ratio
+        self.max_draft_tokens = max_draft_tokens
         self._requests: dict[int, _Request] = {}
         self._waiting: deque[_Request] = deque()  # retracted requests go to the front
         self._running: list[_Request] = []  # in admission order
-        self._inflight: deque[tuple[int, list[tuple[_Request, int, bool]]]] = deque()
+        # (step id, [(request, end, samples, drafts)])
+        self._inflight: deque[tuple[int, list[tuple[_Request, int, bool, int]]]] = deque()
         self._dropped: list[int] = []
         self._next_step = 0
         self.retractions = 0
@@ -483,6 +491,26 @@ class Planner:
     def flush_cache(self) -> int:
         return self.cache.reset()
 
+    def set_draft(self, rid: int, draft: Sequence[int] | bytes) -> None:
+        """Drafts for the request's next decode entry to verify; an empty draft clears."""
+        tokens = _ints(draft, "i")
+        req = self._requests.get(rid)
+        if req is None or req.state == "done":
+            raise KeyError(f"set_draft: request {rid} is unknown or already finished")
+        if not tokens:
+            req.draft = []
+            return
+        if req.state != "running" or req.num_scheduled < req.prefill_target:
+            raise ValueError(f"set_draft: request {rid} is not decoding")
+        if req.verifying:
+            raise ValueError(f"set_draft: request {rid} still awaits its verify report")
+        if len(tokens) > self.max_draft_tokens:
+            raise ValueError(f"set_draft: {len(tokens)} drafts > {self.max_draft_tokens}")
+        self._check_tokens(tokens)
+        if req.planned_samples + 1 + len(tokens) > req.max_new_tokens:
+            raise ValueError(f"set_draft: request {rid}'s drafts could pass max_new_tokens")
+        req.draft = tokens
+
     # -- blocks -------------------------------------------------------------------------------
 
     def _available(self) -> int:
@@ -514,6 +542,7 @@ class Planner:
             self.cache.unlock(req.handle)
         req.table, req.handle, req.tree_len = [], 0, 0
         req.num_scheduled = req.num_computed = req.prefill_target = 0
+        req.draft = []
 
     # -- the plan -----------------------------------------------------------------------------
 
@@ -531,15 +560,39 @@ class Planner:
             )
         return self._emit(entries, retracted)
 
+    def _decode_eligible(self, req: _Request) -> bool:
+        """Decoding, samples left, and not waiting for a verify result (its next input)."""
+        return (
+            req.state == "running"
+            and req.num_scheduled >= req.prefill_target
+            and req.planned_samples < req.max_new_tokens
+            and not req.verifying
+        )
+
+    def _plain_blocks(self, req: _Request) -> int:
+        return int(req.num_scheduled // self.block_size >= len(req.table))
+
     def _plan_decodes(self, entries: list, retracted: list[int]) -> None:
-        """One token for each running request whose prefill is planned, oldest first, so that
-        the victims of a retraction (newest first) have no entry in this step yet."""
+        """One token for each running request whose prefill is planned, plus its drafts when
+        they fit beside the plain decodes still to plan (drafts never cause a retraction);
+        oldest first, so that the victims of a retraction (newest first) have no entry in this
+        step yet."""
+        plain_left = sum(self._plain_blocks(r) for r in self._running if self._decode_eligible(r))
         for req in list(self._running):
-            if req.state != "running" or req.num_scheduled < req.prefill_target:
+            if not self._decode_eligible(req):
                 continue
-            if req.planned_samples >= req.max_new_tokens:
-                continue
+            plain_left -= self._plain_blocks(req)
             old_len = len(req.table)
+            if req.draft:
+                k = len(req.draft)
+                extra = self._blocks_for(req.num_scheduled + 1 + k) - old_len
+                if not retracted and self._available() >= extra + plain_left:
+                    self._allocate(extra, req.table)
+                    drafts, req.draft = req.draft, []
+                    req.verifying = drafts
+                    entries.append(self._schedule(req, 1 + k, True, old_len, drafts))
+                    continue
+                req.draft = []  # a plain decode instead
             if req.num_scheduled // self.block_size >= old_len:
                 while not self._allocate(1, req.table):
                     victim = next(
@@ -642,13 +695,15 @@ class Planner:
             node = child
         return pos, unlocked
 
-    def _schedule(self, req: _Request, n: int, decode: bool, old_len: int) -> tuple:
+    def _schedule(
+        self, req: _Request, n: int, decode: bool, old_len: int, drafts: Sequence[int] = ()
+    ) -> tuple:
         start = req.num_scheduled
         sample = decode or start + n == req.prefill_target
         req.num_scheduled += n
-        req.planned_samples += sample
+        req.planned_samples += sample + len(drafts)  # a verify entry may yield 1 + k tokens
         req.inflight += 1
-        return (req, start, n, decode, old_len)
+        return (req, start, n, decode, old_len, list(drafts))
 
     def _retract(self, req: _Request) -> None:
         self._release(req)
@@ -666,7 +721,7 @@ class Planner:
         tokens, offsets, nblocks, blocks = array("i"), array("i"), array("i"), array("i")
         prefill_tokens = decode_tokens = 0
         members = []
-        for req, start, n, is_decode, old_len in entries:
+        for req, start, n, is_decode, old_len, drafts in entries:
             samples = is_decode or start + n == req.prefill_target
             rids.append(req.rid)
             starts.append(start)
@@ -677,11 +732,12 @@ class Planner:
             nblocks.append(len(req.table) - old_len)
             blocks.extend(req.table[old_len:])
             if is_decode:
-                decode_tokens += 1
+                tokens.extend(drafts)
+                decode_tokens += n
             else:
                 tokens.extend(req.tokens[start : start + n])
                 prefill_tokens += n
-            members.append((req, start + n, samples))
+            members.append((req, start + n, samples, len(drafts)))
         self._inflight.append((step_id, members))
         dropped, self._dropped = self._dropped, []
         return Step(
@@ -712,24 +768,49 @@ class Planner:
             raise ValueError(f"{len(rid_list)} rids but {len(token_list)} tokens")
         self._check_tokens(token_list)
         _, members = self._inflight[0]
-        sampling = {req.rid: req for req, _, samples in members if samples}
+        # rid -> [entry index, tokens named]; a verify entry of k drafts takes 1..k+1 tokens
+        sampling = {req.rid: [i, 0] for i, (req, _, samples, _) in enumerate(members) if samples}
         targets = []
         for rid in rid_list:
-            if rid not in sampling:
-                raise RuntimeError(f"step {step_id}: request {rid} did not sample (or twice)")
-            targets.append(sampling.pop(rid))
-        for req in sampling.values():  # only ended requests (the worker drops them) may be missing
-            if req.state != "done":
+            slot = sampling.get(rid)
+            if slot is None or slot[1] > members[slot[0]][3]:
+                raise RuntimeError(f"step {step_id}: request {rid} did not sample (or too often)")
+            slot[1] += 1
+            targets.append(slot[0])
+        for i, named in sampling.values():  # only ended requests (the worker drops them) may
+            req = members[i][0]  # be missing
+            if named == 0 and req.state != "done":
                 raise RuntimeError(f"step {step_id}: the sample of request {req.rid} is missing")
+        seen = [0] * len(members)
+        for i, token in zip(targets, token_list, strict=True):
+            req, drafts = members[i][0], members[i][3]
+            m, seen[i] = seen[i], seen[i] + 1
+            last = m + 1 == sampling[req.rid][1]
+            if drafts and req.state != "done" and not last and token != req.verifying[m]:
+                raise RuntimeError(f"step {step_id}: request {req.rid}'s token {m} is no draft")
         self._inflight.popleft()
-        for req, end, _ in members:
+        for req, end, _, drafts in members:
             req.inflight -= 1
-            if req.state == "running":
+            if drafts:
+                req.verifying = []
+            if req.state != "running":
+                continue
+            if not drafts:
                 req.num_computed = max(req.num_computed, end)
-        for req, token in zip(targets, token_list, strict=True):
+                continue
+            # past the accepted drafts and one more position, the K/V is of rejected drafts
+            accepted = sampling[req.rid][1]
+            new_end = end - drafts - 1 + accepted
+            req.num_computed = max(req.num_computed, new_end)
+            req.planned_samples -= drafts + 1 - accepted
+            keep = self._blocks_for(new_end)
+            self.allocator.decref(req.table[keep:])
+            req.table, req.num_scheduled = req.table[:keep], new_end
+        for i, token in zip(targets, token_list, strict=True):
+            req = members[i][0]
             if req.state != "done":
                 req.output.append(token)
-        for req, _, _ in members:
+        for req, _, _, _ in members:
             if req.state == "running" and self.enable_radix_cache and req.match_prefix:
                 self._cache_computed(req)
             if req.state == "done" and req.inflight == 0:
@@ -795,6 +876,8 @@ class Planner:
             planned_samples=req.planned_samples,
             num_blocks=len(req.table),
             inflight_steps=req.inflight,
+            draft_len=len(req.draft),
+            verifying=len(req.verifying),
         )
 
     def block_states(self) -> bytes:
@@ -818,6 +901,26 @@ class Planner:
         for b, n in enumerate(holders):
             if self.allocator.refcount(b) != n:
                 raise RuntimeError(f"block {b}: refcount {self.allocator.refcount(b)}, {n} holders")
+        verify = {}
+        for _, members in self._inflight:
+            for req, end, _, drafts in members:
+                if drafts:
+                    if req.rid in verify:
+                        raise RuntimeError(f"request {req.rid}: two unreported verify entries")
+                    verify[req.rid] = (end, drafts)
+        for req in self._requests.values():
+            end, drafts = verify.get(req.rid, (0, 0))
+            if len(req.verifying) != drafts:
+                raise RuntimeError(f"request {req.rid}: verifying disagrees with its steps")
+            if req.state == "running":
+                if len(req.table) != self._blocks_for(req.num_scheduled):
+                    raise RuntimeError(f"request {req.rid}: table not sized to its positions")
+                if drafts and end != req.num_scheduled:
+                    raise RuntimeError(f"request {req.rid}: scheduled past its verify entry")
+            if req.draft and (req.state != "running" or req.verifying):
+                raise RuntimeError(f"request {req.rid}: drafts while not decoding")
+            if req.planned_samples + (1 + len(req.draft) if req.draft else 0) > req.max_new_tokens:
+                raise RuntimeError(f"request {req.rid}: samples could pass max_new_tokens")
 
     def _check_tokens(self, tokens: list[int]) -> None:
         for t in tokens:

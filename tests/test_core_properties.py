@@ -6,7 +6,9 @@ Two hypothesis state machines:
   (``core_reference``) with the same calls and demands identical answers: prefix matches and
   their block ids, duplicate counts on insert, evictions, statistics, refcounts.
 - ``PlannerMachine`` drives a ``Planner`` through random interleavings of add / plan / report
-  (up to two steps in flight) / finish / abort / evict / flush, playing the worker itself: it
+  (up to two steps in flight) / finish / abort / evict / flush, and of speculative decoding:
+  random drafts, reports that accept any number of them (none to all), aborts while drafts are
+  being verified. It plays the worker itself: it
   keeps every request's block table as the worker would and a shadow of the KV pool that
   records which (request, position) wrote each slot. From that it checks what the worker
   relies on: a step reads only slots that hold the KV of exactly the tokens it expects, writes
@@ -270,6 +272,8 @@ class Tracked:
     computed: int = 0  # positions of its current admission computed by reported steps
     cached_tokens: int = -1  # prefix hit at its first admission
     match_prefix: bool = True  # False: every admission starts at position 0
+    draft: list[int] = field(default_factory=list)  # set for the next plan()
+    verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -306,7 +310,7 @@ def _entries(step) -> list[PlannedEntry]:
         raise CoreViolation(f"step {step.step_id}: per-entry arrays of different lengths")
     out, b, t = [], 0, 0
     for i, rid in enumerate(rids):
-        n_in = 0 if decode[i] else counts[i]
+        n_in = counts[i] - 1 if decode[i] else counts[i]  # a decode's inputs are its drafts
         out.append(
             PlannedEntry(
                 rid=rid,
@@ -342,6 +346,7 @@ def planner_configs(draw) -> dict:
         init_reserve_ratio=draw(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.0])),
         min_reserve_ratio=0.0,
         reserve_decay=draw(st.sampled_from([0.0, 0.05, 0.3])),
+        max_draft_tokens=draw(st.sampled_from([0, 1, 3, 5])),
     )
 
 
@@ -376,6 +381,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.next_step_id = 0
         self.to_drop: set[int] = set()  # finished/aborted since the last Step
         self.step_members: dict[int, dict[int, int]] = {}  # step id -> {rid: end of its entry}
+        self.step_verify: dict[int, dict[int, tuple[int, int]]] = {}  # id -> {rid: (start, k)}
         self.admissions = 0
         self.kv: list[list[tuple[int, int] | None]] = [
             [None] * self.bs for _ in range(self.num_blocks)
@@ -467,7 +473,11 @@ class PlannerMachine(RuleBasedStateMachine):
                 self.planner.report(self.next_step_id + 5, [], [])
         elif kind == "report_rid":  # a rid that did not sample in that step, or twice
             step_id, rids = self.inflight[0]
-            bad = data.draw(st.sampled_from([[self.next_rid + 3], rids[:1] * 2 if rids else [7]]))
+            # named more often than it sampled: twice, or k + 2 times for a verify entry
+            k = self.step_verify[step_id].get(rids[0], (0, 0))[1] if rids else 0
+            bad = data.draw(
+                st.sampled_from([[self.next_rid + 3], rids[:1] * (k + 2) if rids else [7]])
+            )
             with pytest.raises(RuntimeError):
                 self.planner.report(step_id, bad, [1] * len(bad))
         elif kind == "report_missing":  # a live request's sample left out
@@ -499,7 +509,12 @@ class PlannerMachine(RuleBasedStateMachine):
             rids = [rid for rid in rids if self.requests[rid].state != "done"]
         if data.draw(st.booleans()):  # any order
             rids = data.draw(st.permutations(rids))
-        tokens = data.draw(st.lists(st.integers(0, 7), min_size=len(rids), max_size=len(rids)))
+        rids, tokens = self._samples(
+            step_id,
+            rids,
+            lambda k: data.draw(st.integers(0, k), label="accepted drafts"),
+            lambda: data.draw(st.integers(0, 7), label="token"),
+        )
         self._begin(f"report(step {step_id}, rids {rids}, tokens {tokens})")
         self._report(step_id, rids, tokens, as_bytes=data.draw(st.booleans()))
         self._end()
@@ -509,6 +524,7 @@ class PlannerMachine(RuleBasedStateMachine):
     def advance(self, cycles: int) -> None:
         """Runs the engine loop for a while: keep two steps in flight, report the oldest."""
         for _ in range(cycles):
+            self._draft_some()
             self._begin(f"advance: plan() with {len(self.inflight)} in flight")
             step = self._plan_once() if len(self.inflight) < MAX_INFLIGHT else None
             self._end()
@@ -516,7 +532,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 return
             if step is None or len(self.inflight) == MAX_INFLIGHT:
                 step_id, rids = self.inflight[0]
-                tokens = [self.rng.randrange(8) for _ in rids]
+                rids, tokens = self._random_samples(step_id, rids)
                 self._begin(f"advance: report(step {step_id}, rids {rids}, tokens {tokens})")
                 self._report(step_id, rids, tokens)
                 self._end()
@@ -547,6 +563,66 @@ class PlannerMachine(RuleBasedStateMachine):
             self._close(req)
         self._end()
 
+    @rule(data=st.data())
+    def draft(self, data: st.DataObject) -> None:
+        """Drafts for a decoding request, or a draft the planner must refuse."""
+        k_max = self.cfg["max_draft_tokens"]
+        fits = [
+            r
+            for r in self.requests.values()
+            if r.state == "running"
+            and r.prefill_done
+            and not r.verifying
+            and min(k_max, r.max_new - r.samples - 1) >= 1
+        ]
+        if not fits or data.draw(st.integers(0, 5), label="bad draft") == 0:
+            kind = data.draw(st.sampled_from(["unknown", "waiting", "verifying", "long", "token"]))
+            waiting = [r for r in self.requests.values() if r.state in ("waiting", "retracted")]
+            verifying = [r for r in self.requests.values() if r.verifying and r.state != "done"]
+            self._begin(f"bad set_draft: {kind}")
+            if kind == "waiting" and waiting:
+                with pytest.raises(ValueError):
+                    self.planner.set_draft(data.draw(st.sampled_from(waiting)).rid, [1])
+            elif kind == "verifying" and verifying:
+                with pytest.raises(ValueError):
+                    self.planner.set_draft(data.draw(st.sampled_from(verifying)).rid, [1])
+            elif kind == "long" and fits:
+                req = data.draw(st.sampled_from(fits))
+                k = max(k_max, req.max_new - req.samples - 1) + 1
+                with pytest.raises(ValueError):
+                    self.planner.set_draft(req.rid, [1] * k)
+            elif kind == "token" and fits:
+                with pytest.raises(ValueError):
+                    self.planner.set_draft(data.draw(st.sampled_from(fits)).rid, [1, VOCAB])
+            else:
+                with pytest.raises(KeyError):
+                    self.planner.set_draft(self.next_rid + 13, [1])
+            self._end()
+            return
+        req = data.draw(st.sampled_from(fits))
+        k = data.draw(st.integers(0, min(k_max, req.max_new - req.samples - 1)), label="k")
+        tokens = data.draw(st.lists(st.integers(0, 7), min_size=k, max_size=k), label="draft")
+        self._begin(f"set_draft({req.rid}, {tokens})")
+        if data.draw(st.booleans()):
+            self.planner.set_draft(req.rid, array("i", tokens).tobytes())
+        else:
+            self.planner.set_draft(req.rid, tokens)
+        req.draft = tokens
+        self._end()
+
+    @rule(data=st.data())
+    def abort_verifying(self, data: st.DataObject) -> None:
+        """Aborts a request while a step verifying its drafts is unreported."""
+        verifying = [r for r in self.requests.values() if r.verifying and r.state != "done"]
+        if not verifying:
+            return
+        req = data.draw(st.sampled_from(verifying))
+        self._begin(f"abort({req.rid}) mid-speculation")
+        if not self.planner.abort(req.rid):
+            self._fail(f"abort({req.rid}) of a running request returned False")
+        self._close(req)
+        self._end()
+
     @rule(n=st.integers(0, 200))
     def evict(self, n: int) -> None:
         self._begin(f"cache.evict({n})")
@@ -574,7 +650,50 @@ class PlannerMachine(RuleBasedStateMachine):
         self._on_step(step)
         return step
 
+    def _samples(self, step_id: int, rids: list[int], accepted, token) -> tuple[list, list]:
+        """The report of a step's sampling rids: a verify entry of k drafts names its rid
+        a + 1 times, with its first a drafts (accepted) and one more token."""
+        verify = self.step_verify[step_id]
+        out_rids, tokens = [], []
+        for rid in rids:
+            req = self.requests[rid]
+            if rid in verify and req.state != "done":
+                a = accepted(verify[rid][1])
+                out_rids += [rid] * (a + 1)
+                tokens += [*req.verifying[:a], token()]
+            else:
+                out_rids.append(rid)
+                tokens.append(token())
+        return out_rids, tokens
+
+    def _draft_some(self) -> None:
+        """Like an engine that drafts by n-gram lookup: drafts for some decoding requests."""
+        for req in self.requests.values():
+            k_max = min(self.cfg["max_draft_tokens"], req.max_new - req.samples - 1)
+            if req.state != "running" or not req.prefill_done or req.verifying or k_max < 1:
+                continue
+            if self.rng.random() < 0.5:
+                tokens = [self.rng.randrange(8) for _ in range(self.rng.randint(1, k_max))]
+                self._begin(f"advance: set_draft({req.rid}, {tokens})")
+                self.planner.set_draft(req.rid, tokens)
+                req.draft = tokens
+                self._end()
+
+    def _random_samples(self, step_id: int, rids: list[int]) -> tuple[list, list]:
+        return self._samples(
+            step_id, rids, lambda k: self.rng.randint(0, k), lambda: self.rng.randrange(8)
+        )
+
     def _report(self, step_id: int, rids: list[int], tokens: list[int], as_bytes=False) -> None:
+        verify = self.step_verify.pop(step_id)
+        for rid in verify:  # a wrong draft among the accepted tokens is refused
+            named = rids.count(rid)
+            if named > 1 and self.requests[rid].state != "done":
+                wrong = list(tokens)
+                i = rids.index(rid)
+                wrong[i] = (wrong[i] + 1) % 8
+                with pytest.raises(RuntimeError):
+                    self.planner.report(step_id, rids, wrong)
         if as_bytes:
             self.planner.report(step_id, array("q", rids).tobytes(), array("i", tokens).tobytes())
         else:
@@ -584,7 +703,30 @@ class PlannerMachine(RuleBasedStateMachine):
             req = self.requests[rid]
             if req.state != "done":  # the core ignores tokens of finished requests
                 req.append(token)
-        for rid, end in self.step_members.pop(step_id).items():
+        members = self.step_members.pop(step_id)
+        for rid, (start, k) in verify.items():
+            req = self.requests[rid]
+            req.verifying = []
+            named = rids.count(rid)
+            new_end = start + named
+            if named:
+                event(f"verify accepted {'none' if named == 1 else 'all' if named > k else 'some'}")
+            # The K/V past the accepted tokens is of rejected drafts: nobody may read it. Slots
+            # another request rewrote since (its blocks went back at an abort or a retraction)
+            # hold that request's K/V.
+            for pos in range(new_end, start + 1 + k):
+                b = req.table[pos // self.bs] if req.state == "running" else None
+                for block in [b] if b is not None else range(len(self.kv)):
+                    if self.kv[block][pos % self.bs] == (rid, pos):
+                        self.kv[block][pos % self.bs] = None
+            if req.state == "done":
+                continue
+            req.samples -= k + 1 - named
+            if req.state == "running":
+                members[rid] = new_end
+                req.kv_len = new_end
+                req.table = req.table[: -(-new_end // self.bs)]
+        for rid, end in members.items():
             req = self.requests[rid]
             req.inflight -= 1
             if req.state == "running":
@@ -593,7 +735,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def _close(self, req: Tracked) -> None:
         req.state = "done"
-        req.table, req.prefix_blocks = [], []
+        req.table, req.prefix_blocks, req.draft = [], [], []
         self.to_drop.add(req.rid)
 
     # -- what a Step must satisfy -------------------------------------------------------------
@@ -623,7 +765,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"step {sid}: rid {e.rid} chunk of {e.n} > chunked_prefill_size")
         if step.num_prefill_tokens != sum(e.n for e in prefill):
             self._fail(f"step {sid}: num_prefill_tokens {step.num_prefill_tokens} is wrong")
-        if step.num_decode_tokens != len(entries) - len(prefill):
+        if step.num_decode_tokens != sum(e.n for e in entries if e.decode):
             self._fail(f"step {sid}: num_decode_tokens {step.num_decode_tokens} is wrong")
         if len({e.rid for e in entries}) != len(entries):
             self._fail(f"step {sid}: a request appears twice")
@@ -635,6 +777,7 @@ class PlannerMachine(RuleBasedStateMachine):
             if req is None or req.state != "running":
                 self._fail(f"step {sid}: retracted rid {rid} was not running")
             req.state, req.table, req.kv_len, req.prefix_blocks = "retracted", [], 0, []
+            req.draft = []
 
         self._check_order(sid, entries, set(retracted))
         first_admissions = []
@@ -680,8 +823,14 @@ class PlannerMachine(RuleBasedStateMachine):
         ):
             if seen:
                 event(what)  # shown by --hypothesis-show-statistics: what the runs covered
+        verify = {e.rid: (e.start, e.n - 1) for e in entries if e.decode and e.n > 1}
+        if verify and retracted:
+            self._fail(f"step {sid}: drafts were planned in a step that retracted {retracted}")
+        if verify:
+            event("verify entry")
         self.inflight.append((sid, sampling))
         self.step_members[sid] = {e.rid: e.start + e.n for e in entries}
+        self.step_verify[sid] = verify
 
     def _slot(self, block: int, pos: int) -> list:
         while block >= len(self.kv):
@@ -704,6 +853,8 @@ class PlannerMachine(RuleBasedStateMachine):
         decoded = {e.rid for e in entries if e.decode}
         for req in self.requests.values():
             if req.state != "running" or not req.prefill_done or req.samples >= req.max_new:
+                continue
+            if req.verifying:  # waits for the report of its verify entry
                 continue
             if req.rid not in decoded and req.rid not in retracted:
                 self._fail(f"step {sid}: running rid {req.rid} got no decode entry")
@@ -741,8 +892,16 @@ class PlannerMachine(RuleBasedStateMachine):
         elif e.start != req.kv_len:
             self._fail(f"{where}: starts at {e.start}, but its KV holds {req.kv_len} positions")
         if e.decode:
-            if e.n != 1 or not e.sample or e.input_ids:
-                self._fail(f"{where}: a decode computes 1 token and samples it")
+            if req.verifying:
+                self._fail(f"{where}: planned before the report verifying its drafts")
+            draft, req.draft = req.draft, []  # one plan consumes them, verified or not
+            if not e.sample or (e.n, e.input_ids) not in ((1, []), (1 + len(draft), draft)):
+                self._fail(
+                    f"{where}: a decode computes its last token ({e.n} positions, inputs "
+                    f"{e.input_ids}) and samples; drafts {draft}"
+                )
+            if draft and e.n == 1:
+                event("drafts fell back to a plain decode")
             if e.start != len(req.prompt) + req.samples - 1:
                 self._fail(
                     f"{where}: decode at {e.start}, but its last sampled token sits at "
@@ -756,8 +915,10 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"{where}: sample={e.sample} but the prefill ends={ends}")
             if e.sample and req.samples != req.output_len:
                 self._fail(f"{where}: recompute samples before all its outputs are known")
+        if e.decode and e.n > 1:
+            req.verifying = e.input_ids
         if e.sample:
-            req.samples += 1
+            req.samples += e.n if e.decode else 1  # a verify entry: up to 1 + k tokens
             if req.samples > req.max_new:
                 self._fail(f"{where}: sample {req.samples} beyond max_new_tokens {req.max_new}")
         for pos in range(e.start, e.start + e.n):
@@ -871,6 +1032,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"request({req.rid}) = {info}: wrong prompt_len or max_new_tokens")
             if list(info["output"]) != req.known[len(req.prompt) :]:
                 self._fail(f"request({req.rid}) output {info['output']} is not what was reported")
+            if (info["draft_len"], info["verifying"]) != (len(req.draft), len(req.verifying)):
+                self._fail(f"request({req.rid}) = {info}: drafts {req.draft}, {req.verifying}")
             if info["inflight_steps"] != req.inflight:
                 self._fail(f"request({req.rid}) = {info}: {req.inflight} steps in flight")
             if req.admitted and info["cached_tokens"] != req.cached_tokens:
@@ -956,7 +1119,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 break
             step_id, rids = self.inflight[0]
             self.op = f"drain: report(step {step_id})"
-            self._report(step_id, rids, [self.rng.randrange(8) for _ in rids])
+            self._report(step_id, *self._random_samples(step_id, rids))
             self._check_all()
         self._resolve_reads(final=True)
         stuck = {r.rid: r.state for r in self.requests.values() if r.state != "done"}
