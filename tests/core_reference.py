@@ -551,7 +551,8 @@ class Planner:
         retracted: list[int] = []
         self._plan_decodes(entries, retracted)
         budget = self._plan_chunks(entries, self.max_prefill_tokens)
-        self._admit(entries, budget)
+        if not retracted:  # like the core: memory ran short, admitting now invites a retraction
+            self._admit(entries, budget)
         if not entries and not self._dropped and not retracted:
             return None
         if not retracted:
