@@ -18,7 +18,8 @@ Two hypothesis state machines:
   starvation, no deadlock), flushes the cache and demands that every block is free.
 
 The same planner machine also runs against the reference planner, which checks the harness
-itself and keeps the benchmark's baseline honest.
+itself and keeps the benchmark's baseline honest. ``LockstepMachine`` drives the core and the
+reference with the same calls (radix cache off) and demands identical Steps and answers.
 """
 
 from __future__ import annotations
@@ -1137,6 +1138,146 @@ class PlannerMachine(RuleBasedStateMachine):
         self.busy = False
 
 
+class LockstepMachine(RuleBasedStateMachine):
+    """The core and the reference planner driven by the same calls, drafts and reports
+    included: every Step (block ids too), every refusal, every request and the statistics must
+    agree, and both must pass check_invariants after every rule. The radix cache is off: with
+    it on, the two caches may lay out their nodes differently and evict in another order."""
+
+    @initialize(config=planner_configs(), seed=st.integers(0, 2**16))
+    def setup(self, config: dict, seed: int) -> None:
+        self.cfg = dict(config, enable_radix_cache=False)
+        self.planners = (core.Planner(**self.cfg), reference.Planner(**self.cfg))
+        self.rng = random.Random(seed)
+        self.inflight: list[tuple[int, list[dict]]] = []  # (step id, entries)
+        self.next_rid = 0
+
+    def _both(self, what: str, call) -> list:
+        """call(planner) on both; they must return equal values or raise the same kind."""
+        outcomes = []
+        for p in self.planners:
+            try:
+                outcomes.append(("returned", call(p)))
+            except (KeyError, ValueError, RuntimeError) as exc:
+                kind = next(k for k in (KeyError, ValueError, RuntimeError) if isinstance(exc, k))
+                outcomes.append(("raised", kind.__name__))
+        if outcomes[0] != outcomes[1]:
+            raise CoreViolation(f"{what}: core {outcomes[0]}, reference {outcomes[1]}")
+        return outcomes[0]
+
+    def _known(self, rid: int) -> dict | None:
+        try:
+            return self.planners[0].request(rid)
+        except KeyError:
+            return None
+
+    @rule(max_new=st.integers(1, 10), prompt=st.lists(st.integers(0, 7), max_size=16))
+    def add(self, max_new: int, prompt: list[int]) -> None:
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self._both(f"add_request({rid})", lambda p: p.add_request(rid, prompt, max_new))
+
+    def _decoding(self) -> list[int]:
+        """Requests that can take drafts (their prefill sampled, no verify in flight)."""
+        out = []
+        for rid in range(self.next_rid):
+            info = self._known(rid)
+            if info and info["state"] == "running" and info["output_len"] and not info["verifying"]:
+                out.append(rid)
+        return out
+
+    @rule(data=st.data())
+    def draft(self, data: st.DataObject) -> None:
+        decoding = self._decoding()
+        if decoding and data.draw(st.integers(0, 3), label="decoding rid") > 0:
+            rid = data.draw(st.sampled_from(decoding), label="rid")
+        else:
+            rid = data.draw(st.integers(0, self.next_rid), label="rid")
+        k = data.draw(st.integers(0, self.cfg["max_draft_tokens"] + 1), label="k")
+        token = st.integers(0, 7) | st.just(VOCAB)  # now and then out of range
+        tokens = data.draw(st.lists(token, min_size=k, max_size=k), label="draft")
+        self._both(f"set_draft({rid}, {tokens})", lambda p: p.set_draft(rid, tokens))
+
+    @rule(cycles=st.integers(1, 8))
+    def advance(self, cycles: int) -> None:
+        """An engine loop: drafts for decoding requests, two steps in flight, random accepts."""
+        for _ in range(cycles):
+            for rid in self._decoding():
+                info = self.planners[0].request(rid)
+                room = info["max_new_tokens"] - info["planned_samples"] - 1
+                k = self.rng.randint(0, max(0, min(self.cfg["max_draft_tokens"], room)))
+                tokens = [self.rng.randrange(8) for _ in range(k)]
+                self._both(
+                    f"set_draft({rid}, {tokens})",
+                    lambda p, rid=rid, tokens=tokens: p.set_draft(rid, tokens),
+                )
+            if len(self.inflight) < MAX_INFLIGHT:
+                self.plan()
+            if self.inflight and (len(self.inflight) == MAX_INFLIGHT or self.rng.random() < 0.5):
+                self._report_oldest(lambda n: self.rng.randint(0, n), corrupt=False)
+
+    @precondition(lambda self: len(self.inflight) < MAX_INFLIGHT)
+    @rule()
+    def plan(self) -> None:
+        _, step = self._both(
+            "plan()",
+            lambda p: (
+                (s := p.plan()) and (s.step_id, s.entries(), bytes(s.dropped), bytes(s.retracted))
+            ),
+        )
+        if step:
+            self.inflight.append((step[0], step[1]))
+            if any(e["is_decode"] and e["num_tokens"] > 1 for e in step[1]):
+                event("lockstep: verify entry")
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data())
+    def report(self, data: st.DataObject) -> None:
+        self._report_oldest(lambda n: data.draw(st.integers(0, n), label="draw"), corrupt=True)
+
+    def _report_oldest(self, draw, corrupt: bool) -> None:
+        step_id, entries = self.inflight[0]
+        rids, tokens = [], []
+        for e in entries:
+            info = self._known(e["rid"])
+            if not e["sample"] or info is None or info["state"] == "done":
+                continue
+            drafts = e["input_ids"] if e["is_decode"] else []
+            a = draw(len(drafts))  # accepted drafts
+            rids += [e["rid"]] * (a + 1)
+            tokens += [*drafts[:a], draw(7)]
+        if rids and corrupt and draw(7) == 0:  # a refused report changes nothing
+            i = draw(len(tokens) - 1)
+            wrong = [*tokens[:i], (tokens[i] + 1) % 8, *tokens[i + 1 :]]
+            self._both(
+                f"report({step_id}, {rids}, {wrong})", lambda p: p.report(step_id, rids, wrong)
+            )
+        self._both(
+            f"report({step_id}, {rids}, {tokens})", lambda p: p.report(step_id, rids, tokens)
+        )
+        self.inflight.pop(0)
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.integers(0, self.next_rid), label="rid")
+        self._both(f"abort({rid})", lambda p: p.abort(rid))
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.integers(0, self.next_rid), label="rid")
+        self._both(f"finish({rid})", lambda p: p.finish(rid))
+
+    @invariant()
+    def agree(self) -> None:
+        if not hasattr(self, "planners"):
+            return
+        for p in self.planners:
+            p.check_invariants()
+        self._both("stats()", lambda p: p.stats())
+        self._both("refcounts()", lambda p: bytes(p.refcounts()))
+        for rid in range(self.next_rid):
+            self._both(f"request({rid})", lambda p, rid=rid: p.request(rid))
+
+
 _PLANNER_SETTINGS = dict(
     stateful_step_count=50,
     deadline=None,
@@ -1153,3 +1294,6 @@ class ReferencePlannerMachine(PlannerMachine):
 
 TestPlannerReference = ReferencePlannerMachine.TestCase
 TestPlannerReference.settings = settings(max_examples=40, **_PLANNER_SETTINGS)
+
+TestPlannerLockstep = LockstepMachine.TestCase
+TestPlannerLockstep.settings = settings(max_examples=300, **_PLANNER_SETTINGS)
