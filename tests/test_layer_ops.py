@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu import layer_ops
+from pyserve.worker.backends.torch.activations import clamped_swiglu
 
 KERNELS = quant.kernels()
 DTYPES = [torch.float32, torch.bfloat16]
@@ -356,7 +357,7 @@ def test_clamped_swiglu_float32_is_the_torch_formula_within_4_ulp(isa, threads, 
     gate, up = gate[: rows * width].view(rows, width), up[: rows * width].view(rows, width)
     out = run_kernel(layer_ops.clamped_swiglu_mul, torch.cat((gate, up), 1), ALPHA, LIMIT)
     exact = clamped_swiglu_exact(gate, up)
-    reference = layer_ops.clamped_swiglu_torch(gate, up, ALPHA, LIMIT)
+    reference = clamped_swiglu(gate, up, ALPHA, LIMIT)
     measurable = exact.abs() > 1e-30
     assert ulps(out, exact)[measurable].max() <= 4.0
     assert ulps(reference, exact)[measurable].max() <= 4.0
@@ -384,7 +385,7 @@ def test_clamped_swiglu_edges(isa):
     torch.testing.assert_close(out[0] / out[4], torch.tensor((LIMIT + 1) / (1 - LIMIT)))
     large, ups = [-60.0, -1e4, -1e30, 3.0, -2.0], [2.0, 2.0, 2.0, -1.0, -1.0]
     got = act(large, ups)
-    want = layer_ops.clamped_swiglu_torch(torch.tensor(large), torch.tensor(ups), ALPHA, LIMIT)
+    want = clamped_swiglu(torch.tensor(large), torch.tensor(ups), ALPHA, LIMIT)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
     nan = act([float("nan"), 1.0, -float("inf")], [1.0, float("nan"), 1.0])
     assert nan.isnan().all()
@@ -402,7 +403,7 @@ def test_clamped_swiglu_bfloat16_is_torchs(isa, threads, rows, width):
     gate_up[0, width : width + 4] = torch.tensor([-LIMIT, 9.0, 2.0, -1.0])
     gate, up = gate_up.chunk(2, dim=-1)
     got = run_kernel(layer_ops.clamped_swiglu_mul, gate_up, ALPHA, LIMIT)
-    expected = layer_ops.clamped_swiglu_torch(gate, up, ALPHA, LIMIT)
+    expected = clamped_swiglu(gate, up, ALPHA, LIMIT)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     differ = got != expected
     assert differ.sum() <= max(1, got.numel() // 1000)
@@ -414,7 +415,6 @@ def test_clamped_swiglu_dispatch_and_arguments():
     x = torch.randn(3, 2 * 40, generator=gen) * 4
     gate, up = x.chunk(2, dim=-1)
     assert "clamped_swiglu" in KERNELS.GATED_ACTIVATIONS
-    assert "clamped_swiglu" in layer_ops.KERNEL_ACTIVATIONS
     fused = run_kernel(layer_ops.clamped_swiglu_mul, x, ALPHA, LIMIT)
     dispatched = run_kernel(
         layer_ops.gated_activation, x, "clamped_swiglu", alpha=ALPHA, limit=LIMIT
@@ -422,12 +422,12 @@ def test_clamped_swiglu_dispatch_and_arguments():
     assert torch.equal(fused, dispatched)
     # another alpha and limit reach the kernel
     other = run_kernel(layer_ops.clamped_swiglu_mul, x, 1.0, 2.5)
-    torch.testing.assert_close(other, layer_ops.clamped_swiglu_torch(gate, up, 1.0, 2.5))
+    torch.testing.assert_close(other, clamped_swiglu(gate, up, 1.0, 2.5))
     # torch where the kernel does not apply (float16); 3-D inputs keep their shape
     half = x.half()
     torch.testing.assert_close(
         run_kernel(layer_ops.clamped_swiglu_mul, half, ALPHA, LIMIT),
-        layer_ops.clamped_swiglu_torch(half[:, :40], half[:, 40:], ALPHA, LIMIT),
+        clamped_swiglu(half[:, :40], half[:, 40:], ALPHA, LIMIT),
     )
     batched = torch.randn(2, 3, 2 * 16)
     assert run_kernel(layer_ops.clamped_swiglu_mul, batched, ALPHA, LIMIT).shape == (2, 3, 16)

@@ -43,7 +43,6 @@ from pyserve.worker.backends.cpu.attention_kernel import (
 from pyserve.worker.backends.cpu.experts import ExpertKernels, KernelRouter
 from pyserve.worker.backends.cpu.quant_linear import CPU_QUANTIZED_LAYERS, QuantLinear
 from pyserve.worker.backends.cpu.stack import CpuDecoderStack
-from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
 from pyserve.worker.backends.torch.attention import (
     ReferenceAttention,
     TorchAttentionMetadata,
@@ -332,12 +331,10 @@ class CpuKernelsBackend(Backend):
         return layer_ops.rms_norm(x, weight, eps, residual)  # torch's ops where it cannot run
 
     def gated_activation(self, gate_up, activation):
-        if activation in layer_ops.KERNEL_ACTIVATIONS:  # torch's where it cannot run
-            config = self.config
-            return layer_ops.gated_activation(
-                gate_up, activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit
-            )
-        return reference_activation(gate_up, activation, self.config)
+        config = self.config  # torch's ops where the kernels cannot run
+        return layer_ops.gated_activation(
+            gate_up, activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit
+        )
 
     def route_experts(self, moe, x):
         router = self.expert_routers.get(id(moe))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES
+from pyserve.worker.backends.torch.activations import clamped_swiglu
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (codes: attention_kernel's)
 
@@ -51,11 +52,6 @@ def rope_features() -> frozenset[str]:
     module declares them (``pyserve._kernels.ROPE_FEATURES``)."""
     kernels = fused_kernels()
     return frozenset(getattr(kernels, "ROPE_FEATURES", ())) if kernels else frozenset()
-
-
-# the activations gated_activation computes (on the kernels, or torch's ops where they do not
-# apply); the others are the torch reference's (backends/torch/activations.py)
-KERNEL_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 def gated_activation(
@@ -131,15 +127,6 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     )
 
 
-def clamped_swiglu_torch(
-    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
-) -> torch.Tensor:
-    """gpt-oss's gated activation in torch's ops, as transformers' GptOssExperts._apply_gate."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 def clamped_swiglu_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """(clamp(up, ±limit) + 1) · g·sigmoid(alpha·g), g = min(gate, limit), for gate_up =
     [..., 2·width] holding gate then up (gpt-oss's experts). The kernel makes torch's ops in
@@ -151,7 +138,7 @@ def clamped_swiglu_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
     return _gated(
         gate_up,
         "clamped_swiglu_mul",
-        lambda g, up: clamped_swiglu_torch(g, up, alpha, limit),
+        lambda g, up: clamped_swiglu(g, up, alpha, limit),
         fused=fused,
         options={"alpha": alpha, "limit": limit},
     )

@@ -16,9 +16,15 @@ def gated_activation(gate_up: torch.Tensor, activation: str, config: ModelConfig
         return F.silu(gate) * up
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
-    if activation == "clamped_swiglu":  # as transformers' GptOssExperts._apply_gate
-        limit = config.swiglu_limit
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
+    if activation == "clamped_swiglu":
+        return clamped_swiglu(gate, up, config.swiglu_alpha, config.swiglu_limit)
     raise ValueError(f"activation {activation!r} is not supported")
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's gated activation, as transformers' GptOssExperts._apply_gate."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
