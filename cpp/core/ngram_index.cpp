@@ -149,6 +149,17 @@ void NgramStore::clear() {
   base_ = begin_ = 0;
 }
 
+std::pair<int64_t, int32_t> NgramStore::longest_match(const int32_t* last_end, int32_t top,
+                                                      int64_t min_match) const {
+  uint64_t hashes[kMaxNgram];
+  suffix_hashes(last_end, top, hashes);
+  for (int32_t n = top; n >= min_match; --n) {
+    const int64_t start = find(last_end - n, n, hashes[n - 1]);
+    if (start >= 0) return {start, n};
+  }
+  return {-1, 0};
+}
+
 // ------------------------------------------------------------------------------------------
 // NgramIndex
 
@@ -170,17 +181,12 @@ NgramDraft NgramIndex::draft(int64_t max_tokens, int64_t min_match, int64_t max_
   // The whole history cannot occur earlier than itself, hence len - 1.
   const int32_t top = static_cast<int32_t>(std::min(max_match, len - 1));
   if (max_tokens == 0 || top < min_match) return out;
-  uint64_t hashes[kMaxNgram];
-  store_.suffix_hashes(store_.data_at(len), top, hashes);
-  for (int32_t n = top; n >= min_match; --n) {
-    const int64_t start = store_.find(store_.data_at(len - n), n, hashes[n - 1]);
-    if (start < 0) continue;
-    const int64_t from = start + n;
-    const int64_t to = std::min(from + max_tokens, len);
-    out.match = n;
-    out.tokens.assign(store_.data_at(from), store_.data_at(to));
-    return out;
-  }
+  const auto [start, n] = store_.longest_match(store_.data_at(len), top, min_match);
+  if (start < 0) return out;
+  const int64_t from = start + n;
+  const int64_t to = std::min(from + max_tokens, len);
+  out.match = n;
+  out.tokens.assign(store_.data_at(from), store_.data_at(to));
   return out;
 }
 
@@ -227,22 +233,17 @@ NgramDraft NgramCorpus::draft(const int32_t* context, size_t n, int64_t max_toke
   store_.check_tokens(tail, static_cast<size_t>(top), "context tail");
   NgramDraft out;
   if (max_tokens == 0 || top < min_match) return out;
-  uint64_t hashes[kMaxNgram];
-  store_.suffix_hashes(context + n, top, hashes);
-  for (int32_t len = top; len >= min_match; --len) {
-    const int64_t start = store_.find(context + n - len, len, hashes[len - 1]);
-    if (start < 0) continue;
-    // The sequence holding the match: the last one starting at or before it.
-    auto seq = std::upper_bound(
-        sequences_.begin(), sequences_.end(), start,
-        [](int64_t pos, const std::pair<int64_t, int64_t>& s) { return pos < s.first; });
-    const int64_t seq_end = std::prev(seq)->second;
-    const int64_t from = start + len;
-    const int64_t to = std::min(from + max_tokens, seq_end);
-    out.match = len;
-    out.tokens.assign(store_.data_at(from), store_.data_at(to));
-    return out;
-  }
+  const auto [start, len] = store_.longest_match(context + n, top, min_match);
+  if (start < 0) return out;
+  // The sequence holding the match: the last one starting at or before it.
+  auto seq = std::upper_bound(
+      sequences_.begin(), sequences_.end(), start,
+      [](int64_t pos, const std::pair<int64_t, int64_t>& s) { return pos < s.first; });
+  const int64_t seq_end = std::prev(seq)->second;
+  const int64_t from = start + len;
+  const int64_t to = std::min(from + max_tokens, seq_end);
+  out.match = len;
+  out.tokens.assign(store_.data_at(from), store_.data_at(to));
   return out;
 }
 

@@ -68,6 +68,10 @@ class NgramStore {
 
   // hashes[n - 1] = hash of the n tokens ending just before `last_end`, for n = 1..count.
   void suffix_hashes(const int32_t* last_end, int32_t count, uint64_t* hashes) const;
+  // The longest suffix of the `top` tokens ending just before `last_end` (n from top down to
+  // min_match) that occurs indexed: {start of its most recent occurrence, n}, or {-1, 0}.
+  std::pair<int64_t, int32_t> longest_match(const int32_t* last_end, int32_t top,
+                                            int64_t min_match) const;
 
  private:
   int32_t max_ngram_;
