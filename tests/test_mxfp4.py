@@ -372,7 +372,11 @@ def llama_quantize() -> Path | None:
     return binary if binary.is_file() else None
 
 
-@pytest.mark.skipif(llama_quantize() is None, reason="no llama-quantize build here")
+@pytest.mark.skipif(
+    llama_quantize() is None,
+    reason="no llama-quantize binary on this machine (benchmarks/compare.py builds it from the "
+    "llama-cpp-python sdist); MXFP4 files written with gguf-py's quantizer are tested regardless",
+)
 def test_a_file_from_llama_quantize_mxfp4_moe(tmp_path):
     """llama.cpp's own writer: a tiny Qwen3-MoE F32 GGUF through `llama-quantize ... MXFP4_MOE`
     (the stacked experts MXFP4, the other matrices Q8_0): served with the experts in MXFP4's
