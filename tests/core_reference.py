@@ -370,6 +370,8 @@ class _Request:
     inflight: int = 0  # unreported steps that contain this request
     draft: list[int] = field(default_factory=list)  # for the next plan() (set_draft)
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
+    spec_drafted: int = 0  # drafts of its reported verify entries
+    spec_accepted: int = 0  # of which accepted
 
     @property
     def tokens(self) -> list[int]:
@@ -434,6 +436,8 @@ class Planner:
         self._dropped: list[int] = []
         self._next_step = 0
         self.retractions = 0
+        self.spec_verify_entries = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_histogram = [0] * (max_draft_tokens + 1)
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -794,6 +798,8 @@ class Planner:
             req.inflight -= 1
             if drafts:
                 req.verifying = []
+                if sampling[req.rid][1]:
+                    self._count_verified(req, drafts, sampling[req.rid][1] - 1)
             if req.state != "running":
                 continue
             if not drafts:
@@ -816,6 +822,14 @@ class Planner:
                 self._cache_computed(req)
             if req.state == "done" and req.inflight == 0:
                 self._requests.pop(req.rid, None)
+
+    def _count_verified(self, req: _Request, drafts: int, accepted: int) -> None:
+        self.spec_verify_entries += 1
+        self.spec_draft_tokens += drafts
+        self.spec_accepted_tokens += accepted
+        self.spec_accepted_histogram[accepted] += 1
+        req.spec_drafted += drafts
+        req.spec_accepted += accepted
 
     def _cache_computed(self, req: _Request) -> None:
         """Offers the request's whole computed blocks to the cache and moves its lock down to
@@ -858,6 +872,11 @@ class Planner:
             retractions=self.retractions,
             steps_planned=self._next_step,
             reserve_ratio=self.reserve_ratio,
+            spec_verify_entries=self.spec_verify_entries,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_histogram=list(self.spec_accepted_histogram),
+            ngram_corpus_tokens=0,  # the reference drafts nothing by itself
             **self.cache.stats(),
         )
 
@@ -879,6 +898,8 @@ class Planner:
             inflight_steps=req.inflight,
             draft_len=len(req.draft),
             verifying=len(req.verifying),
+            spec_drafted=req.spec_drafted,
+            spec_accepted=req.spec_accepted,
         )
 
     def block_states(self) -> bytes:

@@ -747,6 +747,7 @@ class PlannerMachine(RuleBasedStateMachine):
             self._fail(f"step id {sid}, expected {self.next_step_id}")
         self.next_step_id += 1
         entries = _entries(step)
+        self.auto_drafts = 0  # the planner's own drafts in this step (_check_entry)
         dropped, retracted = _i64(step.dropped), _i64(step.retracted)
         states = bytes(self.planner.block_states())
         cfg = self.cfg
@@ -825,6 +826,11 @@ class PlannerMachine(RuleBasedStateMachine):
             if seen:
                 event(what)  # shown by --hypothesis-show-statistics: what the runs covered
         verify = {e.rid: (e.start, e.n - 1) for e in entries if e.decode and e.n > 1}
+        if cfg.get("speculative_ngram"):
+            decodes = sum(e.decode for e in entries)
+            budget = cfg["speculative_token_budget"]
+            if self.auto_drafts > max(0, budget - decodes):
+                self._fail(f"step {sid}: {decodes} decodes and {self.auto_drafts} n-gram drafts")
         if verify and retracted:
             self._fail(f"step {sid}: drafts were planned in a step that retracted {retracted}")
         if verify:
@@ -896,6 +902,12 @@ class PlannerMachine(RuleBasedStateMachine):
             if req.verifying:
                 self._fail(f"{where}: planned before the report verifying its drafts")
             draft, req.draft = req.draft, []  # one plan consumes them, verified or not
+            if not draft and e.n > 1 and self.cfg.get("speculative_ngram"):
+                draft = e.input_ids  # the planner's own n-gram drafts
+                if len(draft) > self.cfg["max_draft_tokens"]:
+                    self._fail(f"{where}: {len(draft)} drafts > max_draft_tokens")
+                event("n-gram drafts")
+                self.auto_drafts += len(draft)
             if not e.sample or (e.n, e.input_ids) not in ((1, []), (1 + len(draft), draft)):
                 self._fail(
                     f"{where}: a decode computes its last token ({e.n} positions, inputs "
@@ -1294,6 +1306,40 @@ class ReferencePlannerMachine(PlannerMachine):
 
 TestPlannerReference = ReferencePlannerMachine.TestCase
 TestPlannerReference.settings = settings(max_examples=40, **_PLANNER_SETTINGS)
+
+
+@st.composite
+def ngram_planner_configs(draw) -> dict:
+    """Configurations whose planner drafts by itself from n-grams of a small vocabulary."""
+    return dict(
+        draw(planner_configs()),
+        max_draft_tokens=draw(st.integers(1, 5)),
+        speculative_ngram=True,
+        ngram_min_match=draw(st.integers(1, 2)),
+        ngram_max_match=draw(st.integers(2, 4)),
+        ngram_corpus_tokens=draw(st.sampled_from([0, 0, 40, 400])),
+        speculative_token_budget=draw(st.integers(1, 12)),
+    )
+
+
+class NgramDraftingPlannerMachine(PlannerMachine):
+    """The core planner drafting by itself (tokens 0..7 repeat, so n-grams match often), with
+    explicit drafts and every other rule still mixed in."""
+
+    @initialize(
+        config=ngram_planner_configs(),
+        prefixes=st.lists(
+            st.lists(st.integers(0, 7), min_size=1, max_size=40), min_size=1, max_size=3
+        ),
+        seed=st.integers(0, 2**16),
+        data=st.data(),
+    )
+    def setup(self, config: dict, prefixes: list[list[int]], seed: int, data) -> None:
+        super().setup(config, prefixes, seed, data)
+
+
+TestPlannerNgramDrafts = NgramDraftingPlannerMachine.TestCase
+TestPlannerNgramDrafts.settings = settings(max_examples=150, **_PLANNER_SETTINGS)
 
 TestPlannerLockstep = LockstepMachine.TestCase
 TestPlannerLockstep.settings = settings(max_examples=300, **_PLANNER_SETTINGS)

@@ -87,6 +87,8 @@ py::dict request_dict(const pyserve::RequestInfo& r) {
   d["inflight_steps"] = r.inflight_steps;
   d["draft_len"] = r.draft_len;
   d["verifying"] = r.verifying;
+  d["spec_drafted"] = r.spec_drafted;
+  d["spec_accepted"] = r.spec_accepted;
   d["output"] = to_list(r.output);
   return d;
 }
@@ -101,6 +103,11 @@ py::dict stats_dict(const pyserve::PlannerStats& s) {
   d["retractions"] = s.retractions;
   d["steps_planned"] = s.steps_planned;
   d["reserve_ratio"] = s.reserve_ratio;
+  d["spec_verify_entries"] = s.spec_verify_entries;
+  d["spec_draft_tokens"] = s.spec_draft_tokens;
+  d["spec_accepted_tokens"] = s.spec_accepted_tokens;
+  d["spec_accepted_histogram"] = s.spec_accepted_histogram;
+  d["ngram_corpus_tokens"] = s.ngram_corpus_tokens;
   return d;
 }
 
@@ -113,7 +120,9 @@ void bind_planner(py::module_& m) {
                        int64_t max_prefill_tokens, int64_t chunked_prefill_size,
                        const std::string& policy, bool enable_radix_cache, int64_t vocab_size,
                        double init_reserve_ratio, double min_reserve_ratio, double reserve_decay,
-                       int64_t max_draft_tokens) {
+                       int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
+                       int64_t ngram_max_match, int64_t ngram_corpus_tokens,
+                       int64_t speculative_token_budget) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -127,6 +136,11 @@ void bind_planner(py::module_& m) {
              c.min_reserve_ratio = min_reserve_ratio;
              c.reserve_decay = reserve_decay;
              c.max_draft_tokens = max_draft_tokens;
+             c.speculative_ngram = speculative_ngram;
+             c.ngram_min_match = ngram_min_match;
+             c.ngram_max_match = ngram_max_match;
+             c.ngram_corpus_tokens = ngram_corpus_tokens;
+             c.speculative_token_budget = speculative_token_budget;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -134,7 +148,10 @@ void bind_planner(py::module_& m) {
            py::arg("chunked_prefill_size") = 2048, py::arg("policy") = "fcfs",
            py::arg("enable_radix_cache") = true, py::arg("vocab_size") = 2147483647,
            py::arg("init_reserve_ratio") = 0.7, py::arg("min_reserve_ratio") = 0.1,
-           py::arg("reserve_decay") = 0.001, py::arg("max_draft_tokens") = 0)
+           py::arg("reserve_decay") = 0.001, py::arg("max_draft_tokens") = 0,
+           py::arg("speculative_ngram") = false, py::arg("ngram_min_match") = 2,
+           py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
+           py::arg("speculative_token_budget") = 16)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{
@@ -184,13 +201,19 @@ void bind_planner(py::module_& m) {
                 [&](Planner& x) { x.report(step_id, r.data(), r.size(), t.data(), t.size()); });
           },
           py::arg("step_id"), py::arg("rids"), py::arg("tokens"))
+      // With n-gram drafts an ended sequence is indexed into the corpus: not always short.
       .def(
-          "finish", [](PyPlanner& p, int64_t rid) { p.held([rid](Planner& x) { x.finish(rid); }); },
+          "finish",
+          [](PyPlanner& p, int64_t rid) {
+            auto run = [rid](Planner& x) { x.finish(rid); };
+            p.obj->config().speculative_ngram ? p.released(run) : p.held(run);
+          },
           py::arg("rid"))
       .def(
           "abort",
           [](PyPlanner& p, int64_t rid) {
-            return p.held([rid](Planner& x) { return x.abort(rid); });
+            auto run = [rid](Planner& x) { return x.abort(rid); };
+            return p.obj->config().speculative_ngram ? p.released(run) : p.held(run);
           },
           py::arg("rid"))
       .def("flush_cache",

@@ -43,6 +43,8 @@ const PlannerConfig& validated(const PlannerConfig& c) {
           "reserve_decay must be >= 0, got " + std::to_string(c.reserve_decay));
   require(c.max_draft_tokens >= 0 && c.max_draft_tokens <= 65536,
           "max_draft_tokens must be in [0, 65536], got " + std::to_string(c.max_draft_tokens));
+  require(c.speculative_token_budget >= 1, "speculative_token_budget must be >= 1, got " +
+                                               std::to_string(c.speculative_token_budget));
   return c;
 }
 
@@ -68,7 +70,18 @@ Planner::Planner(const PlannerConfig& config)
       block_size_(config.block_size),
       allocator_(config.num_blocks),
       cache_(config.block_size, allocator_),
-      reserve_ratio_(config.init_reserve_ratio) {}
+      reserve_ratio_(config.init_reserve_ratio),
+      spec_accepted_histogram_(static_cast<size_t>(config.max_draft_tokens) + 1, 0) {
+  if (config_.speculative_ngram) {
+    NgramDrafterConfig d;
+    d.max_draft_tokens = config_.max_draft_tokens;
+    d.min_match = config_.ngram_min_match;
+    d.max_match = config_.ngram_max_match;
+    d.corpus_tokens = config_.ngram_corpus_tokens;
+    d.vocab_size = config_.vocab_size;
+    drafter_ = std::make_unique<NgramDrafter>(d);
+  }
+}
 
 Request* Planner::find(int64_t rid) const {
   auto it = requests_.find(rid);
@@ -109,6 +122,7 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   r.state = RequestState::kWaiting;
   waiting_.push_back(&r);
   r.queue_pos = std::prev(waiting_.end());
+  if (drafter_) drafter_->add(rid, r.prompt.data(), r.prompt.size());
   requests_.emplace(rid, std::move(owned));
 }
 
@@ -136,11 +150,18 @@ void Planner::end_request(Request& r) {
     waiting_.erase(r.queue_pos);
   }
   r.state = RequestState::kDone;
+  if (drafter_) {
+    const std::vector<int32_t>& seq = sequence(r);
+    drafter_->end(r.rid, seq.data(), seq.size());
+  }
   dropped_.push_back(r.rid);
   if (r.inflight_steps == 0) requests_.erase(r.rid);
 }
 
-int64_t Planner::flush_cache() { return cache_.reset(); }
+int64_t Planner::flush_cache() {
+  if (drafter_) drafter_->clear_corpus();  // it holds what earlier requests computed, as the tree
+  return cache_.reset();
+}
 
 void Planner::set_draft(int64_t rid, std::vector<int32_t> draft) {
   Request* r = find(rid);
@@ -329,6 +350,27 @@ int64_t Planner::plain_decode_blocks(const Request& r) const {
   return r.num_scheduled / block_size_ >= static_cast<int64_t>(r.table.size()) ? 1 : 0;
 }
 
+// The drafter's drafts for r's next decode entry, within the step's draft budget and r's
+// max_new_tokens. With more than one sample of r still unreported the guess would be too weak.
+void Planner::draft_ngrams(Request& r, int64_t& budget) {
+  const int64_t limit = std::min(budget, r.max_new_tokens - r.planned_samples - 1);
+  const int64_t k = drafter_->wanted(r.rid, limit);
+  const int64_t unknown = r.planned_samples - static_cast<int64_t>(r.output.size());
+  if (k <= 0 || unknown > 1) return;
+  r.draft = drafter_->draft(r.rid, k, unknown);
+  budget -= static_cast<int64_t>(r.draft.size());
+}
+
+void Planner::count_verified(Request& r, int64_t drafts, int64_t accepted) {
+  ++spec_verify_entries_;
+  spec_draft_tokens_ += drafts;
+  spec_accepted_tokens_ += accepted;
+  ++spec_accepted_histogram_[static_cast<size_t>(accepted)];
+  r.spec_drafted += drafts;
+  r.spec_accepted += accepted;
+  if (drafter_) drafter_->verified(r.rid, drafts, accepted);
+}
+
 // One decode token for every running request whose prefill is fully scheduled, plus its drafts
 // when they fit. Oldest first, so that when blocks run out the victims (newest first) have no
 // entry in this step yet.
@@ -336,9 +378,14 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
   // Blocks the plain decodes not yet planned need: drafts take only what is left beside them,
   // so that they never cause a retraction.
   int64_t plain_blocks_left = 0;
+  int64_t decodes = 0;
   for (const Request* r : running_) {
-    if (decode_eligible(*r)) plain_blocks_left += plain_decode_blocks(*r);
+    if (decode_eligible(*r)) {
+      plain_blocks_left += plain_decode_blocks(*r);
+      ++decodes;
+    }
   }
+  int64_t draft_budget = config_.speculative_token_budget - decodes;
   for (size_t i = 0; i < running_.size();) {
     Request& r = *running_[i];
     if (!decode_eligible(r)) {
@@ -347,6 +394,7 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     }
     plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
+    if (drafter_ && r.draft.empty()) draft_ngrams(r, draft_budget);
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
@@ -638,7 +686,10 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
     const InflightEntry& entry = s.entries[j];
     Request& r = *entry.request;
     --r.inflight_steps;
-    if (entry.drafts > 0) r.verifying.clear();
+    if (entry.drafts > 0) {
+      r.verifying.clear();
+      if (scratch_counts_[j] > 0) count_verified(r, entry.drafts, scratch_counts_[j] - 1);
+    }
     if (r.state != RequestState::kRunning) continue;
     if (entry.drafts == 0) {
       r.num_computed = std::max(r.num_computed, entry.end);
@@ -653,7 +704,9 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
   }
   for (size_t i = 0; i < num_rids; ++i) {
     Request& r = *s.entries[scratch_targets_[i]].request;
-    if (r.state != RequestState::kDone) r.output.push_back(tokens[i]);
+    if (r.state == RequestState::kDone) continue;
+    r.output.push_back(tokens[i]);
+    if (drafter_) drafter_->append(r.rid, tokens[i]);
   }
   for (const InflightEntry& entry : s.entries) {
     Request& r = *entry.request;
@@ -681,6 +734,11 @@ PlannerStats Planner::stats() const {
   s.retractions = retractions_;
   s.steps_planned = next_step_id_;
   s.reserve_ratio = reserve_ratio_;
+  s.spec_verify_entries = spec_verify_entries_;
+  s.spec_draft_tokens = spec_draft_tokens_;
+  s.spec_accepted_tokens = spec_accepted_tokens_;
+  s.spec_accepted_histogram = spec_accepted_histogram_;
+  s.ngram_corpus_tokens = drafter_ && drafter_->corpus() ? drafter_->corpus()->num_tokens() : 0;
   s.cache = cache_.stats();
   return s;
 }
@@ -701,6 +759,8 @@ RequestInfo Planner::request(int64_t rid) const {
   info.inflight_steps = r->inflight_steps;
   info.draft_len = static_cast<int64_t>(r->draft.size());
   info.verifying = static_cast<int64_t>(r->verifying.size());
+  info.spec_drafted = r->spec_drafted;
+  info.spec_accepted = r->spec_accepted;
   info.output = r->output;
   return info;
 }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "block_allocator.h"
+#include "ngram_drafter.h"
 #include "radix_cache.h"
 #include "request.h"
 #include "step.h"
@@ -59,6 +60,14 @@ struct PlannerConfig {
   double min_reserve_ratio = 0.1;
   double reserve_decay = 0.001;
   int64_t max_draft_tokens = 0;  // the most drafts one decode entry verifies; 0: no drafts
+  // The planner drafts by itself from n-grams (NgramDrafter) for decoding requests that were
+  // given no drafts, while a step's decode entries and drafts stay within
+  // speculative_token_budget tokens.
+  bool speculative_ngram = false;
+  int64_t ngram_min_match = 2;
+  int64_t ngram_max_match = 4;
+  int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
+  int64_t speculative_token_budget = 16;
 };
 
 struct RequestInfo {
@@ -72,8 +81,10 @@ struct RequestInfo {
   int64_t planned_samples = 0;
   int64_t num_blocks = 0;
   int32_t inflight_steps = 0;
-  int64_t draft_len = 0;  // drafts set for the next plan()
-  int64_t verifying = 0;  // drafts of an unreported verify entry
+  int64_t draft_len = 0;      // drafts set for the next plan()
+  int64_t verifying = 0;      // drafts of an unreported verify entry
+  int64_t spec_drafted = 0;   // drafts verified so far
+  int64_t spec_accepted = 0;  // of which accepted
   std::vector<int32_t> output;
 };
 
@@ -86,6 +97,11 @@ struct PlannerStats {
   int64_t retractions = 0;
   int64_t steps_planned = 0;
   double reserve_ratio = 0.0;
+  int64_t spec_verify_entries = 0;               // reported verify entries
+  int64_t spec_draft_tokens = 0;                 // drafts they verified
+  int64_t spec_accepted_tokens = 0;              // drafts they accepted
+  std::vector<int64_t> spec_accepted_histogram;  // [a]: verify entries that accepted a drafts
+  int64_t ngram_corpus_tokens = 0;               // tokens in the drafter's corpus
   CacheStats cache;
 };
 
@@ -173,6 +189,8 @@ class Planner {
   void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
                  size_t old_table_len);
   void add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len);
+  void draft_ngrams(Request& r, int64_t& budget);
+  void count_verified(Request& r, int64_t drafts, int64_t accepted);
 
   Request* newest_retractable() const;
   void retract(Request& r, Step& step);
@@ -197,6 +215,11 @@ class Planner {
   int64_t retractions_ = 0;
   double reserve_ratio_;
   bool retracted_this_plan_ = false;
+  std::unique_ptr<NgramDrafter> drafter_;  // with speculative_ngram
+  int64_t spec_verify_entries_ = 0;
+  int64_t spec_draft_tokens_ = 0;
+  int64_t spec_accepted_tokens_ = 0;
+  std::vector<int64_t> spec_accepted_histogram_;
   std::vector<int32_t> scratch_tokens_;
   std::vector<size_t> scratch_targets_;  // report: the entry each token belongs to
   std::vector<int32_t> scratch_counts_;  // report: tokens named for each entry

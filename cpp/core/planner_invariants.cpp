@@ -65,6 +65,11 @@ void Planner::check_invariants() const {
   for (const Request* r : running_) {
     if (r->state != RequestState::kRunning) fail("a non-running request is in the running set");
   }
+  if (drafter_) {
+    size_t live = 0;
+    for (const auto& entry : requests_) live += entry.second->state != RequestState::kDone;
+    if (drafter_->num_requests() != live) fail("the drafter's requests and the live ones differ");
+  }
 
   // In-flight counts.
   std::unordered_map<const Request*, int32_t> named;

@@ -1,0 +1,92 @@
+#include "ngram_drafter.h"
+
+#include <algorithm>
+#include <string>
+
+#include "errors.h"
+
+namespace pyserve {
+
+void check_drafter_config(const NgramDrafterConfig& c) {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) throw ValueError(message);
+  };
+  require(c.max_draft_tokens >= 1, "speculative drafts need max_draft_tokens >= 1, got " +
+                                       std::to_string(c.max_draft_tokens));
+  require(c.min_match >= 1 && c.min_match <= c.max_match && c.max_match <= kMaxNgram,
+          "n-gram match lengths must satisfy 1 <= min_match <= max_match <= " +
+              std::to_string(kMaxNgram) + ", got " + std::to_string(c.min_match) + " and " +
+              std::to_string(c.max_match));
+  require(c.corpus_tokens >= 0,
+          "the n-gram corpus budget must be >= 0 tokens, got " + std::to_string(c.corpus_tokens));
+}
+
+NgramDrafter::NgramDrafter(const NgramDrafterConfig& config) : config_(config) {
+  check_drafter_config(config_);
+  if (config_.corpus_tokens > 0) {
+    corpus_ = std::make_unique<NgramCorpus>(static_cast<int32_t>(config_.max_match),
+                                            config_.corpus_tokens, config_.vocab_size);
+  }
+}
+
+void NgramDrafter::add(int64_t rid, const int32_t* prompt, size_t n) {
+  auto [it, added] =
+      slots_.try_emplace(rid, static_cast<int32_t>(config_.max_match), config_.vocab_size);
+  if (!added) throw ValueError("drafter: request " + std::to_string(rid) + " already exists");
+  it->second.index.append(prompt, n);
+  it->second.length = config_.max_draft_tokens;
+}
+
+void NgramDrafter::append(int64_t rid, int32_t token) {
+  auto it = slots_.find(rid);
+  if (it != slots_.end()) it->second.index.append(&token, 1);
+}
+
+void NgramDrafter::end(int64_t rid, const int32_t* sequence, size_t n) {
+  slots_.erase(rid);
+  if (corpus_) corpus_->add_sequence(sequence, n);
+}
+
+void NgramDrafter::clear_corpus() {
+  if (corpus_) corpus_->clear();
+}
+
+int64_t NgramDrafter::wanted(int64_t rid, int64_t limit) {
+  auto it = slots_.find(rid);
+  if (it == slots_.end() || limit <= 0) return 0;
+  Slot& s = it->second;
+  if (s.skip > 0) {
+    --s.skip;
+    return 0;
+  }
+  return std::min(s.length, limit);
+}
+
+std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown) const {
+  auto it = slots_.find(rid);
+  if (it == slots_.end() || k <= 0) return {};
+  NgramDraft d = ngram_draft(it->second.index, corpus_.get(), k + unknown, config_.min_match,
+                             config_.max_match);
+  if (static_cast<int64_t>(d.tokens.size()) <= unknown) return {};
+  d.tokens.erase(d.tokens.begin(), d.tokens.begin() + unknown);
+  return std::move(d.tokens);
+}
+
+void NgramDrafter::verified(int64_t rid, int64_t drafted, int64_t accepted) {
+  auto it = slots_.find(rid);
+  if (it == slots_.end() || drafted <= 0) return;
+  Slot& s = it->second;
+  if (accepted >= drafted) {
+    s.length = std::min(config_.max_draft_tokens, s.length + std::max<int64_t>(1, s.length / 2));
+  } else {
+    s.length = accepted + 1;
+  }
+  if (accepted > 0) {
+    s.misses = 0;
+    return;
+  }
+  s.misses = std::min(s.misses + 1, 6);
+  s.skip = std::min<int32_t>(kMaxBackoff, 1 << s.misses);
+}
+
+}  // namespace pyserve

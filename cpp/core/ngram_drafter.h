@@ -1,0 +1,79 @@
+// NgramDrafter: the planner's own n-gram drafts for speculative decoding.
+//
+// It keeps an NgramIndex of every live request's history (prompt, then each reported token) and
+// a corpus of the sequences that ended (NgramCorpus, under a token budget), and proposes drafts
+// with ngram_draft. The planner asks it for drafts while planning decode entries, so a draft
+// costs one lookup in C++ per decoding request and never a round trip through Python.
+//
+// Drafting ahead of an unreported token: when a request's plain decode is still in flight, its
+// history lacks the token being sampled. The drafter then drafts one token further and drops
+// the first, which stands in for the unknown one; when that guess is wrong, verification
+// rejects the drafts (outputs stay exact, only the work is lost).
+//
+// Draft length adapts per request: it starts at max_draft_tokens, grows by half again after a
+// verify that accepted every draft and shrinks to accepted + 1 after one that did not. A verify
+// that accepted none makes the request skip its next drafts, 2, 4, .. up to kMaxBackoff decode
+// steps after consecutive misses, because a rejected verify costs the request its overlap.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "ngram_index.h"
+
+namespace pyserve {
+
+struct NgramDrafterConfig {
+  int64_t max_draft_tokens = 8;  // K: the most drafts one verify entry carries
+  int64_t min_match = 2;         // the shortest suffix that may propose a draft
+  int64_t max_match = 4;         // the longest suffix looked up
+  int64_t corpus_tokens = 0;     // tokens of ended sequences kept to draft from; 0: none
+  int64_t vocab_size = 2147483647;
+};
+
+class NgramDrafter {
+ public:
+  static constexpr int32_t kMaxBackoff = 64;
+
+  explicit NgramDrafter(const NgramDrafterConfig& config);
+
+  const NgramDrafterConfig& config() const { return config_; }
+  size_t num_requests() const { return slots_.size(); }
+  const NgramCorpus* corpus() const { return corpus_.get(); }
+
+  // A new request; its prompt is the start of its history. The caller has checked the tokens.
+  void add(int64_t rid, const int32_t* prompt, size_t n);
+  void append(int64_t rid, int32_t token);  // a reported token
+  // The request ended: its whole sequence (prompt + output) joins the corpus, if there is one.
+  void end(int64_t rid, const int32_t* sequence, size_t n);
+  void clear_corpus();
+
+  // How many drafts the request wants now (0: none this time), at most `limit`. Counts down a
+  // back-off, so call it once per decode entry planned.
+  int64_t wanted(int64_t rid, int64_t limit);
+  // Up to `k` drafts following the request's history extended by `unknown` (0 or 1) unreported
+  // tokens; empty when nothing matched.
+  std::vector<int32_t> draft(int64_t rid, int64_t k, int64_t unknown) const;
+  // A verify entry of `drafted` drafts accepted `accepted` of them.
+  void verified(int64_t rid, int64_t drafted, int64_t accepted);
+
+ private:
+  struct Slot {
+    explicit Slot(int32_t max_ngram, int64_t vocab) : index(max_ngram, vocab) {}
+    NgramIndex index;
+    int64_t length = 0;  // drafts wanted at the next verify
+    int32_t misses = 0;  // consecutive verifies that accepted nothing
+    int32_t skip = 0;    // decode entries still to plan without drafts
+  };
+
+  NgramDrafterConfig config_;
+  std::unordered_map<int64_t, Slot> slots_;
+  std::unique_ptr<NgramCorpus> corpus_;
+};
+
+// ValueError unless the settings are usable (1 <= min_match <= max_match <= kMaxNgram, ...).
+void check_drafter_config(const NgramDrafterConfig& config);
+
+}  // namespace pyserve
