@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from pyserve.chat.harmony import HARMONY
 from pyserve.chat.reasoning import REASONING_PARSERS
 from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
+from pyserve.engine.config import SPECULATIVE_ALGORITHMS
 from pyserve.http.app import HTTP2PrefaceFilter, create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.responses_store import default_state_dir
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="queue order")
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
+    add_speculative_args(add)
     add("--tokenizer-workers", type=int, default=2, help="threads for chat templates and encoding")
     add("--stream-interval", type=int, default=1, help="stream a chunk every N tokens")
     add("--torch-threads", type=int, help="torch threads of the worker; none: torch's default")
@@ -232,6 +234,53 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_MEM_FRACTION = 0.88  # SGLang's default for a large GPU
 
 
+def add_speculative_args(add: Callable[..., object]) -> None:
+    """SGLang's names for speculative decoding (the algorithm case-insensitive, as there)."""
+    defaults = EngineConfig()
+    add(
+        "--speculative-algorithm",
+        type=str.lower,
+        choices=list(SPECULATIVE_ALGORITHMS),
+        help="speculative decoding: ngram drafts tokens from the request's own prompt and "
+        "output and from earlier requests' sequences, and verifies them in the batched step "
+        "(outputs are exactly those without it); default: off",
+    )
+    add(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=defaults.speculative_num_draft_tokens,
+        help="the most drafts one request verifies in a step (each request's count adapts to "
+        "its acceptance); default: %(default)s",
+    )
+    add(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=defaults.speculative_ngram_min_match_window_size,
+        help="the shortest suffix of the output that may propose drafts; default: %(default)s",
+    )
+    add(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=defaults.speculative_ngram_max_match_window_size,
+        help="the longest suffix looked up (longer matches win); default: %(default)s",
+    )
+    add(
+        "--speculative-ngram-capacity",
+        type=int,
+        default=defaults.speculative_ngram_capacity,
+        help="tokens of finished requests' sequences kept to draft from (emptied by "
+        "/flush_cache); 0: each request drafts from itself only; default: %(default)s",
+    )
+    add(
+        "--speculative-token-budget",
+        type=int,
+        default=defaults.speculative_token_budget,
+        help="a step speculates only while its decodes plus drafts stay within this many "
+        "tokens (larger batches are compute-bound, where drafts cost more than they save); "
+        "default: %(default)s",
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=args.model,
@@ -262,6 +311,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pooling=args.pooling,
         embedding_normalize=args.embedding_normalize,
         rerank_mode=args.rerank_mode,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_min_match_window_size=args.speculative_ngram_min_match_window_size,
+        speculative_ngram_max_match_window_size=args.speculative_ngram_max_match_window_size,
+        speculative_ngram_capacity=args.speculative_ngram_capacity,
+        speculative_token_budget=args.speculative_token_budget,
     )
     if args.kv_cache_gib is not None:
         config.kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))

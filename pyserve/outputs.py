@@ -25,6 +25,8 @@ class GenerationChunk(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int  # total so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with speculative decoding: drafted tokens the request accepted (set on the last chunk)
+    spec_accepted_tokens: int | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for

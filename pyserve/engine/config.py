@@ -17,6 +17,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # (max_prefill_tokens, chunked_prefill_size) unless set: see EngineConfig.resolved_prefill_budget
 CPU_PREFILL_BUDGET = (512, 512)
+SPECULATIVE_ALGORITHMS = ("ngram",)
+MAX_DRAFT_TOKENS = 64  # a verify entry of more drafts would cost like a prefill chunk
+MAX_NGRAM_WINDOW = 64  # the core's longest n-gram (cpp/core/ngram_index.h)
 GPU_PREFILL_BUDGET = (8192, 2048)
 
 
@@ -79,6 +82,30 @@ class EngineConfig:
     pooling: str | None = None
     embedding_normalize: bool = True
     rerank_mode: str = "auto"
+    # Speculative decoding (cpp/README.md, "The planner's own drafts"): "ngram" drafts from the
+    # request's own prompt and output and from the sequences earlier requests ended with, and
+    # verifies the drafts in the batched step; None: off. The draft count is a maximum (each
+    # request's adapts to its acceptance); a step speculates only while its decode entries and
+    # drafts stay within the token budget, where a CPU step costs about the same as one token.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 4
+    speculative_ngram_capacity: int = 131072  # tokens of ended sequences kept to draft from
+    speculative_token_budget: int = 16
+
+    def planner_speculation(self) -> dict:
+        """The Planner's speculative-decoding options for these settings."""
+        if self.speculative_algorithm is None:
+            return {}
+        return dict(
+            max_draft_tokens=self.speculative_num_draft_tokens,
+            speculative_ngram=True,
+            ngram_min_match=self.speculative_ngram_min_match_window_size,
+            ngram_max_match=self.speculative_ngram_max_match_window_size,
+            ngram_corpus_tokens=self.speculative_ngram_capacity,
+            speculative_token_budget=self.speculative_token_budget,
+        )
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
         """(max_prefill_tokens, chunked_prefill_size), the unset ones from the device's defaults.
@@ -168,9 +195,37 @@ class EngineConfig:
             raise ValueError(
                 f"rerank_mode must be auto, yes-no or cosine; got {self.rerank_mode!r}"
             )
+        self._validate_speculation()
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
         # what the worker checks too (quantization, activation bits, backend): checked here first
         self.worker_settings(self.model, 1).validate()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+
+    def _validate_speculation(self) -> None:
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(
+                f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], "
+                f"got {self.speculative_num_draft_tokens}"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high <= MAX_NGRAM_WINDOW:
+            raise ValueError(
+                "speculative n-gram match windows must satisfy 1 <= min <= max <= "
+                f"{MAX_NGRAM_WINDOW}; got {low} and {high}"
+            )
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError(
+                f"speculative_ngram_capacity must be >= 0, got {self.speculative_ngram_capacity}"
+            )
+        if self.speculative_token_budget < 1:
+            raise ValueError(
+                f"speculative_token_budget must be >= 1, got {self.speculative_token_budget}"
+            )

@@ -252,10 +252,12 @@ class PooledRequestState(RequestState):
         super().__init__(*args, **kwargs)
         self.pooled = b""
 
-    def add_delta(self, delta: RequestDelta, cached_tokens: int | None) -> None:
+    def add_delta(
+        self, delta: RequestDelta, cached_tokens: int | None, spec_accepted: int | None = None
+    ) -> None:
         if delta.pooled:
             self.pooled = delta.pooled
-        super().add_delta(delta, cached_tokens)
+        super().add_delta(delta, cached_tokens, spec_accepted)
 
 
 async def last_chunk(state: RequestState) -> GenerationChunk:

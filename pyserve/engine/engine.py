@@ -141,6 +141,7 @@ class Engine:
                 ready_timeout=config.ready_timeout,
                 shutdown_timeout=config.shutdown_timeout,
                 step_timeout=config.step_timeout,
+                speculative=config.speculative_algorithm is not None,
             )
             self._scheduler.start()
             self._ready = await self._ready_future
@@ -221,6 +222,7 @@ class Engine:
             policy=config.schedule_policy,
             enable_radix_cache=config.enable_radix_cache,
             vocab_size=self._info.vocab_size,
+            **config.planner_speculation(),
         )
         idle_check.apply_test_hook(planner)
         return planner
@@ -275,7 +277,7 @@ class Engine:
         if self._ready_future is not None and not self._ready_future.done():
             self._ready_future.set_result(ready)
 
-    def on_step(self, deltas: list[tuple[RequestDelta, int | None]]) -> None:
+    def on_step(self, deltas: list[tuple[RequestDelta, int | None, int | None]]) -> None:
         self._registry.on_step(deltas)
 
     def on_request_error(self, rids: list[int] | None, error: Exception) -> None:
@@ -435,9 +437,29 @@ class Engine:
             # bytes of weights a decode step reads, as loaded (packed), embeddings aside
             "weight_bytes": ready.weight_bytes if ready is not None else None,
             "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
+            "speculative": self._speculative_info(),
             "capabilities": self.capabilities,
             "embedding": self._embedding.info() if self._embedding is not None else None,
             "versions": _versions(),
+        }
+
+    def _speculative_info(self) -> dict | None:
+        """The speculative-decoding settings, and the acceptance so far; None when off."""
+        config = self.config
+        if config.speculative_algorithm is None:
+            return None
+        stats = self._scheduler.snapshot if self._scheduler is not None else {}
+        drafted = stats.get("spec_draft_tokens", 0)
+        return {
+            "algorithm": config.speculative_algorithm,
+            "num_draft_tokens": config.speculative_num_draft_tokens,
+            "ngram_min_match_window_size": config.speculative_ngram_min_match_window_size,
+            "ngram_max_match_window_size": config.speculative_ngram_max_match_window_size,
+            "ngram_capacity": config.speculative_ngram_capacity,
+            "token_budget": config.speculative_token_budget,
+            "draft_tokens": drafted,
+            "accepted_tokens": stats.get("spec_accepted_tokens", 0),
+            "acceptance_rate": stats.get("spec_accepted_tokens", 0) / drafted if drafted else None,
         }
 
     # ------------------------------------------------------------------ requests

@@ -46,6 +46,7 @@ class RequestState:
         "finished",
         "prompt_tokens",
         "rid",
+        "spec_accepted_tokens",
         "stream_interval",
         "want_logprobs",
     )
@@ -66,6 +67,7 @@ class RequestState:
         self.want_logprobs = want_logprobs
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.spec_accepted_tokens: int | None = None  # drafts accepted, once it finished
         self.finished = False  # the last chunk is queued (or an error is set)
         self.error: BaseException | None = None
         self._chunks: collections.deque[GenerationChunk] = collections.deque()
@@ -80,11 +82,15 @@ class RequestState:
         # it took it (the consumer then never sees that chunk)
         self.direct: Callable[[GenerationChunk], bool] | None = None
 
-    def add_delta(self, delta: RequestDelta, cached_tokens: int | None) -> None:
+    def add_delta(
+        self, delta: RequestDelta, cached_tokens: int | None, spec_accepted: int | None = None
+    ) -> None:
         if self.finished:
             return
         if cached_tokens is not None:
             self.cached_tokens = cached_tokens
+        if spec_accepted is not None:
+            self.spec_accepted_tokens = spec_accepted
         ids = _int32s(delta.token_ids)
         self._ids.extend(ids)
         self.completion_tokens += len(ids)
@@ -141,6 +147,7 @@ class RequestState:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
             finish_reason=finish_reason,
             matched_stop=matched_stop,
             logprobs=self._logprobs if self.want_logprobs else None,
@@ -197,12 +204,12 @@ class RequestRegistry:
     def get(self, rid: str) -> RequestState | None:
         return self.by_rid.get(rid)
 
-    def on_step(self, deltas: list[tuple[RequestDelta, int | None]]) -> None:
+    def on_step(self, deltas: list[tuple[RequestDelta, int | None, int | None]]) -> None:
         by_core_rid = self.by_core_rid
-        for delta, cached_tokens in deltas:
+        for delta, cached_tokens, spec_accepted in deltas:
             state = by_core_rid.get(delta.rid)
             if state is not None:
-                state.add_delta(delta, cached_tokens)
+                state.add_delta(delta, cached_tokens, spec_accepted)
 
     def fail(self, core_rids: list[int] | None, error: BaseException) -> None:
         """Fails the named requests, or all of them if ``core_rids`` is None."""

@@ -49,7 +49,9 @@ class EngineSink(Protocol):
     """What the thread calls on the event loop (through call_soon_threadsafe)."""
 
     def on_ready(self, ready: inp.Ready) -> None: ...
-    def on_step(self, deltas: list[tuple[inp.RequestDelta, int | None]]) -> None: ...
+    # per delta: (delta, the prompt tokens served from the prefix cache on the request's first
+    # delta, the drafts it had accepted on its last delta when speculating; else None)
+    def on_step(self, deltas: list[tuple[inp.RequestDelta, int | None, int | None]]) -> None: ...
     def on_request_error(self, rids: list[int] | None, error: Exception) -> None: ...
     def on_fatal(self, error: Exception) -> None: ...
     def on_idle(self, problems: list[str], last_submitted_rid: int) -> None: ...
@@ -68,6 +70,7 @@ class SchedulerLoop:
         ready_timeout: float,
         shutdown_timeout: float,
         step_timeout: float = 0.0,
+        speculative: bool = False,
     ) -> None:
         self._addresses = addresses
         self._children = children
@@ -76,6 +79,7 @@ class SchedulerLoop:
         self._sink = sink
         self._ready_timeout = ready_timeout
         self._shutdown_timeout = shutdown_timeout
+        self._speculative = speculative  # finished requests report their accepted drafts
         self._commands: collections.deque[tuple] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -317,7 +321,7 @@ class SchedulerLoop:
         self._detokenizer_requests = msg.detokenizer_requests
         self._worker_busy_seconds = msg.worker_busy_seconds
         self._worker_steps = msg.worker_steps
-        handed: list[tuple[inp.RequestDelta, int | None]] = []
+        handed: list[tuple[inp.RequestDelta, int | None, int | None]] = []
         for delta in msg.deltas:
             rid = delta.rid
             if rid not in self._live:
@@ -326,10 +330,13 @@ class SchedulerLoop:
             if rid in self._awaiting_cached:
                 self._awaiting_cached.discard(rid)
                 cached = planner.request(rid)["cached_tokens"]
+            accepted = None
             if delta.finish_reason is not None:
+                if self._speculative:
+                    accepted = planner.request(rid)["spec_accepted"]
                 planner.finish(rid)
                 self._forget(rid)
-            handed.append((delta, cached))
+            handed.append((delta, cached, accepted))
         self._generated_since_log += len(msg.deltas)
         self._handed_tokens += len(handed)
         if handed:

@@ -38,6 +38,8 @@ class Reading:
     steps: int
     hit_tokens: int
     query_tokens: int
+    spec_drafted: int  # speculative decoding: drafted tokens verified, and those accepted
+    spec_accepted: int
     ttft: tuple[int, ...]
     itl: tuple[int, ...]
 
@@ -96,6 +98,8 @@ class LiveStats(BackgroundTask):
             steps=stats.get("worker_steps", 0),
             hit_tokens=stats.get("hit_tokens", 0),
             query_tokens=stats.get("query_tokens", 0),
+            spec_drafted=stats.get("spec_draft_tokens", 0),
+            spec_accepted=stats.get("spec_accepted_tokens", 0),
             ttft=tuple(metrics.ttft.counts),
             itl=tuple(metrics.itl.counts),
         )
@@ -113,6 +117,7 @@ class LiveStats(BackgroundTask):
         steps = reading.steps - last.steps
         tokens = reading.tokens - last.tokens
         queried = reading.query_tokens - first.query_tokens
+        drafted = reading.spec_drafted - first.spec_drafted
         total = stats.get("num_blocks", 0)
         free = stats.get("num_free_blocks", total)
         cached = stats.get("cached_blocks", 0)
@@ -131,6 +136,9 @@ class LiveStats(BackgroundTask):
             "prefix_cache_hit_rate": (
                 (reading.hit_tokens - first.hit_tokens) / queried if queried else None
             ),
+            "spec_acceptance_rate": (
+                (reading.spec_accepted - first.spec_accepted) / drafted if drafted else None
+            ),
             "ttft_s": _percentiles(metrics.ttft.bounds, reading.ttft, first.ttft),
             "itl_s": _percentiles(metrics.itl.bounds, reading.itl, first.itl),
         }
@@ -140,6 +148,7 @@ class LiveStats(BackgroundTask):
     def document(self, since: float | None = None) -> dict:
         stats = self.state.engine.stats()
         queried = stats.get("query_tokens", 0)
+        drafted = stats.get("spec_draft_tokens", 0)
         return {
             "model": self.state.engine.model_name,
             "interval_s": self.interval_s,
@@ -151,6 +160,9 @@ class LiveStats(BackgroundTask):
                 "generated_tokens": stats.get("handed_tokens", 0),
                 "steps": stats.get("worker_steps", 0),
                 "prefix_cache_hit_rate": stats.get("hit_tokens", 0) / queried if queried else None,
+                "spec_acceptance_rate": (
+                    stats.get("spec_accepted_tokens", 0) / drafted if drafted else None
+                ),
                 "requests_in_flight": self.state.in_flight,
             },
             "samples": [s for s in self.samples if since is None or s["t"] > since],

@@ -109,9 +109,39 @@ class EngineCollector(Collector):
                 "Steps the worker left unanswered longer than the step timeout",
                 "worker_stalls",
             ),
+            # speculative decoding (0 while it is off)
+            "pyserve_spec_draft_tokens": ("Drafted tokens verified", "spec_draft_tokens"),
+            "pyserve_spec_accepted_tokens": (
+                "Drafted tokens accepted by verification",
+                "spec_accepted_tokens",
+            ),
+            "pyserve_spec_verify_entries": (
+                "Requests' verify passes (a request's drafts in one step)",
+                "spec_verify_entries",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        histogram = stats.get("spec_accepted_histogram")
+        if histogram and len(histogram) > 1:  # one bucket: no drafts are ever verified
+            yield _accepted_histogram(histogram)
+
+
+def _accepted_histogram(counts: list[int]) -> HistogramMetricFamily:
+    """Drafts accepted per verify pass: bucket ``le=a`` counts the passes that accepted at most
+    ``a`` drafts (from the core's exact counts, so no observation is ever lost)."""
+    cumulative, buckets = 0, []
+    for accepted, count in enumerate(counts):
+        cumulative += count
+        buckets.append((floatToGoString(accepted), cumulative))
+    buckets.append(("+Inf", cumulative))
+    total = sum(a * c for a, c in enumerate(counts))
+    return HistogramMetricFamily(
+        "pyserve_spec_accepted_per_verify",
+        "Drafted tokens accepted per verify pass",
+        buckets=buckets,
+        sum_value=total,
+    )
 
 
 class LoopHistogram(Collector):

@@ -47,6 +47,8 @@ def _generate_output(result: ChoiceResult, rid: str, arrival: float, logprobs: b
         "finish_reason": _finish_reason(result),
         "e2e_latency": time.perf_counter() - arrival,
     }
+    if result.spec_accepted_tokens is not None:  # with speculative decoding
+        meta["spec_accepted_tokens"] = result.spec_accepted_tokens
     if logprobs:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in result.logprobs]
         meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in result.logprobs]

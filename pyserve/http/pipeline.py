@@ -58,6 +58,7 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_accepted_tokens: int | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
 
@@ -70,6 +71,8 @@ class ChoiceResult:
         self.prompt_tokens = chunk.prompt_tokens
         self.completion_tokens = chunk.completion_tokens
         self.cached_tokens = chunk.cached_tokens
+        if chunk.spec_accepted_tokens is not None:
+            self.spec_accepted_tokens = chunk.spec_accepted_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop

@@ -96,6 +96,16 @@ const TILES = [
     },
     unit: (s) => (s.prefix_cache_hit_rate === null ? "overall" : ""),
   },
+  {
+    id: "now-spec",
+    label: "Drafts accepted",
+    // speculative decoding: the share of drafted tokens verification kept ("–": none drafted)
+    value: (s, doc) => {
+      const rate = s.spec_acceptance_rate ?? doc.totals.spec_acceptance_rate;
+      return rate === null || rate === undefined ? "–" : `${Math.round(100 * rate)}%`;
+    },
+    unit: (s) => (s.spec_acceptance_rate === null ? "overall" : ""),
+  },
   { id: "now-ttft", label: "TTFT p50", value: (s) => formatSeconds(s.ttft_s && s.ttft_s.p50) },
   { id: "now-itl", label: "ITL p50", value: (s) => formatSeconds(s.itl_s && s.itl_s.p50) },
   { id: "now-batch", label: "Batch size", value: (s) => formatNumber(s.step_batch_size, 1) },
