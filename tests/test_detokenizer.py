@@ -376,3 +376,73 @@ def test_subprocess_forwards_ready_steps_errors_and_shutdown(hf_tokenizer):
             from_detok.close(linger=0)
             to_detok.close(linger=0)
             ctx.term()
+
+
+# ------------------------------------------------------------------------ several tokens a step
+
+
+def deltas_of(detok: Detokenizer, step_id: int, entries: list[tuple[int, int, int]]):
+    """Processes one StepTokens of (rid, token, finish) entries; returns its StepDone."""
+    return detok.process_step(
+        wire.StepTokens(
+            step_id=step_id,
+            rids=i64([r for r, _, _ in entries]),
+            token_ids=i32([t for _, t, _ in entries]),
+            finish=bytes([f for _, _, f in entries]),
+        )
+    )
+
+
+def test_a_stop_string_at_a_verified_token_ends_the_request_before_the_next(
+    hf_tokenizer, tokenizer
+):
+    words = [encode(hf_tokenizer, w) for w in ("Hello", " world", " again")]
+    assert all(len(w) == 1 for w in words), "one token a word, for this test"
+    hello, world, again = (w[0] for w in words)
+    other = encode(hf_tokenizer, " ok")
+    detok = Detokenizer(tokenizer)
+    detok.add_request(wire.DetokRequest(1, i32([IM_START]), DetokParams(stop=["o w"])))
+    detok.add_request(wire.DetokRequest(2, i32([IM_START])))
+    # a verify entry of rid 1 emitted three tokens; rid 2 decoded one between them
+    done = deltas_of(detok, 0, [(1, hello, 0), (1, world, 0), (2, other[0], 0), (1, again, 0)])
+    mine = [d for d in done.deltas if d.rid == 1]
+    assert len(mine) == 2  # the third token came after the finish: no delta at all
+    assert [d.finish_reason for d in mine] == [None, "stop"]
+    assert mine[1].matched_stop == "o w"
+    assert "".join(d.text for d in mine) == "Hell"
+    ids = [int(np.frombuffer(d.token_ids, "<i4")[0]) for d in mine]
+    assert ids == [hello, world] and again not in ids
+    assert [d.text for d in done.deltas if d.rid == 2] == [" ok"]
+    assert done.rids == i64([1, 1, 2, 1])  # forwarded untouched for Planner.report
+    # later steps of the finished request produce nothing either
+    assert deltas_of(detok, 1, [(1, again, 0)]).deltas == []
+
+
+@TOKENIZER_EXAMPLES
+@given(data=st.data(), text=texts, stop=st.sampled_from(["", "a", "世", "👍", "z."]))
+def test_several_tokens_a_step_decode_exactly_like_one_a_step(
+    hf_tokenizer, tokenizer, data, text, stop
+):
+    """A request's tokens grouped into steps of any sizes (verify entries) give the deltas of
+    one token a step, one delta a token, and nothing after a stop string."""
+    ids = encode(hf_tokenizer, text)
+    params = DetokParams(stop=[stop] if stop else [])
+    one = Stream(1, ids, params)
+    run_streams(tokenizer, [one])
+    detok = Detokenizer(tokenizer)
+    detok.add_request(wire.DetokRequest(1, i32(one.prompt_ids), params))
+    detok.add_request(wire.DetokRequest(2, i32(one.prompt_ids), params))
+    got: list[to_main.RequestDelta] = []
+    at = step = 0
+    while at < len(ids):
+        n = data.draw(st.integers(1, 4))
+        group = ids[at : at + n]
+        finishes = [0] * len(group)
+        if at + n >= len(ids):
+            finishes[-1] = wire.FINISH_LENGTH
+        entries = [(1, t, f) for t, f in zip(group, finishes, strict=True)]
+        entries.insert(1, (2, ids[0], 0))  # another request's token between them
+        done = deltas_of(detok, step, entries)
+        got += [d for d in done.deltas if d.rid == 1]
+        at, step = at + n, step + 1
+    assert got == one.deltas

@@ -2,7 +2,9 @@
 
 It PULLs from the worker (``in_addr``, bound here) and PUSHes to main (``out_addr``). One StepDone
 goes out for every StepTokens that comes in, carrying that step's rids and tokens untouched (main
-reports them to the core) and one RequestDelta per request that is still live. It never imports
+reports them to the core) and one RequestDelta per token of a request that is still live (a
+verify entry may report several tokens of one request: they are decoded in order, and a stop
+string found at one of them ends the request before the next). It never imports
 torch: only ``tokenizers``, ``msgspec``, ``zmq`` and numpy.
 """
 
@@ -12,6 +14,8 @@ import logging
 import shutil
 import signal
 import traceback
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -74,13 +78,42 @@ class Detokenizer:
 
     def process_step(self, msg: inp.StepTokens) -> out.StepDone:
         rids = np.frombuffer(msg.rids, dtype="<i8").tolist()
-        tokens = np.frombuffer(msg.token_ids, dtype="<i4").tolist()
-        logprobs = np.frombuffer(msg.logprobs, dtype="<f4").tolist() if msg.logprobs else None
-        tops = {t.index: t for t in msg.top_logprobs}
-        pooled = {p.index: p.values for p in msg.pooled}
+        step = _StepView(
+            msg,
+            rids,
+            np.frombuffer(msg.token_ids, dtype="<i4").tolist(),
+            np.frombuffer(msg.logprobs, dtype="<f4").tolist() if msg.logprobs else None,
+            {t.index: t for t in msg.top_logprobs},
+            {p.index: p.values for p in msg.pooled},
+        )
+        deltas: list[out.RequestDelta] = []
+        if len(set(rids)) == len(rids):  # one token a request (no verify entry emitted more)
+            self._process_round(step, range(len(rids)), deltas)
+        else:
+            for entries in _rounds(rids):
+                self._process_round(step, entries, deltas)
+        self.drop(msg.dropped)
+        return out.StepDone(
+            step_id=msg.step_id,
+            rids=msg.rids,
+            token_ids=msg.token_ids,
+            deltas=deltas,
+            forward_ms=msg.forward_ms,
+            worker_requests=msg.worker_requests,
+            detokenizer_requests=len(self.requests),
+            worker_busy_seconds=msg.busy_seconds,
+            worker_steps=msg.steps,
+        )
 
+    def _process_round(
+        self, step: _StepView, entries: Sequence[int], deltas: list[out.RequestDelta]
+    ) -> None:
+        """Decodes one token of each request named by ``entries`` (each at most once), and
+        appends their deltas. A request finished in an earlier round takes no more text."""
+        msg, tokens = step.msg, step.tokens
         live: list[tuple[int, int, RequestText]] = []  # (entry index, rid, state)
-        for i, rid in enumerate(rids):
+        for i in entries:
+            rid = step.rids[i]
             state = self.requests.get(rid)
             if state is None or state.finished:
                 continue  # dropped, or computed once more after it finished (overlap)
@@ -94,7 +127,6 @@ class Detokenizer:
             [state.decoder for _, _, state in live],
             [msg.finish[i] != inp.FINISH_NONE for i, _, _ in live],
         )
-        deltas = []
         for (i, rid, state), text in zip(live, texts, strict=True):
             delta = out.RequestDelta(rid=rid, text="", token_ids=msg.token_ids[4 * i : 4 * i + 4])
             released, stop = state.stop.feed(text)
@@ -113,9 +145,9 @@ class Detokenizer:
             delta.text = released
             if delta.finish_reason is not None:
                 state.finished = True
-            if logprobs is not None:
-                delta.logprob = logprobs[i]
-            top = tops.get(i)
+            if step.logprobs is not None:
+                delta.logprob = step.logprobs[i]
+            top = step.tops.get(i)
             if top is not None:
                 delta.top_logprobs = list(
                     zip(
@@ -124,22 +156,9 @@ class Detokenizer:
                         strict=True,
                     )
                 )
-            if i in pooled:
-                delta.pooled = pooled[i]
+            if i in step.pooled:
+                delta.pooled = step.pooled[i]
             deltas.append(delta)
-
-        self.drop(msg.dropped)
-        return out.StepDone(
-            step_id=msg.step_id,
-            rids=msg.rids,
-            token_ids=msg.token_ids,
-            deltas=deltas,
-            forward_ms=msg.forward_ms,
-            worker_requests=msg.worker_requests,
-            detokenizer_requests=len(self.requests),
-            worker_busy_seconds=msg.busy_seconds,
-            worker_steps=msg.steps,
-        )
 
     def drop(self, dropped: bytes) -> None:
         for rid in np.frombuffer(dropped, dtype="<i8").tolist():
@@ -158,6 +177,32 @@ class Detokenizer:
             worker_busy_seconds=msg.busy_seconds,
             worker_steps=msg.steps,
         )
+
+
+class _StepView(NamedTuple):
+    """One StepTokens' arrays, unpacked once."""
+
+    msg: inp.StepTokens
+    rids: list[int]
+    tokens: list[int]
+    logprobs: list[float] | None
+    tops: dict[int, inp.TopLogprobs]
+    pooled: dict[int, bytes]
+
+
+def _rounds(rids: list[int]) -> list[list[int]]:
+    """Entry indices grouped by occurrence: round ``j`` holds the ``j``-th entry of each rid
+    (a verify entry reports its tokens as consecutive entries of one rid), in entry order, so
+    that each round decodes one token a request, exactly as steps of one token each would."""
+    rounds: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for i, rid in enumerate(rids):
+        j = seen.get(rid, 0)
+        seen[rid] = j + 1
+        if j == len(rounds):
+            rounds.append([])
+        rounds[j].append(i)
+    return rounds
 
 
 def run(config: DetokenizerConfig) -> None:

@@ -40,12 +40,13 @@ class Pooled(msgspec.Struct, array_like=True):
 
 
 class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
-    """What one Step produced. ``rids`` lists the entries that sampled a token, in step order."""
+    """What one Step produced. ``rids`` names the request of each reported token, in step order:
+    once for a plain sampling entry, once per emitted token (in order) for a verify entry."""
 
     step_id: int
     rids: bytes  # int64
     token_ids: bytes  # int32, one per rid
-    finish: bytes  # uint8, one per rid: FINISH_*
+    finish: bytes  # uint8, one per rid: FINISH_* (only a request's last token may finish it)
     dropped: bytes = b""  # int64: forwarded from Step.dropped
     logprobs: bytes = b""  # float32, one per rid when any request asked for logprobs
     top_logprobs: list[TopLogprobs] = []

@@ -151,6 +151,19 @@ class GrammarMasks:
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         return StepMasks.from_allowed(rows, bits[:, : self.vocab_size])
 
+    def draft_walk(self, state: GrammarState, drafts: list[int]) -> DraftWalk | None:
+        """The masks of a verify entry's positions (None when the grammar is done: the request
+        ends at this step, unconstrained like a done row of ``masks``)."""
+        if state.done:
+            return None
+        try:
+            matcher = state.matcher.result()
+        except Exception as exc:  # the main process checked it: not expected
+            log.error("a grammar failed to compile in the worker: %s", exc)
+            state.done = state.failed = True
+            return None
+        return DraftWalk(matcher, drafts, self.vocab_size)
+
     def advance(self, state: GrammarState, token: int) -> bool:
         """Feeds the sampled ``token``; True when the grammar is done (the request ends): it is
         complete, or it failed (``state.failed``)."""
@@ -173,6 +186,41 @@ class GrammarMasks:
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self._masker.shutdown(wait=False, cancel_futures=True)
+
+
+class DraftWalk:
+    """``allowed(i)`` for speculative verification: the tokens the grammar allows after the
+    request's output and drafts ``0 .. i-1``. The request's own matcher walks through the drafts
+    (asked in order, each draft allowed by the previous mask) and ``rollback`` takes it back, so
+    that only emitted tokens advance it for good."""
+
+    def __init__(self, matcher: LLMatcher, drafts: list[int], vocab_size: int) -> None:
+        self.matcher = matcher
+        self.drafts = drafts
+        self.vocab_size = vocab_size
+        self.consumed = 0  # drafts the matcher has taken
+        self.stuck = False  # it refused a draft: later positions are unconstrained
+
+    def __call__(self, i: int) -> torch.Tensor:
+        while self.consumed < i and not self.stuck:
+            # a draft the grammar stops at (an EOS after a complete answer) may be refused:
+            # tokens after it are never emitted, whatever their masks
+            if self.matcher.try_consume_tokens([self.drafts[self.consumed]]) == 1:
+                self.consumed += 1
+            else:
+                self.stuck = True
+        if self.stuck:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.zeros(self.vocab_size, dtype=bool)
+        unpacked = np.unpackbits(bits, bitorder="little").astype(bool)[: self.vocab_size]
+        allowed[: len(unpacked)] = unpacked  # logits may be wider than the tokenizer
+        return torch.from_numpy(allowed)
+
+    def rollback(self) -> None:
+        if self.consumed:
+            self.matcher.rollback(self.consumed)
+            self.consumed = 0
 
 
 def apply_masks(logits: torch.Tensor, masks: StepMasks) -> None:

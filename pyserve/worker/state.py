@@ -37,6 +37,7 @@ from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
 from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
+from pyserve.worker.speculative_verify import VerifyOutput
 
 
 @dataclass(eq=False)
@@ -62,6 +63,9 @@ class PreparedStep:
     sampling: list[RequestState]  # one per sampling entry, in entry order
     dropped: bytes  # int64, forwarded to the detokenizer
     pooling: PoolingRows | None = None  # the rows its prefill-only requests need
+    # sampling entry index -> the drafts its verify entry checks; its logits rows are the
+    # 1 + k positions, in order (every other sampling entry has one row). Empty: none
+    verify: dict[int, list[int]] = field(default_factory=dict)
 
 
 class RequestTable:
@@ -183,6 +187,7 @@ class RequestTable:
         decode_slots: list[int] = []
         decode_inputs: list[int] = []
         requests, block_ids, block_size = self._requests, arrays.block_ids, self.block_size
+        verify: dict[int, list[int]] = {}  # entry index -> drafts
         token_cursor = prefill_cursor = block_cursor = 0
         for i, rid in enumerate(arrays.rids.tolist()):
             state = requests.get(rid)
@@ -201,6 +206,11 @@ class RequestTable:
             if decodes[i]:
                 decode_slots.append(token_cursor)
                 decode_inputs.append(self._decode_input(state, step.step_id))
+                if n > 1:  # a verify entry: its drafts follow the last sampled token
+                    drafts = arrays.prefill_ids[prefill_cursor : prefill_cursor + n - 1]
+                    input_ids[token_cursor + 1 : token_cursor + n] = drafts
+                    verify[i] = drafts.tolist()
+                    prefill_cursor += n - 1
             else:
                 chunk = arrays.prefill_ids[prefill_cursor : prefill_cursor + n]
                 input_ids[token_cursor : token_cursor + n] = chunk
@@ -213,20 +223,29 @@ class RequestTable:
         # position of token t of entry i: start_pos[i] + t
         shifts = np.repeat(arrays.start_pos - (ends - arrays.num_tokens), arrays.num_tokens)
         positions = np.arange(len(input_ids), dtype=np.int64) + shifts
+        sample_index = ends[arrays.sample] - 1
+        rows_per_entry = arrays.sample
+        if verify:
+            sample_index, rows_per_entry = _verify_rows(arrays, ends)
         batch = ForwardBatch(
             input_ids=torch.from_numpy(input_ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             start_pos=starts,
             num_tokens=counts,
             block_tables=[s.block_table for s in states],
-            sample_index=torch.from_numpy(ends[arrays.sample] - 1).to(self.device),
+            sample_index=torch.from_numpy(sample_index).to(self.device),
         )
         samples = arrays.sample.tolist()
         sampling = [s for s, wants in zip(states, samples, strict=True) if wants]
-        pooling = PoolingRows.of(states, starts, counts, samples) if self.pooling else None
+        pooling = None
+        if self.pooling:
+            pooling = PoolingRows.of(states, starts, counts, rows_per_entry.tolist())
         if pooling is not None:
             batch.hidden_index = pooling.hidden_tensor(self.device)
-        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling)
+        if verify:  # keyed by sampling entry: the index among the entries that sample
+            sampling_index = np.cumsum(arrays.sample) - 1
+            verify = {int(sampling_index[i]): drafts for i, drafts in verify.items()}
+        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling, verify)
 
     @staticmethod
     def _decode_input(state: RequestState, step_id: int) -> int:
@@ -240,9 +259,19 @@ class RequestTable:
         return state.last_token
 
     def record(
-        self, prepared: PreparedStep, out: SampleOutput | None, forward_ms: float
+        self,
+        prepared: PreparedStep,
+        out: SampleOutput | None,
+        forward_ms: float,
+        verified: dict[int, VerifyOutput] | None = None,
     ) -> StepTokens:
-        """Appends sampled tokens, decides EOS/length finishes, and builds the StepTokens."""
+        """Appends sampled tokens, decides EOS/length finishes, and builds the StepTokens.
+
+        ``out`` has one row per plain sampling entry; ``verified`` the results of the verify
+        entries, by sampling entry index (then ``out`` covers the other entries, in order).
+        """
+        if verified:
+            return self._record_verified(prepared, out, forward_ms, verified)
         rids: list[int] = []
         tokens: list[int] = []
         finishes: list[int] = []
@@ -254,37 +283,73 @@ class RequestTable:
             state.last_token = token  # a later overlapping decode of it still needs an input
             if state.finished:
                 continue  # finished at an earlier step, or dropped: the scheduler ran ahead
-            state.output_ids.append(token)
-            finish = self._finish_code(state, token)
-            if state.grammar is not None and finish == FINISH_NONE:
-                assert self.grammars is not None
-                if self.grammars.advance(state.grammar, token):
-                    finish = FINISH_GRAMMAR_ERROR if state.grammar.failed else FINISH_GRAMMAR
-            state.finished = finish != FINISH_NONE
+            finish = self._append(state, token)
             if out.logprobs is not None:
                 logprobs.append(out.logprobs[row])
             if out.top_logprobs is not None and out.top_logprobs[row] is not None:
-                top_ids, top_values = out.top_logprobs[row]
-                tops.append(
-                    TopLogprobs(
-                        index=len(rids),
-                        token_ids=np.asarray(top_ids, dtype="<i4").tobytes(),
-                        logprobs=np.asarray(top_values, dtype="<f4").tobytes(),
-                    )
-                )
+                tops.append(_top_logprobs(len(rids), out.top_logprobs[row]))
             rids.append(state.rid)
             tokens.append(token)
             finishes.append(finish)
-        return StepTokens(
-            step_id=prepared.step_id,
-            rids=np.asarray(rids, dtype="<i8").tobytes(),
-            token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
-            finish=np.asarray(finishes, dtype=np.uint8).tobytes(),
-            dropped=prepared.dropped,
-            logprobs=np.asarray(logprobs, dtype="<f4").tobytes() if logprobs else b"",
-            top_logprobs=tops,
-            forward_ms=forward_ms,
-        )
+        return _step_tokens(prepared, rids, tokens, finishes, logprobs, tops, forward_ms)
+
+    def _record_verified(
+        self,
+        prepared: PreparedStep,
+        out: SampleOutput | None,
+        forward_ms: float,
+        verified: dict[int, VerifyOutput],
+    ) -> StepTokens:
+        """``record`` for a step with verify entries: one of them emits its tokens one by one,
+        each reported with the rid, until the first that finishes the request."""
+        rids: list[int] = []
+        tokens: list[int] = []
+        finishes: list[int] = []
+        logprobs: list[float | None] = []
+        tops: list[TopLogprobs] = []
+        row = 0  # of ``out``: the plain entries, in order
+        for entry, state in enumerate(prepared.sampling):
+            result = verified.get(entry)
+            if result is None:
+                assert out is not None
+                emitted = [out.token_ids[row]]
+                entry_logprobs = [out.logprobs[row]] if out.logprobs is not None else None
+                entry_tops = [out.top_logprobs[row]] if out.top_logprobs is not None else None
+                row += 1
+            else:
+                emitted = result.token_ids
+                entry_logprobs, entry_tops = result.logprobs, result.top_logprobs
+            if state.finished:
+                state.last_token = emitted[-1]
+                continue  # finished at an earlier step, or dropped: the scheduler ran ahead
+            for j, token in enumerate(emitted):
+                state.last_token = token
+                finish = self._append(state, token)
+                logprobs.append(entry_logprobs[j] if entry_logprobs is not None else None)
+                top = entry_tops[j] if entry_tops is not None else None
+                if top is not None:
+                    tops.append(_top_logprobs(len(rids), top))
+                rids.append(state.rid)
+                tokens.append(token)
+                finishes.append(finish)
+                if finish != FINISH_NONE:
+                    break  # tokens after a finish are never reported
+        # one logprob per reported token once any request asked (the others' go unread)
+        filled = [float("nan") if v is None else v for v in logprobs]
+        if all(v is None for v in logprobs):
+            filled = []
+        return _step_tokens(prepared, rids, tokens, finishes, filled, tops, forward_ms)
+
+    def _append(self, state: RequestState, token: int) -> int:
+        """Appends one output token; returns its finish code (and marks the state finished)."""
+        state.output_ids.append(token)
+        finish = self._finish_code(state, token)
+        if state.grammar is not None and finish == FINISH_NONE:
+            assert self.grammars is not None
+            if self.grammars.advance(state.grammar, token):
+                finish = FINISH_GRAMMAR_ERROR if state.grammar.failed else FINISH_GRAMMAR
+        state.finished = finish != FINISH_NONE
+        return finish
 
     def _finish_code(self, state: RequestState, token: int) -> int:
         params = state.params
@@ -295,6 +360,46 @@ class RequestTable:
         if len(state.output_ids) >= params.max_new_tokens:
             return FINISH_LENGTH
         return FINISH_NONE
+
+
+def _top_logprobs(index: int, top: tuple[list[int], list[float]]) -> TopLogprobs:
+    top_ids, top_values = top
+    return TopLogprobs(
+        index=index,
+        token_ids=np.asarray(top_ids, dtype="<i4").tobytes(),
+        logprobs=np.asarray(top_values, dtype="<f4").tobytes(),
+    )
+
+
+def _step_tokens(
+    prepared: PreparedStep,
+    rids: list[int],
+    tokens: list[int],
+    finishes: list[int],
+    logprobs: list[float],
+    tops: list[TopLogprobs],
+    forward_ms: float,
+) -> StepTokens:
+    return StepTokens(
+        step_id=prepared.step_id,
+        rids=np.asarray(rids, dtype="<i8").tobytes(),
+        token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
+        finish=np.asarray(finishes, dtype=np.uint8).tobytes(),
+        dropped=prepared.dropped,
+        logprobs=np.asarray(logprobs, dtype="<f4").tobytes() if logprobs else b"",
+        top_logprobs=tops,
+        forward_ms=forward_ms,
+    )
+
+
+def _verify_rows(arrays: StepArrays, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The logits rows of a step with verify entries: every position of a verify entry, the
+    last token of any other sampling entry; and the number of rows of each entry."""
+    verifying = arrays.is_decode & (arrays.num_tokens > 1)
+    rows = np.where(verifying, arrays.num_tokens, 1) * arrays.sample
+    first = np.repeat(ends - rows, rows)  # the first row of each entry, once per row
+    within = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+    return first + within, rows
 
 
 def _update_block_table(state: RequestState, offset: int, new_ids: np.ndarray) -> None:
@@ -351,16 +456,19 @@ class StepArrays:
                 raise ValueError(f"step {step_id}: {got} {name} for {entries} entries")
         if (self.num_tokens < 1).any() or (self.start_pos < 0).any():
             raise ValueError(f"step {step_id}: an empty entry or a negative start position")
-        if (self.block_counts < 0).any() or (self.num_tokens[self.is_decode] != 1).any():
-            raise ValueError(f"step {step_id}: a negative block count or a multi-token decode")
+        if (self.block_counts < 0).any():
+            raise ValueError(f"step {step_id}: a negative block count")
+        if (~self.sample & self.is_decode & (self.num_tokens > 1)).any():
+            raise ValueError(f"step {step_id}: a verify entry that does not sample")
         if int(self.block_counts.sum()) != len(self.block_ids):
             raise ValueError(
                 f"step {step_id}: {len(self.block_ids)} block ids, "
                 f"entries say {self.block_counts.sum()}"
             )
-        prefill_tokens = int(self.num_tokens[~self.is_decode].sum())
+        # a decode's first input is the worker's; a verify entry's drafts travel with the step
+        prefill_tokens = int(self.num_tokens.sum()) - int(self.is_decode.sum())
         if prefill_tokens != len(self.prefill_ids):
             raise ValueError(
-                f"step {step_id}: {len(self.prefill_ids)} prefill input ids, "
+                f"step {step_id}: {len(self.prefill_ids)} prefill input ids and drafts, "
                 f"entries say {prefill_tokens}"
             )
