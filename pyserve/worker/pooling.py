@@ -41,9 +41,10 @@ class PoolingRows:
         states: list[RequestState],
         starts: list[int],
         counts: list[int],
-        samples: list[bool],
+        samples: list[bool] | list[int],
     ) -> PoolingRows | None:
-        """The rows that the step's pooling entries need; None when it has none."""
+        """The rows that the step's pooling entries need; None when it has none. ``samples``:
+        each entry's rows of logits (0 or 1; ``1 + k`` for a verify entry of ``k`` drafts)."""
         rows = cls()
         token = sample_row = 0
         for state, start, n, sample in zip(states, starts, counts, samples, strict=True):
