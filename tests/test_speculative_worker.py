@@ -25,11 +25,12 @@ from worker_testlib import (  # noqa: F401 (an autouse fixture)
 )
 
 from pyserve import model_files
-from pyserve.wire.main_to_worker import Grammar, NewRequest, SamplingParams, step_from_plan
+from pyserve.wire.main_to_worker import Grammar, NewRequest, SamplingParams, Step, step_from_plan
 from pyserve.wire.worker_to_detok import FINISH_NONE, StepTokens
 from pyserve.worker.executor import StepExecutor
 from pyserve.worker.grammar_masks import GrammarMasks
 from pyserve.worker.offline import OfflineEngine, Output
+from pyserve.worker.state import RequestTable
 
 K = 4  # the most drafts a verify entry checks
 BLOCK = 4
@@ -492,3 +493,90 @@ def test_grammar_constrained_output_equals_plain_decoding(smollm_vocab_model: Pa
         assert engine.verify_entries > 0
         assert engine.emitted_by_verify > engine.verify_entries  # some drafts were accepted
         assert_kv_accounting_is_exact(engine)
+
+
+# ------------------------------------------------------------------ the request table
+
+
+def i32(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def make_step(step_id: int, entries: list[dict]) -> Step:
+    """entries: rid, start, n, decode, sample, ids (prefill ids or drafts), blocks."""
+    return Step(
+        step_id=step_id,
+        rids=np.asarray([e["rid"] for e in entries], dtype="<i8").tobytes(),
+        start_pos=i32([e.get("start", 0) for e in entries]),
+        num_tokens=i32([e.get("n", 1) for e in entries]),
+        is_decode=bytes([e.get("decode", 0) for e in entries]),
+        sample=bytes([e.get("sample", 1) for e in entries]),
+        input_ids=i32([t for e in entries for t in e.get("ids", [])]),
+        block_offsets=i32([e.get("offset", 0) for e in entries]),
+        block_counts=i32([len(e.get("blocks", [])) for e in entries]),
+        block_ids=i32([b for e in entries for b in e.get("blocks", [])]),
+        dropped=b"",
+    )
+
+
+def test_a_verify_entry_becomes_its_positions_and_logits_rows() -> None:
+    """A Step of a plain decode, a prefill chunk that does not sample and a verify entry
+    (2 drafts): input ids, positions, one logits row per position of the verify entry, the
+    drafts by sampling entry."""
+    table = RequestTable(block_size=4, eos_token_ids=[TINY_EOS])
+    for rid in (1, 2, 3):
+        table.add(NewRequest(rid=rid, prompt_ids=i32([5, 6, 7]), sampling=greedy()))
+    table.get(1).last_token, table.get(1).block_table = 40, [0, 1]
+    table.get(2).last_token, table.get(2).block_table = 50, [2]
+    step = make_step(
+        7,
+        [
+            dict(rid=2, start=3, n=1, decode=1),
+            dict(rid=3, start=0, n=2, ids=[5, 6], blocks=[3], sample=0),
+            dict(rid=1, start=5, n=3, decode=1, ids=[41, 42]),  # positions 5..7
+        ],
+    )
+    prepared = table.prepare(step)
+    batch = prepared.batch
+    assert batch.input_ids.tolist() == [50, 5, 6, 40, 41, 42]
+    assert batch.positions.tolist() == [3, 0, 1, 5, 6, 7]
+    assert batch.sample_index.tolist() == [0, 3, 4, 5]
+    assert [s.rid for s in prepared.sampling] == [2, 1]
+    assert prepared.verify == {1: [41, 42]}
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (dict(rid=1, start=5, n=3, decode=1, ids=[41]), "prefill input ids and drafts"),
+        (dict(rid=1, start=5, n=3, decode=1, sample=0, ids=[41, 42]), "does not sample"),
+    ],
+)
+def test_malformed_verify_entries_are_refused(entry: dict, message: str) -> None:
+    table = RequestTable(block_size=4, eos_token_ids=[TINY_EOS])
+    table.add(NewRequest(rid=1, prompt_ids=i32([5, 6, 7]), sampling=greedy()))
+    table.get(1).last_token, table.get(1).block_table = 40, [0, 1]
+    with pytest.raises(ValueError, match=message):
+        table.prepare(make_step(0, [entry]))
+
+
+def test_requests_without_logprobs_beside_ones_with_them(tiny_model: Path) -> None:
+    """Logprobs travel one per reported token once any request asked; each request that asked
+    gets its own, whatever the others and their verify entries emitted."""
+    prompts = random_prompts(10)
+    params = [greedy() if i % 2 else SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
+              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    want = plain_run(tiny_model, prompts, params)
+    engine = DraftingEngine(str(tiny_model), mixed_drafts, continuations(prompts, want),
+                            overlap=False)  # fmt: skip
+    got = engine.generate(prompts, params)
+    assert_same_outputs(got, want, "some with logprobs")
+    assert all((o.logprobs is None) == (i % 2 == 0) for i, o in enumerate(got))
+
+
+def test_the_offline_engine_runs_with_drafting_enabled_but_no_drafts(tiny_model: Path) -> None:
+    prompts = random_prompts(11)
+    want = plain_run(tiny_model, prompts, greedy())
+    engine = OfflineEngine(str(tiny_model), block_size=BLOCK, num_blocks=512,
+                           check_invariants=True, max_draft_tokens=K)  # fmt: skip
+    assert_same_outputs(engine.generate(prompts, greedy()), want, "max_draft_tokens, no drafts")
