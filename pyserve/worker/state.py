@@ -5,6 +5,11 @@ generated ids, its block table (grown or replaced by each Step's block entries) 
 sampled token, which is the input of its next decode entry, so a decode needs no round trip to
 the main process.
 
+A verify entry (a decode entry of ``1 + k`` tokens: the last sampled token, then ``k`` drafts
+from the Step) is sampled at each of its positions; speculative_verify.py decides how many
+drafts stand, and the request emits them plus one token, reported one by one up to the first
+that finishes it, exactly as that many plain decode steps would have.
+
 Because the scheduler runs ahead (DESIGN.md, "Overlap"), a request that finished here at Step N
 may still appear in Step N+1: it is computed (its state is kept until a Step lists it in
 ``dropped``) but the token it samples is discarded, never reported.
