@@ -27,22 +27,29 @@ def check_batch(batch: ForwardBatch, block_size: int) -> None:
 
 @dataclass
 class EntrySplit:
-    """A batch's entries by kind: prefill chunks (several tokens) and decodes (one)."""
+    """A batch's rows by how their attention runs: prefill spans (an entry's tokens together) and
+    decode rows (one token each, attending to its own context)."""
 
     prefill_entries: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # first row, rows, start
-    decode_entries: list[int] = field(default_factory=list)
+    decode_entries: list[int] = field(default_factory=list)  # per decode row: its entry
     decode_rows: list[int] = field(default_factory=list)
+    decode_contexts: list[int] = field(default_factory=list)  # per decode row: keys it reads
     num_rows: int = 0
 
     @classmethod
-    def of(cls, batch: ForwardBatch) -> EntrySplit:
+    def of(cls, batch: ForwardBatch, decode_rows_up_to: int = 1) -> EntrySplit:
+        """Decodes are decode rows; so is each row of a continuing entry (start_pos > 0) of at
+        most ``decode_rows_up_to`` tokens, such as a verify entry's drafts, where a backend's
+        decode attention beats its prefill attention on a few queries over a long context (every
+        row's K/V is written before any row attends)."""
         split = cls()
         row = 0
         for i, (n, s) in enumerate(zip(batch.num_tokens, batch.start_pos, strict=True)):
-            if n == 1:
-                split.decode_entries.append(i)
-                split.decode_rows.append(row)
+            if n == 1 or (n <= decode_rows_up_to and s > 0):
+                split.decode_entries.extend([i] * n)
+                split.decode_rows.extend(range(row, row + n))
+                split.decode_contexts.extend(range(s + 1, s + n + 1))
             else:
                 split.prefill_entries.append(i)
                 split.spans.append((row, n, s))

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyserve.worker")
 _ISA_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2", "scalar": "portable loops"}
+# Continuing entries of at most this many tokens (a verify entry: the last token and its drafts)
+# attend as decode rows: the decode kernel splits a long context across threads, the prefill
+# kernel does not, and a few queries leave it idle (benchmarks/RESULTS.md, "Speculative decoding").
+SHORT_ENTRY_DECODE_ROWS = 8
 
 
 def kernels_isa() -> str | None:
@@ -293,7 +297,7 @@ class CpuKernelsBackend(Backend):
         plan, cache = self.plan, self.kv_cache
         check_batch(batch, cache.block_size)
         table_rows, slots = table_rows_and_slots(batch, cache.block_size, cache.k[0].device)
-        split = EntrySplit.of(batch)
+        split = EntrySplit.of(batch, SHORT_ENTRY_DECODE_ROWS)
         row, spans, decode_entries = split.num_rows, split.spans, split.decode_entries
         prefill = decode = None
         if spans and plan.prefill_attention:
@@ -305,12 +309,9 @@ class CpuKernelsBackend(Backend):
                 k_cache=cache.k[0],
             )
         if decode_entries and plan.decode_attention:
-            tables = (
-                table_rows if len(decode_entries) == len(table_rows) else table_rows[decode_entries]
-            )
-            contexts = torch.tensor(
-                [batch.start_pos[e] + 1 for e in decode_entries], dtype=torch.int64
-            )
+            every_entry = len(decode_entries) == len(table_rows) == split.num_rows
+            tables = table_rows if every_entry else table_rows[decode_entries]
+            contexts = torch.tensor(split.decode_contexts, dtype=torch.int64)
             call = DecodeAttention(
                 tables, contexts, num_heads=self.config.num_heads, k_cache=cache.k[0]
             )
