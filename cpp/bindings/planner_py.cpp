@@ -193,6 +193,15 @@ void bind_planner(py::module_& m) {
           py::arg("rid"), py::arg("draft"),
           "drafted tokens for the request's next decode entry to verify (empty: none)")
       .def(
+          "set_decode_costs",
+          [](PyPlanner& p, std::vector<double> ms_by_tokens, double verify_overhead_ms) {
+            p.held([&](Planner& x) { x.set_decode_costs(ms_by_tokens, verify_overhead_ms); });
+          },
+          py::arg("ms_by_tokens"), py::arg("verify_overhead_ms") = 0.0,
+          "milliseconds of a decode-only step by its token count (index 0 unused; <= 0: "
+          "unmeasured), and the extra wall time of a verify entry; the planner's own drafts "
+          "are then only as many as these costs say pay")
+      .def(
           "report",
           [](PyPlanner& p, int64_t step_id, py::handle rids, py::handle tokens) {
             Int64Arg r(rids, "rids");

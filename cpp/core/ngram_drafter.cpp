@@ -34,7 +34,7 @@ void NgramDrafter::add(int64_t rid, const int32_t* prompt, size_t n) {
       slots_.try_emplace(rid, static_cast<int32_t>(config_.max_match), config_.vocab_size);
   if (!added) throw ValueError("drafter: request " + std::to_string(rid) + " already exists");
   it->second.index.append(prompt, n);
-  it->second.length = config_.max_draft_tokens;
+  it->second.length = std::min(kFirstLength, config_.max_draft_tokens);
 }
 
 void NgramDrafter::append(int64_t rid, int32_t token) {
@@ -72,6 +72,17 @@ std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown
   return std::move(d.tokens);
 }
 
+double NgramDrafter::acceptance(int64_t rid) const {
+  auto it = slots_.find(rid);
+  return it == slots_.end() ? 0.0 : it->second.acceptance;
+}
+
+void NgramDrafter::declined(int64_t rid) {
+  auto it = slots_.find(rid);
+  if (it == slots_.end()) return;
+  it->second.acceptance += kRecovery * (kPriorAcceptance - it->second.acceptance);
+}
+
 void NgramDrafter::verified(int64_t rid, int64_t drafted, int64_t accepted) {
   auto it = slots_.find(rid);
   if (it == slots_.end() || drafted <= 0) return;
@@ -81,7 +92,10 @@ void NgramDrafter::verified(int64_t rid, int64_t drafted, int64_t accepted) {
   } else {
     s.length = accepted + 1;
   }
-  if (accepted > 0) {
+  s.gain = 0.5 * s.gain + 0.5 * static_cast<double>(accepted);
+  s.acceptance =
+      0.5 * s.acceptance + 0.5 * static_cast<double>(accepted) / static_cast<double>(drafted);
+  if (s.gain >= kMinGain || accepted >= drafted) {
     s.misses = 0;
     return;
   }

@@ -10,10 +10,13 @@
 // the first, which stands in for the unknown one; when that guess is wrong, verification
 // rejects the drafts (outputs stay exact, only the work is lost).
 //
-// Draft length adapts per request: it starts at max_draft_tokens, grows by half again after a
-// verify that accepted every draft and shrinks to accepted + 1 after one that did not. A verify
-// that accepted none makes the request skip its next drafts, 2, 4, .. up to kMaxBackoff decode
-// steps after consecutive misses, because a rejected verify costs the request its overlap.
+// Draft length adapts per request: it starts at kFirstLength (at most max_draft_tokens), grows by
+// half again after a verify that accepted every draft and shrinks to accepted + 1 after one that
+// did not. A verify costs more than a plain decode (its extra positions, and the request's
+// overlap: its next entry waits for the verify result), so it pays only when it is accepted
+// often enough: each request keeps a running mean of the drafts its verifies accepted, and while
+// that mean is below kMinGain (and the verify did not accept every draft) the request skips its
+// next drafting chances, 2, 4, .. up to kMaxBackoff after consecutive misses.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,10 @@ struct NgramDrafterConfig {
 class NgramDrafter {
  public:
   static constexpr int32_t kMaxBackoff = 64;
+  static constexpr int64_t kFirstLength = 4;
+  static constexpr double kMinGain = 1.0;          // accepted drafts per verify worth its cost
+  static constexpr double kPriorAcceptance = 0.8;  // a new request's
+  static constexpr double kRecovery = 0.25;        // of the way back to it, each time declined
 
   explicit NgramDrafter(const NgramDrafterConfig& config);
 
@@ -58,14 +65,22 @@ class NgramDrafter {
   std::vector<int32_t> draft(int64_t rid, int64_t k, int64_t unknown) const;
   // A verify entry of `drafted` drafts accepted `accepted` of them.
   void verified(int64_t rid, int64_t drafted, int64_t accepted);
+  // The share of its drafts the request's recent verifies accepted (a running mean).
+  double acceptance(int64_t rid) const;
+  // The costs ruled out drafts for the request this time: its acceptance drifts back towards
+  // kPriorAcceptance, so that a request whose drafts failed for a while tries again later rather
+  // than never (no verify, no new evidence).
+  void declined(int64_t rid);
 
  private:
   struct Slot {
     explicit Slot(int32_t max_ngram, int64_t vocab) : index(max_ngram, vocab) {}
     NgramIndex index;
     int64_t length = 0;  // drafts wanted at the next verify
-    int32_t misses = 0;  // consecutive verifies that accepted nothing
-    int32_t skip = 0;    // decode entries still to plan without drafts
+    double gain = 2.0;   // running mean of the drafts a verify accepted (optimistic at first)
+    double acceptance = kPriorAcceptance;  // running mean of the share of drafts accepted
+    int32_t misses = 0;                    // consecutive verifies that left the mean below kMinGain
+    int32_t skip = 0;                      // decode entries still to plan without drafts
   };
 
   NgramDrafterConfig config_;

@@ -352,13 +352,26 @@ int64_t Planner::plain_decode_blocks(const Request& r) const {
 
 // The drafter's drafts for r's next decode entry, within the step's draft budget and r's
 // max_new_tokens. With more than one sample of r still unreported the guess would be too weak.
-void Planner::draft_ngrams(Request& r, int64_t& budget) {
-  const int64_t limit = std::min(budget, r.max_new_tokens - r.planned_samples - 1);
-  const int64_t k = drafter_->wanted(r.rid, limit);
+void Planner::draft_ngrams(Request& r, StepDrafts& step) {
+  const int64_t limit = std::min(step.budget, r.max_new_tokens - r.planned_samples - 1);
+  int64_t k = drafter_->wanted(r.rid, limit);
   const int64_t unknown = r.planned_samples - static_cast<int64_t>(r.output.size());
   if (k <= 0 || unknown > 1) return;
+  const double share = drafter_->acceptance(r.rid);
+  k = draft_costs_.length(step.decodes, step.drafts, step.gain, share, k);
+  if (k <= 0) {
+    drafter_->declined(r.rid);
+    return;
+  }
   r.draft = drafter_->draft(r.rid, k, unknown);
-  budget -= static_cast<int64_t>(r.draft.size());
+  const int64_t n = static_cast<int64_t>(r.draft.size());
+  step.budget -= n;
+  step.drafts += n;
+  step.gain += share * static_cast<double>(n);
+}
+
+void Planner::set_decode_costs(const std::vector<double>& ms_by_tokens, double verify_overhead_ms) {
+  draft_costs_.set(ms_by_tokens, verify_overhead_ms);
 }
 
 void Planner::count_verified(Request& r, int64_t drafts, int64_t accepted) {
@@ -385,7 +398,9 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
       ++decodes;
     }
   }
-  int64_t draft_budget = config_.speculative_token_budget - decodes;
+  StepDrafts own;
+  own.decodes = decodes;
+  own.budget = config_.speculative_token_budget - decodes;
   for (size_t i = 0; i < running_.size();) {
     Request& r = *running_[i];
     if (!decode_eligible(r)) {
@@ -394,7 +409,7 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     }
     plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
-    if (drafter_ && r.draft.empty()) draft_ngrams(r, draft_budget);
+    if (drafter_ && r.draft.empty()) draft_ngrams(r, own);
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "block_allocator.h"
+#include "draft_costs.h"
 #include "ngram_drafter.h"
 #include "radix_cache.h"
 #include "request.h"
@@ -139,6 +140,10 @@ class Planner {
   void report(int64_t step_id, const int64_t* rids, size_t num_rids, const int32_t* tokens,
               size_t num_tokens);
 
+  // What decode-only steps cost, as the scheduler measured them (DraftCosts::set): from then on
+  // the planner's own drafts are only as many as the costs say pay. ValueError for bad values.
+  void set_decode_costs(const std::vector<double>& ms_by_tokens, double verify_overhead_ms);
+
   void finish(int64_t rid);  // KeyError if unknown or already finished/aborted
   bool abort(int64_t rid);   // false if unknown or already finished/aborted
   int64_t flush_cache();     // drops every unlocked cache node; returns blocks released
@@ -189,7 +194,13 @@ class Planner {
   void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
                  size_t old_table_len);
   void add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len);
-  void draft_ngrams(Request& r, int64_t& budget);
+  struct StepDrafts {     // the planner's own drafts in the step being planned
+    int64_t decodes = 0;  // its decode entries
+    int64_t budget = 0;   // drafts still allowed by speculative_token_budget
+    int64_t drafts = 0;   // drafts given so far
+    double gain = 0.0;    // the extra tokens they are expected to yield
+  };
+  void draft_ngrams(Request& r, StepDrafts& step);
   void count_verified(Request& r, int64_t drafts, int64_t accepted);
 
   Request* newest_retractable() const;
@@ -216,6 +227,7 @@ class Planner {
   double reserve_ratio_;
   bool retracted_this_plan_ = false;
   std::unique_ptr<NgramDrafter> drafter_;  // with speculative_ngram
+  DraftCosts draft_costs_;
   int64_t spec_verify_entries_ = 0;
   int64_t spec_draft_tokens_ = 0;
   int64_t spec_accepted_tokens_ = 0;

@@ -1,8 +1,11 @@
 // The planner's own n-gram drafts (speculative_ngram): what it drafts from, ahead of an
 // unreported token, within the step's budget, and how it backs off.
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "check.h"
+#include "draft_costs.h"
 #include "errors.h"
 #include "planner.h"
 #include "planner_driver.h"
@@ -55,29 +58,30 @@ TEST(a_decoding_request_drafts_what_followed_its_suffix_in_its_prompt) {
   CHECK_EQ(stats.spec_accepted_histogram, (std::vector<int64_t>{0, 0, 0, 0, 1}));
 }
 
-TEST(with_a_plain_decode_in_flight_the_drafts_skip_the_token_being_sampled) {
+TEST(drafts_back_off_while_rejected_and_skip_the_token_being_sampled_when_one_is_in_flight) {
   Planner p(config());
   add(p, 1, {10, 11, 12, 13, 14, 15, 10, 11}, 20);
-  const Step prefill = plan(p);
-  report(p, prefill, 12);
-  const Step decode = plan(p);  // 10 11 12 is followed by 13 14 15 10 in the prompt
-  CHECK_EQ(entry_for(decode, 1)->input, (Tokens{13, 14, 15, 10}));
-  report_verify(p, decode, 1, 0, 13);  // nothing accepted: backs off for two decode entries
+  report(p, plan(p), 12);
+  const Step first = plan(p);  // 10 11 12 is followed by 13 14 15 10 in the prompt
+  CHECK_EQ(entry_for(first, 1)->input, (Tokens{13, 14, 15, 10}));
+  report_verify(p, first, 1, 0, 13);  // nothing accepted: one draft next time
+  const Step second = plan(p);
+  CHECK_EQ(entry_for(second, 1)->input, (Tokens{14}));
+  report_verify(p, second, 1, 0, 14);  // rejected again: the mean gain is too low, back off
   const Step plain1 = plan(p);
   CHECK_EQ(entry_for(plain1, 1)->num_tokens, 1);
   const Step plain2 = plan(p);  // planned before plain1 is reported: overlap
   CHECK_EQ(entry_for(plain2, 1)->num_tokens, 1);
-  report(p, plain1, 14);
-  // plain2 samples the token after 12 13 14; the drafts guess it (15) and start after it, one
-  // draft long since the miss.
+  report(p, plain1, 15);
+  // plain2 samples the token after 13 14 15; the drafts guess it (10) and start after it.
   const Step ahead = plan(p);
-  CHECK_EQ(entry_for(ahead, 1)->input, (Tokens{10}));
-  report(p, plain2, 15);
-  report_verify(p, ahead, 1, 1, 11);
-  CHECK_EQ(p.request(1).output, (Tokens{12, 13, 14, 15, 10, 11}));
-  // Every draft accepted: the next verify drafts half as many again.
+  CHECK_EQ(entry_for(ahead, 1)->input, (Tokens{11}));
+  report(p, plain2, 10);
+  report_verify(p, ahead, 1, 1, 12);  // every draft accepted: never a miss
+  CHECK_EQ(p.request(1).output, (Tokens{12, 13, 14, 15, 10, 11, 12}));
+  // and the next verify drafts one more
   const Step longer = plan(p);
-  CHECK_EQ(entry_for(longer, 1)->input, (Tokens{12, 13}));
+  CHECK_EQ(entry_for(longer, 1)->input, (Tokens{13, 14}));
 }
 
 TEST(the_step_budget_bounds_decodes_plus_drafts) {
@@ -116,6 +120,44 @@ TEST(an_ended_sequence_drafts_for_later_requests_until_the_cache_is_flushed) {
 
   p.flush_cache();
   CHECK_EQ(p.stats().ngram_corpus_tokens, 0);
+}
+
+TEST(draft_costs_interpolate_between_measurements_and_extrapolate_past_them) {
+  pyserve::DraftCosts c;
+  CHECK(!c.known());
+  c.set({0.0, 10.0}, 0.0);  // one point: the prior slope
+  CHECK(std::abs(c.cost(3) - 12.0) < 1e-9);
+  c.set({0.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 20.0}, 0.0);
+  CHECK(std::abs(c.cost(5) - 15.0) < 1e-9);
+  CHECK(std::abs(c.cost(17) - 30.0) < 1e-9);
+  CHECK_THROWS(c.set({0.0, 1.0}, -1.0), ValueError);
+}
+
+TEST(drafts_are_as_many_as_the_measured_costs_say_pay) {
+  pyserve::DraftCosts c;
+  CHECK_EQ(c.length(1, 0, 0.0, 0.5, 8), 8);  // nothing measured: no say
+  pyserve::DraftCosts flat;
+  flat.set(std::vector<double>(20, 10.0), 0.0);  // a step costs the same whatever its tokens
+  CHECK_EQ(flat.length(1, 0, 0.0, 0.5, 8), 8);
+  pyserve::DraftCosts doubled;  // a verify doubles the step's wall time
+  doubled.set(std::vector<double>(20, 10.0), 10.0);
+  CHECK_EQ(doubled.length(1, 0, 0.0, 0.1, 8), 0);  // expects under one more token
+  CHECK_EQ(doubled.length(1, 0, 0.0, 0.9, 8), 8);
+  std::vector<double> steep(20);  // compute-bound: each token costs as much as the first
+  for (size_t t = 1; t < steep.size(); ++t) steep[t] = 10.0 * static_cast<double>(t);
+  pyserve::DraftCosts compute_bound;
+  compute_bound.set(steep, 0.0);
+  CHECK_EQ(compute_bound.length(8, 0, 0.0, 0.9, 4), 0);
+  std::vector<double> rising = {0.0, 10.0, 11.0, 12.0, 13.0, 100.0, 100.0, 100.0, 100.0};
+  pyserve::DraftCosts knee;  // cheap up to 4 tokens, then dear: the drafts stop at the knee
+  knee.set(rising, 0.0);
+  CHECK_EQ(knee.length(1, 0, 0.0, 0.9, 8), 3);
+
+  Planner p(config());
+  p.set_decode_costs(steep, 0.0);
+  add(p, 1, {10, 11, 12, 13, 14, 10, 11}, 20);
+  report(p, plan(p), 12);
+  CHECK_EQ(entry_for(plan(p), 1)->num_tokens, 1);  // the prompt matches, but drafts cost more
 }
 
 TEST(settings_the_drafter_cannot_use_are_refused) {

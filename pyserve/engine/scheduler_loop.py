@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pyserve.engine.channels import RingAddresses, main_sockets
 from pyserve.engine.errors import EngineDeadError, EngineError, EngineStartError
 from pyserve.engine.idle_check import IdleWatch, core_problems
+from pyserve.engine.step_costs import StepCosts
 from pyserve.engine.step_watch import Stall, StepWatch
 from pyserve.engine.subprocesses import Children
 from pyserve.wire import detok_to_main as inp
@@ -43,6 +44,7 @@ MAX_INFLIGHT_STEPS = 2
 POLL_MS = 200  # longest wait without looking at the children and the stop flag
 STATS_EVERY_S = 0.1
 LOG_EVERY_S = 10.0
+MAX_COSTED_TOKENS = 256  # decode steps measured for speculation: up to this many tokens
 
 
 class EngineSink(Protocol):
@@ -80,6 +82,10 @@ class SchedulerLoop:
         self._ready_timeout = ready_timeout
         self._shutdown_timeout = shutdown_timeout
         self._speculative = speculative  # finished requests report their accepted drafts
+        # with speculation: what decode steps cost, for the planner's drafts (step_costs.py)
+        self._costs = StepCosts(MAX_COSTED_TOKENS) if speculative else None
+        self._costed: dict[int, tuple[int, bool]] = {}  # sent step -> (decode tokens, verifies)
+        self._last_done: tuple[float, bool] | None = None  # (when, whether it verified)
         self._commands: collections.deque[tuple] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -293,6 +299,9 @@ class SchedulerLoop:
             if step is None:
                 return
             msg = out.step_from_plan(step)
+            if self._costs is not None and step.num_prefill_tokens == 0:
+                tokens = step.num_decode_tokens
+                self._costed[msg.step_id] = (tokens, tokens > msg.is_decode.count(1))
             self._send(msg)
             self._step_watch.sent(msg.step_id, len(msg.rids) // 8, time.monotonic())
 
@@ -316,6 +325,8 @@ class SchedulerLoop:
     def _on_step_done(self, msg: inp.StepDone) -> None:
         planner = self._planner
         planner.report(msg.step_id, msg.rids, msg.token_ids)
+        if self._costs is not None:
+            self._measure(msg)
         self._step_watch.done(msg.step_id, time.monotonic())
         self._worker_requests = msg.worker_requests
         self._detokenizer_requests = msg.detokenizer_requests
@@ -341,6 +352,18 @@ class SchedulerLoop:
         self._handed_tokens += len(handed)
         if handed:
             self._post(self._sink.on_step, handed)
+
+    def _measure(self, msg: inp.StepDone) -> None:
+        """Feeds StepCosts: the worker's time for a decode-only step, and the worker's wait
+        after a step with verify entries."""
+        assert self._costs is not None
+        now = time.monotonic()
+        tokens, verifies = self._costed.pop(msg.step_id, (0, False))
+        if tokens:
+            self._costs.observe(tokens, msg.forward_ms)
+            if self._last_done is not None and self._last_done[1]:
+                self._costs.observe_overhead((now - self._last_done[0]) * 1e3, msg.forward_ms)
+        self._last_done = (now, verifies)
 
     def _on_worker_error(self, msg: inp.WorkerError) -> None:
         rids = np.frombuffer(msg.rids, dtype="<i8").tolist() if msg.rids else sorted(self._live)
@@ -379,6 +402,18 @@ class SchedulerLoop:
         }
 
     def _refresh_stats(self, now: float) -> None:
+        costs = self._costs
+        if costs is not None and costs.changed:
+            self._planner.set_decode_costs(costs.table(), costs.verify_overhead_ms)
+            if log.isEnabledFor(logging.DEBUG):
+                measured = {t: round(ms, 2) for t, ms in enumerate(costs.table()) if ms > 0}
+                log.debug(
+                    "decode step costs (ms by tokens): %s; verify overhead %.2f ms",
+                    measured,
+                    costs.verify_overhead_ms,
+                )
+
+            costs.changed = False
         self._take_snapshot()
         self._last_stats = now
         if now - self._last_log >= LOG_EVERY_S:
