@@ -183,6 +183,61 @@ class Driver:
             seq.logprobs.append(row.log_softmax(-1))
             seq.tokens.append(int(row.argmax()))
 
+    def verify_step(self, entries: list[tuple[Seq, list[int]]]) -> None:
+        """One step of verify entries, as speculative decoding runs them: each sequence's newest
+        token and its drafts, every position scored; greedy acceptance keeps the drafts up to
+        the first that is not the argmax, then that argmax (each emitted token's logprobs are
+        its own position's)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        for seq, drafts in entries:
+            start = seq.computed
+            assert seq.pending == 1, "a verify entry starts at the sequence's newest token"
+            n = 1 + len(drafts)
+            while len(seq.table) * BLOCK_SIZE < start + n:
+                seq.table.append(self.free.pop())
+            ids += [seq.tokens[start], *drafts]
+            positions += range(start, start + n)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            start_pos=[seq.computed for seq, _ in entries],
+            num_tokens=[1 + len(d) for _, d in entries],
+            block_tables=[list(seq.table) for seq, _ in entries],
+            sample_index=torch.arange(len(ids)),
+        )
+        logits = self.runner.forward(batch)
+        row = 0
+        for seq, drafts in entries:
+            for i in range(len(drafts) + 1):
+                seq.logprobs.append(logits[row + i].log_softmax(-1))
+                token = int(logits[row + i].argmax())
+                seq.tokens.append(token)
+                if i == len(drafts) or token != drafts[i]:
+                    seq.computed += i + 1  # the K/V past the accepted drafts is rewritten later
+                    break
+            row += len(drafts) + 1
+
+    def run_verifies(
+        self, seqs: list[Seq], refs: list[Reference], rng: random.Random, max_drafts: int = 6
+    ) -> None:
+        """Decodes every sequence to NEW_TOKENS with verify entries whose drafts are HF's own
+        continuation, cut short, or corrupted at a random place one time in three."""
+        while True:
+            active = [s for s in seqs if len(s.generated) < NEW_TOKENS]
+            if not active:
+                return
+            entries = []
+            for seq in active:
+                ref = refs[seqs.index(seq)].tokens
+                done = len(seq.generated)
+                k = rng.randint(0, min(max_drafts, NEW_TOKENS - done - 1))
+                drafts = list(ref[done : done + k])
+                if drafts and rng.random() < 1 / 3:
+                    drafts[rng.randrange(len(drafts))] = rng.randrange(3, VOCAB)
+                entries.append((seq, drafts))
+            self.verify_step(entries)
+
     def run_decodes(self, seqs: list[Seq], steps: int = NEW_TOKENS) -> None:
         """Decodes every sequence (all together) until each has ``steps`` new tokens."""
         while True:

@@ -259,6 +259,18 @@ def check_mixed_batches(family, backend: str) -> None:
     assert_all_match(seqs, refs)
 
 
+def test_speculative_verify_entries_match_hf(family):
+    """Speculative decoding's verify entries (the newest token and drafts, every position
+    scored, beside other requests' verifies), with HF's own continuation as drafts, some
+    corrupted: the emitted tokens and their logprobs are HF's."""
+    _, _, _, prompts, refs = family
+    driver = Driver(exact_runner(family))
+    seqs = [driver.new_seq(p) for p in prompts]
+    driver.step([(s, s.pending) for s in seqs])
+    driver.run_verifies(seqs, refs, random.Random(11))
+    assert_all_match(seqs, refs)
+
+
 def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_factory, monkeypatch):
     """The Triton backend's decode-graph path (static buffers, padded batch sizes, a scratch
     block for the padding rows, the split count fixed by the model's context and each split's
