@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import worker_testlib
 from tiny_models import random_llama
 from worker_testlib import (  # noqa: F401 (an autouse fixture)
     TINY_EOS,
@@ -169,10 +170,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def random_prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, TINY_VOCAB) for _ in range(shared_prefix)]
-    lengths = [3, 9, 14, 22, 31]
-    return [prefix + [rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lengths]
+    return worker_testlib.random_prompts(seed, [3, 9, 14, 22, 31], shared_prefix)
 
 
 def greedy(**kw) -> SamplingParams:

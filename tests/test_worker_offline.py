@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import worker_testlib
 from worker_testlib import (  # noqa: F401 (an autouse fixture)
     TINY_EOS,
     TINY_VOCAB,
@@ -379,11 +380,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def random_prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, TINY_VOCAB) for _ in range(shared_prefix)]
-    lengths = [3, 7, 12, 17, 22, 26, 31, 38]
-    rng.shuffle(lengths)
-    return [prefix + [rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lengths]
+    return worker_testlib.random_prompts(
+        seed, [3, 7, 12, 17, 22, 26, 31, 38], shared_prefix, shuffle=True
+    )
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
 class Reference:
     token_ids: list[int]
     logprobs: torch.Tensor  # float32 [new tokens, vocab]: log_softmax of HF's logits
+
+
+def random_prompts(
+    seed: int, lengths: list[int], shared_prefix: int = 0, shuffle: bool = False
+) -> list[list[int]]:
+    """Prompts of random ids (from 3: past the special ones) of the given lengths, each after the
+    same ``shared_prefix`` random ids."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, TINY_VOCAB) for _ in range(shared_prefix)]
+    if shuffle:
+        lengths = list(lengths)
+        rng.shuffle(lengths)
+    return [prefix + [rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lengths]
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
