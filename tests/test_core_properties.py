@@ -295,6 +295,7 @@ class PlannedEntry:
     start: int
     n: int
     decode: bool
+    worker_drafts: bool  # a verify entry whose drafts the worker's draft model writes
     sample: bool
     offset: int
     blocks: list[int]
@@ -311,13 +312,15 @@ def _entries(step) -> list[PlannedEntry]:
         raise CoreViolation(f"step {step.step_id}: per-entry arrays of different lengths")
     out, b, t = [], 0, 0
     for i, rid in enumerate(rids):
-        n_in = counts[i] - 1 if decode[i] else counts[i]  # a decode's inputs are its drafts
+        # a decode's inputs are its drafts (none here when the worker's draft model writes them)
+        n_in = 0 if decode[i] == 2 else counts[i] - 1 if decode[i] else counts[i]
         out.append(
             PlannedEntry(
                 rid=rid,
                 start=starts[i],
                 n=counts[i],
                 decode=bool(decode[i]),
+                worker_drafts=decode[i] == 2,
                 sample=bool(sample[i]),
                 offset=offsets[i],
                 blocks=ids[b : b + nblocks[i]],
@@ -661,7 +664,8 @@ class PlannerMachine(RuleBasedStateMachine):
             if rid in verify and req.state != "done":
                 a = accepted(verify[rid][1])
                 out_rids += [rid] * (a + 1)
-                tokens += [*req.verifying[:a], token()]
+                drafts = req.verifying[:a] if req.verifying[0] is not None else None
+                tokens += [*(drafts or [token() for _ in range(a)]), token()]
             else:
                 out_rids.append(rid)
                 tokens.append(token())
@@ -689,7 +693,8 @@ class PlannerMachine(RuleBasedStateMachine):
         verify = self.step_verify.pop(step_id)
         for rid in verify:  # a wrong draft among the accepted tokens is refused
             named = rids.count(rid)
-            if named > 1 and self.requests[rid].state != "done":
+            worker = self.requests[rid].verifying[:1] == [None]  # the core cannot check those
+            if named > 1 and self.requests[rid].state != "done" and not worker:
                 wrong = list(tokens)
                 i = rids.index(rid)
                 wrong[i] = (wrong[i] + 1) % 8
@@ -902,13 +907,20 @@ class PlannerMachine(RuleBasedStateMachine):
             if req.verifying:
                 self._fail(f"{where}: planned before the report verifying its drafts")
             draft, req.draft = req.draft, []  # one plan consumes them, verified or not
-            if not draft and e.n > 1 and self.cfg.get("speculative_ngram"):
+            if e.worker_drafts:  # any tokens: the draft model's, which the core never sees
+                if not self.cfg.get("speculative_draft_model") or draft or e.input_ids:
+                    self._fail(f"{where}: drafts for a worker draft model it does not run")
+                draft = [None] * (e.n - 1)
+                event("draft-model verify entry")
+                self.auto_drafts += len(draft)
+            elif not draft and e.n > 1 and self.cfg.get("speculative_ngram"):
                 draft = e.input_ids  # the planner's own n-gram drafts
                 if len(draft) > self.cfg["max_draft_tokens"]:
                     self._fail(f"{where}: {len(draft)} drafts > max_draft_tokens")
                 event("n-gram drafts")
                 self.auto_drafts += len(draft)
-            if not e.sample or (e.n, e.input_ids) not in ((1, []), (1 + len(draft), draft)):
+            inputs = [] if e.worker_drafts else draft
+            if not e.sample or (e.n, e.input_ids) not in ((1, []), (1 + len(draft), inputs)):
                 self._fail(
                     f"{where}: a decode computes its last token ({e.n} positions, inputs "
                     f"{e.input_ids}) and samples; drafts {draft}"
@@ -929,7 +941,7 @@ class PlannerMachine(RuleBasedStateMachine):
             if e.sample and req.samples != req.output_len:
                 self._fail(f"{where}: recompute samples before all its outputs are known")
         if e.decode and e.n > 1:
-            req.verifying = e.input_ids
+            req.verifying = [None] * (e.n - 1) if e.worker_drafts else e.input_ids
         if e.sample:
             req.samples += e.n if e.decode else 1  # a verify entry: up to 1 + k tokens
             if req.samples > req.max_new:
@@ -1339,7 +1351,27 @@ class NgramDraftingPlannerMachine(PlannerMachine):
 
 
 TestPlannerNgramDrafts = NgramDraftingPlannerMachine.TestCase
+
+
+class DraftModelPlannerMachine(NgramDraftingPlannerMachine):
+    """The core planning verify entries whose drafts a worker's draft model writes."""
+
+    @initialize(
+        config=ngram_planner_configs(),
+        prefixes=st.lists(
+            st.lists(st.integers(0, 7), min_size=1, max_size=40), min_size=1, max_size=3
+        ),
+        seed=st.integers(0, 2**16),
+        data=st.data(),
+    )
+    def setup(self, config: dict, prefixes: list[list[int]], seed: int, data) -> None:
+        config = {**config, "speculative_ngram": False, "speculative_draft_model": True}
+        PlannerMachine.setup(self, config, prefixes, seed, data)
+
+
+TestPlannerDraftModel = DraftModelPlannerMachine.TestCase
 TestPlannerNgramDrafts.settings = settings(max_examples=150, **_PLANNER_SETTINGS)
+TestPlannerDraftModel.settings = settings(max_examples=100, **_PLANNER_SETTINGS)
 
 TestPlannerLockstep = LockstepMachine.TestCase
 TestPlannerLockstep.settings = settings(max_examples=300, **_PLANNER_SETTINGS)

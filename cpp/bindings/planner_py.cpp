@@ -30,10 +30,12 @@ py::list step_entries(const Step& s) {
     e["rid"] = s.rids[i];
     e["start_pos"] = s.start_pos[i];
     e["num_tokens"] = s.num_tokens[i];
-    e["is_decode"] = static_cast<bool>(s.is_decode[i]);
+    e["is_decode"] = static_cast<int>(s.is_decode[i]);  // 2: the worker's draft model drafts
     e["sample"] = static_cast<bool>(s.sample[i]);
     py::list inputs;  // a decode entry's are its drafts: all its positions but the first
-    const int32_t num_inputs = s.is_decode[i] ? s.num_tokens[i] - 1 : s.num_tokens[i];
+    const int32_t num_inputs = s.is_decode[i] == 2   ? 0
+                               : s.is_decode[i] == 1 ? s.num_tokens[i] - 1
+                                                     : s.num_tokens[i];
     for (int32_t k = 0; k < num_inputs; ++k) inputs.append(s.input_ids[input_at++]);
     e["input_ids"] = inputs;
     e["block_offset"] = s.block_offsets[i];
@@ -122,7 +124,7 @@ void bind_planner(py::module_& m) {
                        double init_reserve_ratio, double min_reserve_ratio, double reserve_decay,
                        int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
                        int64_t ngram_max_match, int64_t ngram_corpus_tokens,
-                       int64_t speculative_token_budget) {
+                       int64_t speculative_token_budget, bool speculative_draft_model) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -141,6 +143,7 @@ void bind_planner(py::module_& m) {
              c.ngram_max_match = ngram_max_match;
              c.ngram_corpus_tokens = ngram_corpus_tokens;
              c.speculative_token_budget = speculative_token_budget;
+             c.speculative_draft_model = speculative_draft_model;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -151,7 +154,7 @@ void bind_planner(py::module_& m) {
            py::arg("reserve_decay") = 0.001, py::arg("max_draft_tokens") = 0,
            py::arg("speculative_ngram") = false, py::arg("ngram_min_match") = 2,
            py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
-           py::arg("speculative_token_budget") = 16)
+           py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{

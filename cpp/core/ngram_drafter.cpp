@@ -23,7 +23,7 @@ void check_drafter_config(const NgramDrafterConfig& c) {
 
 NgramDrafter::NgramDrafter(const NgramDrafterConfig& config) : config_(config) {
   check_drafter_config(config_);
-  if (config_.corpus_tokens > 0) {
+  if (config_.corpus_tokens > 0 && config_.lookup) {
     corpus_ = std::make_unique<NgramCorpus>(static_cast<int32_t>(config_.max_match),
                                             config_.corpus_tokens, config_.vocab_size);
   }
@@ -33,13 +33,13 @@ void NgramDrafter::add(int64_t rid, const int32_t* prompt, size_t n) {
   auto [it, added] =
       slots_.try_emplace(rid, static_cast<int32_t>(config_.max_match), config_.vocab_size);
   if (!added) throw ValueError("drafter: request " + std::to_string(rid) + " already exists");
-  it->second.index.append(prompt, n);
+  if (config_.lookup) it->second.index.append(prompt, n);
   it->second.length = std::min(kFirstLength, config_.max_draft_tokens);
 }
 
 void NgramDrafter::append(int64_t rid, int32_t token) {
   auto it = slots_.find(rid);
-  if (it != slots_.end()) it->second.index.append(&token, 1);
+  if (it != slots_.end() && config_.lookup) it->second.index.append(&token, 1);
 }
 
 void NgramDrafter::end(int64_t rid, const int32_t* sequence, size_t n) {

@@ -33,6 +33,7 @@ struct NgramDrafterConfig {
   int64_t min_match = 2;         // the shortest suffix that may propose a draft
   int64_t max_match = 4;         // the longest suffix looked up
   int64_t corpus_tokens = 0;     // tokens of ended sequences kept to draft from; 0: none
+  bool lookup = true;  // false: only the lengths and back-off (a draft model drafts instead)
   int64_t vocab_size = 2147483647;
 };
 

@@ -43,6 +43,8 @@ const PlannerConfig& validated(const PlannerConfig& c) {
           "reserve_decay must be >= 0, got " + std::to_string(c.reserve_decay));
   require(c.max_draft_tokens >= 0 && c.max_draft_tokens <= 65536,
           "max_draft_tokens must be in [0, 65536], got " + std::to_string(c.max_draft_tokens));
+  require(!(c.speculative_ngram && c.speculative_draft_model),
+          "speculative_ngram and speculative_draft_model are alternatives: choose one");
   require(c.speculative_token_budget >= 1, "speculative_token_budget must be >= 1, got " +
                                                std::to_string(c.speculative_token_budget));
   return c;
@@ -72,8 +74,9 @@ Planner::Planner(const PlannerConfig& config)
       cache_(config.block_size, allocator_),
       reserve_ratio_(config.init_reserve_ratio),
       spec_accepted_histogram_(static_cast<size_t>(config.max_draft_tokens) + 1, 0) {
-  if (config_.speculative_ngram) {
+  if (config_.speculative_ngram || config_.speculative_draft_model) {
     NgramDrafterConfig d;
+    d.lookup = config_.speculative_ngram;
     d.max_draft_tokens = config_.max_draft_tokens;
     d.min_match = config_.ngram_min_match;
     d.max_match = config_.ngram_max_match;
@@ -194,6 +197,7 @@ void Planner::set_draft(int64_t rid, std::vector<int32_t> draft) {
               " drafts could take it past max_new_tokens = " + std::to_string(r->max_new_tokens) +
               " (" + std::to_string(r->planned_samples) + " samples planned)");
   r->draft = std::move(draft);
+  r->worker_drafts = false;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -232,6 +236,7 @@ void Planner::release_blocks(Request& r) {
   r.num_computed = 0;
   r.prefill_target = 0;
   r.draft.clear();
+  r.worker_drafts = false;
 }
 
 // Releases r's scheduled positions from new_scheduled on: the blocks wholly past it go back.
@@ -331,7 +336,13 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
 void Planner::add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_len) {
   const int64_t k = static_cast<int64_t>(r.draft.size());
   add_entry(step, record, r, 1 + k, /*decode=*/true, old_len);
-  step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
+  if (r.worker_drafts) {
+    step.is_decode.back() = 2;  // the worker's draft model writes the drafts
+    record.entries.back().worker_drafts = true;
+    r.worker_drafts = false;
+  } else {
+    step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
+  }
   step.num_decode_tokens += k;
   record.entries.back().drafts = static_cast<int32_t>(k);
   r.planned_samples += k;  // an upper bound until the report says how many were accepted
@@ -352,18 +363,24 @@ int64_t Planner::plain_decode_blocks(const Request& r) const {
 
 // The drafter's drafts for r's next decode entry, within the step's draft budget and r's
 // max_new_tokens. With more than one sample of r still unreported the guess would be too weak.
-void Planner::draft_ngrams(Request& r, StepDrafts& step) {
+void Planner::propose_drafts(Request& r, StepDrafts& step) {
   const int64_t limit = std::min(step.budget, r.max_new_tokens - r.planned_samples - 1);
   int64_t k = drafter_->wanted(r.rid, limit);
   const int64_t unknown = r.planned_samples - static_cast<int64_t>(r.output.size());
-  if (k <= 0 || unknown > 1) return;
+  // the worker knows the unreported token: its draft model drafts after it
+  if (k <= 0 || (unknown > 1 && !config_.speculative_draft_model)) return;
   const double share = drafter_->acceptance(r.rid);
   k = draft_costs_.length(step.decodes, step.drafts, step.gain, share, k);
   if (k <= 0) {
     drafter_->declined(r.rid);
     return;
   }
-  r.draft = drafter_->draft(r.rid, k, unknown);
+  if (config_.speculative_draft_model) {
+    r.draft.assign(static_cast<size_t>(k), 0);
+    r.worker_drafts = true;
+  } else {
+    r.draft = drafter_->draft(r.rid, k, unknown);
+  }
   const int64_t n = static_cast<int64_t>(r.draft.size());
   step.budget -= n;
   step.drafts += n;
@@ -409,7 +426,7 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     }
     plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
-    if (drafter_ && r.draft.empty()) draft_ngrams(r, own);
+    if (drafter_ && r.draft.empty()) propose_drafts(r, own);
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
@@ -423,6 +440,7 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
         continue;
       }
       r.draft.clear();  // falls back to a plain decode
+      r.worker_drafts = false;
     }
     if (r.num_scheduled / block_size_ >= static_cast<int64_t>(old_len)) {
       while (!allocate_blocks(1, r.table)) {
@@ -683,8 +701,8 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
       const size_t j = scratch_targets_[i];
       const Request& r = *s.entries[j].request;
       const int32_t m = seen[j]++;
-      if (s.entries[j].drafts == 0 || r.state == RequestState::kDone ||
-          m + 1 == scratch_counts_[j]) {
+      if (s.entries[j].drafts == 0 || s.entries[j].worker_drafts ||
+          r.state == RequestState::kDone || m + 1 == scratch_counts_[j]) {
         continue;
       }
       if (tokens[i] != r.verifying[static_cast<size_t>(m)]) {

@@ -65,6 +65,9 @@ struct PlannerConfig {
   // given no drafts, while a step's decode entries and drafts stay within
   // speculative_token_budget tokens.
   bool speculative_ngram = false;
+  // Decoding requests get verify entries whose drafts the worker's draft model writes
+  // (is_decode 2, no ids in input_ids), sized like the planner's own n-gram drafts.
+  bool speculative_draft_model = false;
   int64_t ngram_min_match = 2;
   int64_t ngram_max_match = 4;
   int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
@@ -168,7 +171,8 @@ class Planner {
     Request* request;  // stays valid: a request is erased only when no unreported step names it
     int64_t end;       // the entry computes positions up to here
     bool sample;
-    int32_t drafts;  // a verify entry's drafts: it samples up to drafts + 1 tokens
+    int32_t drafts;              // a verify entry's drafts: it samples up to drafts + 1 tokens
+    bool worker_drafts = false;  // the worker's draft model wrote them: the core never saw them
   };
   struct InflightStep {
     int64_t step_id;
@@ -200,7 +204,7 @@ class Planner {
     int64_t drafts = 0;   // drafts given so far
     double gain = 0.0;    // the extra tokens they are expected to yield
   };
-  void draft_ngrams(Request& r, StepDrafts& step);
+  void propose_drafts(Request& r, StepDrafts& step);
   void count_verified(Request& r, int64_t drafts, int64_t accepted);
 
   Request* newest_retractable() const;

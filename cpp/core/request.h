@@ -47,8 +47,9 @@ struct Request {
   // non-empty the request gets no entry, because its next input depends on the verify result.
   std::vector<int32_t> draft;
   std::vector<int32_t> verifying;
-  int64_t spec_drafted = 0;   // drafts of its reported verify entries
-  int64_t spec_accepted = 0;  // of which accepted
+  bool worker_drafts = false;  // draft and verifying are placeholders: the draft model drafts
+  int64_t spec_drafted = 0;    // drafts of its reported verify entries
+  int64_t spec_accepted = 0;   // of which accepted
 
   int64_t cached_tokens = 0;  // prefix hit at the first admission
   bool ever_admitted = false;

@@ -13,7 +13,8 @@ struct Step {
   std::vector<int32_t> start_pos;   // tokens already in the KV cache for that request
   std::vector<int32_t> num_tokens;  // tokens computed by the entry (1 + drafts for a decode)
   // The first input is the request's last sampled token; any further inputs are drafted
-  // tokens to verify (a sample after each of the 1 + k positions).
+  // tokens to verify (a sample after each of the 1 + k positions): in input_ids with 1, written
+  // by the worker's draft model with 2.
   std::vector<uint8_t> is_decode;
   std::vector<uint8_t> sample;         // a token is sampled after the entry
   std::vector<int32_t> block_offsets;  // where the entry's new block ids go in its table

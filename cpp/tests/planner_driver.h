@@ -38,8 +38,9 @@ inline std::vector<Entry> entries(const Step& s) {
             s.num_tokens[i],    s.is_decode[i] != 0,
             s.sample[i] != 0,   {},
             s.block_offsets[i], {}};
-    // A decode entry's inputs are its drafts: every position but the first.
-    const int32_t num_inputs = e.decode ? e.num_tokens - 1 : e.num_tokens;
+    // A decode entry's inputs are its drafts: every position but the first (none here when
+    // the worker's draft model writes them).
+    const int32_t num_inputs = s.is_decode[i] == 2 ? 0 : e.decode ? e.num_tokens - 1 : e.num_tokens;
     e.input.assign(s.input_ids.begin() + static_cast<int64_t>(input_at),
                    s.input_ids.begin() + static_cast<int64_t>(input_at) + num_inputs);
     input_at += static_cast<size_t>(num_inputs);

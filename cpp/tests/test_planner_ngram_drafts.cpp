@@ -160,6 +160,33 @@ TEST(drafts_are_as_many_as_the_measured_costs_say_pay) {
   CHECK_EQ(entry_for(plan(p), 1)->num_tokens, 1);  // the prompt matches, but drafts cost more
 }
 
+TEST(with_a_draft_model_the_worker_writes_the_drafts_of_each_verify_entry) {
+  PlannerConfig c = config();
+  c.speculative_ngram = false;
+  c.speculative_draft_model = true;
+  Planner p(c);
+  add(p, 1, {10, 11, 12}, 20);
+  const Step prefill = plan(p);
+  // planned before the prefill's sample is reported: the worker knows it when it drafts
+  const Step s = plan(p);
+  CHECK_EQ(static_cast<int>(s.is_decode[0]), 2);
+  CHECK_EQ(s.num_tokens[0], 5);  // the first length: 4 drafts
+  CHECK(s.input_ids.empty());
+  report(p, prefill, 13);
+  // any tokens: the core never saw the drafts; 2 accepted, then one more
+  const std::vector<int64_t> rids(3, 1);
+  const Tokens tokens{40, 41, 42};
+  p.report(s.step_id, rids.data(), rids.size(), tokens.data(), tokens.size());
+  p.check_invariants();
+  CHECK_EQ(p.request(1).output, (Tokens{13, 40, 41, 42}));
+  CHECK_EQ(p.request(1).spec_accepted, 2);
+  CHECK_EQ(p.request(1).num_computed, 3 + 3);  // rejected positions released
+  const Step next = plan(p);
+  CHECK_EQ(static_cast<int>(next.is_decode[0]), 2);
+  CHECK_EQ(next.start_pos[0], 6);
+  CHECK_EQ(next.num_tokens[0], 4);  // shortened to accepted + 1
+}
+
 TEST(settings_the_drafter_cannot_use_are_refused) {
   PlannerConfig c = config();
   c.ngram_min_match = 4;  // above max_match
@@ -169,6 +196,9 @@ TEST(settings_the_drafter_cannot_use_are_refused) {
   CHECK_THROWS(Planner{c}, ValueError);
   c = config();
   c.speculative_token_budget = 0;
+  CHECK_THROWS(Planner{c}, ValueError);
+  c = config();
+  c.speculative_draft_model = true;  // beside speculative_ngram: one or the other
   CHECK_THROWS(Planner{c}, ValueError);
 }
 
