@@ -242,8 +242,14 @@ def add_speculative_args(add: Callable[..., object]) -> None:
         type=str.lower,
         choices=list(SPECULATIVE_ALGORITHMS),
         help="speculative decoding: ngram drafts tokens from the request's own prompt and "
-        "output and from earlier requests' sequences, and verifies them in the batched step "
-        "(outputs are exactly those without it); default: off",
+        "output and from earlier requests' sequences; standalone drafts with a smaller model "
+        "(--speculative-draft-model-path, the same vocabulary); either is verified in the "
+        "batched step (outputs are exactly those without it); default: off",
+    )
+    add(
+        "--speculative-draft-model-path",
+        help="the draft model of --speculative-algorithm standalone (a Hugging Face directory "
+        "or a .gguf file)",
     )
     add(
         "--speculative-num-draft-tokens",
@@ -312,6 +318,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         embedding_normalize=args.embedding_normalize,
         rerank_mode=args.rerank_mode,
         speculative_algorithm=args.speculative_algorithm,
+        speculative_draft_model_path=args.speculative_draft_model_path,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_ngram_min_match_window_size=args.speculative_ngram_min_match_window_size,
         speculative_ngram_max_match_window_size=args.speculative_ngram_max_match_window_size,

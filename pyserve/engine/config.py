@@ -17,7 +17,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # (max_prefill_tokens, chunked_prefill_size) unless set: see EngineConfig.resolved_prefill_budget
 CPU_PREFILL_BUDGET = (512, 512)
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "standalone")
 MAX_DRAFT_TOKENS = 64  # a verify entry of more drafts would cost like a prefill chunk
 MAX_NGRAM_WINDOW = 64  # the core's longest n-gram (cpp/core/ngram_index.h)
 GPU_PREFILL_BUDGET = (8192, 2048)
@@ -83,11 +83,13 @@ class EngineConfig:
     embedding_normalize: bool = True
     rerank_mode: str = "auto"
     # Speculative decoding (cpp/README.md, "The planner's own drafts"): "ngram" drafts from the
-    # request's own prompt and output and from the sequences earlier requests ended with, and
-    # verifies the drafts in the batched step; None: off. The draft count is a maximum (each
-    # request's adapts to its acceptance); a step speculates only while its decode entries and
-    # drafts stay within the token budget, where a CPU step costs about the same as one token.
+    # request's own prompt and output and from the sequences earlier requests ended with;
+    # "standalone" drafts with a second, smaller model in the worker
+    # (speculative_draft_model_path, the same vocabulary); either is verified in the batched
+    # step; None: off. The draft count is a maximum (each request's adapts to its acceptance and
+    # the measured step costs), and a step's decode entries and drafts stay within the budget.
     speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 8
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
@@ -98,6 +100,12 @@ class EngineConfig:
         """The Planner's speculative-decoding options for these settings."""
         if self.speculative_algorithm is None:
             return {}
+        if self.speculative_algorithm == "standalone":
+            return dict(
+                max_draft_tokens=self.speculative_num_draft_tokens,
+                speculative_draft_model=True,
+                speculative_token_budget=self.speculative_token_budget,
+            )
         return dict(
             max_draft_tokens=self.speculative_num_draft_tokens,
             speculative_ngram=True,
@@ -209,6 +217,19 @@ class EngineConfig:
                 f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
                 f"got {self.speculative_algorithm!r}"
             )
+        standalone = self.speculative_algorithm == "standalone"
+        if standalone and not self.speculative_draft_model_path:
+            raise ValueError(
+                "speculative_algorithm standalone needs speculative_draft_model_path: a smaller "
+                "model with the same vocabulary"
+            )
+        if self.speculative_draft_model_path and not standalone:
+            raise ValueError(
+                "speculative_draft_model_path is for speculative_algorithm standalone; got "
+                f"{self.speculative_algorithm!r}"
+            )
+        if self.speculative_draft_model_path and self.tp_size > 1:
+            raise ValueError("a speculative draft model does not run with tp_size > 1")
         if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
                 f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], "

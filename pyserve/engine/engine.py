@@ -452,6 +452,7 @@ class Engine:
         drafted = stats.get("spec_draft_tokens", 0)
         return {
             "algorithm": config.speculative_algorithm,
+            "draft_model_path": config.speculative_draft_model_path,
             "num_draft_tokens": config.speculative_num_draft_tokens,
             "ngram_min_match_window_size": config.speculative_ngram_min_match_window_size,
             "ngram_max_match_window_size": config.speculative_ngram_max_match_window_size,
