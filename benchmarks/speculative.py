@@ -17,6 +17,8 @@ cores, so compare ratios, not absolute times.
     .venv/bin/python benchmarks/speculative.py \
         --model benchmarks/out/kquant-models/0.5b/model-Q4_K_M.gguf
     .venv/bin/python benchmarks/speculative.py --llama-spec-types ngram-simple,ngram-map-k
+    .venv/bin/python benchmarks/speculative.py --no-llama --spec-args \
+        "--speculative-algorithm standalone --speculative-draft-model-path DRAFT.gguf"
 """
 
 from __future__ import annotations
@@ -226,8 +228,8 @@ async def bench(args) -> list[Run]:
     loads = {name: loads[name] for name in args.loads}
     specs = [
         pyserve_spec("pyserve", args.pyserve_args.split(), args.model),
-        pyserve_spec(f"pyserve {SPEC_ARGS}", [*args.pyserve_args.split(), *SPEC_ARGS.split(),
-                                                *args.spec_args.split()], args.model),
+        pyserve_spec(f"pyserve {args.spec_args}",
+                     [*args.pyserve_args.split(), *args.spec_args.split()], args.model),
     ]  # fmt: skip
     binary = None if args.no_llama else find_llama_server(args.llama_server)
     if binary:
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--pyserve-args", default="", help="flags for both pyserve runs")
-    p.add_argument("--spec-args", default="", help="more flags for the speculative pyserve run")
+    p.add_argument("--spec-args", default=SPEC_ARGS, help="the speculative pyserve run's own flags")
     p.add_argument("--llama-server", default=None)
     p.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k,ngram-mod")
     p.add_argument("--no-llama", action="store_true")
