@@ -6,7 +6,7 @@ Shared by the worker subprocess (process.py) and the in-process OfflineEngine (o
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from pyserve.worker.sampling import SampleOutput, Sampler
 from pyserve.worker.speculative_verify import DraftProposal, VerifyOutput, verify_drafts
 from pyserve.worker.state import PreparedStep, RequestState, RequestTable
 from pyserve.worker.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from pyserve.worker.draft_model import DraftModel
 
 
 class MalformedStep(ValueError):
@@ -44,9 +47,13 @@ class StepExecutor:
         seed: int | None = None,
         grammars: GrammarMasks | None = None,
         tp: TensorParallel | None = None,
+        drafter: DraftModel | None = None,
     ) -> None:
+        if drafter is not None and tp is not None:
+            raise ValueError("a draft model cannot run with tensor parallelism (--tp)")
         self.runner = runner
         self.tp = tp  # one rank of a tensor-parallel group: rank 0's tokens are everyone's
+        self.drafter = drafter  # drafts worker-drafted verify entries (is_decode 2)
         self.requests = RequestTable(
             block_size=block_size, eos_token_ids=eos_token_ids, device=device, grammars=grammars
         )
@@ -62,6 +69,11 @@ class StepExecutor:
             prepared = self.requests.prepare(step)
         except Exception as e:  # before any collective: every rank refuses the step alike
             raise MalformedStep(str(e)) from e
+        if prepared.drafted and self.drafter is None:
+            raise MalformedStep(
+                f"step {step.step_id}: a worker-drafted verify entry, but this worker runs "
+                "no draft model"
+            )
         out = None
         verified = None
         pooled: dict[int, bytes] = {}
@@ -76,6 +88,8 @@ class StepExecutor:
                 # computed on the masking thread while the forward pass runs
                 masks = table.grammars.masks([s.grammar for s in plain])
             with torch.inference_mode():
+                if prepared.drafted:
+                    self._draft(prepared)
                 hidden = None
                 if prepared.batch.hidden_index is not None:
                     logits, hidden = self.runner.forward_hidden(prepared.batch)
@@ -121,21 +135,42 @@ class StepExecutor:
             out = self.sampler(logits[_index(plain_rows, logits)], plain, masks)
         walks: list[DraftWalk] = []
         proposals = []
+        probs = {slot.entry: slot.probs for slot in prepared.drafted}
         for j, drafts in prepared.verify.items():  # in entry order, as the rows
             state = prepared.sampling[j]
             walk = self._draft_walk(state, drafts)
+            q = probs.get(j)
             if walk is not None:
                 walks.append(walk)
-            proposals.append(DraftProposal(seq=state, draft_ids=drafts, allowed=walk))
+                # a grammar rejects a forbidden draft before any test, drawing from the target
+                # alone: exact only for drafts taken as point masses, so q is left out
+                q = None
+            proposals.append(
+                DraftProposal(seq=state, draft_ids=drafts, draft_probs=q, allowed=walk)
+            )
         try:
             results = verify_drafts(self.sampler, logits[_index(verify_rows, logits)], proposals)
         finally:
             for walk in walks:  # the real matchers advance by the emitted tokens only
                 walk.rollback()
         verified = dict(zip(prepared.verify, results, strict=True))
+        if prepared.drafted:
+            assert self.drafter is not None
+            for slot in prepared.drafted:
+                self.drafter.settle(slot, verified[slot.entry].accepted)
         if self.tp is not None:
             out, verified = self._broadcast(out, verified, prepared.verify)
         return out, verified
+
+    def _draft(self, prepared: PreparedStep) -> None:
+        """The draft model's drafts for the worker-drafted verify entries, written into the
+        batch's input ids and the verify entries' drafts."""
+        assert self.drafter is not None
+        self.drafter.propose(prepared.drafted)
+        input_ids = prepared.batch.input_ids
+        for slot in prepared.drafted:
+            prepared.verify[slot.entry] = slot.drafts
+            input_ids[slot.at : slot.at + slot.k] = torch.tensor(slot.drafts, dtype=torch.int64)
 
     def _draft_walk(self, state: RequestState, drafts: list[int]) -> DraftWalk | None:
         grammars = self.requests.grammars

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from pyserve.wire.main_to_worker import (
@@ -51,7 +52,8 @@ class OfflineEngine:
     ``vocab_size`` and ``eos_token_ids``); otherwise a ModelRunner is loaded from ``model``.
     ``num_blocks`` sizes the KV pool: make it small (and ``init_reserve_ratio``, one of the
     ``planner_options`` passed on to the Planner, low) to force retraction. The prefix cache
-    lives as long as the engine, across ``generate`` calls.
+    lives as long as the engine, across ``generate`` calls. ``draft_model`` (a path like
+    ``model``) loads a draft model beside the model, for worker-drafted verify entries.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class OfflineEngine:
         model: str | None = None,
         *,
         runner: Runner | None = None,
+        draft_model: str | None = None,
         settings: WorkerSettings | None = None,
         dtype: str = "float32",
         device: str = "cpu",
@@ -94,7 +97,10 @@ class OfflineEngine:
                 backend=backend,
                 max_model_len=max_model_len,
                 seed=seed,
+                draft_model=draft_model,
             )
+        elif draft_model is not None:
+            settings = msgspec.structs.replace(settings, draft_model=draft_model)
         num_blocks, block_size, device = settings.num_blocks, settings.block_size, settings.device
         if runner is None:
             from pyserve.worker.model_runner import ModelRunner
@@ -102,12 +108,21 @@ class OfflineEngine:
             runner = ModelRunner(settings)
         self.runner = runner
         config = runner.config
+        drafter = None
+        if settings.draft_model is not None:
+            from pyserve.worker.draft_model import DraftModel, load_draft_runner
+
+            drafter = DraftModel(
+                load_draft_runner(settings, runner), device=device, seed=settings.seed
+            )
+        self.drafter = drafter
         self.executor = StepExecutor(
             runner,
             block_size=block_size,
             eos_token_ids=list(config.eos_token_ids),
             device=device,
             seed=settings.seed,
+            drafter=drafter,
         )
         self.planner = Planner(
             num_blocks,

@@ -155,7 +155,19 @@ def _load(
         from pyserve.worker.model_runner import ModelRunner
 
         settings = config.settings
+        if settings.draft_model is not None and config.tp_size > 1:
+            return None, (
+                f"the draft model {settings.draft_model} cannot run with --tp "
+                f"{config.tp_size}: speculative decoding with a draft model needs one rank"
+            )
         runner = ModelRunner(settings, tp=tp)
+        drafter = None
+        if settings.draft_model is not None:
+            from pyserve.worker.draft_model import DraftModel, load_draft_runner
+
+            drafter = DraftModel(
+                load_draft_runner(settings, runner), device=runner.device, seed=settings.seed
+            )
         eos_token_ids = list(runner.config.eos_token_ids)
         executor = StepExecutor(
             runner,
@@ -167,6 +179,7 @@ def _load(
                 partial(_tokenizer_file, settings.model), runner.config.vocab_size, eos_token_ids
             ),
             tp=tp,
+            drafter=drafter,
         )
     except TensorParallelError:
         raise

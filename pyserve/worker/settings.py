@@ -28,6 +28,9 @@ def tp_split_problem(size: int, counts: dict[str, int]) -> str | None:
 
 class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2
+    # a smaller model (a path like ``model``) that drafts tokens for worker-drafted verify
+    # entries; it shares the KV pool's block ids and the vocabulary. None: no draft model
+    draft_model: str | None = None
     num_blocks: int = 1024  # KV pool size, in blocks (the core's BlockAllocator has as many)
     block_size: int = 16
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto

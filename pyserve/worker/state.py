@@ -10,6 +10,11 @@ from the Step) is sampled at each of its positions; speculative_verify.py decide
 drafts stand, and the request emits them plus one token, reported one by one up to the first
 that finishes it, exactly as that many plain decode steps would have.
 
+A worker-drafted verify entry (``is_decode == 2``) is the same without drafts in the Step: the
+worker's draft model (draft_model.py) writes them into the batch before the forward pass. For
+it, each request tracks ``draft_computed``: the leading positions whose K/V in the draft model's
+pool are valid under the request's current block table.
+
 Because the scheduler runs ahead (DESIGN.md, "Overlap"), a request that finished here at Step N
 may still appear in Step N+1: it is computed (its state is kept until a Step lists it in
 ``dropped``) but the token it samples is discarded, never reported.
@@ -59,6 +64,27 @@ class RequestState:
     pooling: Pooling | None = None  # a prefill-only request's vector (pooling.py)
     pool_sum: torch.Tensor | None = None  # its hidden states summed over the chunks so far
     pool_rows: int = 0
+    # leading positions with valid K/V in the draft model's pool (0 again whenever a Step
+    # replaces the blocks under them), and the generator of the draft model's draws for a
+    # seeded request (never its own generator, which feeds verification only)
+    draft_computed: int = 0
+    draft_generator: torch.Generator | None = None
+
+
+@dataclass(eq=False)
+class DraftSlot:
+    """A worker-drafted verify entry: ``k`` drafts for positions ``start + 1 .. start + k``,
+    written into the batch's input ids from index ``at``."""
+
+    entry: int  # its sampling entry index (a key of PreparedStep.verify)
+    state: RequestState
+    start: int  # the position of the request's last sampled token
+    k: int
+    at: int
+    drafts: list[int] = field(default_factory=list)
+    # float32 [k, vocab]: the draft model's distribution at each draft; None for greedy
+    # requests, or drafts verified as point masses
+    probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -71,6 +97,9 @@ class PreparedStep:
     # sampling entry index -> the drafts its verify entry checks; its logits rows are the
     # 1 + k positions, in order (every other sampling entry has one row). Empty: none
     verify: dict[int, list[int]] = field(default_factory=dict)
+    # the worker-drafted verify entries, in entry order; their verify drafts are placeholders
+    # until the draft model has run
+    drafted: list[DraftSlot] = field(default_factory=list)
 
 
 class RequestTable:
@@ -182,7 +211,7 @@ class RequestTable:
         arrays = StepArrays.of(step)
         starts = arrays.start_pos.tolist()
         counts = arrays.num_tokens.tolist()
-        decodes = arrays.is_decode.tolist()
+        decodes = arrays.decode_kind.tolist()  # 0, 1, or 2: drafted by the worker
         offsets = arrays.block_offsets.tolist()
         block_counts = arrays.block_counts.tolist()
         input_ids = np.empty(sum(counts), dtype=np.int64)
@@ -193,6 +222,7 @@ class RequestTable:
         decode_inputs: list[int] = []
         requests, block_ids, block_size = self._requests, arrays.block_ids, self.block_size
         verify: dict[int, list[int]] = {}  # entry index -> drafts
+        drafted: list[DraftSlot] = []  # keyed by entry index until the end
         token_cursor = prefill_cursor = block_cursor = 0
         for i, rid in enumerate(arrays.rids.tolist()):
             state = requests.get(rid)
@@ -200,7 +230,7 @@ class RequestTable:
                 raise KeyError(f"step {step.step_id} names request {rid}, unknown to the worker")
             if block_counts[i]:  # most decode steps bring no new block
                 new_blocks = block_ids[block_cursor : block_cursor + block_counts[i]]
-                _update_block_table(state, offsets[i], new_blocks)
+                _update_block_table(state, offsets[i], new_blocks, block_size)
                 block_cursor += block_counts[i]
             n = counts[i]
             if len(state.block_table) * block_size < starts[i] + n:
@@ -211,7 +241,11 @@ class RequestTable:
             if decodes[i]:
                 decode_slots.append(token_cursor)
                 decode_inputs.append(self._decode_input(state, step.step_id))
-                if n > 1:  # a verify entry: its drafts follow the last sampled token
+                if n > 1 and decodes[i] == 2:  # the draft model fills these in later
+                    input_ids[token_cursor + 1 : token_cursor + n] = 0
+                    verify[i] = [0] * (n - 1)
+                    drafted.append(DraftSlot(i, state, starts[i], n - 1, token_cursor + 1))
+                elif n > 1:  # a verify entry: its drafts follow the last sampled token
                     drafts = arrays.prefill_ids[prefill_cursor : prefill_cursor + n - 1]
                     input_ids[token_cursor + 1 : token_cursor + n] = drafts
                     verify[i] = drafts.tolist()
@@ -250,7 +284,9 @@ class RequestTable:
         if verify:  # keyed by sampling entry: the index among the entries that sample
             sampling_index = np.cumsum(arrays.sample) - 1
             verify = {int(sampling_index[i]): drafts for i, drafts in verify.items()}
-        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling, verify)
+            for slot in drafted:
+                slot.entry = int(sampling_index[slot.entry])
+        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling, verify, drafted)
 
     @staticmethod
     def _decode_input(state: RequestState, step_id: int) -> int:
@@ -414,7 +450,9 @@ def _verify_rows(arrays: StepArrays, ends: np.ndarray) -> tuple[np.ndarray, np.n
     return first + within, rows
 
 
-def _update_block_table(state: RequestState, offset: int, new_ids: np.ndarray) -> None:
+def _update_block_table(
+    state: RequestState, offset: int, new_ids: np.ndarray, block_size: int
+) -> None:
     """Block ids for positions from ``offset * block_size`` on; offset 0 replaces the table."""
     if len(new_ids) == 0:
         return  # nothing new (every entry computes ≥ 1 token, so an empty table never fits)
@@ -424,6 +462,8 @@ def _update_block_table(state: RequestState, offset: int, new_ids: np.ndarray) -
             f"request {state.rid}: block entries start at {offset}, "
             f"but its block table has {len(table)} entries"
         )
+    if offset < len(table):  # the draft model's K/V past ``offset`` lay in the blocks replaced
+        state.draft_computed = min(state.draft_computed, offset * block_size)
     del table[offset:]  # offset 0 replaces the table (admission, recompute after retraction)
     table.extend(new_ids.tolist())
 
@@ -436,6 +476,7 @@ class StepArrays:
     start_pos: np.ndarray  # int64 per entry
     num_tokens: np.ndarray  # int64 per entry
     is_decode: np.ndarray  # bool per entry
+    decode_kind: np.ndarray  # uint8 per entry: 0 not a decode, 1 a decode, 2 worker-drafted
     sample: np.ndarray  # bool per entry
     block_offsets: np.ndarray  # int32 per entry
     block_counts: np.ndarray  # int32 per entry
@@ -449,6 +490,7 @@ class StepArrays:
             start_pos=np.frombuffer(step.start_pos, dtype="<i4").astype(np.int64),
             num_tokens=np.frombuffer(step.num_tokens, dtype="<i4").astype(np.int64),
             is_decode=np.frombuffer(step.is_decode, dtype=np.uint8).astype(bool),
+            decode_kind=np.frombuffer(step.is_decode, dtype=np.uint8),
             sample=np.frombuffer(step.sample, dtype=np.uint8).astype(bool),
             block_offsets=np.frombuffer(step.block_offsets, dtype="<i4"),
             block_counts=np.frombuffer(step.block_counts, dtype="<i4"),
@@ -468,6 +510,10 @@ class StepArrays:
                 raise ValueError(f"step {step_id}: {got} {name} for {entries} entries")
         if (self.num_tokens < 1).any() or (self.start_pos < 0).any():
             raise ValueError(f"step {step_id}: an empty entry or a negative start position")
+        if (self.decode_kind > 2).any():
+            raise ValueError(
+                f"step {step_id}: is_decode {int(self.decode_kind.max())} (0, 1 or 2 expected)"
+            )
         if (self.block_counts < 0).any():
             raise ValueError(f"step {step_id}: a negative block count")
         if (~self.sample & self.is_decode & (self.num_tokens > 1)).any():
@@ -477,8 +523,12 @@ class StepArrays:
                 f"step {step_id}: {len(self.block_ids)} block ids, "
                 f"entries say {self.block_counts.sum()}"
             )
-        # a decode's first input is the worker's; a verify entry's drafts travel with the step
+        # a decode's first input is the worker's; a verify entry's drafts travel with the step,
+        # unless the worker drafts them itself (is_decode 2)
         prefill_tokens = int(self.num_tokens.sum()) - int(self.is_decode.sum())
+        worker_drafted = self.decode_kind == 2
+        if worker_drafted.any():
+            prefill_tokens -= int((self.num_tokens[worker_drafted] - 1).sum())
         if prefill_tokens != len(self.prefill_ids):
             raise ValueError(
                 f"step {step_id}: {len(self.prefill_ids)} prefill input ids and drafts, "
