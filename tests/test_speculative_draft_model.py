@@ -30,6 +30,7 @@ from worker_testlib import (  # noqa: F401 (an autouse fixture)
 
 from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
+from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import MalformedStep, StepExecutor
 from pyserve.worker.offline import OfflineEngine, Output
 from pyserve.worker.state import RequestTable
@@ -160,9 +161,11 @@ def _reported(result: StepTokens) -> list[tuple[int, int, float, int]]:
     return list(zip(rids, tokens, logprobs, finishes, strict=True))
 
 
-def draft_engine(target: Path, draft: Path | None, num_blocks: int = 1024) -> OfflineEngine:
+def draft_engine(
+    target: Path, draft: Path | None, num_blocks: int = 1024, seed: int | None = None
+) -> OfflineEngine:
     return OfflineEngine(str(target), draft_model=str(draft) if draft else None,
-                         block_size=BLOCK, num_blocks=num_blocks)  # fmt: skip
+                         block_size=BLOCK, num_blocks=num_blocks, seed=seed)  # fmt: skip
 
 
 # ------------------------------------------------------------------ fixtures
@@ -293,6 +296,27 @@ def test_a_table_replacement_resets_catch_up_and_output_stays_plain(
             assert planner.acceptance > 0.8, planner.acceptance
 
 
+def test_long_catch_ups_run_in_several_passes(target: Path, noisy_draft: Path) -> None:
+    batch = random_prompts(2, [3, 9, 14, 22, 31], shared_prefix=12)
+    want = plain_run(target, batch, greedy())
+    engine = draft_engine(target, noisy_draft)
+    assert engine.drafter is not None
+    engine.drafter.max_catch_up_tokens = 7
+    runner = engine.drafter.runner
+    forward = runner.forward
+    sizes: list[int] = []
+
+    def recording(batch, forward=forward, sizes=sizes):
+        sizes.append(sum(batch.num_tokens))
+        return forward(batch)
+
+    runner.forward = recording
+    planner = HandPlanner(engine)
+    got = planner.run(batch, greedy(), shared_prefix=12)
+    assert_same_tokens(got, want, "catch-ups of 7 tokens")
+    assert max(sizes) == 7 and 0.2 < planner.acceptance < 0.8
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6])
 def test_max_new_tokens_and_stop_tokens_cut_accepted_runs(
     target: Path, max_new_tokens: int
@@ -367,6 +391,36 @@ def test_the_same_checkpoint_accepts_nearly_every_sampled_draft(target: Path) ->
     outputs = planner.run(prompts(6), [sampled(s, temperature=1.0) for s in range(5)])
     assert all(len(o.token_ids) == NEW_TOKENS for o in outputs)
     assert planner.acceptance > 0.8, planner.acceptance
+
+
+def test_sampled_tokens_after_rejections_follow_the_targets_distribution(
+    target: Path, noisy_draft: Path
+) -> None:
+    """One prompt, many unseeded requests at temperature 1.5 with a draft that is often rejected:
+    the first token verified against the draft's q, given the token before it, is distributed as
+    the target says (a chi-square test over the likely tokens, the rest lumped)."""
+    prompt = random_prompts(12, [6])[0]
+    n = 3000
+    params = SamplingParams(max_new_tokens=3, temperature=1.5, ignore_eos=True)
+    engine = draft_engine(target, noisy_draft, num_blocks=3 * n + 1, seed=7)
+    planner = HandPlanner(engine, k=1)
+    outputs = planner.run([prompt] * n, params)
+    assert 0.2 < planner.acceptance < 0.9, planner.acceptance
+    firsts = [o.token_ids[0] for o in outputs]
+    given = max(set(firsts), key=firsts.count)
+    seconds = [o.token_ids[1] for o in outputs if o.token_ids[0] == given]
+    assert len(seconds) > 500
+    whole = ForwardBatch.whole_prompt([*prompt, given], BLOCK)
+    logits = engine.runner.forward(whole)[-1]
+    p = torch.softmax(logits / 1.5, dim=-1).double()
+    counts = torch.bincount(torch.tensor(seconds), minlength=TINY_VOCAB).double()
+    expected = p * len(seconds)
+    likely = expected >= 5
+    observed = torch.cat([counts[likely], counts[~likely].sum()[None]])
+    expect = torch.cat([expected[likely], expected[~likely].sum()[None]])
+    chi2 = float(((observed - expect) ** 2 / expect).sum())
+    df = len(observed) - 1
+    assert chi2 < df + 5 * (2 * df) ** 0.5, (chi2, df)
 
 
 def test_unseeded_sampling_beside_greedy(target: Path, other_draft: Path) -> None:

@@ -83,10 +83,18 @@ class DraftModel:
     """Proposes the drafts of a Step's worker-drafted verify entries."""
 
     def __init__(
-        self, runner: Runner, *, device: torch.device | str = "cpu", seed: int | None = None
+        self,
+        runner: Runner,
+        *,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+        max_catch_up_tokens: int = 2048,
     ) -> None:
+        """``max_catch_up_tokens``: the most tokens one catch-up forward pass computes (a long
+        history catches up over several, as a long prompt prefills in chunks)."""
         self.runner = runner
         self.device = torch.device(device)
+        self.max_catch_up_tokens = max_catch_up_tokens
         # the draws of unseeded sampled requests
         self.generator = torch.Generator(device=self.device)
         if seed is None:
@@ -109,8 +117,7 @@ class DraftModel:
         for slot in live:
             _check_history(slot)
         rows: list[list[torch.Tensor]] = [[] for _ in live]  # q rows of sampled requests
-        logits = self.runner.forward(_catch_up_batch(live, self.device))
-        self._pick(live, logits, rows)
+        self._pick(live, self._catch_up(live), rows)
         for step in range(1, max(s.k for s in live)):
             active = [i for i, s in enumerate(live) if s.k > step]
             batch = _next_token_batch([live[i] for i in active], step, self.device)
@@ -121,6 +128,28 @@ class DraftModel:
             # the catch-up and the steps before the last wrote positions start .. start + k - 1
             slot.state.draft_computed = slot.start + slot.k
         self.drafted_tokens += sum(s.k for s in live)
+
+    def _catch_up(self, slots: list[DraftSlot]) -> torch.Tensor:
+        """The draft model's logits after each request's last sampled token, once its K/V hold
+        every known position; forward passes of at most ``max_catch_up_tokens`` tokens."""
+        begin = [min(s.state.draft_computed, s.start) for s in slots]
+        end = [s.start + 1 for s in slots]
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(slots)
+        while True:
+            pieces: list[tuple[int, int, int]] = []  # (slot index, first position, end)
+            budget = self.max_catch_up_tokens
+            for i in range(len(slots)):
+                if begin[i] < end[i] and budget > 0:
+                    hi = min(end[i], begin[i] + budget)
+                    pieces.append((i, begin[i], hi))
+                    budget -= hi - begin[i]
+            if not pieces:
+                return torch.stack(rows)
+            logits = self.runner.forward(_catch_up_batch(slots, pieces, self.device))
+            for row, (i, _, hi) in enumerate(pieces):
+                begin[i] = hi
+                if hi == end[i]:
+                    rows[i] = logits[row]
 
     def settle(self, slot: DraftSlot, accepted: int) -> None:
         """After verification: only the positions of emitted tokens hold valid draft K/V (the
@@ -176,20 +205,22 @@ def _known_tokens(state: RequestState, lo: int, hi: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _catch_up_batch(slots: list[DraftSlot], device: torch.device) -> ForwardBatch:
-    """Each request's known tokens from ``draft_computed`` through its last sampled token,
-    sampling after the last (the distribution of its first draft)."""
-    starts = [min(s.state.draft_computed, s.start) for s in slots]
-    counts = [s.start + 1 - lo for s, lo in zip(slots, starts, strict=True)]
-    tokens = [_known_tokens(s.state, lo, s.start + 1) for s, lo in zip(slots, starts, strict=True)]
-    positions = [torch.arange(lo, s.start + 1) for s, lo in zip(slots, starts, strict=True)]
+def _catch_up_batch(
+    slots: list[DraftSlot], pieces: list[tuple[int, int, int]], device: torch.device
+) -> ForwardBatch:
+    """Positions ``lo .. hi - 1`` of the known tokens of each piece's request, sampling after
+    the last of each."""
+    starts = [lo for _, lo, _ in pieces]
+    counts = [hi - lo for _, lo, hi in pieces]
+    tokens = [_known_tokens(slots[i].state, lo, hi) for i, lo, hi in pieces]
+    positions = [torch.arange(lo, hi) for _, lo, hi in pieces]
     ends = torch.tensor(counts).cumsum(0)
     return ForwardBatch(
         input_ids=torch.cat(tokens).to(device),
         positions=torch.cat(positions).to(device),
         start_pos=starts,
         num_tokens=counts,
-        block_tables=[s.state.block_table for s in slots],
+        block_tables=[slots[i].state.block_table for i, _, _ in pieces],
         sample_index=(ends - 1).to(device),
     )
 

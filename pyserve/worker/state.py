@@ -510,10 +510,9 @@ class StepArrays:
                 raise ValueError(f"step {step_id}: {got} {name} for {entries} entries")
         if (self.num_tokens < 1).any() or (self.start_pos < 0).any():
             raise ValueError(f"step {step_id}: an empty entry or a negative start position")
-        if (self.decode_kind > 2).any():
-            raise ValueError(
-                f"step {step_id}: is_decode {int(self.decode_kind.max())} (0, 1 or 2 expected)"
-            )
+        top_kind = int(self.decode_kind.max(initial=0))
+        if top_kind > 2:
+            raise ValueError(f"step {step_id}: is_decode {top_kind} (0, 1 or 2 expected)")
         if (self.block_counts < 0).any():
             raise ValueError(f"step {step_id}: a negative block count")
         if (~self.sample & self.is_decode & (self.num_tokens > 1)).any():
@@ -526,8 +525,8 @@ class StepArrays:
         # a decode's first input is the worker's; a verify entry's drafts travel with the step,
         # unless the worker drafts them itself (is_decode 2)
         prefill_tokens = int(self.num_tokens.sum()) - int(self.is_decode.sum())
-        worker_drafted = self.decode_kind == 2
-        if worker_drafted.any():
+        if top_kind == 2:
+            worker_drafted = self.decode_kind == 2
             prefill_tokens -= int((self.num_tokens[worker_drafted] - 1).sum())
         if prefill_tokens != len(self.prefill_ids):
             raise ValueError(
