@@ -28,10 +28,12 @@ from worker_testlib import (  # noqa: F401 (an autouse fixture)
     random_prompts,
 )
 
-from pyserve.wire.main_to_worker import NewRequest, SamplingParams, Step
+from pyserve import model_files
+from pyserve.wire.main_to_worker import Grammar, NewRequest, SamplingParams, Step
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import MalformedStep, StepExecutor
+from pyserve.worker.grammar_masks import GrammarMasks
 from pyserve.worker.offline import OfflineEngine, Output
 from pyserve.worker.state import RequestTable
 
@@ -431,6 +433,53 @@ def test_unseeded_sampling_beside_greedy(target: Path, other_draft: Path) -> Non
     for i in (1, 3):  # the greedy requests are plain decoding's, whatever their neighbours
         assert_same_tokens([got[i]], [want[i]], f"greedy prompt {i}")
     assert all(len(o.token_ids) == NEW_TOKENS for o in got)
+
+
+# ------------------------------------------------------------------ grammars
+
+
+@pytest.fixture(scope="module")
+def smollm_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama over SmolLM2's vocabulary, whose tokenizer the grammars need."""
+    directory = tmp_path_factory.mktemp("tiny-smollm-vocab")
+    random_llama(49152, 512, 3, eos_token_id=2, pad_token_id=0).save_pretrained(directory)
+    return directory
+
+
+def with_grammars(engine: OfflineEngine) -> OfflineEngine:
+    tokenizer_file = str(
+        model_files.tokenizer_dir(model_files.resolve_model(None)) / "tokenizer.json"
+    )
+    config = engine.runner.config
+    grammars = GrammarMasks(lambda: tokenizer_file, config.vocab_size, config.eos_token_ids)
+    engine.executor = StepExecutor(
+        engine.runner, block_size=BLOCK, eos_token_ids=list(config.eos_token_ids),
+        grammars=grammars, drafter=engine.drafter,
+    )  # fmt: skip
+    return engine
+
+
+def test_grammar_constrained_output_equals_plain_decoding(smollm_vocab_model: Path) -> None:
+    """Greedy and seeded constrained requests: a sampled one's drafts are verified as point
+    masses (a grammar-forbidden draft is rejected before any test), so even its seeded output
+    is plain decoding's."""
+    prompts = [[1, 9690, 198, 20, 30, 40], [1, 2683, 314], [1, 77, 88, 99, 1000]]
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=0.0, grammar=Grammar("json_object")),
+        SamplingParams(max_new_tokens=20, temperature=0.0, grammar=Grammar("regex", "[0-9]{3,9}")),
+        SamplingParams(
+            max_new_tokens=20, temperature=0.7, seed=9, grammar=Grammar("regex", "(ab|cd)+x")
+        ),
+    ]
+    plain = with_grammars(OfflineEngine(str(smollm_vocab_model), block_size=BLOCK, num_blocks=256))
+    want = plain.generate(prompts, params)
+    assert want[1].finish_reason == "stop" and want[1].token_ids  # the regex completed
+    engine = with_grammars(draft_engine(smollm_vocab_model, smollm_vocab_model, num_blocks=256))
+    planner = HandPlanner(engine)
+    got = planner.run(prompts, params)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason), i
+    assert planner.verify_entries > 0 and planner.acceptance > 0.5
 
 
 # ------------------------------------------------------------------ loading

@@ -35,6 +35,7 @@ from pyserve.worker.state import DraftSlot, RequestState
 
 if TYPE_CHECKING:
     from pyserve.worker.executor import Runner
+    from pyserve.worker.grammar_masks import DraftWalk, GrammarMasks
     from pyserve.worker.model_runner import ModelRunner
 
 # mixed into a seeded request's seed for its draft generator, so that the draft model's draws
@@ -105,8 +106,9 @@ class DraftModel:
         self.accepted_tokens = 0
 
     @torch.inference_mode()
-    def propose(self, slots: list[DraftSlot]) -> None:
-        """Fills each slot's ``drafts`` (and ``probs`` for sampled requests)."""
+    def propose(self, slots: list[DraftSlot], grammars: GrammarMasks | None = None) -> None:
+        """Fills each slot's ``drafts`` (and ``probs`` for sampled requests). A request with a
+        grammar drafts only tokens its grammar allows after the drafts before them."""
         live = [s for s in slots if not s.state.finished]
         for slot in slots:
             if slot.state.finished:  # the scheduler ran ahead: its tokens are discarded
@@ -117,12 +119,19 @@ class DraftModel:
         for slot in live:
             _check_history(slot)
         rows: list[list[torch.Tensor]] = [[] for _ in live]  # q rows of sampled requests
-        self._pick(live, self._catch_up(live), rows)
-        for step in range(1, max(s.k for s in live)):
-            active = [i for i, s in enumerate(live) if s.k > step]
-            batch = _next_token_batch([live[i] for i in active], step, self.device)
-            logits = self.runner.forward(batch)
-            self._pick([live[i] for i in active], logits, [rows[i] for i in active])
+        walks = [_walk(s, grammars) for s in live]
+        try:
+            self._pick(live, self._catch_up(live), rows, walks)
+            for step in range(1, max(s.k for s in live)):
+                active = [i for i, s in enumerate(live) if s.k > step]
+                batch = _next_token_batch([live[i] for i in active], step, self.device)
+                logits = self.runner.forward(batch)
+                picked = [live[i] for i in active]
+                self._pick(picked, logits, [rows[i] for i in active], [walks[i] for i in active])
+        finally:
+            for walk in walks:  # verification walks the real matcher through the drafts again
+                if walk is not None:
+                    walk.rollback()
         for slot, q in zip(live, rows, strict=True):
             slot.probs = torch.stack(q) if q else None
             # the catch-up and the steps before the last wrote positions start .. start + k - 1
@@ -159,9 +168,18 @@ class DraftModel:
         self.accepted_tokens += accepted
 
     def _pick(
-        self, slots: list[DraftSlot], logits: torch.Tensor, rows: list[list[torch.Tensor]]
+        self,
+        slots: list[DraftSlot],
+        logits: torch.Tensor,
+        rows: list[list[torch.Tensor]],
+        walks: list[DraftWalk | None],
     ) -> None:
         """Each slot's next draft from its row of ``logits``."""
+        for i, walk in enumerate(walks):
+            if walk is not None:
+                allowed = walk(len(slots[i].drafts)).to(logits.device)
+                if bool(allowed.any()):
+                    logits[i].masked_fill_(~allowed, float("-inf"))
         greedy = [is_greedy(s.state.params) for s in slots]
         argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
         for i, slot in enumerate(slots):
@@ -182,6 +200,14 @@ class DraftModel:
             state.draft_generator = torch.Generator(device=self.device)
             state.draft_generator.manual_seed((seed ^ _DRAFT_SEED_SALT) & 0xFFFF_FFFF_FFFF_FFFF)
         return state.draft_generator
+
+
+def _walk(slot: DraftSlot, grammars: GrammarMasks | None) -> DraftWalk | None:
+    """The request's grammar walking through its drafts as they are chosen (the walk reads
+    ``slot.drafts``, which grows), or None."""
+    if grammars is None or slot.state.grammar is None:
+        return None
+    return grammars.draft_walk(slot.state.grammar, slot.drafts)
 
 
 def _check_history(slot: DraftSlot) -> None:

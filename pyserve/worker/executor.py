@@ -143,7 +143,8 @@ class StepExecutor:
             if walk is not None:
                 walks.append(walk)
                 # a grammar rejects a forbidden draft before any test, drawing from the target
-                # alone: exact only for drafts taken as point masses, so q is left out
+                # alone: exact only for drafts taken as point masses (the draft model drafts
+                # within the grammar, yet a walk that gets stuck lets any token through)
                 q = None
             proposals.append(
                 DraftProposal(seq=state, draft_ids=drafts, draft_probs=q, allowed=walk)
@@ -166,7 +167,7 @@ class StepExecutor:
         """The draft model's drafts for the worker-drafted verify entries, written into the
         batch's input ids and the verify entries' drafts."""
         assert self.drafter is not None
-        self.drafter.propose(prepared.drafted)
+        self.drafter.propose(prepared.drafted, self.requests.grammars)
         input_ids = prepared.batch.input_ids
         for slot in prepared.drafted:
             prepared.verify[slot.entry] = slot.drafts
