@@ -263,10 +263,13 @@ def test_requests_sharing_prefix_blocks_catch_up_from_position_0(
     batch = random_prompts(2, [3, 9, 14, 22, 31], shared_prefix=12)
     want = plain_run(target, batch, greedy())
     for draft in (target, noisy_draft):
-        planner = HandPlanner(draft_engine(target, draft))
+        engine = draft_engine(target, draft)
+        from_zero = recording_catch_ups_from_zero(engine)
+        planner = HandPlanner(engine)
         got = planner.run(batch, greedy(), shared_prefix=12)
         assert_same_tokens(got, want, f"shared prefix, draft {draft.name}")
         assert planner.verify_entries > 0
+        assert sorted(from_zero) == list(range(len(batch)))
 
 
 def test_a_table_replacement_resets_catch_up_and_output_stays_plain(
@@ -281,14 +284,7 @@ def test_a_table_replacement_resets_catch_up_and_output_stays_plain(
         engine = draft_engine(target, draft)
         planner = HandPlanner(engine)
         assert engine.drafter is not None
-        propose = engine.drafter.propose
-        from_zero = []
-
-        def recording(slots, propose=propose, from_zero=from_zero):
-            from_zero.extend(s.state.rid for s in slots if s.state.draft_computed == 0)
-            return propose(slots)
-
-        engine.drafter.propose = recording
+        from_zero = recording_catch_ups_from_zero(engine)
         got = planner.run(batch, greedy(), retract=retract)
         assert_same_tokens(got, want, f"recompute, draft {draft.name}")
         assert planner.recomputes >= 4
@@ -317,6 +313,21 @@ def test_long_catch_ups_run_in_several_passes(target: Path, noisy_draft: Path) -
     got = planner.run(batch, greedy(), shared_prefix=12)
     assert_same_tokens(got, want, "catch-ups of 7 tokens")
     assert max(sizes) == 7 and 0.2 < planner.acceptance < 0.8
+
+
+def recording_catch_ups_from_zero(engine: OfflineEngine) -> list[int]:
+    """The rids whose catch-up starts at position 0, one a verify entry, as the engine runs."""
+    drafter = engine.drafter
+    assert drafter is not None
+    propose = drafter.propose
+    from_zero: list[int] = []
+
+    def recording(slots, grammars=None):
+        from_zero.extend(s.state.rid for s in slots if s.state.draft_computed == 0)
+        return propose(slots, grammars)
+
+    drafter.propose = recording
+    return from_zero
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6])
