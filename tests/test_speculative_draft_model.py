@@ -164,10 +164,10 @@ def _reported(result: StepTokens) -> list[tuple[int, int, float, int]]:
 
 
 def draft_engine(
-    target: Path, draft: Path | None, num_blocks: int = 1024, seed: int | None = None
+    target: Path, draft: Path | None, num_blocks: int = 1024, seed: int | None = None, **options
 ) -> OfflineEngine:
     return OfflineEngine(str(target), draft_model=str(draft) if draft else None,
-                         block_size=BLOCK, num_blocks=num_blocks, seed=seed)  # fmt: skip
+                         block_size=BLOCK, num_blocks=num_blocks, seed=seed, **options)  # fmt: skip
 
 
 # ------------------------------------------------------------------ fixtures
@@ -313,6 +313,17 @@ def test_long_catch_ups_run_in_several_passes(target: Path, noisy_draft: Path) -
     got = planner.run(batch, greedy(), shared_prefix=12)
     assert_same_tokens(got, want, "catch-ups of 7 tokens")
     assert max(sizes) == 7 and 0.2 < planner.acceptance < 0.8
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_on_other_backends(target: Path, noisy_draft: Path, backend: str) -> None:
+    """The torch reference and the triton backend (in its interpreter here, conftest.py)."""
+    batch = prompts(9)[:3]
+    params = greedy(max_new_tokens=10)
+    want = plain_run(target, batch, params, backend=backend)
+    planner = HandPlanner(draft_engine(target, noisy_draft, backend=backend))
+    assert_same_tokens(planner.run(batch, params), want, backend)
+    assert planner.verify_entries > 0 and planner.drafter.accepted_tokens > 0
 
 
 def recording_catch_ups_from_zero(engine: OfflineEngine) -> list[int]:
@@ -516,6 +527,18 @@ def test_a_draft_model_with_tensor_parallelism_is_refused(target: Path) -> None:
     assert "--tp 2" in error and str(target) in error and "\n" not in error
 
 
+def test_the_worker_process_loads_a_draft_model(target: Path, noisy_draft: Path) -> None:
+    from pyserve.worker.process import WorkerConfig, _load
+    from pyserve.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(
+        model=str(target), draft_model=str(noisy_draft), block_size=BLOCK, num_blocks=32
+    )
+    executor, error = _load(WorkerConfig(in_addr="", out_addr="", settings=settings), None)
+    assert error is None and executor is not None and executor.drafter is not None
+    assert executor.drafter.runner.num_blocks == 32
+
+
 def test_the_draft_pool_has_the_targets_blocks(target: Path, other_draft: Path) -> None:
     engine = OfflineEngine(str(target), draft_model=str(other_draft), block_size=BLOCK,
                            num_blocks=40)  # fmt: skip
@@ -631,4 +654,10 @@ def test_draft_catch_up_covers_the_whole_history_once(target: Path) -> None:
     emitted = np.frombuffer(tokens.token_ids, dtype="<i4").tolist()
     assert 1 <= len(emitted) <= 4 and state.output_ids[1:] == emitted
     assert state.draft_computed == min(5 + 3, 5 + len(emitted))
+    # finished here while the scheduler ran ahead: placeholder drafts, nothing reported
+    state.finished = True
+    start = 5 + len(emitted)
+    tokens = executor.execute(make_step(2, [dict(rid=1, start=start, n=3, decode=2, blocks=[3],
+                                                 offset=3)]))  # fmt: skip
+    assert tokens.rids == b"" and len(state.output_ids) == 1 + len(emitted)
     assert torch.equal(state.prompt_ids, torch.tensor(prompt))
