@@ -80,6 +80,8 @@ class StepExecutor:
         if prepared.batch.num_entries:
             masks = None
             table = self.requests
+            if prepared.drafted:  # before the masking thread starts: drafting walks grammars too
+                self._draft(prepared)
             plain = prepared.sampling
             if prepared.verify:
                 plain = [s for j, s in enumerate(plain) if j not in prepared.verify]
@@ -88,8 +90,6 @@ class StepExecutor:
                 # computed on the masking thread while the forward pass runs
                 masks = table.grammars.masks([s.grammar for s in plain])
             with torch.inference_mode():
-                if prepared.drafted:
-                    self._draft(prepared)
                 hidden = None
                 if prepared.batch.hidden_index is not None:
                     logits, hidden = self.runner.forward_hidden(prepared.batch)
