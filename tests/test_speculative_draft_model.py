@@ -43,11 +43,13 @@ NEW_TOKENS = 20
 
 
 class HandPlanner:
-    """Stands in for the planner over a hand-managed block pool: every request owns fresh blocks
-    for its whole life (the requests after the first may share its first blocks: a prefix hit).
-    Each step has, for each unfinished request, its prefill, or a worker-drafted verify entry of
-    up to ``k`` drafts (a plain decode where none fits), or, at the steps ``retract`` names, a
-    recompute of its prompt and output into new blocks (block offset 0), as after retraction."""
+    """Stands in for the planner over a hand-managed block pool: a request holds blocks for all
+    the positions it may reach (the requests after the first may share the first one's leading
+    blocks: a prefix hit). Each step has, for each unfinished request, its prefill, or a
+    worker-drafted verify entry of up to ``k`` drafts (a plain decode where none fits), or, at the
+    steps ``retract`` names, a recompute of its prompt and output into new blocks (block offset
+    0), as after retraction. Freed blocks are reused last in, first out, so a recompute gets its
+    own old blocks back in reverse order: their stale K/V sit at other positions."""
 
     def __init__(self, engine: OfflineEngine, k: int = K) -> None:
         self.executor = engine.executor
@@ -59,11 +61,23 @@ class HandPlanner:
         # after its prefill or a recompute
         self.fresh_verify_entries = 0
         self._next_block = 0
+        self._free: list[int] = []
 
     def _blocks(self, positions: int) -> list[int]:
-        n = -(-positions // BLOCK)
-        self._next_block += n
-        return list(range(self._next_block - n, self._next_block))
+        blocks = []
+        for _ in range(-(-positions // BLOCK)):
+            if self._free:
+                blocks.append(self._free.pop())
+            else:
+                blocks.append(self._next_block)
+                self._next_block += 1
+        return blocks
+
+    def _release(self, rid: int, tables: dict[int, list[int]], shared_prefix: int) -> None:
+        if rid == 0 and shared_prefix:
+            return  # its leading blocks stay shared
+        own = tables.pop(rid)[shared_prefix // BLOCK if rid and shared_prefix else 0 :]
+        self._free.extend(own)
 
     def run(
         self,
@@ -102,6 +116,7 @@ class HandPlanner:
                     entries.append(self._prefill(rid, prompt, room[rid], shared_prefix, tables))
                 elif rid in retract.get(step_id, ()):
                     history = prompt + out.token_ids
+                    self._release(rid, tables, shared_prefix)
                     tables[rid] = self._blocks(room[rid])
                     entries.append(dict(rid=rid, n=len(history), ids=history, blocks=tables[rid]))
                     self.recomputes += 1
@@ -131,6 +146,7 @@ class HandPlanner:
                     out.finish_reason = "length" if finish == FINISH_LENGTH else "stop"
                     unfinished.discard(rid)
                     dropped.append(rid)
+                    self._release(rid, tables, shared_prefix)
         self.executor.execute(make_step(step_id, [], dropped))
         assert len(self.executor.requests) == 0
         return outputs
