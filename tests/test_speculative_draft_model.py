@@ -532,6 +532,18 @@ def test_a_draft_with_another_vocabulary_is_refused(target: Path, tmp_path: Path
     assert str(small) in message and str(target) in message and "\n" not in message
 
 
+def test_a_draft_with_a_shorter_context_is_refused(target: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short-context"
+    random_llama(TINY_VOCAB, 256, 2, eos_token_id=TINY_EOS, pad_token_id=0).save_pretrained(short)
+    with pytest.raises(ValueError, match="positions") as error:
+        OfflineEngine(str(target), draft_model=str(short), block_size=BLOCK, num_blocks=64)
+    assert str(short) in str(error.value) and str(target) in str(error.value)
+    # a target served at the draft's length loads
+    engine = OfflineEngine(str(target), draft_model=str(short), block_size=BLOCK, num_blocks=64,
+                           max_model_len=256)  # fmt: skip
+    assert engine.drafter is not None
+
+
 def test_a_draft_model_with_tensor_parallelism_is_refused(target: Path) -> None:
     from pyserve.worker.process import WorkerConfig, _load
     from pyserve.worker.settings import WorkerSettings
