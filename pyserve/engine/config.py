@@ -169,6 +169,7 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             seed=self.seed,
             mem_fraction_static=self.mem_fraction_static,
+            draft_model=self.speculative_draft_model_path,
         )
 
     def validate(self) -> None:
