@@ -149,9 +149,9 @@ class Step(msgspec.Struct, tag=True):
     rids: bytes  # int64 per entry
     start_pos: bytes  # int32 per entry
     num_tokens: bytes  # int32 per entry
-    is_decode: bytes  # uint8 per entry
+    is_decode: bytes  # uint8 per entry: 0 prefill, 1 decode (+ drafts), 2 draft-model verify
     sample: bytes  # uint8 per entry
-    input_ids: bytes  # int32, prefill entries concatenated
+    input_ids: bytes  # int32: prefill entries' tokens and is_decode 1 entries' drafts
     block_offsets: bytes  # int32 per entry
     block_counts: bytes  # int32 per entry
     block_ids: bytes  # int32, concatenated
