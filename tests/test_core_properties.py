@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import core_reference as reference
@@ -1334,12 +1335,12 @@ def ngram_planner_configs(draw) -> dict:
     )
 
 
-class NgramDraftingPlannerMachine(PlannerMachine):
-    """The core planner drafting by itself (tokens 0..7 repeat, so n-grams match often), with
-    explicit drafts and every other rule still mixed in."""
+def _small_vocab_setup(configs: st.SearchStrategy) -> Callable:
+    """PlannerMachine's set-up over ``configs``, with prefixes of tokens 0..7 (so that n-grams
+    repeat and match often)."""
 
     @initialize(
-        config=ngram_planner_configs(),
+        config=configs,
         prefixes=st.lists(
             st.lists(st.integers(0, 7), min_size=1, max_size=40), min_size=1, max_size=3
         ),
@@ -1347,26 +1348,29 @@ class NgramDraftingPlannerMachine(PlannerMachine):
         data=st.data(),
     )
     def setup(self, config: dict, prefixes: list[list[int]], seed: int, data) -> None:
-        super().setup(config, prefixes, seed, data)
+        PlannerMachine.setup(self, config, prefixes, seed, data)
+
+    return setup
+
+
+class NgramDraftingPlannerMachine(PlannerMachine):
+    """The core planner drafting by itself, with explicit drafts and every other rule still
+    mixed in."""
+
+    setup = _small_vocab_setup(ngram_planner_configs())
 
 
 TestPlannerNgramDrafts = NgramDraftingPlannerMachine.TestCase
 
 
-class DraftModelPlannerMachine(NgramDraftingPlannerMachine):
+class DraftModelPlannerMachine(PlannerMachine):
     """The core planning verify entries whose drafts a worker's draft model writes."""
 
-    @initialize(
-        config=ngram_planner_configs(),
-        prefixes=st.lists(
-            st.lists(st.integers(0, 7), min_size=1, max_size=40), min_size=1, max_size=3
-        ),
-        seed=st.integers(0, 2**16),
-        data=st.data(),
+    setup = _small_vocab_setup(
+        ngram_planner_configs().map(
+            lambda c: {**c, "speculative_ngram": False, "speculative_draft_model": True}
+        )
     )
-    def setup(self, config: dict, prefixes: list[list[int]], seed: int, data) -> None:
-        config = {**config, "speculative_ngram": False, "speculative_draft_model": True}
-        PlannerMachine.setup(self, config, prefixes, seed, data)
 
 
 TestPlannerDraftModel = DraftModelPlannerMachine.TestCase

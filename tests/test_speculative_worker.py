@@ -21,6 +21,7 @@ from tiny_models import random_llama
 from worker_testlib import (  # noqa: F401 (an autouse fixture)
     TINY_EOS,
     TINY_VOCAB,
+    assert_same_outputs,
     make_tiny_llama,
     one_torch_thread,
 )
@@ -187,31 +188,6 @@ def plain_run(model: Path, prompts, params, **options) -> list[Output]:
 
 def continuations(prompts, outputs: list[Output]) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): o.token_ids for p, o in zip(prompts, outputs, strict=True)}
-
-
-def assert_same_outputs(got: list[Output], want: list[Output], label: str) -> None:
-    """Same tokens and finishes; logprobs and top logprobs within float32 rounding. A greedy
-    divergence is allowed only at a near-tie of plain decoding (batching may round otherwise)."""
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        same = next(
-            (t for t, (a, b) in enumerate(zip(g.token_ids, w.token_ids, strict=False)) if a != b),
-            None,
-        )
-        if same is not None and w.top_logprobs:
-            (_, first), (_, second) = w.top_logprobs[same][:2]
-            assert first - second < 1e-3, f"{label}, prompt {i}: token {same} differs"
-            continue
-        assert g.token_ids == w.token_ids, f"{label}, prompt {i}"
-        assert g.finish_reason == w.finish_reason, f"{label}, prompt {i}"
-        if w.logprobs is not None:
-            assert g.logprobs is not None and len(g.logprobs) == len(w.logprobs)
-            diff = np.abs(np.subtract(g.logprobs, w.logprobs))
-            assert diff.max(initial=0.0) < 1e-4, f"{label}, prompt {i}: logprobs"
-        if w.top_logprobs is not None:
-            assert g.top_logprobs is not None and len(g.top_logprobs) == len(w.top_logprobs)
-            for a, b in zip(g.top_logprobs, w.top_logprobs, strict=True):
-                assert [t for t, _ in a] == [t for t, _ in b], f"{label}, prompt {i}: top ids"
-                assert np.allclose([v for _, v in a], [v for _, v in b], atol=1e-4)
 
 
 # ------------------------------------------------------------------ greedy
