@@ -24,13 +24,15 @@ from worker_testlib import (  # noqa: F401 (an autouse fixture)
     TINY_EOS,
     TINY_VOCAB,
     assert_same_outputs,
+    i32,
+    make_step,
     make_tiny_llama,
     one_torch_thread,
     random_prompts,
 )
 
 from pyserve import model_files
-from pyserve.wire.main_to_worker import Grammar, NewRequest, SamplingParams, Step
+from pyserve.wire.main_to_worker import Grammar, NewRequest, SamplingParams
 from pyserve.wire.worker_to_detok import FINISH_LENGTH, FINISH_NONE, StepTokens
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.executor import MalformedStep, StepExecutor
@@ -560,27 +562,6 @@ def test_the_draft_pool_has_the_targets_blocks(target: Path, other_draft: Path) 
 
 
 # ------------------------------------------------------------------ the request table
-
-
-def i32(values: list[int]) -> bytes:
-    return np.asarray(values, dtype="<i4").tobytes()
-
-
-def make_step(step_id: int, entries: list[dict], dropped: list[int] = ()) -> Step:
-    """entries: rid, start, n, decode, sample, ids (prefill ids or drafts), blocks, offset."""
-    return Step(
-        step_id=step_id,
-        rids=np.asarray([e["rid"] for e in entries], dtype="<i8").tobytes(),
-        start_pos=i32([e.get("start", 0) for e in entries]),
-        num_tokens=i32([e.get("n", 1) for e in entries]),
-        is_decode=bytes([e.get("decode", 0) for e in entries]),
-        sample=bytes([e.get("sample", 1) for e in entries]),
-        input_ids=i32([t for e in entries for t in e.get("ids", [])]),
-        block_offsets=i32([e.get("offset", 0) for e in entries]),
-        block_counts=i32([len(e.get("blocks", [])) for e in entries]),
-        block_ids=i32([b for e in entries for b in e.get("blocks", [])]),
-        dropped=np.asarray(dropped, dtype="<i8").tobytes(),
-    )
 
 
 def table_with_requests() -> RequestTable:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from tiny_models import random_llama
 
+from pyserve.wire.main_to_worker import Step
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.settings import WorkerSettings
@@ -161,3 +163,24 @@ def assert_same_outputs(  # OfflineEngine Outputs
             for a, b in zip(g.top_logprobs, w.top_logprobs, strict=True):
                 assert [t for t, _ in a] == [t for t, _ in b], f"{label}, prompt {i}: top ids"
                 assert np.allclose([v for _, v in a], [v for _, v in b], atol=1e-4)
+
+
+def i32(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def make_step(step_id: int, entries: list[dict], dropped: Sequence[int] = ()) -> Step:
+    """entries: rid, start, n, decode, sample, ids (prefill ids or drafts), blocks, offset."""
+    return Step(
+        step_id=step_id,
+        rids=np.asarray([e["rid"] for e in entries], dtype="<i8").tobytes(),
+        start_pos=i32([e.get("start", 0) for e in entries]),
+        num_tokens=i32([e.get("n", 1) for e in entries]),
+        is_decode=bytes([e.get("decode", 0) for e in entries]),
+        sample=bytes([e.get("sample", 1) for e in entries]),
+        input_ids=i32([t for e in entries for t in e.get("ids", [])]),
+        block_offsets=i32([e.get("offset", 0) for e in entries]),
+        block_counts=i32([len(e.get("blocks", [])) for e in entries]),
+        block_ids=i32([b for e in entries for b in e.get("blocks", [])]),
+        dropped=np.asarray(dropped, dtype="<i8").tobytes(),
+    )
