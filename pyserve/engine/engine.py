@@ -30,6 +30,13 @@ from pyserve.engine import embeddings, idle_check
 from pyserve.engine.channels import RingAddresses, free_port
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
+from pyserve.engine.image_prompts import (
+    MAX_TOKEN_ID,
+    ImagePrompt,
+    ImagePrompts,
+    PromptImage,
+    with_image_ids,
+)
 from pyserve.engine.requests import RequestRegistry, RequestState
 from pyserve.engine.scheduler_loop import SchedulerLoop
 from pyserve.engine.step_watch import Stall
@@ -40,6 +47,7 @@ from pyserve.wire.detok_to_main import Ready, RequestDelta
 from pyserve.wire.main_to_worker import (
     DetokParams,
     Grammar,
+    ImageInput,
     NewRequest,
     Pooling,
     SamplingParams,
@@ -121,6 +129,9 @@ class Engine:
             # The detokenizer decodes with exactly this tokenizer, saved where only we can read.
             tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
+            self._tokenizers.images = await asyncio.to_thread(
+                ImagePrompts.load, source.path, tokenizer, info.vocab_size
+            )
             self._embedding = embeddings.describe(
                 path=source.path,
                 kind=source.kind,
@@ -221,7 +232,8 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size,
             policy=config.schedule_policy,
             enable_radix_cache=config.enable_radix_cache,
-            vocab_size=self._info.vocab_size,
+            # a vision model's image positions hold ids above the vocabulary (image_prompts.py)
+            vocab_size=self._info.vocab_size if not self.takes_images else MAX_TOKEN_ID,
             **config.planner_speculation(),
         )
         idle_check.apply_test_hook(planner)
@@ -471,8 +483,12 @@ class Engine:
         sampling: SamplingParams,
         detok: DetokParams | None = None,
         rid: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[GenerationChunk]:
         """Streams one request's output; the last chunk has ``finish_reason``.
+
+        ``images``: the prompt's images (``apply_chat_template_with_images`` makes the prompt
+        and them); their positions in ``prompt`` hold the model's image token.
 
         Raises ValueError (ContextLengthExceeded among them) for a request that cannot run, and
         EngineError when the engine is not serving or fails while the request runs.
@@ -484,7 +500,7 @@ class Engine:
             prompt_ids = list(prompt)
         if sampling.grammar is not None:
             await self.check_grammar(sampling.grammar)
-        state = self._submit(prompt_ids, sampling, detok or DetokParams(), rid)
+        state = self._submit(prompt_ids, sampling, detok or DetokParams(), rid, images=images)
         try:
             while True:
                 chunk = await state.next_chunk()
@@ -548,6 +564,7 @@ class Engine:
         detok: DetokParams,
         rid: str | None,
         pooling: Pooling | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> RequestState:
         self._check_serving()
         sampling = check_sampling(sampling)
@@ -576,12 +593,17 @@ class Engine:
             want_logprobs=sampling.logprobs,
         )
         self._registry.add(state)
+        if images:
+            if not self.takes_images:
+                raise ValueError("this model takes no images")
+            prompt_ids = with_image_ids(prompt_ids, images, self._info.vocab_size)
         request = NewRequest(
             rid=state.core_rid,
             prompt_ids=_int32_bytes(prompt_ids),
             sampling=sampling,
             detok=detok,
             pooling=pooling,
+            images=list(images),
         )
         self._scheduler_loop().submit(state.core_rid, request)
         return state
@@ -760,6 +782,30 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
+
+    async def apply_chat_template_with_images(
+        self,
+        messages: list[dict],
+        images: Sequence[PromptImage],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> ImagePrompt:
+        """``apply_chat_template`` for messages with image parts (``{"type": "image"}``, one
+        per image of ``images``, in order): the prompt and its images for ``generate``."""
+        return await self._tokenizer_manager().apply_chat_template_with_images(
+            messages,
+            images,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the served model reads images (a vision model's Hugging Face directory)."""
+        return self._tokenizers is not None and self._tokenizers.images is not None
 
     async def check_grammar(self, grammar: Grammar, param: str = "grammar") -> None:
         """Raises ValueError (naming ``param``) when ``grammar`` cannot be enforced: a JSON

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pyserve.engine.errors import ContextLengthExceeded
+from pyserve.engine.image_prompts import ImagePrompt, ImagePrompts, PromptImage
 from pyserve.grammars import GrammarChecker
 from pyserve.wire.main_to_worker import Grammar, InvalidSampling
 
@@ -43,6 +44,7 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="pyserve-tokenizer")
         self._grammars = GrammarChecker()
+        self.images: ImagePrompts | None = None  # set where the served model takes images
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -76,6 +78,29 @@ class TokenizerManager:
         ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {...}}``), as
         HF chat templates take them; ``chat_template_kwargs`` are the template's own variables
         (e.g. ``enable_thinking``)."""
+        kwargs = self._template_kwargs(messages, chat_template_kwargs)
+        return await self._run(self._render_chat, messages, add_generation_prompt, kwargs, tools)
+
+    async def apply_chat_template_with_images(
+        self,
+        messages: list[dict],
+        images: Sequence[PromptImage],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> ImagePrompt:
+        """``apply_chat_template`` for messages whose content parts hold ``{"type": "image"}``
+        (one per image of ``images``, in order): each image through the model's processor, its
+        marker expanded into placeholders (``pyserve.engine.image_prompts``)."""
+        if self.images is None:
+            raise ValueError("this model takes no images")
+        kwargs = self._template_kwargs(messages, chat_template_kwargs)
+        return await self._run(
+            self._render_chat_with_images, messages, images, add_generation_prompt, kwargs, tools
+        )
+
+    def _template_kwargs(self, messages: list[dict], chat_template_kwargs: dict | None) -> dict:
         if not messages:
             raise ValueError("messages must not be empty")
         kwargs = dict(chat_template_kwargs or {})
@@ -85,7 +110,7 @@ class TokenizerManager:
                 f"chat_template_kwargs: {reserved[0]!r} is not a template variable",
                 "chat_template_kwargs",
             )
-        return await self._run(self._render_chat, messages, add_generation_prompt, kwargs, tools)
+        return kwargs
 
     def template_reads(self, name: str) -> bool:
         """Whether the chat template mentions variable ``name`` (e.g. ``tools``)."""
@@ -94,6 +119,25 @@ class TokenizerManager:
     def _render_chat(
         self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list | None
     ) -> list:
+        text = self._render_text(messages, add_generation_prompt, kwargs, tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render_chat_with_images(
+        self,
+        messages: list[dict],
+        images: Sequence[PromptImage],
+        add_generation_prompt: bool,
+        kwargs: dict,
+        tools: list | None,
+    ) -> ImagePrompt:
+        assert self.images is not None
+        text = self._render_text(messages, add_generation_prompt, kwargs, tools)
+        text, processed = self.images.expand(text, images)
+        return self.images.place(self.tokenizer.encode(text, add_special_tokens=False), processed)
+
+    def _render_text(
+        self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list | None
+    ) -> str:
         from jinja2 import TemplateError
 
         if not self.tokenizer.chat_template:
@@ -108,7 +152,7 @@ class TokenizerManager:
             )
         except (TemplateError, TypeError) as e:  # e.g. roles that do not alternate
             raise ValueError(f"the chat template rejected the messages: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     def check_token_ids(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:

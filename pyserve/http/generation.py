@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyserve.http.chat_images import ImageRef
 from pyserve.http.protocol import FunctionTool, ResponseFormat, ToolChoice
 from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
 
@@ -80,6 +81,7 @@ class ChatSpec:
     # The request's own switch for a reasoning model's thought (Anthropic's ``thinking``,
     # the Responses API's ``reasoning``): None leaves the template's default.
     enable_thinking: bool | None = None
+    images: list[ImageRef] = field(default_factory=list)  # the image parts, in order
 
 
 @dataclass

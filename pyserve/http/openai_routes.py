@@ -14,6 +14,7 @@ from aiohttp import web
 
 from pyserve.http import params
 from pyserve.http.bodies import read_request
+from pyserve.http.chat_images import template_messages
 from pyserve.http.errors import bad_request, json_response
 from pyserve.http.generation import ChatSpec, GenerationRequest
 from pyserve.http.openai_format import ChatFormat, CompletionFormat, ResponseMeta
@@ -68,10 +69,12 @@ class OpenAIRoutes:
         params.check_chat_request(req)
         top_logprobs = params.chat_top_logprobs(req)
         grammar, param = params.request_grammar(req, req.response_format)
+        messages, images = template_messages(req.messages, self.engine.takes_images)
         generation = GenerationRequest(
             sampling=params.openai_sampling(req, top_logprobs),
             chat=ChatSpec(
-                messages=[m.as_template_input() for m in req.messages],
+                messages=messages,
+                images=images,
                 tools=list(req.tools or []),
                 tool_choice=req.tool_choice,
                 parallel_tool_calls=req.parallel_tool_calls,

@@ -41,7 +41,7 @@ from pyserve.http.params import unsupported
 from pyserve.http.sse import SSEStream
 from pyserve.http.state import QueueTicket, ServerState, engine_error, next_item
 from pyserve.outputs import GenerationChunk, TokenLogprob
-from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
+from pyserve.wire.main_to_worker import DetokParams, Grammar, ImageInput, SamplingParams
 
 log = logging.getLogger("pyserve.http")
 
@@ -143,6 +143,7 @@ class Job:
     output: ChatOutput | None = None  # how the output is read back; None: all of it is text
     rids: list[str] = field(default_factory=list)
     prompt_tokens: list[list[int]] = field(default_factory=list)  # one per prompt
+    images: list[ImageInput] = field(default_factory=list)  # a chat prompt's images
 
     def __post_init__(self) -> None:
         if not self.rids:
@@ -176,6 +177,7 @@ class Pipeline:
         state, engine = self.state, self.engine
         grammar, output, keep_special = req.grammar, None, False
         sampling = req.sampling
+        images: list[ImageInput] = []
         if req.chat is not None:
             spec = req.chat
             loose = await self._loose_tools(spec)
@@ -183,13 +185,25 @@ class Pipeline:
             kwargs = dict(spec.template_kwargs)
             if spec.enable_thinking is not None and engine.chat_template_reads("enable_thinking"):
                 kwargs.setdefault("enable_thinking", spec.enable_thinking)
-            prompt = await state.call(
-                engine.apply_chat_template(
-                    plan.template_messages(spec.messages),
-                    chat_template_kwargs=kwargs,
-                    tools=plan.template_tools,
+            if spec.images:
+                pictures = await state.read_images(spec.images)
+                with_images = await state.call(
+                    engine.apply_chat_template_with_images(
+                        plan.template_messages(spec.messages),
+                        pictures,
+                        chat_template_kwargs=kwargs,
+                        tools=plan.template_tools,
+                    )
                 )
-            )
+                prompt, images = with_images.ids, with_images.images
+            else:
+                prompt = await state.call(
+                    engine.apply_chat_template(
+                        plan.template_messages(spec.messages),
+                        chat_template_kwargs=kwargs,
+                        tools=plan.template_tools,
+                    )
+                )
             plan = plan.for_prompt(prompt, self.policy)
             prompts = [prompt]
             grammar, output, keep_special = plan.grammar, plan.output, plan.keep_special_tokens
@@ -230,6 +244,7 @@ class Pipeline:
             output=output,
             rids=list(rids or []),
             prompt_tokens=prompts,
+            images=images,
         )
 
     async def _loose_tools(self, spec: ChatSpec) -> set[str]:
@@ -272,7 +287,7 @@ class Pipeline:
         try:
             with state.serving(request, job.id, job.rids):
                 streams = [
-                    self.engine.generate(prompt, sampling, job.detok, rid)
+                    self.engine.generate(prompt, sampling, job.detok, rid, images=job.images)
                     for (prompt, sampling), rid in zip(job.choices, job.rids, strict=True)
                 ]
                 latencies = [state.metrics.request(job.arrival) for _ in streams]

@@ -97,8 +97,13 @@ class RefusalPart(msgspec.Struct, tag_field="type", tag="refusal"):
     refusal: str
 
 
+class ImageURL(msgspec.Struct):
+    url: str  # data:image/...;base64,..., http(s)://... or file://... (http/image_inputs.py)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
-    image_url: msgspec.Raw
+    image_url: ImageURL | str  # a bare URL string, as some clients send it
 
 
 class AudioPart(msgspec.Struct, tag_field="type", tag="input_audio"):
@@ -137,14 +142,21 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     audio: Unsupported = None
     function_call: Unsupported = None
 
-    def as_template_input(self) -> dict:
+    def as_template_input(self, parts: bool = False) -> dict:
         """The dict a chat template expects: content parts joined into one string, tool calls
-        with their arguments as objects (what HF chat templates iterate over)."""
+        with their arguments as objects (what HF chat templates iterate over). ``parts``: the
+        content as a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts
+        instead, as vision models' templates take it (``http/chat_images.py``)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(_part_text(part) for part in content)
+            if parts:
+                content = [_template_part(part) for part in content]
+            else:
+                content = "".join(_part_text(part) for part in content)
         if not content and self.refusal:
             content = self.refusal
+        if parts and not isinstance(content, list):
+            content = [{"type": "text", "text": content or ""}]
         message: dict = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -173,7 +185,15 @@ def _part_text(part: ContentPart) -> str:
         return part.text
     if isinstance(part, RefusalPart):
         return part.refusal
+    if isinstance(part, ImagePart):
+        raise ValueError("image_url content: this model takes no images (text only)")
     raise ValueError(f"{part.__struct_config__.tag} content is not supported: text only")
+
+
+def _template_part(part: ContentPart) -> dict:
+    if isinstance(part, ImagePart):
+        return {"type": "image"}
+    return {"type": "text", "text": _part_text(part)}
 
 
 def _arguments_object(arguments: str) -> object:

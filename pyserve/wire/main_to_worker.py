@@ -121,6 +121,28 @@ class Pooling(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.kind in ("mean", "cls")
 
 
+class WireTensor(msgspec.Struct, frozen=True, array_like=True):
+    """An array as bytes: numpy's dtype name, its shape, its C-order bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class ImageInput(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One image of a prompt, as the model's image processor made it.
+
+    ``positions`` are the prompt positions its embedding rows fill, in row order; the prompt
+    holds content-derived ids at or above the vocabulary there (``pyserve.engine.image_prompts``),
+    so the radix cache shares them only with the same image. ``tensors`` are what the worker's
+    vision tower encodes (``pixel_values`` and the family's others); ``key`` is the image's
+    content digest, the key of the worker's cache of encoder outputs."""
+
+    key: bytes
+    positions: bytes  # int32, ascending
+    tensors: dict[str, WireTensor]
+
+
 class NewRequest(msgspec.Struct, tag=True, omit_defaults=True):
     """Sent once, before any Step that names ``rid``."""
 
@@ -129,6 +151,7 @@ class NewRequest(msgspec.Struct, tag=True, omit_defaults=True):
     sampling: SamplingParams
     detok: DetokParams = msgspec.field(default_factory=DetokParams)
     pooling: Pooling | None = None  # an embedding or a score (max_new_tokens is then 1)
+    images: list[ImageInput] = []
 
 
 class UncheckedNewRequest(msgspec.Struct, tag="NewRequest", omit_defaults=True):
@@ -140,6 +163,7 @@ class UncheckedNewRequest(msgspec.Struct, tag="NewRequest", omit_defaults=True):
     sampling: dict
     detok: DetokParams = msgspec.field(default_factory=DetokParams)
     pooling: dict | None = None
+    images: list = []
 
 
 class Step(msgspec.Struct, tag=True):

@@ -26,6 +26,10 @@ class ForwardBatch:
     # int64 [H]: rows of T whose final-norm hidden states the forward returns too (prefill-only
     # requests that pool them into an embedding); None: logits only
     hidden_index: torch.Tensor | None = None
+    # rows of T that take an image's embeddings instead of their token's (int64 [R]), and
+    # those embeddings ([R, hidden], the model's dtype); None: no image in this step
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:

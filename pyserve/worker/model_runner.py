@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -13,6 +14,7 @@ from pyserve.worker.backends import select_backend
 from pyserve.worker.backends.base import Backend, ForwardOutput, model_forward
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
+from pyserve.worker.image_encoder import ImageEncoder
 from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.loading.progress import LoadProgress
@@ -150,6 +152,10 @@ class ModelRunner:
             progress=progress,
         )
         self.model.eval()
+        # a vision model's image encoder (None: text only), loaded beside the text model
+        self.image_encoder: ImageEncoder | None = None
+        self.image_token_id: int | None = None
+        self._load_vision(checkpoint.path, checkpoint.tensors)
         self.quantized_linears = sum(packed.values())
         # projections packed at each precision, e.g. {"int4": 144, "int8": 25} ("mxfp4": MXFP4's
         # own form)
@@ -188,6 +194,41 @@ class ModelRunner:
             blocks, self.block_size, fraction, free / 2**30, total / 2**30,
         )  # fmt: skip
         return max(1, blocks)
+
+    def _load_vision(self, path: str, tensors: list) -> None:
+        """The vision tower of a Hugging Face directory whose config has one; a tower of a
+        family without one here serves the model as text only, saying so once."""
+        if not os.path.isdir(path):
+            return
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path)
+        if getattr(hf, "vision_config", None) is None:
+            return
+        from pyserve.worker.vision import load_vision_weights, vision_tower_for
+
+        tower = vision_tower_for(hf, dtype=self.dtype, device=self.device)
+        if tower is None:
+            log.warning(
+                "%s: its vision tower (%s) is not supported: text only", path, hf.model_type
+            )
+            return
+        load_vision_weights(tower, tensors, path)
+        token = getattr(hf, "image_token_id", None)
+        if token is None:
+            token = getattr(hf, "image_token_index", None)
+        if token is None:
+            raise ModelLoadError(f"{path}: a vision model without image_token_id")
+        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.dtype)
+        self.image_token_id = int(token)
+
+    def executor_options(self) -> dict:
+        """What a StepExecutor over this runner needs to know of its vocabulary and images."""
+        return {
+            "vocab_size": self.config.vocab_size,
+            "images": self.image_encoder,
+            "image_token_id": self.image_token_id,
+        }
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -123,6 +123,7 @@ class OfflineEngine:
             device=device,
             seed=settings.seed,
             drafter=drafter,
+            **runner.executor_options(),
         )
         self.planner = Planner(
             num_blocks,

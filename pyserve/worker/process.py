@@ -180,6 +180,7 @@ def _load(
             ),
             tp=tp,
             drafter=drafter,
+            **runner.executor_options(),
         )
     except TensorParallelError:
         raise
@@ -291,10 +292,13 @@ def _next_frames(pull: zmq.Socket | None, tp: TensorParallel | None) -> list[byt
 
 def _add_request(executor: StepExecutor, msg: inp.NewRequest) -> list[msgspec.Struct]:
     try:
-        executor.add_request(msg)
+        state = executor.add_request(msg)
     except Exception as e:
         return _reject(executor, msg, e)
-    return [out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok)]
+    prompt = msg.prompt_ids
+    if msg.images:  # the detokenizer's context holds the image token, never an image's ids
+        prompt = state.prompt_ids.numpy().astype("<i4").tobytes()
+    return [out.DetokRequest(rid=msg.rid, prompt_ids=prompt, params=msg.detok)]
 
 
 def _reject_unchecked(
@@ -317,7 +321,10 @@ def _reject(
     rid = np.asarray([msg.rid], dtype="<i8").tobytes()
     return [
         out.WorkerError(message=f"invalid request {msg.rid}: {error}", rids=rid),
-        out.DetokRequest(rid=msg.rid, prompt_ids=msg.prompt_ids, params=msg.detok),
+        # a rejected request's ids may be an image's: no context for its (discarded) tokens
+        out.DetokRequest(
+            rid=msg.rid, prompt_ids=b"" if msg.images else msg.prompt_ids, params=msg.detok
+        ),
     ]
 
 

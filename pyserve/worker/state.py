@@ -45,6 +45,7 @@ from pyserve.wire.worker_to_detok import (
 )
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
+from pyserve.worker.image_encoder import ImageSlice, RequestImage, image_slices
 from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
 from pyserve.worker.speculative_verify import VerifyOutput
@@ -69,6 +70,7 @@ class RequestState:
     # seeded request (never its own generator, which feeds verification only)
     draft_computed: int = 0
     draft_generator: torch.Generator | None = None
+    images: list[RequestImage] = field(default_factory=list)  # its prompt's images
 
 
 @dataclass(eq=False)
@@ -100,6 +102,8 @@ class PreparedStep:
     # the worker-drafted verify entries, in entry order; their verify drafts are placeholders
     # until the draft model has run
     drafted: list[DraftSlot] = field(default_factory=list)
+    # the image embedding rows its prefill chunks take (image_encoder.py)
+    images: list[ImageSlice] = field(default_factory=list)
 
 
 class RequestTable:
@@ -112,8 +116,16 @@ class RequestTable:
         eos_token_ids: list[int],
         device: torch.device | str = "cpu",
         grammars: GrammarMasks | None = None,
+        vocab_size: int | None = None,
+        image_token_id: int | None = None,
     ) -> None:
+        """``vocab_size``: ids at or above it (an image's positions, a draft copied from one)
+        are embedded as id 0, their rows replaced or their drafts rejected; ``image_token_id``:
+        where the worker serves images, the id its requests' image positions count as (for
+        penalties), None: requests with images are refused."""
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.image_token_id = image_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         self.grammars = grammars
@@ -136,6 +148,13 @@ class RequestTable:
         prompt = np.frombuffer(request.prompt_ids, dtype="<i4").astype(np.int64)
         if prompt.size == 0:
             raise ValueError(f"request {request.rid} has an empty prompt")
+        images = []
+        if request.images:
+            if self.image_token_id is None:
+                raise ValueError(f"request {request.rid} has images: this model takes none")
+            images = [RequestImage.of(image, prompt.size) for image in request.images]
+            for item in images:  # what penalties see there, as in transformers
+                prompt[item.positions] = self.image_token_id
         params = request.sampling
         if request.pooling is not None and params.max_new_tokens != 1:
             raise ValueError(f"request {request.rid} pools its prompt: max_new_tokens must be 1")
@@ -154,6 +173,7 @@ class RequestTable:
             generator=make_generator(params.seed, self.device),
             grammar=grammar,
             pooling=request.pooling,
+            images=images,
         )
         self._requests[request.rid] = state
         self.pooling += request.pooling is not None
@@ -223,6 +243,7 @@ class RequestTable:
         requests, block_ids, block_size = self._requests, arrays.block_ids, self.block_size
         verify: dict[int, list[int]] = {}  # entry index -> drafts
         drafted: list[DraftSlot] = []  # keyed by entry index until the end
+        images: list[ImageSlice] = []
         token_cursor = prefill_cursor = block_cursor = 0
         for i, rid in enumerate(arrays.rids.tolist()):
             state = requests.get(rid)
@@ -254,9 +275,13 @@ class RequestTable:
                 chunk = arrays.prefill_ids[prefill_cursor : prefill_cursor + n]
                 input_ids[token_cursor : token_cursor + n] = chunk
                 prefill_cursor += n
+                if state.images:
+                    images += image_slices(state.images, starts[i], n, token_cursor)
             token_cursor += n
             states.append(state)
         input_ids[decode_slots] = decode_inputs
+        if self.vocab_size is not None and (images or verify):
+            input_ids[input_ids >= self.vocab_size] = 0  # image ids, or drafts copied from them
 
         ends = np.cumsum(arrays.num_tokens)
         # position of token t of entry i: start_pos[i] + t
@@ -286,7 +311,9 @@ class RequestTable:
             verify = {int(sampling_index[i]): drafts for i, drafts in verify.items()}
             for slot in drafted:
                 slot.entry = int(sampling_index[slot.entry])
-        return PreparedStep(step.step_id, batch, sampling, step.dropped, pooling, verify, drafted)
+        return PreparedStep(
+            step.step_id, batch, sampling, step.dropped, pooling, verify, drafted, images
+        )
 
     @staticmethod
     def _decode_input(state: RequestState, step_id: int) -> int:

@@ -261,4 +261,6 @@ def model_forward(model: CausalLM, backend: Backend, batch: ForwardBatch) -> For
         backend,
         backend.prepare(batch),
         hidden_index,
+        batch.image_rows,
+        batch.image_embeds,
     )

@@ -210,11 +210,14 @@ class CausalLM(nn.Module):
         backend: Backend,
         metadata: object,
         hidden_index: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """float32 logits [S, vocab] for the rows in ``sample_index`` only; with
         ``hidden_index``, also the float32 final-norm hidden states [H, hidden] of those rows
-        (what HF's ``AutoModel(...).last_hidden_state`` gives): (logits, hidden)."""
-        hidden, ropes = self.layer_inputs(input_ids, positions)
+        (what HF's ``AutoModel(...).last_hidden_state`` gives): (logits, hidden). Rows
+        ``image_rows`` take ``image_embeds`` in place of their tokens' embeddings."""
+        hidden, ropes = self.layer_inputs(input_ids, positions, image_rows, image_embeds)
         hidden, residual = self.run_layers(hidden, ropes, backend, metadata)
         return self.outputs(hidden, residual, sample_index, backend, hidden_index)
 
@@ -222,12 +225,21 @@ class CausalLM(nn.Module):
     # may compute the middle one, every layer, at once.
 
     def layer_inputs(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(the scaled token embeddings, every rope table's (cos, signed_sin) at ``positions``)."""
+        """(the scaled token embeddings, every rope table's (cos, signed_sin) at ``positions``);
+        rows ``image_rows`` hold ``image_embeds`` instead, unscaled (as transformers' vision
+        models place them after the text embedding's scale)."""
         hidden = self.embed(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
+        if image_rows is not None:
+            assert image_embeds is not None
+            hidden[image_rows] = image_embeds.to(hidden.dtype)
         return hidden, [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
 
     def run_layers(

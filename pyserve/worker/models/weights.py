@@ -27,12 +27,14 @@ EMBEDDING = "embed_tokens"  # the packing pool's key for a packed embedding tabl
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Multimodal checkpoints (Gemma 3 4B+): the text model's tensors under another prefix, and the
 # vision tower's, which a text server does not load.
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.")
 _VISION_PREFIXES = (
     "model.vision_tower.",
     "vision_tower.",
     "model.multi_modal_projector.",
     "multi_modal_projector.",
+    "model.vision_model.",  # Idefics3 / SmolVLM
+    "model.connector.",
 )
 
 

@@ -286,7 +286,9 @@ class CpuKernelsBackend(Backend):
     def _stack_forward(self, model: CausalLM, batch: ForwardBatch) -> ForwardOutput:
         assert self.stack is not None
         metadata = self.prepare(batch)
-        hidden, ropes = model.layer_inputs(batch.input_ids, batch.positions)
+        hidden, ropes = model.layer_inputs(
+            batch.input_ids, batch.positions, batch.image_rows, batch.image_embeds
+        )
         hidden, residual = self.stack.run(hidden, ropes, metadata, self.config.scale)
         return model.outputs(hidden, residual, batch.sample_index, self, batch.hidden_index)
 

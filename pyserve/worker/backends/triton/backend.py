@@ -216,7 +216,12 @@ class TritonBackend(Backend):
 
     def fast_path(self, model: CausalLM, batch: ForwardBatch) -> Callable[[], ForwardOutput] | None:
         # a captured graph ends in logits: hidden rows go through the model's own forward
-        if self.graphs is None or batch.hidden_index is not None or not self.graphs.fits(batch):
+        if (
+            self.graphs is None
+            or batch.hidden_index is not None
+            or batch.image_rows is not None
+            or not self.graphs.fits(batch)
+        ):
             return None
         return partial(self.graphs.run, batch)
 

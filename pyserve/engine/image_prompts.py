@@ -1,0 +1,221 @@
+"""Prompts with images, for a served vision model (Idefics3 / SmolVLM, Gemma 3).
+
+transformers' own processor class for the model does the model-specific work, as it does for
+HF's ``generate``: its image processor (the PIL backend: no torchvision) turns each image into
+the tensors the vision tower reads, and its ``replace_image_token`` expands each image marker of
+the rendered chat (``<image>``, ``<start_of_image>``) into the placeholder tokens the language
+model expects. The expanded text is encoded as a whole; the placeholder positions of each image
+(the model config's image token, in order) are where its embedding rows go.
+
+Each image's placeholders then get ids of their own, derived from the image's content and above
+the vocabulary (``ImagePrompt.prompt_ids``): the radix cache matches a prefix only where every
+id agrees, so the same image in a later turn is a prefix hit and two different images never
+share KV. The worker reads those positions' embeddings from its vision tower, never the ids.
+Everything here runs in the tokenizer thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pyserve.wire.main_to_worker import ImageInput, WireTensor
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# The largest token id the core takes; image ids lie in [vocab_size, MAX_TOKEN_ID).
+MAX_TOKEN_ID = 2**31 - 1
+
+# OpenAI's ``detail`` per family: the image processor's settings it selects (absent: defaults)
+_DETAIL_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
+    # one global tile, no split into the sub-images a large picture gets by default
+    "idefics3": {"low": {"do_image_splitting": False}},
+    "smolvlm": {"low": {"do_image_splitting": False}},
+    # pan-and-scan crops beside the whole image (off in Gemma 3's defaults)
+    "gemma3": {"high": {"do_pan_and_scan": True}},
+}
+# families whose image processor batches per prompt: one image's tensors carry a leading 1
+_NESTED = frozenset({"idefics3", "smolvlm"})
+# processor_config.json entries that are not the processor's own settings
+_NOT_SETTINGS = frozenset({"processor_class", "image_processor", "video_processor", "tokenizer"})
+# tensors of the processor's output that are not the vision tower's input
+_NOT_TENSORS = frozenset({"rows", "cols", "num_crops"})
+
+
+class ImagePromptError(ValueError):
+    """Images that do not fit the prompt (a marker count that differs, too many tokens)."""
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """A decoded image of a request: RGB pixels, their digest, the part's ``detail``."""
+
+    image: Image.Image
+    digest: bytes
+    detail: str | None = None
+
+
+@dataclass
+class ImagePrompt:
+    """An encoded prompt with images: ``ids`` hold the image token at each image position
+    (checkable against the vocabulary); ``images`` say which positions each image fills."""
+
+    ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    vocab_size: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """``ids`` with each image's positions holding its content-derived ids."""
+        return with_image_ids(self.ids, self.images, self.vocab_size)
+
+
+def with_image_ids(ids: list[int], images: Sequence[ImageInput], vocab_size: int) -> list[int]:
+    """``ids`` with image ``j``'s positions holding ids in ``[vocab_size, MAX_TOKEN_ID)`` drawn
+    from its key: ``vocab + (a + i·b) mod M`` for its ``i``-th row, so two images agree at every
+    position only if their keys agree on (a, b) (a chance of about 2^-60)."""
+    if not images:
+        return ids
+    out = np.asarray(ids, dtype=np.int64)
+    span = MAX_TOKEN_ID - vocab_size
+    for image in images:
+        positions = np.frombuffer(image.positions, dtype="<i4")
+        a = int.from_bytes(image.key[:8], "little") % span
+        b = int.from_bytes(image.key[8:16], "little") % span or 1
+        out[positions] = vocab_size + (a + np.arange(len(positions), dtype=np.int64) * b) % span
+    return out.tolist()
+
+
+class ImagePrompts:
+    """How the served model's prompts take images (``load``: None for a text-only model)."""
+
+    def __init__(self, processor: Any, family: str, image_token_id: int, vocab_size: int) -> None:
+        self.processor = processor
+        self.family = family
+        self.image_token_id = image_token_id  # the placeholder the embeddings replace
+        self.vocab_size = vocab_size
+        self.marker: str = processor.image_token  # what the chat template writes per image
+        tokenizer = processor.tokenizer
+        self._images_kwargs = processor._merge_kwargs(tokenizer_init_kwargs=tokenizer.init_kwargs)[
+            "images_kwargs"
+        ]
+
+    @classmethod
+    def load(cls, path: str, tokenizer: Any, vocab_size: int) -> ImagePrompts | None:
+        """From a Hugging Face model directory whose config has a vision tower; None for a
+        text-only model (or a single file, which holds no vision tower)."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            return None
+        raw = json.loads(config_file.read_text())
+        if "vision_config" not in raw:
+            return None
+        family = raw.get("model_type", "")
+        import transformers
+        from transformers import AutoImageProcessor
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[family])
+        image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        settings_file = Path(path) / "processor_config.json"
+        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+        settings = {k: v for k, v in settings.items() if k not in _NOT_SETTINGS}
+        processor = processor_class(
+            image_processor=image_processor, tokenizer=tokenizer, **settings
+        )
+        token = raw.get("image_token_id", raw.get("image_token_index"))
+        if token is None:
+            raise ValueError(f"{config_file}: no image_token_id")
+        return cls(processor, family, int(token), vocab_size)
+
+    def details(self) -> tuple[str, ...]:
+        """The ``detail`` values that change what this model sees."""
+        return tuple(_DETAIL_SETTINGS.get(self.family, {}))
+
+    def expand(self, text: str, images: Sequence[PromptImage]) -> tuple[str, list[Processed]]:
+        """The rendered ``text`` with each marker expanded, and each image's tensors."""
+        pieces = text.split(self.marker)
+        if len(pieces) - 1 != len(images):
+            raise ImagePromptError(
+                f"the chat template wrote {len(pieces) - 1} image markers for "
+                f"{len(images)} images (is a literal {self.marker!r} in the text?)"
+            )
+        expanded = [pieces[0]]
+        processed = []
+        for image, piece in zip(images, pieces[1:], strict=True):
+            replacement, arrays = self._process(image)
+            expanded += [replacement, piece]
+            rows = replacement.count(self._placeholder)
+            processed.append(Processed(_image_key(image, arrays), arrays, rows))
+        return "".join(expanded), processed
+
+    @property
+    def _placeholder(self) -> str:
+        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def _process(self, image: PromptImage) -> tuple[str, dict[str, np.ndarray]]:
+        settings = {**self._images_kwargs, "return_tensors": "np"}
+        settings.update(_DETAIL_SETTINGS.get(self.family, {}).get(image.detail or "auto", {}))
+        nested = self.family in _NESTED
+        outputs, replacements = self.processor._process_images(
+            [[image.image]] if nested else [image.image], **settings
+        )
+        arrays = {
+            name: np.ascontiguousarray(value[0] if nested else value)
+            for name, value in outputs.items()
+            if name not in _NOT_TENSORS
+        }
+        return replacements[0], arrays
+
+    def place(self, ids: list[int], processed: Sequence[Processed]) -> ImagePrompt:
+        """The encoded expansion's image positions, shared out to the images in order (each
+        takes the placeholder count its expansion wrote)."""
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id).astype("<i4")
+        if sum(p.rows for p in processed) != len(positions):
+            raise ImagePromptError(
+                f"the prompt holds {len(positions)} image placeholders, its images need "
+                f"{sum(p.rows for p in processed)}"
+            )
+        inputs = []
+        at = 0
+        for p in processed:
+            inputs.append(
+                ImageInput(
+                    key=p.key,
+                    positions=positions[at : at + p.rows].tobytes(),
+                    tensors={name: _wire(value) for name, value in p.arrays.items()},
+                )
+            )
+            at += p.rows
+        return ImagePrompt(ids, inputs, self.vocab_size)
+
+
+@dataclass(frozen=True)
+class Processed:
+    """One image through the processor: its cache key, tensors and placeholder count."""
+
+    key: bytes
+    arrays: dict[str, np.ndarray]
+    rows: int
+
+
+def _image_key(image: PromptImage, arrays: dict[str, np.ndarray]) -> bytes:
+    """The encoder cache's key: what the tower reads (the tensors' bytes, which the detail
+    setting changes), summarized with the decoded pixels' digest."""
+    h = hashlib.sha256(image.digest)
+    for name in sorted(arrays):
+        value = arrays[name]
+        h.update(f"{name}:{value.dtype.str}:{value.shape}".encode())
+        h.update(value.tobytes())
+    return h.digest()[:16]
+
+
+def _wire(value: np.ndarray) -> WireTensor:
+    return WireTensor(value.dtype.str, list(value.shape), value.tobytes())
