@@ -29,17 +29,20 @@ class VisionTower(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def local_name(self, checkpoint_name: str) -> str | None:
-        """The parameter a checkpoint tensor fills, or None when the name is not the tower's."""
+    def match(self, checkpoint_name: str) -> tuple[str, str] | None:
+        """(the checkpoint prefix it starts with, the parameter it fills), or None when the name
+        is not the tower's."""
         for stored, local in self.weight_prefixes:
             if checkpoint_name.startswith(stored):
-                return local + checkpoint_name[len(stored) :]
+                return stored, local + checkpoint_name[len(stored) :]
         return None
 
-    def checkpoint_name(self, local_name: str) -> str:
-        """The name a parameter has in the newest checkpoints (the first prefix that maps to
-        it), for error messages."""
+    def checkpoint_name(self, local_name: str, used: dict[str, str] | None = None) -> str:
+        """The name a parameter would have in a checkpoint, for error messages: under the
+        prefix ``used`` says that checkpoint took for its module (module prefix -> checkpoint
+        prefix), else under the first one listed."""
         for stored, local in self.weight_prefixes:
             if local_name.startswith(local):
+                stored = (used or {}).get(local, stored)
                 return stored + local_name[len(local) :]
         return local_name

@@ -22,9 +22,14 @@ def load_vision_weights(
     naming it and ``source`` (the checkpoint path)."""
     params = dict(tower.named_parameters())
     filled: set[str] = set()
+    used: dict[str, str] = {}  # module prefix -> the checkpoint prefix this file names it by
     for name, stored in tensors:
-        local = tower.local_name(name)
-        if local is None or local.startswith(tower.unused_weights):
+        matched = tower.match(name)
+        if matched is None:
+            continue
+        prefix, local = matched
+        used.setdefault(local[: local.index(".") + 1], prefix)
+        if local.startswith(tower.unused_weights):
             continue
         param = params.get(local)
         if param is None:
@@ -37,7 +42,7 @@ def load_vision_weights(
         with torch.no_grad():
             param.copy_(stored.values())
         filled.add(local)
-    missing = [tower.checkpoint_name(local) for local in params if local not in filled]
+    missing = [tower.checkpoint_name(local, used) for local in params if local not in filled]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
