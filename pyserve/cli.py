@@ -29,6 +29,12 @@ from pyserve.engine import Engine, EngineConfig
 from pyserve.engine.config import SPECULATIVE_ALGORITHMS
 from pyserve.http.app import HTTP2PrefaceFilter, create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.image_inputs import (
+    DEFAULT_IMAGE_FETCH_TIMEOUT,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    ImageOptions,
+)
 from pyserve.http.responses_store import default_state_dir
 from pyserve.http.state import ServerState
 from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
@@ -201,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queued-requests", type=int, help="429 once this many requests wait to start")
     add("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="413 above this")
     add("--log-requests", action="store_true", help="log prompts and outputs")
+    add_image_args(add)
     add(
         "--state-dir",
         default=str(default_state_dir()),
@@ -232,6 +239,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEFAULT_MEM_FRACTION = 0.88  # SGLang's default for a large GPU
+
+
+def add_image_args(add: Callable[..., object]) -> None:
+    """Where the images of chat requests (image_url parts) may come from, and how large."""
+    add(
+        "--no-fetch-images",
+        dest="fetch_images",
+        action="store_false",
+        help="refuse http(s):// image URLs (images then come as base64 data: URLs, or file:// "
+        "under --allowed-media-dir)",
+    )
+    add(
+        "--allowed-media-dir",
+        type=existing_dir,
+        help="accept file:// image URLs of files under this directory (symlinks and '..' "
+        "resolved first); none: file:// URLs are refused",
+    )
+    add(
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="the largest image, encoded, that a request may send or a URL may serve",
+    )
+    add(
+        "--image-fetch-timeout",
+        type=float,
+        default=DEFAULT_IMAGE_FETCH_TIMEOUT,
+        help="seconds to fetch one http(s) image URL, redirects and body included",
+    )
+    add(
+        "--max-images-per-request",
+        type=int,
+        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        help="a request with more images is refused (400)",
+    )
+
+
+def existing_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is not a directory")
+    return path
+
+
+def image_options(args: argparse.Namespace) -> ImageOptions:
+    return ImageOptions(
+        fetch=args.fetch_images,
+        allowed_media_dir=args.allowed_media_dir,
+        max_bytes=args.max_image_bytes,
+        fetch_timeout=args.image_fetch_timeout,
+        max_images=args.max_images_per_request,
+    )
 
 
 def add_speculative_args(add: Callable[..., object]) -> None:
@@ -448,6 +506,7 @@ async def serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     try:
         config.validate()
+        images = image_options(args)
     except ValueError as exc:
         log.error("invalid settings: %s", exc)
         return 2
@@ -461,6 +520,7 @@ async def serve(args: argparse.Namespace) -> int:
         web_ui=args.web_ui,
         state_dir=args.state_dir,
         responses_store_mb=args.responses_store_mb,
+        images=images,
     )
     state = server_state(app)
     runner = web.AppRunner(app, shutdown_timeout=HANDLER_GRACE_S, access_log=None)

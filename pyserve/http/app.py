@@ -21,6 +21,7 @@ from pyserve.http.anthropic_errors import anthropic_errors
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.embedding_routes import EmbeddingRoutes
 from pyserve.http.errors import APIError, from_http_exception, server_error
+from pyserve.http.image_inputs import ImageOptions
 from pyserve.http.live_stats import LiveStats
 from pyserve.http.messages_routes import MessagesRoutes
 from pyserve.http.native_routes import NativeRoutes
@@ -49,17 +50,20 @@ def create_app(
     web_ui: bool = True,
     state_dir: str | None = None,
     responses_store_mb: float = 256,
+    images: ImageOptions | None = None,
 ) -> web.Application:
     """The HTTP API over ``engine`` (a ``pyserve.Engine``, started or still starting); with
     ``web_ui``, also the chat page at ``/`` and the dashboard at ``/dashboard``. Stored
     Responses API responses are kept under ``state_dir`` (None: in memory only), at most
-    ``responses_store_mb`` MB of them (0: none)."""
+    ``responses_store_mb`` MB of them (0: none). ``images`` says where the images of chat
+    requests may come from and how large they may be (None: ImageOptions' defaults)."""
     options = ServerOptions(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         max_queued_requests=max_queued_requests,
         log_requests=log_requests,
         web_ui=web_ui,
+        images=images or ImageOptions(),
     )
     state = ServerState(engine, options)
     service = ServiceRoutes(state)
@@ -147,6 +151,7 @@ def create_app(
         await state.metrics.loop_lag.stop()
         await state.watcher.close()
         await responses_store.close()
+        await state.close_image_session()
 
     app.on_startup.append(start_probe)
     app.on_cleanup.append(stop_tasks)

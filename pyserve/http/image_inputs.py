@@ -85,6 +85,18 @@ class ImageOptions:
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width × height: the decompression-bomb guard
     max_redirects: int = DEFAULT_MAX_REDIRECTS
 
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ValueError(f"the image byte limit must be positive, not {self.max_bytes}")
+        if not self.fetch_timeout > 0:
+            raise ValueError(f"the image fetch timeout must be positive, not {self.fetch_timeout}")
+        if self.max_images < 0:
+            raise ValueError(f"the image count limit cannot be negative ({self.max_images})")
+        if self.max_pixels <= 0:
+            raise ValueError(f"the image pixel limit must be positive, not {self.max_pixels}")
+        if self.max_redirects < 0:
+            raise ValueError(f"the redirect limit cannot be negative ({self.max_redirects})")
+
 
 @dataclass(frozen=True)
 class LoadedImage:

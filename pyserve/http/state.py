@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 
 from pyserve.engine.errors import (
@@ -21,6 +22,7 @@ from pyserve.engine.errors import (
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.disconnect import DisconnectWatcher
 from pyserve.http.errors import APIError, bad_request, model_not_found, not_ready, server_error
+from pyserve.http.image_inputs import ImageOptions, new_fetch_session
 from pyserve.http.metrics import Metrics
 from pyserve.http.token_texts import TokenTexts
 
@@ -36,6 +38,9 @@ class ServerOptions:
     max_queued_requests: int | None = None  # generation requests waiting for their first token
     log_requests: bool = False  # log prompts and outputs (never logged otherwise)
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard
+    images: ImageOptions = field(
+        default_factory=ImageOptions
+    )  # image_url parts: from where, how large
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -95,6 +100,7 @@ class ServerState:
         self._idle.set()
         self.active: dict[str, list[str]] = {}  # response id → the engine rids of its choices
         self._model_path: str | None = None
+        self._image_session: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------------ checks
 
@@ -141,6 +147,20 @@ class ServerState:
         if pool:
             room = min(room, pool)
         return max(1, room - prompt_len)
+
+    # ------------------------------------------------------------------ images
+
+    def image_session(self) -> aiohttp.ClientSession:
+        """The client session that fetches images from http(s) URLs: one for the app, made on
+        first use (inside the running loop) and closed with the app."""
+        if self._image_session is None or self._image_session.closed:
+            self._image_session = new_fetch_session()
+        return self._image_session
+
+    async def close_image_session(self) -> None:
+        session, self._image_session = self._image_session, None
+        if session is not None:
+            await session.close()
 
     # ------------------------------------------------------------------ engine calls
 
