@@ -298,13 +298,16 @@ def _read_and_decode_file(
         raise ImageInputError(param, f"no such file: {url}") from None
     except OSError as exc:
         raise ImageInputError(param, f"cannot read {url}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ImageInputError(param, f"{url} is not a regular file")
         if info.st_size > options.max_bytes:
             raise ImageInputError(param, _too_large(options.max_bytes))
-        data = file.read(options.max_bytes + 1)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(options.max_bytes + 1)
+    finally:
+        os.close(fd)
     if len(data) > options.max_bytes:
         raise ImageInputError(param, _too_large(options.max_bytes))
     return _decode(data, url, param, options)
