@@ -524,3 +524,27 @@ def test_one_fetch_session_for_the_app_closed_with_it(server, executor):
 
     session = asyncio.run(scenario())
     assert session.closed  # app cleanup closed it
+
+
+class RecordingExecutor(ThreadPoolExecutor):
+    """Notes the threads its work ran on."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="recording")
+        self.threads: list[str] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        def noted():
+            self.threads.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return super().submit(noted)
+
+
+def test_decoding_runs_on_the_executor(server, media):
+    options = ImageOptions(fetch_timeout=5, allowed_media_dir=str(media / "media"))
+    urls = [data_url(PNG), server.url("/png"), f"file://{media}/media/inside.png"]
+    with RecordingExecutor() as pool:
+        digests = {read(url, options, pool).digest for url in urls}
+        assert len(digests) == 1
+        assert len(pool.threads) == 3 and all(t.startswith("recording") for t in pool.threads)

@@ -163,8 +163,7 @@ async def read_image(
             raise ImageInputError(
                 param, "file:// URLs are not allowed on this server (see --allowed-media-dir)"
             )
-        path = _local_path(url, param, options.allowed_media_dir)
-        return await run(_read_and_decode_file, path, url, param, options)
+        return await run(_read_and_decode_file, url, param, options)
     allowed = ["data:"]
     if options.fetch:
         allowed.append("http(s)://")
@@ -288,9 +287,9 @@ def _local_path(url: str, param: str | None, allowed_dir: str) -> str:
     return real
 
 
-def _read_and_decode_file(
-    path: str, url: str, param: str | None, options: ImageOptions
-) -> LoadedImage:
+def _read_and_decode_file(url: str, param: str | None, options: ImageOptions) -> LoadedImage:
+    assert options.allowed_media_dir is not None
+    path = _local_path(url, param, options.allowed_media_dir)  # file system calls: not on the loop
     try:
         # O_NOFOLLOW: the checked path cannot have become a symlink since.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
