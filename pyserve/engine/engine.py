@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -801,6 +802,11 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
+
+    @property
+    def tokenizer_pool(self) -> concurrent.futures.Executor:
+        """The tokenizer thread pool (the server decodes request images on it too)."""
+        return self._tokenizer_manager().executor
 
     @property
     def takes_images(self) -> bool:

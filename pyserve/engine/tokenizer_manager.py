@@ -46,6 +46,11 @@ class TokenizerManager:
         self._grammars = GrammarChecker()
         self.images: ImagePrompts | None = None  # set where the served model takes images
 
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The pool that encodes: images are decoded and processed on it too."""
+        return self._executor
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

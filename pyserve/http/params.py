@@ -12,6 +12,7 @@ from pyserve.http.protocol import (
     CompletionRequest,
     GenerateSamplingParams,
     GrammarFields,
+    ImagePart,
     JsonObjectFormat,
     JsonSchemaResponseFormat,
     RefusalPart,
@@ -45,12 +46,14 @@ def refuse_unsupported(req: msgspec.Struct) -> None:
 def check_chat_request(req: ChatCompletionRequest) -> None:
     """The chat fields that are accepted for some values only."""
     refuse_unsupported(req)
-    for message in req.messages:
+    for i, message in enumerate(req.messages):
         refuse_unsupported(message)
-        for part in message.content if isinstance(message.content, list) else ():
-            if not isinstance(part, TextPart | RefusalPart):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if not isinstance(part, TextPart | RefusalPart | ImagePart):  # images: chat_images
                 kind = part.__struct_config__.tag
-                raise unsupported("messages", f"{kind} content: this server takes text only")
+                raise unsupported(
+                    f"messages[{i}].content[{j}]", f"{kind} content: this server takes none"
+                )
     if req.modalities is not None and set(req.modalities) != {"text"}:
         raise unsupported("modalities", "text output only")
     if req.service_tier not in (None, "auto", "default"):

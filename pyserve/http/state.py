@@ -19,10 +19,17 @@ from pyserve.engine.errors import (
     GrammarBroken,
     KVCacheTooSmall,
 )
+from pyserve.engine.image_prompts import PromptImage
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
+from pyserve.http.chat_images import ImageRef
 from pyserve.http.disconnect import DisconnectWatcher
 from pyserve.http.errors import APIError, bad_request, model_not_found, not_ready, server_error
-from pyserve.http.image_inputs import ImageOptions, new_fetch_session
+from pyserve.http.image_inputs import (
+    ImageOptions,
+    check_image_count,
+    new_fetch_session,
+    read_image,
+)
 from pyserve.http.metrics import Metrics
 from pyserve.http.token_texts import TokenTexts
 
@@ -156,6 +163,21 @@ class ServerState:
         if self._image_session is None or self._image_session.closed:
             self._image_session = new_fetch_session()
         return self._image_session
+
+    async def read_images(self, refs: list[ImageRef]) -> list[PromptImage]:
+        """A request's image parts read, checked and decoded (on the tokenizer pool), all at
+        once; the first that cannot be had is a 400 naming its part."""
+        options = self.options.images
+        check_image_count(len(refs), options)
+        session = self.image_session()
+        executor = self.engine.tokenizer_pool
+        loaded = await asyncio.gather(
+            *(read_image(ref.url, ref.param, options, session, executor) for ref in refs)
+        )
+        return [
+            PromptImage(image.image, image.digest, ref.detail)
+            for image, ref in zip(loaded, refs, strict=True)
+        ]
 
     async def close_image_session(self) -> None:
         session, self._image_session = self._image_session, None
