@@ -11,11 +11,14 @@ generous limit against hangs only.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import shutil
+import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -450,6 +453,242 @@ def test_markdown_renders_safely(server, watched):
     page.wait_for_selector(".msg.assistant .body h1")
     assert overflowing(page) == []
     w.shot("chat-narrow", full_page=True)
+    assert w.errors == []
+
+
+# ------------------------------------------------------------------ images in the chat
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG of ``rgb`` fading to black downwards, written by hand (no imaging library)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    rows = b"".join(
+        b"\0" + bytes(c * (height - y) // height for c in rgb) * width for y in range(height)
+    )
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + b"".join(
+        (chunk(b"IHDR", header), chunk(b"IDAT", zlib.compress(rows)), chunk(b"IEND", b""))
+    )
+
+
+CANNED_ANSWER = "A square, fading from colour to black."
+
+
+def canned_stream() -> str:
+    """An answer as OpenAI streams it: role, text pieces, the finish, the usage, [DONE]."""
+    chunk = {"id": "chatcmpl-canned", "object": "chat.completion.chunk", "created": 0}
+    deltas = [{"role": "assistant", "content": ""}]
+    deltas += [{"content": word} for word in re.findall(r"\S+\s*", CANNED_ANSWER)]
+    events = [
+        {**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+    ]
+    events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    usage = {"prompt_tokens": 12, "completion_tokens": len(deltas) - 1, "total_tokens": 20}
+    events.append({**chunk, "choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+
+
+def as_an_image_server(page) -> list[dict]:
+    """Makes the page's server one that takes images: its /server_info (the real answer) gains
+    ``"modalities": ["text", "image"]``, and chat completions are answered here with a canned
+    stream. Returns the list that each completion request (body, URL, key) is appended to."""
+    sent: list[dict] = []
+
+    def server_info(route) -> None:
+        response = route.fetch()
+        route.fulfill(response=response, json={**response.json(), "modalities": ["text", "image"]})
+
+    def completions(route) -> None:
+        request = route.request
+        sent.append(
+            {
+                "body": request.post_data_json,
+                "url": request.url,
+                "authorization": request.headers.get("authorization"),
+            }
+        )
+        route.fulfill(status=200, content_type="text/event-stream", body=canned_stream())
+
+    page.route("**/server_info", server_info)
+    page.route("**/v1/chat/completions", completions)
+    return sent
+
+
+def hand_over(page, event: str, files: list[tuple[str, str, bytes | int]], target: str) -> None:
+    """Dispatches a ``paste`` (ClipboardEvent) or ``drop`` (DragEvent) carrying ``files``
+    (name, MIME type, bytes or a size in zero bytes) on the element ``target``, as a person's
+    paste or drop would."""
+    page.evaluate(
+        """([event, files, target]) => {
+            const data = new DataTransfer();
+            for (const [name, type, content] of files) {
+                const bytes = typeof content === "number"
+                    ? new Uint8Array(content)
+                    : Uint8Array.from(atob(content), (c) => c.charCodeAt(0));
+                data.items.add(new File([bytes], name, { type }));
+            }
+            const init = { bubbles: true, cancelable: true };
+            const element = document.querySelector(target);
+            if (event === "paste") {
+                init.clipboardData = data;
+                element.dispatchEvent(new ClipboardEvent("paste", init));
+            } else {
+                init.dataTransfer = data;
+                element.dispatchEvent(new DragEvent("dragover", init));
+                element.dispatchEvent(new DragEvent("drop", init));
+            }
+        }""",
+        [
+            event,
+            [
+                (n, t, c if isinstance(c, int) else base64.b64encode(c).decode())
+                for n, t, c in files
+            ],
+            target,
+        ],
+    )
+
+
+def wait_thumbnails(page, count: int) -> list[str]:
+    """The alt texts of the images waiting for the next message, once ``count`` have loaded."""
+    wait_until(
+        page,
+        "(() => { const images = [...document.querySelectorAll('#attachments .thumb img')];"
+        f" return images.length === {count}"
+        " && images.every((i) => i.complete && i.naturalWidth > 0); })()",
+    )
+    return page.eval_on_selector_all("#attachments .thumb img", "(all) => all.map((i) => i.alt)")
+
+
+def image_parts(content: list[dict]) -> list[bytes]:
+    """The bytes of a message's image_url parts (PNG data URLs)."""
+    found = []
+    for part in content:
+        if part["type"] == "image_url":
+            prefix, data = part["image_url"]["url"].split(",", 1)
+            assert prefix == "data:image/png;base64"
+            found.append(base64.b64decode(data))
+    return found
+
+
+def test_images_go_with_a_message_and_stay_in_its_history(mounted, watched):
+    """Under a prefix, with a key: attach (file button, paste, drop), remove, send; the request
+    carries OpenAI's content parts, and later turns resend the pictures."""
+    w = watched()
+    page = w.page
+    sent = as_an_image_server(page)
+    page.goto(mounted.url + "/llm/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", API_KEY)
+    page.press("#key-input", "Enter")
+    wait_until(page, "document.getElementById('model-name').textContent.includes('tiny')")
+    assert page.locator("#attach").is_visible()
+    assert page.get_by_role("button", name="Attach images").is_visible()
+
+    red, blue, green = (
+        png(96, 64, (220, 40, 40)),
+        png(64, 64, (40, 80, 220)),
+        png(48, 80, (40, 160, 60)),
+    )
+    page.set_input_files(
+        "#attach-input",
+        [
+            {"name": "red.png", "mimeType": "image/png", "buffer": red},
+            {"name": "blue.png", "mimeType": "image/png", "buffer": blue},
+        ],
+    )
+    assert wait_thumbnails(page, 2) == ["red.png", "blue.png"]
+    page.get_by_role("button", name="Remove blue.png").click()
+    assert wait_thumbnails(page, 1) == ["red.png"]
+    w.shot("chat-image-attached")
+
+    ask(page, "What is in this picture?", max_tokens=16)
+    wait_answer_done(page)
+    assert page.locator("#attachments").is_hidden() and wait_thumbnails(page, 0) == []
+    first = sent[-1]
+    assert first["authorization"] == f"Bearer {API_KEY}"
+    assert first["url"] == mounted.url + "/llm/v1/chat/completions"
+    question = first["body"]["messages"][-1]
+    assert question["role"] == "user"
+    assert question["content"][0] == {"type": "text", "text": "What is in this picture?"}
+    assert len(question["content"]) == 2 and image_parts(question["content"]) == [red]
+    bubble = page.locator(".msg.user >> nth=0")
+    assert bubble.locator(".body").inner_text().strip() == "What is in this picture?"
+    wait_until(page, "document.querySelector('.msg.user .images img').naturalWidth === 96")
+    assert page.locator(f"{ANSWER} >> .body").inner_text() == CANNED_ANSWER
+    w.shot("chat-image-conversation")
+
+    # Full size, in an overlay that any click closes.
+    bubble.get_by_role("button", name="Image 1, full size").click()
+    page.wait_for_selector("#image-dialog[open]")
+    assert (
+        page.locator("#image-full").get_attribute("src")
+        == question["content"][1]["image_url"]["url"]
+    )
+    w.shot("chat-image-full-size")
+    page.click("#image-full")
+    page.wait_for_selector("#image-dialog:not([open])", state="attached")
+
+    # A follow-up about the same picture: the history resends it; the new text stays a string.
+    ask(page, "And what colour is it?", max_tokens=16)
+    wait_answer_done(page)
+    assert sent[-1]["body"]["messages"] == [
+        question,
+        {"role": "assistant", "content": CANNED_ANSWER},
+        {"role": "user", "content": "And what colour is it?"},
+    ]
+
+    # Too big, or not an image: refused with a note, nothing attached.
+    too_big = 20 * 1024 * 1024 + 1
+    files = [("huge.png", "image/png", too_big), ("paper.pdf", "application/pdf", b"%PDF-1.7")]
+    hand_over(page, "paste", files, "#prompt")
+    wait_until(page, "document.getElementById('attach-note').textContent.includes('over 20 MiB')")
+    assert "paper.pdf is not a PNG" in page.locator("#attach-note").inner_text()
+    assert wait_thumbnails(page, 0) == []
+
+    # Pasted into the message box, then dropped on the conversation: sent alone, no text.
+    hand_over(page, "paste", [("blue.png", "image/png", blue)], "#prompt")
+    assert wait_thumbnails(page, 1) == ["blue.png"]
+    assert page.locator("#attach-note").is_hidden()
+    hand_over(page, "drop", [("green.png", "image/png", green)], "#messages")
+    assert wait_thumbnails(page, 2) == ["blue.png", "green.png"]
+    page.press("#prompt", "Enter")
+    wait_answer_done(page)
+    last = sent[-1]["body"]["messages"][-1]
+    assert [part["type"] for part in last["content"]] == ["image_url", "image_url"]
+    assert image_parts(last["content"]) == [blue, green]
+
+    # Kept in this browser: after a reload the bubbles still show all three pictures.
+    page.reload()
+    wait_until(page, "document.querySelectorAll('.msg.user .images img').length === 3")
+    assert page.locator("#conversations li button.open").all_inner_texts() == [
+        "What is in this picture?"
+    ]
+    w.shot("chat-image-reloaded")
+    assert [e for e in w.errors if "status of 401" not in e] == []
+
+
+def test_a_server_without_images_hides_the_button_and_sends_plain_text(server, watched):
+    w = open_chat(watched, server.url + "/")
+    page = w.page
+    assert page.locator("#attach").is_hidden()
+    bodies: list[dict] = []
+    page.on(
+        "request",
+        lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json),
+    )
+    hand_over(page, "paste", [("red.png", "image/png", png(8, 8, (255, 0, 0)))], "#prompt")
+    wait_until(page, "document.getElementById('attach-note').textContent.includes('no images')")
+    hand_over(page, "drop", [("red.png", "image/png", png(8, 8, (255, 0, 0)))], "#messages")
+    assert page.locator("#attachments").is_hidden() and wait_thumbnails(page, 0) == []
+    ask(page, "Just words", max_tokens=4)
+    wait_answer_done(page)
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "Just words"}]
+    assert page.locator("#attach-note").is_hidden()
     assert w.errors == []
 
 

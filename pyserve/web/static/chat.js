@@ -1,6 +1,10 @@
 // The chat page: conversations kept in this browser (localStorage), answers streamed from
 // "v1/chat/completions" and rendered as Markdown as they grow. Stop aborts the fetch; the
 // server sees its client go away and aborts the request.
+//
+// Images (where /server_info's "modalities" names "image"): picked, pasted or dropped, they go
+// with the next message as OpenAI's content parts, the text then one image_url part (a data URL)
+// per image; a message without images is a plain string, as before.
 
 import { api, errorText, formatNumber, formatSeconds, health, load, save, showStatus } from "./common.js";
 import { renderMarkdown } from "./markdown.js";
@@ -14,6 +18,11 @@ let currentId = load("current", null);
 let model = null;
 let streaming = null; // { conversation, answer, element, controller }
 let renderQueued = false;
+let takesImages = false; // until /server_info says otherwise
+let attached = []; // the next message's images: { name, url }
+
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -31,8 +40,32 @@ function current() {
 }
 
 function persist() {
-  save("conversations", conversations);
   save("current", currentId);
+  if (save("conversations", conversations)) return;
+  // Too big for localStorage (images are big): keep the words, forget the pictures' bytes.
+  save("conversations", conversations.map(withoutImages));
+}
+
+function withoutImages(conversation) {
+  const forget = (part) => (part.type === "image_url" ? { type: "image_url", image_url: { url: "" } } : part);
+  const messages = conversation.messages.map((message) =>
+    typeof message.content === "string" ? message : { ...message, content: message.content.map(forget) },
+  );
+  return { ...conversation, messages };
+}
+
+// A user message's content is a string, or a list of parts when it has images.
+function textOf(content) {
+  if (typeof content === "string") return content;
+  return content
+    .filter((part) => part.type === "text")
+    .map((part) => part.text)
+    .join("\n");
+}
+
+function imagesOf(content) {
+  if (typeof content === "string") return [];
+  return content.filter((part) => part.type === "image_url").map((part) => part.image_url.url);
 }
 
 // ------------------------------------------------------------------ settings
@@ -97,13 +130,43 @@ function fillAnswer(view, answer, live) {
   if (answer.error) stats.append(el("div", "error", answer.error));
 }
 
+function imageStrip(urls) {
+  const strip = el("div", "images");
+  urls.forEach((url, i) => {
+    if (!url) {
+      strip.append(el("span", "image-gone", "image not kept"));
+      return;
+    }
+    const open = el("button", "image-open");
+    open.type = "button";
+    open.setAttribute("aria-label", `Image ${i + 1}, full size`);
+    const image = el("img");
+    image.src = url;
+    image.alt = "";
+    open.append(image);
+    open.addEventListener("click", () => {
+      $("image-full").src = url;
+      $("image-dialog").showModal();
+    });
+    strip.append(open);
+  });
+  return strip;
+}
+
 function messageView(message) {
   const view = el("div", `msg ${message.role}`);
   view.append(el("div", "role", message.role === "user" ? "You" : model || "Assistant"));
   const body = el("div", "body");
   view.append(body);
   if (message.role === "user") {
-    body.textContent = message.content;
+    const text = textOf(message.content);
+    body.textContent = text;
+    const urls = imagesOf(message.content);
+    if (urls.length) {
+      const strip = imageStrip(urls);
+      strip.classList.toggle("with-text", Boolean(text));
+      body.prepend(strip);
+    }
   } else {
     view.append(el("div", "stats"));
     fillAnswer(view, message, streaming !== null && streaming.answer === message);
@@ -181,6 +244,72 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
 }
 
+// ------------------------------------------------------------------ images for the next message
+
+function note(text) {
+  $("attach-note").textContent = text;
+  $("attach-note").hidden = !text;
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(
+    ...attached.map((image) => {
+      const thumb = el("figure", "thumb");
+      const preview = el("img");
+      preview.src = image.url;
+      preview.alt = image.name;
+      const remove = el("button", "remove", "×");
+      remove.type = "button";
+      remove.title = "Remove";
+      remove.setAttribute("aria-label", `Remove ${image.name}`);
+      remove.addEventListener("click", () => {
+        attached = attached.filter((other) => other !== image);
+        renderAttachments();
+        $("prompt").focus();
+      });
+      thumb.append(preview, remove);
+      return thumb;
+    }),
+  );
+  box.hidden = !attached.length;
+}
+
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+// Files picked, pasted or dropped: the images join the next message, in order.
+async function attach(files) {
+  files = [...files];
+  if (!files.length) return;
+  if (!takesImages) {
+    note("This model takes no images.");
+    return;
+  }
+  const refused = [];
+  const images = [];
+  for (const file of files) {
+    const name = file.name || "image";
+    if (!IMAGE_TYPES.includes(file.type)) refused.push(`${name} is not a PNG, JPEG, WebP or GIF image`);
+    else if (file.size > MAX_IMAGE_BYTES) refused.push(`${name} is over 20 MiB`);
+    else images.push(file);
+  }
+  note(refused.join("; "));
+  try {
+    const urls = await Promise.all(images.map(dataUrl));
+    images.forEach((file, i) => attached.push({ name: file.name || `image ${attached.length + 1}`, url: urls[i] }));
+  } catch (error) {
+    note(`Could not read the image: ${error.message || error}`);
+  }
+  renderAttachments();
+}
+
 // ------------------------------------------------------------------ streaming
 
 // The data fields of a server-sent event stream, one string per event.
@@ -212,7 +341,10 @@ function requestBody(conversation) {
   for (const message of conversation.messages) {
     if (message === streaming.answer) continue;
     if (message.role === "assistant" && (message.error || !message.content)) continue;
-    messages.push({ role: message.role, content: message.content });
+    let content = message.content;
+    // Images that storage could not keep (see persist) are not sent.
+    if (typeof content !== "string") content = content.filter((part) => part.type !== "image_url" || part.image_url.url);
+    messages.push({ role: message.role, content });
   }
   const body = { messages, stream: true, stream_options: { include_usage: true } };
   if (model) body.model = model;
@@ -222,15 +354,17 @@ function requestBody(conversation) {
   return body;
 }
 
-async function send(text) {
+async function send(content) {
   let conversation = current();
   if (!conversation) {
     conversation = { id: newId(), title: NEW_TITLE, messages: [] };
     conversations.unshift(conversation);
     currentId = conversation.id;
   }
-  if (conversation.title === NEW_TITLE) conversation.title = text.replace(/\s+/g, " ").slice(0, 60);
-  conversation.messages.push({ role: "user", content: text });
+  if (conversation.title === NEW_TITLE) {
+    conversation.title = textOf(content).replace(/\s+/g, " ").slice(0, 60) || "Image";
+  }
+  conversation.messages.push({ role: "user", content });
   const answer = { role: "assistant", content: "", reasoning: "", stats: null };
   conversation.messages.push(answer);
   const controller = new AbortController();
@@ -301,10 +435,43 @@ function wire() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = prompt.value.trim();
-    if (!text || streaming) return;
+    if ((!text && !attached.length) || streaming) return;
+    let content = text;
+    if (attached.length) {
+      content = attached.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+      if (text) content.unshift({ type: "text", text });
+    }
     prompt.value = "";
-    send(text);
+    attached = [];
+    renderAttachments();
+    note("");
+    send(content);
   });
+  $("attach").addEventListener("click", () => $("attach-input").click());
+  $("attach-input").addEventListener("change", async (event) => {
+    await attach(event.target.files);
+    event.target.value = ""; // the same file may be picked again
+  });
+  prompt.addEventListener("paste", (event) => attach(event.clipboardData.files));
+  // Dropping a file anywhere on the conversation attaches it (and never opens it in this tab).
+  const chat = $("chat");
+  const carriesFiles = (event) => event.dataTransfer && event.dataTransfer.types.includes("Files");
+  chat.addEventListener("dragover", (event) => {
+    if (!carriesFiles(event)) return;
+    event.preventDefault();
+    chat.classList.add("dropping");
+  });
+  chat.addEventListener("dragleave", (event) => {
+    if (!chat.contains(event.relatedTarget)) chat.classList.remove("dropping");
+  });
+  chat.addEventListener("drop", (event) => {
+    if (!carriesFiles(event)) return;
+    event.preventDefault();
+    chat.classList.remove("dropping");
+    attach(event.dataTransfer.files);
+  });
+  // The full-size image closes on a click anywhere (its × button too) or Escape.
+  $("image-dialog").addEventListener("click", () => $("image-dialog").close());
   prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
       event.preventDefault();
@@ -337,6 +504,7 @@ async function connect() {
     if (!response.ok) throw new Error(await errorText(response));
     const models = await response.json();
     model = models.data && models.data.length ? models.data[0].id : null;
+    await readModalities();
     $("model-name").textContent = model || "no model";
     document.title = `${model} · pyserve`;
     if (!streaming) renderConversation();
@@ -344,6 +512,18 @@ async function connect() {
     $("model-name").textContent = String(error.message || error);
     setTimeout(connect, 2000);
   }
+}
+
+// Whether the server takes images: /server_info's "modalities" (older servers have none: text).
+async function readModalities() {
+  try {
+    const response = await api("server_info", { cache: "no-store" });
+    const info = response.ok ? await response.json() : {};
+    takesImages = Array.isArray(info.modalities) && info.modalities.includes("image");
+  } catch {
+    takesImages = false;
+  }
+  $("attach").hidden = !takesImages;
 }
 
 restoreSettings();

@@ -21,11 +21,13 @@ export function load(name, fallback) {
   }
 }
 
+// Whether it was kept: storage full or refused, the page keeps working, it just forgets on reload.
 export function save(name, value) {
   try {
     localStorage.setItem(storageKey(name), JSON.stringify(value));
+    return true;
   } catch {
-    // Storage full or refused: the page keeps working, it just forgets on reload.
+    return false;
   }
 }
 
