@@ -669,6 +669,40 @@ def test_images_go_with_a_message_and_stay_in_its_history(mounted, watched):
         "What is in this picture?"
     ]
     w.shot("chat-image-reloaded")
+
+    # On a phone, with a picture waiting and a note: nothing sticks out sideways.
+    page.set_viewport_size({"width": 390, "height": 844})
+    hand_over(
+        page,
+        "paste",
+        [("red.png", "image/png", red), ("paper.pdf", "application/pdf", b"")],
+        "#prompt",
+    )
+    assert wait_thumbnails(page, 1) == ["red.png"]
+    assert overflowing(page) == []
+    w.shot("chat-image-narrow", full_page=True)
+    page.get_by_role("button", name="Remove red.png").click()
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    # A picture too big for localStorage: sent whole, but the stored conversation keeps the
+    # words only; after a reload the bubbles say so, and later turns send the text alone.
+    big = 9 * 1024 * 1024
+    hand_over(page, "paste", [("big.png", "image/png", big)], "#prompt")
+    wait_until(page, "document.querySelectorAll('#attachments .thumb').length === 1")
+    ask(page, "A big one", max_tokens=16)
+    wait_answer_done(page)
+    assert image_parts(sent[-1]["body"]["messages"][-1]["content"]) == [bytes(big)]
+    page.reload()
+    wait_until(page, "document.querySelectorAll('.msg.user .image-gone').length === 4")
+    ask(page, "Still there?", max_tokens=16)
+    wait_answer_done(page)
+    assert [m["content"] for m in sent[-1]["body"]["messages"] if m["role"] == "user"] == [
+        "What is in this picture?",
+        "And what colour is it?",
+        "(an image that this browser did not keep)",
+        "A big one",
+        "Still there?",
+    ]
     assert [e for e in w.errors if "status of 401" not in e] == []
 
 

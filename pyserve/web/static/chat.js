@@ -334,6 +334,12 @@ async function* sseData(response) {
   }
 }
 
+// Images that storage could not keep (see persist) are gone: their message goes as text.
+function sendable(content) {
+  if (typeof content === "string" || imagesOf(content).every(Boolean)) return content;
+  return textOf(content) || "(an image that this browser did not keep)";
+}
+
 function requestBody(conversation) {
   const messages = [];
   const system = $("system-prompt").value.trim();
@@ -341,10 +347,7 @@ function requestBody(conversation) {
   for (const message of conversation.messages) {
     if (message === streaming.answer) continue;
     if (message.role === "assistant" && (message.error || !message.content)) continue;
-    let content = message.content;
-    // Images that storage could not keep (see persist) are not sent.
-    if (typeof content !== "string") content = content.filter((part) => part.type !== "image_url" || part.image_url.url);
-    messages.push({ role: message.role, content });
+    messages.push({ role: message.role, content: sendable(message.content) });
   }
   const body = { messages, stream: true, stream_options: { include_usage: true } };
   if (model) body.model = model;
