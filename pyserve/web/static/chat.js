@@ -285,8 +285,8 @@ function dataUrl(file) {
 }
 
 // Files picked, pasted or dropped: the images join the next message, in order.
-async function attach(files) {
-  files = [...files];
+async function attach(fileList) {
+  const files = [...fileList];
   if (!files.length) return;
   if (!takesImages) {
     note("This model takes no images.");
