@@ -8,7 +8,7 @@ Built in a subprocess (this file run as a script), as ``tiny_models.py`` builds 
 test processes stay torch-free. It records transformers' greedy outputs for each case (its own
 processor, float32), with the top logprobs at every position.
 
-An image is given as ``[height, width, seed]``: seeded random RGB pixels (``test_image``).
+An image is given as ``[height, width, seed]``: seeded random RGB pixels (``random_picture``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ IDEFICS3_VOCAB = SMOLLM2_VOCAB + 128  # room for the added tokens, as SmolVLM's 
 TOP_LOGPROBS = 5
 
 
-def test_image(height: int, width: int, seed: int, *, alter_pixel: bool = False):
+def random_picture(height: int, width: int, seed: int, *, alter_pixel: bool = False):
     """Seeded random RGB pixels as a PIL image (one pixel changed where ``alter_pixel``)."""
     import numpy as np
     from PIL import Image
@@ -145,7 +145,9 @@ def _build_here(spec: dict) -> None:
             rendered = tok.apply_chat_template(
                 case["messages"], tokenize=False, add_generation_prompt=True
             )
-            images = [test_image(h, w, s, alter_pixel=bool(a)) for h, w, s, *a in case["images"]]
+            images = [
+                random_picture(h, w, s, alter_pixel=bool(a)) for h, w, s, *a in case["images"]
+            ]
             inputs = processor(
                 text=rendered,
                 images=[images] if images else None,

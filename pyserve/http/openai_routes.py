@@ -51,6 +51,7 @@ class OpenAIRoutes:
             "root": self.state.model_path(),  # its file or directory, as vLLM and SGLang say
             "max_model_len": self.engine.context_length,
             "capabilities": self.engine.capabilities,  # generate, embed, rerank
+            "modalities": ["text", "image"] if self.engine.takes_images else ["text"],
         }
 
     async def models(self, request: web.Request) -> web.Response:

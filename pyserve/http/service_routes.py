@@ -122,6 +122,14 @@ class ServiceRoutes:
             "max_queued_requests": options.max_queued_requests,
             "log_requests": options.log_requests,
         }
+        images = options.images
+        info["images"] = {  # where a chat's image_url parts may come from (never the paths)
+            "fetch": images.fetch,
+            "file_urls": images.allowed_media_dir is not None,
+            "max_bytes": images.max_bytes,
+            "max_images_per_request": images.max_images,
+        }
+        info["modalities"] = ["text", "image"] if self.engine.takes_images else ["text"]
         info["status"] = self.status()
         info["requests_in_flight"] = self.state.in_flight
         # SGLang's names for the same facts, which sglang-router reads when a worker registers
