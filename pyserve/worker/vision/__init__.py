@@ -29,6 +29,10 @@ def _tower_class(model_type: str | None) -> type[VisionTower] | None:
         from pyserve.worker.vision.gemma3 import Gemma3VisionTower
 
         return Gemma3VisionTower
+    if model_type == "qwen2_5_vl":
+        from pyserve.worker.vision.qwen2_5_vl import Qwen2_5_VLVisionTower
+
+        return Qwen2_5_VLVisionTower
     return None
 
 

@@ -9,13 +9,14 @@ position table (the NaViT "fractional" buckets) and its padding patches are mask
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pyserve.worker.vision.activations import activation
 
 
 @dataclass(frozen=True)
@@ -48,32 +49,6 @@ class SiglipSettings:
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-# transformers' names for the activations SigLIP checkpoints use; "gelu_new" is the same tanh
-# formula written out, equal to float rounding
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_new": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu": F.gelu,
-    "quick_gelu": _quick_gelu,
-}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        return _ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported vision activation {name!r}") from None
 
 
 def bucketed_position_ids(patch_mask: torch.Tensor, patches_per_side: int) -> torch.Tensor:
