@@ -171,6 +171,28 @@ def test_idefics3_processor_layout(idefics3):
     torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("side", [26, 32])  # Idefics3-8B (364 / 14), SmolVLM (512 / 16)
+def test_bucketed_positions_of_every_partial_tile(side):
+    """Every top-left rows x cols image on a side x side patch grid gets transformers' position
+    ids: its embeddings module, with zero patch weights and a table whose column 0 holds the
+    row index, outputs the position ids themselves."""
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    config = Idefics3VisionConfig(hidden_size=1, image_size=side, patch_size=1)
+    embeddings = Idefics3VisionEmbeddings(config)
+    with torch.no_grad():
+        embeddings.patch_embedding.weight.zero_()
+        embeddings.patch_embedding.bias.zero_()
+        embeddings.position_embedding.weight[:, 0] = torch.arange(side * side)
+    mask = torch.zeros(side * side, side, side, dtype=torch.bool)
+    for rows in range(side):
+        for cols in range(side):
+            mask[rows * side + cols, : rows + 1, : cols + 1] = True
+    with torch.no_grad():
+        theirs = embeddings(torch.zeros(side * side, 3, side, side), mask)[..., 0]
+    assert torch.equal(bucketed_position_ids(mask, side).float(), theirs)
+
+
 def test_bucketed_positions_of_a_full_grid_are_the_table():
     for side in (4, 7, 8, 14, 24, 32, 37):
         ids = bucketed_position_ids(torch.ones(1, side, side, dtype=torch.bool), side)

@@ -224,7 +224,10 @@ class Qwen2_5_VLVisionTower(VisionTower):
 
     @torch.no_grad()
     def encode(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None, **extra
+        self,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        **extra: torch.Tensor,
     ) -> torch.Tensor:
         """``pixel_values``: float [patches, C * T * P * P]; ``image_grid_thw``: int [images, 3].
         Returns [patches / merge**2, out_hidden_size], image by image."""

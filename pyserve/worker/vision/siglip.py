@@ -62,9 +62,8 @@ def bucketed_position_ids(patch_mask: torch.Tensor, patches_per_side: int) -> to
     """
     tiles, h, w = patch_mask.shape
     device = patch_mask.device
-    boundaries = torch.arange(
-        1 / patches_per_side, 1.0, 1 / patches_per_side, device=device
-    )  # float32, as transformers makes them
+    # float32, made as transformers makes them
+    boundaries = torch.arange(1 / patches_per_side, 1.0, 1 / patches_per_side, device=device)
     rows = patch_mask[:, :, 0].sum(dim=1)
     cols = patch_mask[:, 0, :].sum(dim=1)
     step_h = 1.0 / rows  # long -> float32 division

@@ -12,6 +12,10 @@ from pyserve.worker.vision.base import VisionTower
 if TYPE_CHECKING:
     from pyserve.worker.loading.base import StoredTensor
 
+# buffers computed at construction that some exporters saved anyway (position indices, rotary
+# frequencies): the towers derive them, so a stored copy is not a stray tensor
+_DERIVED_BUFFERS = (".position_ids", ".inv_freq")
+
 
 def load_vision_weights(
     tower: VisionTower, tensors: list[tuple[str, StoredTensor]], source: str
@@ -29,7 +33,7 @@ def load_vision_weights(
             continue
         prefix, local = matched
         used.setdefault(local[: local.index(".") + 1], prefix)
-        if local.startswith(tower.unused_weights):
+        if local.startswith(tower.unused_weights) or local.endswith(_DERIVED_BUFFERS):
             continue
         param = params.get(local)
         if param is None:
