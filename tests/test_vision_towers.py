@@ -4,8 +4,10 @@ checkpoint loader, and their image features compared in float32."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
@@ -22,6 +24,8 @@ from transformers import (
     SmolVLMConfig,
     SmolVLMForConditionalGeneration,
 )
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.loading.base import StoredTensor
@@ -191,6 +195,30 @@ def test_bucketed_positions_of_every_partial_tile(side):
     with torch.no_grad():
         theirs = embeddings(torch.zeros(side * side, 3, side, side), mask)[..., 0]
     assert torch.equal(bucketed_position_ids(mask, side).float(), theirs)
+
+
+def random_image(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_idefics3_from_its_image_processor(idefics3):
+    """Two prompts' images as the processor batches them: the small image's row is padded with
+    all-zero tiles up to the large one's tile count."""
+    model, tower, _ = idefics3
+    processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 128}, max_image_size={"longest_edge": 64}
+    )
+    images = [[random_image(50, 90, 0)], [random_image(90, 30, 1)]]
+    inputs = processor(images=images, return_tensors="pt")
+    pixels, mask = inputs["pixel_values"], inputs["pixel_attention_mask"]
+    real = int((pixels.flatten(2) != 0).any(-1).sum())
+    assert real < pixels.shape[0] * pixels.shape[1]  # there are padding tiles to drop
+    ours = tower.encode(pixels, pixel_attention_mask=mask)
+    with torch.no_grad():
+        theirs = model.model.get_image_features(pixels, mask).pooler_output
+    assert ours.shape == (real * 16, TEXT_HIDDEN)
+    torch.testing.assert_close(ours, torch.cat(theirs), atol=ATOL, rtol=0)
 
 
 def test_bucketed_positions_of_a_full_grid_are_the_table():
@@ -378,6 +406,21 @@ def test_qwen2_5_vl(qwen2_5_vl, grids):
     grid_thw = torch.tensor(grids)
     torch.manual_seed(8)
     pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * 2 * 4 * 4)
+    ours = tower.encode(pixels, image_grid_thw=grid_thw)
+    with torch.no_grad():
+        theirs = model.model.get_image_features(pixels, grid_thw).pooler_output
+    assert ours.shape == (int(grid_thw.prod(-1).sum()) // 4, TEXT_HIDDEN)
+    torch.testing.assert_close(ours, torch.cat(theirs), atol=ATOL, rtol=0)
+
+
+def test_qwen2_5_vl_from_its_image_processor(qwen2_5_vl):
+    model, tower = qwen2_5_vl
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=64 * 64
+    )
+    images = [random_image(50, 90, 2), random_image(30, 20, 3)]
+    inputs = processor(images=images, return_tensors="pt")
+    pixels, grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
     ours = tower.encode(pixels, image_grid_thw=grid_thw)
     with torch.no_grad():
         theirs = model.model.get_image_features(pixels, grid_thw).pooler_output
