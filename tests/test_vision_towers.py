@@ -426,3 +426,20 @@ def test_qwen2_5_vl_from_its_image_processor(qwen2_5_vl):
         theirs = model.model.get_image_features(pixels, grid_thw).pooler_output
     assert ours.shape == (int(grid_thw.prod(-1).sum()) // 4, TEXT_HIDDEN)
     torch.testing.assert_close(ours, torch.cat(theirs), atol=ATOL, rtol=0)
+
+
+def test_pooling_head_and_derived_buffers_are_skipped(gemma3):
+    """SigLIP's pooling head (vision_use_head) and stored copies of derived buffers load as
+    nothing: no encode uses them."""
+    model, tower, path = gemma3
+    tensors = open_checkpoint(str(path)).tensors
+    anything = InMemory("x", torch.zeros(3))
+    extra = [
+        ("vision_tower.head.probe", anything),
+        ("vision_tower.head.attention.in_proj_weight", anything),
+        ("vision_tower.embeddings.position_ids", anything),
+    ]
+    other = vision_tower_for(model.config, dtype=torch.float32, device="cpu")
+    load_vision_weights(other, [*tensors, *extra], str(path))
+    pixels = torch.randn(1, 3, 64, 64)
+    torch.testing.assert_close(other.encode(pixels), tower.encode(pixels), atol=0, rtol=0)
