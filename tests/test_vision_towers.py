@@ -1,6 +1,7 @@
 """The vision towers (pyserve.worker.vision) against transformers' own models: tiny random
-Idefics3, SmolVLM and Gemma 3 models are saved with save_pretrained, read back through our
-checkpoint loader, and their image features compared in float32."""
+Idefics3, SmolVLM, Gemma 3 and Qwen2.5-VL models are saved with save_pretrained, their vision
+weights read back (through our checkpoint loader where it knows the text model), and their image
+features compared with ``get_image_features`` in float32."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def tiny_llama() -> dict:
     ).to_dict()
 
 
-def save(model_cls, config, path) -> None:
+def save(model_cls, config, path):
     torch.manual_seed(0)
     model = model_cls(config).eval()
     # random init leaves some weights at exactly 0 or 1 (norms, biases); perturb everything so
