@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from http_testlib import kv_idle, openai_client, request, running_server, wait_for_metrics
 from tokenizers import Tokenizer
-from vision_models import TOP_LOGPROBS, build_tiny_idefics3, random_picture
+from vision_models import TOP_LOGPROBS, build_tiny_vlm, random_picture
 
 MAX_NEW = 8
 QUESTION = "What is in this picture?"
@@ -65,8 +65,8 @@ def workdir():
 
 @pytest.fixture(scope="module")
 def model(workdir) -> Path:
-    return build_tiny_idefics3(
-        workdir / "tiny-idefics3", seed=0, cases=CASES, max_new_tokens=MAX_NEW
+    return build_tiny_vlm(
+        workdir / "tiny-idefics3", family="idefics3", seed=0, cases=CASES, max_new_tokens=MAX_NEW
     )
 
 

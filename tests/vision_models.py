@@ -1,9 +1,15 @@
 """Tiny random-weight vision-language models for the tests, saved as their checkpoints are.
 
-``build_tiny_idefics3``: Idefics3 (SmolVLM's architecture: a SigLIP tower, pixel shuffle, a
-Llama) with SmolLM2's tokenizer plus SmolVLM's added tokens (``<image>``,
-``<fake_token_around_image>``, ``<global-img>``, ``<row_i_col_j>``, ``<end_of_utterance>``), its
-image processor and processor settings, and SmolVLM's chat template (``templates/smolvlm.jinja``).
+``build_tiny_vlm`` saves, with SmolLM2's tokenizer plus the family's added tokens, its image
+processor and processor settings:
+
+- ``idefics3``: SmolVLM's architecture (a SigLIP tower, pixel shuffle, a Llama), SmolVLM's tokens
+  (``<image>``, ``<fake_token_around_image>``, ``<global-img>``, ``<row_i_col_j>``,
+  ``<end_of_utterance>``) and chat template (``templates/smolvlm.jinja``);
+- ``gemma3``: a SigLIP tower with Gemma 3's pooling projector and a Gemma 3 text model (a local
+  and a global layer), Gemma's image tokens (named in the tokenizer config as Google's are) and
+  chat template (``templates/gemma3.jinja``).
+
 Built in a subprocess (this file run as a script), as ``tiny_models.py`` builds its models: the
 test processes stay torch-free. It records transformers' greedy outputs for each case (its own
 processor, float32), with the top logprobs at every position.
@@ -30,7 +36,38 @@ IDEFICS3_TOKENS = [
     "<global-img>",
     *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
 ]
-IDEFICS3_VOCAB = SMOLLM2_VOCAB + 128  # room for the added tokens, as SmolVLM's 49280
+GEMMA3_TOKENS = [
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+]
+GEMMA3_NAMED_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+TINY_VLM_VOCAB = SMOLLM2_VOCAB + 128  # room for the added tokens, as SmolVLM's 49280
+# the language model's and the vision tower's tiny shapes (a large init range: distinct logits)
+TEXT_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,
+}
+VISION_SHAPE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "initializer_range": 0.2,
+}
 TOP_LOGPROBS = 5
 
 
@@ -45,18 +82,27 @@ def random_picture(height: int, width: int, seed: int, *, alter_pixel: bool = Fa
     return Image.fromarray(pixels)
 
 
-def build_tiny_idefics3(
-    directory: Path, *, seed: int, cases: Sequence[dict] = (), max_new_tokens: int = 0
+def build_tiny_vlm(
+    directory: Path,
+    *,
+    family: str,
+    seed: int,
+    cases: Sequence[dict] = (),
+    max_new_tokens: int = 0,
+    sliding_window: int = 4096,
 ) -> Path:
-    """Saves the model in ``directory`` and writes ``references.json``: for each case
-    (``{"messages": [...], "images": [[h, w, seed, alter_pixel?], ...]}``, messages in the
-    OpenAI form whose image parts are ``{"type": "image"}``), HF's prompt ids, greedy output of
-    ``max_new_tokens`` tokens and top logprobs at every position."""
+    """Saves the ``family`` model (``idefics3`` or ``gemma3``) in ``directory`` and writes
+    ``references.json``: for each case (``{"messages": [...], "images": [[h, w, seed,
+    alter_pixel?], ...]}``, messages in the OpenAI form whose image parts are
+    ``{"type": "image"}``), HF's prompt ids, greedy output of ``max_new_tokens`` tokens and top
+    logprobs at every position. ``sliding_window``: Gemma 3's local layers' window."""
     spec = {
         "directory": str(directory),
+        "family": family,
         "seed": seed,
         "cases": list(cases),
         "max_new_tokens": max_new_tokens,
+        "sliding_window": sliding_window,
     }
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
@@ -67,11 +113,27 @@ def build_tiny_idefics3(
     return directory
 
 
-def _build_here(spec: dict) -> None:
+def _smollm_tokenizer(out: Path, added: Sequence[str]):
+    """SmolLM2's tokenizer with ``added`` special tokens, its files copied into ``out``."""
     import shutil
 
-    import torch
     from tokenizers import AddedToken
+
+    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
+
+    source = resolve_model(None)
+    for f in tokenizer_dir(source).iterdir():
+        shutil.copy(f, out / f.name)
+    tok = load_tokenizer(source)
+    tok.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True
+    )
+    return tok
+
+
+def _idefics3(out: Path, spec: dict):
+    """(model, processor) of a tiny Idefics3 with SmolVLM's tokens and template."""
+    import torch
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -81,61 +143,88 @@ def _build_here(spec: dict) -> None:
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
-    from pyserve.model_files import load_tokenizer, resolve_model, tokenizer_dir
-
-    torch.set_num_threads(2)
-    out = Path(spec["directory"])
-    out.mkdir(parents=True, exist_ok=True)
-    source = resolve_model(None)
-    for f in tokenizer_dir(source).iterdir():
-        shutil.copy(f, out / f.name)
-    tok = load_tokenizer(source)
-    tok.add_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS],
-        special_tokens=True,
-    )
+    tok = _smollm_tokenizer(out, IDEFICS3_TOKENS)
     tok.chat_template = (TEMPLATES / "smolvlm.jinja").read_text()
-    image_token_id = tok.convert_tokens_to_ids("<image>")
     torch.manual_seed(spec["seed"])
-    text = LlamaConfig(
-        vocab_size=IDEFICS3_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    vision = Idefics3VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=64,
-        patch_size=8,
-        initializer_range=0.2,
-    )
+    text = LlamaConfig(vocab_size=TINY_VLM_VOCAB, **TEXT_SHAPE, max_position_embeddings=4096)
+    vision = Idefics3VisionConfig(**VISION_SHAPE, image_size=64, patch_size=8)
     config = Idefics3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
         scale_factor=2,
-        image_token_id=image_token_id,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(LOGIT_SCALE)
-    model.save_pretrained(out)
     image_processor = Idefics3ImageProcessorPil(
         max_image_size={"longest_edge": 64}, size={"longest_edge": 128}
     )
     seq_len = (64 // 8) ** 2 // 4  # patches per tile / scale_factor²
-    processor = Idefics3Processor(image_processor, tokenizer=tok, image_seq_len=seq_len)
+    return model, Idefics3Processor(image_processor, tokenizer=tok, image_seq_len=seq_len)
+
+
+def _gemma3(out: Path, spec: dict):
+    """(model, processor) of a tiny Gemma 3 with its image tokens and template."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    tok = _smollm_tokenizer(out, GEMMA3_TOKENS)
+    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
+    tok.save_pretrained(out)
+    config_file = out / "tokenizer_config.json"  # Gemma's tokenizer names its image tokens
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["extra_special_tokens"] = GEMMA3_NAMED_TOKENS
+    config_file.write_text(json.dumps(tokenizer_config))
+    tok = AutoTokenizer.from_pretrained(out)
+    torch.manual_seed(spec["seed"])
+    text = Gemma3TextConfig(
+        vocab_size=TINY_VLM_VOCAB,
+        **TEXT_SHAPE,
+        head_dim=16,
+        max_position_embeddings=4096,
+        sliding_window=spec["sliding_window"],
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=1,  # sharp attention: the image's two-way attention shows
+        tie_word_embeddings=False,
+    )
+    vision = SiglipVisionConfig(**VISION_SHAPE, image_size=32, patch_size=4)
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=16,
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+        tie_word_embeddings=False,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return model, Gemma3Processor(image_processor, tokenizer=tok, image_seq_length=16)
+
+
+def _build_here(spec: dict) -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    out = Path(spec["directory"])
+    out.mkdir(parents=True, exist_ok=True)
+    model, processor = {"idefics3": _idefics3, "gemma3": _gemma3}[spec["family"]](out, spec)
+    tok = processor.tokenizer
+    with torch.no_grad():  # spread the logits: random init ties every argmax
+        embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if lm_head is embed:
+            embed.mul_(LOGIT_SCALE**0.5)
+        else:
+            lm_head.mul_(LOGIT_SCALE)
+    model.save_pretrained(out)
     processor.save_pretrained(out)
     tok.save_pretrained(out)
     refs = []

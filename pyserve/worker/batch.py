@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,10 @@ class ForwardBatch:
     # those embeddings ([R, hidden], the model's dtype); None: no image in this step
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # runs of rows that attend to each other both ways (Gemma 3's images): (entry, offset of the
+    # run's first row within the entry, rows); every row of a run sees the whole run. Empty:
+    # causal everywhere
+    bidirectional: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_entries(self) -> int:

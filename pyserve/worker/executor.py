@@ -52,9 +52,11 @@ class StepExecutor:
         vocab_size: int | None = None,
         images: ImageEncoder | None = None,
         image_token_id: int | None = None,
+        bidirectional_images: bool = False,
     ) -> None:
         """``images``: the vision tower of a model that takes images, whose requests' image
-        positions hold ``image_token_id``."""
+        positions hold ``image_token_id`` (and attend to each other both ways in prefill where
+        ``bidirectional_images``)."""
         if drafter is not None and tp is not None:
             raise ValueError("a draft model cannot run with tensor parallelism (--tp)")
         self.runner = runner
@@ -68,6 +70,7 @@ class StepExecutor:
             grammars=grammars,
             vocab_size=vocab_size,
             image_token_id=image_token_id if images is not None else None,
+            bidirectional_images=bidirectional_images,
         )
         self.sampler = Sampler(eos_token_ids, device=device, seed=seed)
 

@@ -71,6 +71,16 @@ def image_slices(
     return slices
 
 
+def row_runs(slices: list[ImageSlice]) -> list[tuple[int, int]]:
+    """The maximal runs ``[first, end)`` of consecutive batch rows of each slice."""
+    runs = []
+    for s in slices:
+        breaks = np.flatnonzero(np.diff(s.batch_rows) != 1) + 1
+        for part in np.split(s.batch_rows, breaks):
+            runs.append((int(part[0]), int(part[-1]) + 1))
+    return runs
+
+
 class ImageEncoder:
     """A vision tower and the cache of its outputs, by image key."""
 

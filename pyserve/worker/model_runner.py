@@ -155,6 +155,7 @@ class ModelRunner:
         # a vision model's image encoder (None: text only), loaded beside the text model
         self.image_encoder: ImageEncoder | None = None
         self.image_token_id: int | None = None
+        self.bidirectional_images = False
         self._load_vision(checkpoint.path, checkpoint.tensors)
         self.quantized_linears = sum(packed.values())
         # projections packed at each precision, e.g. {"int4": 144, "int8": 25} ("mxfp4": MXFP4's
@@ -221,6 +222,9 @@ class ModelRunner:
             raise ModelLoadError(f"{path}: a vision model without image_token_id")
         self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.dtype)
         self.image_token_id = int(token)
+        # Gemma 3: an image's positions attend to each other both ways in prefill (as
+        # transformers' token_type_ids mask does)
+        self.bidirectional_images = hf.model_type == "gemma3"
 
     def executor_options(self) -> dict:
         """What a StepExecutor over this runner needs to know of its vocabulary and images."""
@@ -228,6 +232,7 @@ class ModelRunner:
             "vocab_size": self.config.vocab_size,
             "images": self.image_encoder,
             "image_token_id": self.image_token_id,
+            "bidirectional_images": self.bidirectional_images,
         }
 
     @property

@@ -45,7 +45,7 @@ from pyserve.wire.worker_to_detok import (
 )
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
-from pyserve.worker.image_encoder import ImageSlice, RequestImage, image_slices
+from pyserve.worker.image_encoder import ImageSlice, RequestImage, image_slices, row_runs
 from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
 from pyserve.worker.speculative_verify import VerifyOutput
@@ -118,14 +118,17 @@ class RequestTable:
         grammars: GrammarMasks | None = None,
         vocab_size: int | None = None,
         image_token_id: int | None = None,
+        bidirectional_images: bool = False,
     ) -> None:
         """``vocab_size``: ids at or above it (an image's positions, a draft copied from one)
         are embedded as id 0, their rows replaced or their drafts rejected; ``image_token_id``:
         where the worker serves images, the id its requests' image positions count as (for
-        penalties), None: requests with images are refused."""
+        penalties), None: requests with images are refused; ``bidirectional_images``: each run
+        of an image's positions attends to itself both ways (Gemma 3)."""
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
+        self.bidirectional_images = bidirectional_images
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         self.grammars = grammars
@@ -244,6 +247,7 @@ class RequestTable:
         verify: dict[int, list[int]] = {}  # entry index -> drafts
         drafted: list[DraftSlot] = []  # keyed by entry index until the end
         images: list[ImageSlice] = []
+        bidirectional: list[tuple[int, int, int]] = []
         token_cursor = prefill_cursor = block_cursor = 0
         for i, rid in enumerate(arrays.rids.tolist()):
             state = requests.get(rid)
@@ -276,7 +280,10 @@ class RequestTable:
                 input_ids[token_cursor : token_cursor + n] = chunk
                 prefill_cursor += n
                 if state.images:
-                    images += image_slices(state.images, starts[i], n, token_cursor)
+                    slices = image_slices(state.images, starts[i], n, token_cursor)
+                    images += slices
+                    if self.bidirectional_images:
+                        bidirectional += [(i, a - token_cursor, b - a) for a, b in row_runs(slices)]
             token_cursor += n
             states.append(state)
         input_ids[decode_slots] = decode_inputs
@@ -298,6 +305,7 @@ class RequestTable:
             num_tokens=counts,
             block_tables=[s.block_table for s in states],
             sample_index=torch.from_numpy(sample_index).to(self.device),
+            bidirectional=bidirectional,
         )
         samples = arrays.sample.tolist()
         sampling = [s for s, wants in zip(states, samples, strict=True) if wants]

@@ -35,6 +35,9 @@ class EntrySplit:
     decode_entries: list[int] = field(default_factory=list)  # per decode row: its entry
     decode_rows: list[int] = field(default_factory=list)
     decode_contexts: list[int] = field(default_factory=list)  # per decode row: keys it reads
+    # per decode row: its own position, where a sliding window ends (context - 1 but in a
+    # bidirectional run, whose rows read past themselves); empty: context - 1 everywhere
+    decode_positions: list[int] = field(default_factory=list)
     num_rows: int = 0
 
     @classmethod
@@ -42,20 +45,47 @@ class EntrySplit:
         """Decodes are decode rows; so is each row of a continuing entry (start_pos > 0) of at
         most ``decode_rows_up_to`` tokens, such as a verify entry's drafts, where a backend's
         decode attention beats its prefill attention on a few queries over a long context (every
-        row's K/V is written before any row attends)."""
+        row's K/V is written before any row attends). A bidirectional run of rows
+        (``batch.bidirectional``) is decode rows that each read to the run's end; the entry's
+        rows around it stay spans."""
         split = cls()
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for entry, offset, rows in batch.bidirectional:
+            runs.setdefault(entry, []).append((offset, rows))
         row = 0
         for i, (n, s) in enumerate(zip(batch.num_tokens, batch.start_pos, strict=True)):
-            if n == 1 or (n <= decode_rows_up_to and s > 0):
+            if i in runs:
+                split._add_with_runs(i, row, n, s, runs[i])
+            elif n == 1 or (n <= decode_rows_up_to and s > 0):
                 split.decode_entries.extend([i] * n)
                 split.decode_rows.extend(range(row, row + n))
                 split.decode_contexts.extend(range(s + 1, s + n + 1))
+                if runs:
+                    split.decode_positions.extend(range(s, s + n))
             else:
                 split.prefill_entries.append(i)
                 split.spans.append((row, n, s))
             row += n
         split.num_rows = row
         return split
+
+    def _add_with_runs(
+        self, entry: int, row: int, n: int, start: int, runs: list[tuple[int, int]]
+    ) -> None:
+        at = 0
+        for offset, rows in sorted(runs):
+            if offset > at:  # the causal rows before the run
+                self.prefill_entries.append(entry)
+                self.spans.append((row + at, offset - at, start + at))
+            end = start + offset + rows  # every row of the run reads to its end
+            self.decode_entries.extend([entry] * rows)
+            self.decode_rows.extend(range(row + offset, row + offset + rows))
+            self.decode_contexts.extend([end] * rows)
+            self.decode_positions.extend(range(start + offset, end))
+            at = offset + rows
+        if at < n:
+            self.prefill_entries.append(entry)
+            self.spans.append((row + at, n - at, start + at))
 
 
 def table_rows_and_slots(

@@ -72,6 +72,7 @@ class DecodeChunks:
     chunk_owner: torch.Tensor  # int64 [C]: which of the D rows a chunk belongs to
     chunk_pos: torch.Tensor  # int64 [C, chunk_tokens]: the position each chunk column holds
     context: torch.Tensor  # int64 [D]: positions each row attends to (its own included)
+    positions: torch.Tensor  # int64 [D]: each row's own position, where its window ends
     one_chunk_each: bool  # every request fits one chunk: a plain softmax suffices
     biases: dict[int, torch.Tensor] = field(default_factory=dict)  # by window (0: none)
 
@@ -83,7 +84,7 @@ class DecodeChunks:
             context = self.context[self.chunk_owner][:, None]
             hidden = self.chunk_pos >= context
             if window:
-                hidden |= self.chunk_pos < context - window
+                hidden |= self.chunk_pos <= self.positions[self.chunk_owner][:, None] - window
             bias = torch.zeros(self.chunk_pos.shape, dtype=torch.float32, device=context.device)
             self.biases[key] = bias.masked_fill_(hidden, float("-inf"))
         return self.biases[key]
@@ -120,9 +121,7 @@ class ReferenceAttention:
         ]
         decode = None
         if split.decode_entries:
-            decode = self._decode_chunks(
-                split.decode_entries, split.decode_rows, batch.start_pos, table_rows
-            )
+            decode = self._decode_chunks(split, table_rows)
         return TorchAttentionMetadata(
             slots=slots,
             num_tokens=split.num_rows,
@@ -141,18 +140,16 @@ class ReferenceAttention:
             row, n, start, torch.tensor(table[:used], dtype=torch.int64, device=device)
         )
 
-    def _decode_chunks(
-        self,
-        entries: list[int],
-        rows: list[int],
-        start_pos: list[int],
-        table_rows: torch.Tensor,
-    ) -> DecodeChunks:
+    def _decode_chunks(self, split: EntrySplit, table_rows: torch.Tensor) -> DecodeChunks:
         device = table_rows.device
         bs = self.kv_cache.block_size
-        per_chunk = self._chunk_blocks([-(-(start_pos[e] + 1) // bs) for e in entries])
+        entries, rows, contexts = split.decode_entries, split.decode_rows, split.decode_contexts
+        per_chunk = self._chunk_blocks([-(-c // bs) for c in contexts])
         chunk_tokens = per_chunk * bs
-        context = torch.tensor([start_pos[e] + 1 for e in entries], device=device)
+        context = torch.tensor(contexts, device=device)
+        positions = context - 1
+        if split.decode_positions:
+            positions = torch.tensor(split.decode_positions, device=device)
         chunks_each = (context + chunk_tokens - 1) // chunk_tokens
         owner = torch.repeat_interleave(torch.arange(len(entries), device=device), chunks_each)
         first = torch.cumsum(chunks_each, 0) - chunks_each
@@ -168,6 +165,7 @@ class ReferenceAttention:
             chunk_owner=owner,
             chunk_pos=pos,
             context=context,
+            positions=positions,
             one_chunk_each=owner.numel() == len(entries),
         )
 

@@ -257,7 +257,7 @@ class TritonBackend(Backend):
             max_prefill_len=0,
         )
         if split.decode_entries:
-            contexts = [batch.start_pos[i] + 1 for i in split.decode_entries]
+            contexts = split.decode_contexts
             meta.decode_rows = ints(split.decode_rows)
             meta.decode_context = ints(contexts)
             meta.decode_tables = tables(split.decode_entries)
