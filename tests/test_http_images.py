@@ -3,7 +3,9 @@
 transformers' generate does with its own processor (float32 K/V: token ids and top logprobs
 within 1e-4), from data:, http:// and file:// URLs; the same picture again is a prefix hit, a
 picture one pixel apart shares no image KV; bad images are 400s naming the part, and nothing
-leaks. The images' http server is a local one in this process (no internet).
+leaks. The same answers come through the anthropic SDK (base64 and url image sources) and
+SGLang's /generate (the rendered prompt's text with ``image_data``). The images' http server is
+a local one in this process (no internet).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import anthropic
+import jinja2.sandbox
 import numpy as np
 import pytest
 from http_testlib import kv_idle, openai_client, request, running_server, wait_for_metrics
@@ -117,10 +121,14 @@ def tokenizer(model) -> Tokenizer:
     return Tokenizer.from_file(str(model / "tokenizer.json"))
 
 
-def data_url(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
+def png_base64(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
     out = io.BytesIO()
     random_picture(height, width, seed, alter_pixel=alter_pixel).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def data_url(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
+    return "data:image/png;base64," + png_base64(height, width, seed, alter_pixel)
 
 
 def image_part(url: str, detail: str | None = None) -> dict:
@@ -267,6 +275,174 @@ def test_server_info_says_the_model_takes_images(server):
     info = json.loads(raw)
     assert info["modalities"] == ["text", "image"]
     assert info["images"]["file_urls"] is True
+
+
+# ----------------------------------------------------------------------------- Anthropic
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def base64_block(height: int, width: int, seed: int) -> dict:
+    source = {"type": "base64", "media_type": "image/png", "data": png_base64(height, width, seed)}
+    return {"type": "image", "source": source}
+
+
+def ask_claude(claude, content: list[dict]):
+    return claude.messages.create(
+        model="tiny-idefics3",
+        max_tokens=MAX_NEW,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"temperature": 0},  # the SDK no longer takes it as an argument
+    )
+
+
+def assert_claude_matches(message, reference: dict, tokenizer: Tokenizer) -> None:
+    """The text is transformers' greedy output (up to the end of turn, if it came first)."""
+    usage = message.usage  # Anthropic's input_tokens leave out what the cache read
+    assert usage.input_tokens + usage.cache_read_input_tokens == len(reference["prompt"])
+    if message.stop_reason == "max_tokens":
+        assert message.usage.output_tokens == MAX_NEW
+    output = reference["output"][: message.usage.output_tokens]
+    assert "".join(b.text for b in message.content) == tokenizer.decode(output)
+
+
+def test_anthropic_base64_image_is_answered_as_transformers_answers_it(
+    claude, references, tokenizer
+):
+    content = [base64_block(*PICTURE), {"type": "text", "text": QUESTION}]
+    assert_claude_matches(ask_claude(claude, content), references[0], tokenizer)
+
+
+def test_anthropic_url_images(claude, references, tokenizer, image_host):
+    def url_block(name: str) -> dict:
+        return {"type": "image", "source": {"type": "url", "url": f"{image_host}/{name}"}}
+
+    content = [
+        {"type": "text", "text": "Compare"},
+        url_block("2.png"),
+        {"type": "text", "text": "and"},
+        url_block("3.png"),
+    ]
+    assert_claude_matches(ask_claude(claude, content), references[1], tokenizer)
+
+
+def test_anthropic_counts_the_image_tokens(claude, references):
+    content = [base64_block(*PICTURE), {"type": "text", "text": QUESTION}]
+    count = claude.messages.count_tokens(
+        model="tiny-idefics3", messages=[{"role": "user", "content": content}]
+    )
+    assert count.input_tokens == len(references[0]["prompt"])
+
+
+@pytest.mark.parametrize(
+    ("block", "param", "words"),
+    [
+        (
+            {"type": "image", "source": {"type": "base64", "media_type": "image/bmp", "data": ""}},
+            "messages[0].content[1].source",
+            "media_type",
+        ),
+        (
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!"}},
+            "messages[0].content[1].source",
+            "base64",
+        ),
+        (
+            {"type": "image", "source": {"type": "url"}},
+            "messages[0].content[1].source",
+            "url",
+        ),
+        (
+            {"type": "image", "source": {"type": "file", "file_id": "file_1"}},
+            "messages[0].content[1].source",
+            "file",
+        ),
+        (
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_1",
+                "content": [base64_block(8, 8, 5)],
+            },
+            "messages[0].content[1].content[0]",
+            "tool_result",
+        ),
+    ],
+)
+def test_a_bad_anthropic_image_is_a_400_naming_its_block(server, block, param, words):
+    content = [{"type": "text", "text": "look"}, block]
+    body = {
+        "model": "tiny-idefics3",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": content}],
+    }
+    status, _, raw = request(server.url + "/v1/messages", body)
+    assert status == 400, raw
+    answer = json.loads(raw)
+    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert param in answer["error"]["message"] and words in answer["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- /generate
+
+
+@pytest.fixture(scope="module")
+def chat_text(model) -> str:
+    """Case 0's prompt as the model's chat template renders it (the template writes the
+    marker), rendered here as transformers renders it."""
+    saved = model / "chat_template.jinja"
+    if saved.is_file():
+        template = saved.read_text()
+    else:
+        template = json.loads((model / "tokenizer_config.json").read_text())["chat_template"]
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(
+        messages=CASES[0]["messages"], add_generation_prompt=True
+    )
+
+
+def generate(server, body: dict) -> tuple[int, dict]:
+    sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    status, _, raw = request(server.url + "/generate", {"sampling_params": sampling, **body})
+    return status, json.loads(raw)
+
+
+@pytest.mark.parametrize("form", ["data_url", "bare_base64_list"])
+def test_generate_with_image_data_gives_transformers_ids(server, references, chat_text, form):
+    assert chat_text.count("<image>") == 1
+    image = data_url(*PICTURE) if form == "data_url" else [png_base64(*PICTURE)]
+    body = {"text": chat_text, "image_data": image}
+    status, out = generate(server, {**body, "return_logprob": True, "top_logprobs_num": 5})
+    assert status == 200, out
+    assert out["output_ids"] == references[0]["output"]
+    assert out["meta_info"]["prompt_tokens"] == len(references[0]["prompt"])
+    top = [[v for v, _, _ in position] for position in out["meta_info"]["output_top_logprobs"]]
+    np.testing.assert_allclose(top, references[0]["top_logprobs"], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"text": "<image> and <image>", "image_data": "{url}"}, "text", "2 image markers"),
+        ({"text": "no marker", "image_data": "{url}"}, "text", "0 image markers"),
+        ({"input_ids": [1, 2, 3], "image_data": "{url}"}, "image_data", "input_ids"),
+        ({"text": ["<image>", "<image>"], "image_data": "{url}"}, "image_data", "batch"),
+        ({"text": "<image>", "image_data": "data:image/png;base64,!!"}, "image_data", "base64"),
+        ({"text": "<image>", "image_data": ["!!"]}, "image_data[0]", "base64"),
+        ({"text": "<image>", "image_data": []}, "image_data", ""),
+    ],
+)
+def test_bad_image_data_is_a_400(server, body, param, words):
+    if body["image_data"] == "{url}":
+        body = {**body, "image_data": data_url(8, 8, 5)}
+    status, out = generate(server, body)
+    assert status == 400, out
+    if param is not None:
+        assert out["error"]["param"] == param, out
+    assert words in out["error"]["message"], out
 
 
 def test_nothing_is_left_behind(server):

@@ -803,6 +803,23 @@ class Engine:
             tools=tools,
         )
 
+    async def prompt_with_images(
+        self, text: str, images: Sequence[PromptImage], add_special_tokens: bool = True
+    ) -> ImagePrompt:
+        """A plain ``text`` prompt holding ``image_marker`` once per image of ``images``, in
+        order: expanded and encoded as ``apply_chat_template_with_images`` does after rendering
+        (special tokens added as ``tokenize`` adds them), the prompt and images for
+        ``generate``."""
+        return await self._tokenizer_manager().encode_with_images(text, images, add_special_tokens)
+
+    @property
+    def image_marker(self) -> str | None:
+        """What stands for one image in a prompt's text (the processor's ``image_token``,
+        ``<image>`` for Idefics3); None for a model that takes no images."""
+        if self._tokenizers is None:
+            return None
+        return self._tokenizers.image_marker
+
     @property
     def tokenizer_pool(self) -> concurrent.futures.Executor:
         """The tokenizer thread pool (the server decodes request images on it too)."""

@@ -105,6 +105,20 @@ class TokenizerManager:
             self._render_chat_with_images, messages, images, add_generation_prompt, kwargs, tools
         )
 
+    async def encode_with_images(
+        self, text: str, images: Sequence[PromptImage], add_special_tokens: bool = True
+    ) -> ImagePrompt:
+        """``text`` that holds the model's image marker once per image of ``images`` (in
+        order), each marker expanded as a rendered chat's is, then encoded."""
+        if self.images is None:
+            raise ValueError("this model takes no images")
+        return await self._run(self._encode_with_images, text, images, add_special_tokens)
+
+    @property
+    def image_marker(self) -> str | None:
+        """What stands for one image in a prompt's text (``<image>``); None: no images."""
+        return self.images.marker if self.images is not None else None
+
     def _template_kwargs(self, messages: list[dict], chat_template_kwargs: dict | None) -> dict:
         if not messages:
             raise ValueError("messages must not be empty")
@@ -135,10 +149,16 @@ class TokenizerManager:
         kwargs: dict,
         tools: list | None,
     ) -> ImagePrompt:
-        assert self.images is not None
         text = self._render_text(messages, add_generation_prompt, kwargs, tools)
+        return self._encode_with_images(text, images, add_special_tokens=False)
+
+    def _encode_with_images(
+        self, text: str, images: Sequence[PromptImage], add_special_tokens: bool
+    ) -> ImagePrompt:
+        assert self.images is not None
         text, processed = self.images.expand(text, images)
-        return self.images.place(self.tokenizer.encode(text, add_special_tokens=False), processed)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.images.place(ids, processed)
 
     def _render_text(
         self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list | None

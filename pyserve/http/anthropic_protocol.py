@@ -2,8 +2,9 @@
 as msgspec Structs.
 
 Content blocks are a tagged union on ``type``: a block of another type is a 400 naming it.
-Image and document blocks are decoded (whatever their source) so that the route can refuse
-them by name. ``cache_control`` and ``citations`` are accepted wherever Anthropic allows them:
+Image and document blocks are decoded whatever their source holds: the route refuses them by
+name (a document, an image on a text-only model) or checks an image's source itself
+(anthropic_images). ``cache_control`` and ``citations`` are accepted wherever Anthropic allows them:
 prefix caching is automatic, and an earlier answer's citations change nothing about the next.
 """
 
@@ -27,7 +28,8 @@ class TextBlockParam(msgspec.Struct, tag_field="type", tag="text", kw_only=True)
 
 
 class ImageBlockParam(msgspec.Struct, tag_field="type", tag="image", kw_only=True):
-    source: Any = None  # refused by the route, whatever it holds
+    source: Any = None  # checked by the route (anthropic_images), or the block refused
+    cache_control: dict | None = None
 
 
 class DocumentBlockParam(msgspec.Struct, tag_field="type", tag="document", kw_only=True):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pyserve.http.chat_images import ImageRef
 from pyserve.http.protocol import FunctionTool, ResponseFormat, ToolChoice
-from pyserve.wire.main_to_worker import DetokParams, Grammar, SamplingParams
+from pyserve.wire.main_to_worker import DetokParams, Grammar, ImageInput, SamplingParams
 
 
 @dataclass
@@ -91,6 +91,8 @@ class GenerationRequest:
     sampling: Sampling
     chat: ChatSpec | None = None  # a conversation, or:
     prompts: list[list[int]] | None = None  # token-id prompts (completions, /generate)
+    # the images of a single token-id prompt, already encoded (/generate's image_data)
+    prompt_images: list[ImageInput] = field(default_factory=list)
     max_tokens: int | None = None  # None: all the room the context leaves
     n: int = 1  # choices per prompt
     grammar: Grammar | None = None  # a constraint on the answer (beside any tools)

@@ -2,10 +2,11 @@
 
 A thin adapter over the generation pipeline: the body becomes a GenerationRequest (system and
 messages as chat-template messages, ``tool_use`` blocks as an assistant's ``tool_calls``,
-``tool_result`` blocks as ``role: "tool"`` messages, tools and ``tool_choice`` in the Chat
-Completions shapes the chat policy reads, ``thinking`` as the template's ``enable_thinking``),
-and anthropic_format writes the pipeline's output. Errors on these routes take Anthropic's
-shape (anthropic_errors).
+``tool_result`` blocks as ``role: "tool"`` messages, a user message's ``image`` blocks as the
+chat route's image parts on a model that takes images (anthropic_images), tools and
+``tool_choice`` in the Chat Completions shapes the chat policy reads, ``thinking`` as the
+template's ``enable_thinking``), and anthropic_format writes the pipeline's output. Errors on
+these routes take Anthropic's shape (anthropic_errors).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from pyserve.engine.errors import ContextLengthExceeded
 from pyserve.http import params
 from pyserve.http.anthropic_format import MessagesFormat
+from pyserve.http.anthropic_images import image_ref
 from pyserve.http.anthropic_protocol import (
     ContentBlockParam,
     CountTokensRequest,
@@ -39,6 +41,7 @@ from pyserve.http.anthropic_protocol import (
     ToolUseBlockParam,
 )
 from pyserve.http.bodies import read_request
+from pyserve.http.chat_images import ImageRef
 from pyserve.http.errors import APIError, bad_request, json_response
 from pyserve.http.generation import ChatSpec, GenerationRequest, Sampling
 from pyserve.http.pipeline import Job, Pipeline
@@ -123,8 +126,12 @@ class MessagesRoutes:
         system = _system_text(req.system)
         if system:
             messages.append({"role": "system", "content": system})
+        images: list[ImageRef] = []
+        takes_images = self.engine.takes_images
         for i, message in enumerate(req.messages):
-            messages += _template_messages(message, f"messages[{i}]")
+            messages += _template_messages(message, f"messages[{i}]", images, takes_images)
+        if takes_images:  # as the chat route renders for a vision model's template
+            messages = [_with_parts(m) for m in messages]
         enable_thinking = None
         thinking = req.thinking
         if thinking is not None and not isinstance(thinking, ThinkingAdaptive):
@@ -141,6 +148,7 @@ class MessagesRoutes:
             response_format=_response_format(req),
             template_kwargs=self._template_kwargs(req),
             enable_thinking=enable_thinking,
+            images=images,
         )
 
     def _template_kwargs(self, req: MessagesPrompt) -> dict:
@@ -189,36 +197,63 @@ def _system_text(system: str | list[TextBlockParam] | None) -> str:
     return "".join(block.text for block in system)
 
 
-def _refuse_block(block: ContentBlockParam, where: str) -> APIError:
+def _unsupported_block(where: str, why: str) -> APIError:
+    return bad_request(f"{where}: {why}", param=where, code="unsupported_parameter")
+
+
+def _refuse_block(block: ContentBlockParam, where: str, takes_images: bool = False) -> APIError:
     kind = block.__struct_config__.tag
-    if isinstance(block, ImageBlockParam | DocumentBlockParam):
-        why = f"{kind} content blocks are not supported by this server: it takes text only"
-        return bad_request(f"{where}: {why}", param=where, code="unsupported_parameter")
+    if isinstance(block, ImageBlockParam) and not takes_images:
+        return _unsupported_block(where, "this model takes no images (it serves text only)")
+    if isinstance(block, DocumentBlockParam):
+        return _unsupported_block(where, "document content blocks are not supported")
     return bad_request(f"{where}: a {kind} block cannot be in this message", param=where)
 
 
-def _template_messages(message: MessageParam, where: str) -> list[dict]:
-    """One Anthropic message as chat-template messages (``ChatMessage.as_template_input``)."""
+def _template_messages(
+    message: MessageParam, where: str, images: list[ImageRef], takes_images: bool
+) -> list[dict]:
+    """One Anthropic message as chat-template messages (``ChatMessage.as_template_input``);
+    the images of its image blocks are added to ``images``, in order. On a model that takes
+    images a user message's content is a list of text and ``{"type": "image"}`` parts."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     if message.role == "assistant":
         return [_assistant_message(message.content, where)]
     out: list[dict] = []
-    text: list[str] = []
+    parts: list[dict] = []
     for j, block in enumerate(message.content):
+        at = f"{where}.content[{j}]"
         if isinstance(block, TextBlockParam):
-            text.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlockParam) and takes_images:
+            images.append(image_ref(block, at))
+            parts.append({"type": "image"})
         elif isinstance(block, ToolResultBlockParam):
-            if text:  # blocks keep their order: the text before the result comes first
-                out.append({"role": "user", "content": "".join(text)})
-                text = []
-            content = _tool_result_text(block, f"{where}.content[{j}]")
+            if parts:  # blocks keep their order: the text before the result comes first
+                out.append(_user_message(parts, takes_images))
+                parts = []
+            content = _tool_result_text(block, at, takes_images)
             out.append({"role": "tool", "content": content, "tool_call_id": block.tool_use_id})
         else:
-            raise _refuse_block(block, f"{where}.content[{j}]")
-    if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+            raise _refuse_block(block, at, takes_images)
+    if parts or not out:
+        out.append(_user_message(parts, takes_images))
     return out
+
+
+def _user_message(parts: list[dict], as_parts: bool) -> dict:
+    if as_parts:
+        return {"role": "user", "content": parts}
+    return {"role": "user", "content": "".join(part["text"] for part in parts)}
+
+
+def _with_parts(message: dict) -> dict:
+    """A message whose text content is one text part, as vision models' templates take it."""
+    content = message["content"]
+    if isinstance(content, list) and content:
+        return message
+    return {**message, "content": [{"type": "text", "text": content or ""}]}
 
 
 def _assistant_message(blocks: list[ContentBlockParam], where: str) -> dict:
@@ -241,7 +276,7 @@ def _assistant_message(blocks: list[ContentBlockParam], where: str) -> dict:
     return message
 
 
-def _tool_result_text(block: ToolResultBlockParam, where: str) -> str:
+def _tool_result_text(block: ToolResultBlockParam, where: str, takes_images: bool) -> str:
     content = block.content
     if content is None:
         text = ""
@@ -250,8 +285,12 @@ def _tool_result_text(block: ToolResultBlockParam, where: str) -> str:
     else:
         parts = []
         for k, part in enumerate(content):
+            at = f"{where}.content[{k}]"
+            if isinstance(part, ImageBlockParam) and takes_images:
+                why = "images in a tool_result are not supported: send them in a user message"
+                raise _unsupported_block(at, why)
             if not isinstance(part, TextBlockParam):
-                raise _refuse_block(part, f"{where}.content[{k}]")
+                raise _refuse_block(part, at, takes_images)
             parts.append(part.text)
         text = "".join(parts)
     # Templates have no place for a failed call: the result says so in words.

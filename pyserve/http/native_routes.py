@@ -1,5 +1,5 @@
-"""The native (SGLang-style) routes: /generate, /tokenize, /detokenize, /abort_request,
-/flush_cache."""
+"""The native (SGLang-style) routes: /generate (with ``image_data`` on a vision model),
+/tokenize, /detokenize, /abort_request, /flush_cache."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import msgspec
 from aiohttp import web
 
 from pyserve.chat.output import OutputDelta, ParsedMessage
+from pyserve.engine.image_prompts import ImagePrompt
 from pyserve.http import params
 from pyserve.http.bodies import read_body, read_request
 from pyserve.http.errors import APIError, bad_request, json_response
+from pyserve.http.generate_images import check_image_prompt, image_refs
 from pyserve.http.generation import GenerationRequest
 from pyserve.http.pipeline import ChoiceResult, Pipeline
 from pyserve.http.protocol import (
@@ -24,6 +26,7 @@ from pyserve.http.protocol import (
 from pyserve.http.sse import DONE, event
 from pyserve.http.state import ServerState
 from pyserve.outputs import GenerationChunk
+from pyserve.wire.main_to_worker import ImageInput
 
 
 def _finish_reason(result: ChoiceResult) -> dict | None:
@@ -122,7 +125,12 @@ class NativeRoutes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         req = await read_request(request, GenerateRequest, self.state.options.max_body_bytes)
-        prompts, batched = await self._prompts(req)
+        images: list[ImageInput] = []
+        if req.image_data is not None:
+            prompt = await self._image_prompt(req)
+            prompts, batched, images = [prompt.ids], False, prompt.images
+        else:
+            prompts, batched = await self._prompts(req)
         if batched and req.stream:
             raise bad_request("stream is supported for a single prompt only", param="stream")
         top = req.top_logprobs_num if req.return_logprob else None
@@ -130,6 +138,7 @@ class NativeRoutes:
         generation = GenerationRequest(
             sampling=params.generate_sampling(req.sampling_params, top),
             prompts=prompts,
+            prompt_images=images,
             max_tokens=req.sampling_params.max_new_tokens,
             grammar=grammar,
             grammar_param=f"sampling_params.{param}",
@@ -140,6 +149,14 @@ class NativeRoutes:
         job = await self.pipeline.prepare(generation, base, rids)
         fmt = GenerateFormat(rids, batched, arrival, req.return_logprob)
         return await self.pipeline.run(request, job, fmt)
+
+    async def _image_prompt(self, req: GenerateRequest) -> ImagePrompt:
+        """The text prompt with its ``image_data``, encoded as ``text`` alone would be."""
+        assert req.image_data is not None
+        refs = image_refs(req.image_data)
+        text = check_image_prompt(self.engine.image_marker, req.text, req.input_ids, refs)
+        pictures = await self.state.read_images(refs, count_param="image_data")
+        return await self.state.call(self.engine.prompt_with_images(text, pictures))
 
     async def _prompts(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
         """The prompts as token ids, and whether the request was a batch."""

@@ -143,7 +143,7 @@ class Job:
     output: ChatOutput | None = None  # how the output is read back; None: all of it is text
     rids: list[str] = field(default_factory=list)
     prompt_tokens: list[list[int]] = field(default_factory=list)  # one per prompt
-    images: list[ImageInput] = field(default_factory=list)  # a chat prompt's images
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images
 
     def __post_init__(self) -> None:
         if not self.rids:
@@ -215,7 +215,8 @@ class Pipeline:
                 log.info("%s messages: %r", id, spec.messages)
         else:
             assert req.prompts is not None
-            prompts, param = req.prompts, req.grammar_param
+            assert not req.prompt_images or len(req.prompts) == 1
+            prompts, param, images = req.prompts, req.grammar_param, req.prompt_images
             if state.options.log_requests:
                 log.info("%s prompts: %r", id, prompts)
         if grammar is not None:

@@ -327,6 +327,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         | None
     ) = None
     sampling_params: GenerateSamplingParams = msgspec.field(default_factory=GenerateSamplingParams)
+    # images of a text prompt, one per image marker: URLs or bare base64 (generate_images.py)
+    image_data: str | Annotated[list[str], Meta(min_length=1)] | None = None
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False

@@ -164,11 +164,14 @@ class ServerState:
             self._image_session = new_fetch_session()
         return self._image_session
 
-    async def read_images(self, refs: list[ImageRef]) -> list[PromptImage]:
+    async def read_images(
+        self, refs: list[ImageRef], count_param: str = "messages"
+    ) -> list[PromptImage]:
         """A request's image parts read, checked and decoded (on the tokenizer pool), all at
-        once; the first that cannot be had is a 400 naming its part."""
+        once; the first that cannot be had is a 400 naming its part (``count_param``: the
+        field that too many images are blamed on)."""
         options = self.options.images
-        check_image_count(len(refs), options)
+        check_image_count(len(refs), options, count_param)
         session = self.image_session()
         executor = self.engine.tokenizer_pool
         loaded = await asyncio.gather(
