@@ -81,6 +81,7 @@ class ScriptedEngine:
     context_length = 8192
     num_blocks, block_size = 0, 16
     capabilities = ["generate"]
+    takes_images = False  # the routes render text-only messages for it
 
     def __init__(self, tokenizer, script: str = "", **config) -> None:
         self.tokenizer = tokenizer
@@ -121,6 +122,7 @@ class ScriptedEngine:
         sampling: SamplingParams,
         detok: DetokParams | None = None,
         rid: str | None = None,
+        images: Sequence = (),  # always none: it takes no images
     ) -> AsyncIterator[GenerationChunk]:
         detok = detok or DetokParams()
         self.requests.append((list(prompt), sampling, detok))

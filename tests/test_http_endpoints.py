@@ -321,6 +321,13 @@ LONG = "word " * 3000  # ~3000 tokens: more than the 2048 context
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, None, "suffix"),
         ("/generate", {"text": "a", "input_ids": [1]}, 400, None, "text"),
         ("/generate", {}, 400, None, "text"),
+        (
+            "/generate",
+            {"text": "<image> a", "image_data": "data:image/png;base64,aGk="},
+            400,
+            "unsupported_parameter",
+            "image_data",
+        ),
         ("/detokenize", {"tokens": [49152]}, 400, "invalid_value", None),
         ("/tokenize", {"prompt": 5}, 400, "invalid_value", "prompt"),
         ("/abort_request", {}, 400, "invalid_value", None),

@@ -432,6 +432,24 @@ def test_the_sdks_error_classes(server, client, model_id) -> None:
     assert "thinking" in anthropic_error(caught.value.body)["message"]
 
 
+def test_an_image_on_a_text_only_model_is_refused_naming_its_block(server) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    in_result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}
+    for blocks, where in (
+        ([{"type": "text", "text": "look"}, image], "messages[0].content[1]"),
+        ([in_result], "messages[0].content[0].content[0]"),
+    ):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = _body(messages=_user(*blocks))
+            if path.endswith("count_tokens"):
+                del body["max_tokens"]
+            got, answer = post(server, path, body)
+            assert got == 400, answer
+            error = anthropic_error(answer)
+            assert error["type"] == "invalid_request_error"
+            assert error["message"].startswith(f"{where}: this model takes no images"), error
+
+
 def test_the_key_is_taken_from_either_header_on_every_route(server, model_id) -> None:
     bearer = anthropic.Anthropic(base_url=server.url, auth_token=KEY, max_retries=0)
     with bearer:
