@@ -317,6 +317,18 @@ def test_anthropic_base64_image_is_answered_as_transformers_answers_it(
     assert_claude_matches(ask_claude(claude, content), references[0], tokenizer)
 
 
+def test_a_streamed_anthropic_answer_about_an_image_is_the_same(claude, references, tokenizer):
+    content = [base64_block(*PICTURE), {"type": "text", "text": QUESTION}]
+    with claude.messages.stream(
+        model="tiny-idefics3",
+        max_tokens=MAX_NEW,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        message = stream.get_final_message()
+    assert_claude_matches(message, references[0], tokenizer)
+
+
 def test_anthropic_url_images(claude, references, tokenizer, image_host):
     def url_block(name: str) -> dict:
         return {"type": "image", "source": {"type": "url", "url": f"{image_host}/{name}"}}
@@ -433,6 +445,7 @@ def test_generate_with_image_data_gives_transformers_ids(server, references, cha
         ({"text": "<image>", "image_data": "data:image/png;base64,!!"}, "image_data", "base64"),
         ({"text": "<image>", "image_data": ["!!"]}, "image_data[0]", "base64"),
         ({"text": "<image>", "image_data": []}, "image_data", ""),
+        ({"image_data": "{url}"}, "text", "needs a text prompt"),
     ],
 )
 def test_bad_image_data_is_a_400(server, body, param, words):

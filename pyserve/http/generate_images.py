@@ -40,9 +40,13 @@ def check_image_prompt(
             f"(send text that holds {marker!r} once per image)",
             param="image_data",
         )
-    if not isinstance(text, str):
+    if isinstance(text, list):
         raise bad_request(
             "image_data goes with a single text prompt, not a batch", param="image_data"
+        )
+    if not isinstance(text, str):
+        raise bad_request(
+            f"image_data needs a text prompt that holds {marker!r} once per image", param="text"
         )
     markers = text.count(marker)
     if markers != len(images):
