@@ -58,15 +58,17 @@ def random_tables(contexts: list[int], seed: int, dtype=torch.int32) -> torch.Te
 
 
 def reference(
-    q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.0, sinks=None
+    q, k_cache, v_cache, tables, contexts, scale, window=0, softcap=0.0, sinks=None, positions=None
 ) -> torch.Tensor:
-    """float64: gather each request's first `context` tokens (with a window, the last `window`
-    of them), repeat kv heads, soft-cap the scores if asked, plain softmax (with ``sinks`` [H]:
-    one more column per head, with no value)."""
+    """float64: gather each request's first `context` tokens (with a window, the `window` up to
+    its position: the last ones unless ``positions`` says where each query is), repeat kv heads,
+    soft-cap the scores if asked, plain softmax (with ``sinks`` [H]: one more column per head,
+    with no value)."""
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = []
     for d, n in enumerate(contexts):
-        first = max(0, n - window) if window else 0
+        position = n - 1 if positions is None else int(positions[d])
+        first = max(0, position - window + 1) if window else 0
         blocks = tables[d, : -(-n // BLOCK)].long()
         k = k_cache.index_select(1, blocks).transpose(2, 3).flatten(1, 2)[:, first:n].double()
         v = v_cache.index_select(1, blocks).flatten(1, 2)[:, first:n].double()
@@ -267,6 +269,30 @@ def test_window_and_softcap_match_reference(isa, dtype, shape):
                                          softcap=softcap)  # fmt: skip
             what = f"{isa} {dtype} window={window} softcap={softcap} partition={partition}"
             assert_close(out, expected, dtype, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_query_before_its_context_end_windows_from_its_own_position(isa, dtype):
+    """Rows of a run that attend to each other both ways (Gemma 3's images) read past their own
+    position: their window starts from where each is (``positions``), not from the context's end;
+    positions mid-block, at the end, and far before it, over partitions."""
+    shape = (64, 9, 3)
+    q, k_cache, v_cache, tables, lens, _ = reference_case(dtype, shape)
+    back = [0, 3, 15, 1, 100, 0, 40, 255, 600]  # how far before its context's end each query is
+    ends = [max(0, n - 1 - b) for n, b in zip(CONTEXTS, back, strict=True)]
+    positions = torch.tensor(ends, dtype=lens.dtype)
+    scale = shape[0] ** -0.5
+    for window in (16, 37, 300):
+        expected = reference(
+            q, k_cache, v_cache, tables, CONTEXTS, scale, window, positions=positions
+        )
+        at_end = reference(q, k_cache, v_cache, tables, CONTEXTS, scale, window)
+        assert (expected - at_end).abs().max() > 0.05
+        for partition in (0, 32, 96):
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                         partition_tokens=partition, window=window,
+                                         positions=positions)  # fmt: skip
+            assert_close(out, expected, dtype, f"{isa} {dtype} {window=} {partition=} positions")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,9 +1,10 @@
 """Gemma 3 with images, end to end: `pyserve run` on a tiny random Gemma 3 (SigLIP, the pooling
 projector, a local and a global layer; ``vision_models.py``) answers as transformers' generate
 does with its own processor, whose prefill lets each image's positions attend to each other both
-ways. The tiny model's attention is sharp so that the two-way attention moves the logprobs by
-~4e-5: the tolerance here (1e-5) tells it from causal attention. Two servers: the CPU kernels
-backend, and the torch backend with prefill chunks that end right after an image.
+ways (within the local layer's window, which ends at each position's own). The tiny model's attention is sharp so that the two-way attention moves the logprobs by
+~4e-5: the tolerance here (1e-5) tells it from causal attention. A server per backend: the CPU
+kernels, the torch backend with prefill chunks that end right after an image, and Triton's
+kernels (in its interpreter).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ CASES = [
         "images": [[40, 50, 2], [64, 64, 3]],
     },
 ]
+# the local layer's window: shorter than an image (16 positions), whose rows then see from
+# their own position's window to the image's end
+SLIDING_WINDOW = 8
 BACKENDS = {
     "cpu": [],
     # 24-token chunks: the first ends two positions after the first image
     "torch-chunked": ["--backend", "torch", "--chunked-prefill-size", "24"],
+    "triton": ["--backend", "triton"],  # the interpreter (conftest.py sets TRITON_INTERPRET)
 }
 
 
@@ -61,6 +66,7 @@ def model():
             seed=0,
             cases=CASES,
             max_new_tokens=MAX_NEW,
+            sliding_window=SLIDING_WINDOW,
         )
 
 

@@ -56,9 +56,12 @@ struct Job {
 
 int64_t partial_floats(int group, int dim) { return static_cast<int64_t>(group) * (dim + 2); }
 
-// The first position a query with this context sees.
-int64_t first_visible(const DecodeAttentionArgs& a, int64_t context) {
-  return a.window > 0 ? std::max<int64_t>(0, context - a.window) : 0;
+// The first position query d, with this context, sees.
+int64_t first_visible(const DecodeAttentionArgs& a, int d, int64_t context) {
+  if (a.window <= 0) return 0;
+  const int64_t position =
+      a.positions != nullptr ? index_at(a.positions, a.context_index_bytes, d) : context - 1;
+  return std::max<int64_t>(0, position - a.window + 1);
 }
 
 // acc / l, each head's sums relative to its maximum m; a sink adds exp(sink − m) to the sum.
@@ -223,8 +226,15 @@ void check_args(const DecodeAttentionArgs& a) {
       return "query " + std::to_string(d) + ": context length " + std::to_string(context) +
              " is not in [1, table width * block_size]";
     });
+    if (a.positions != nullptr) {
+      const int64_t position = index_at(a.positions, a.context_index_bytes, d);
+      check(position >= 0 && position < context, [&] {
+        return "query " + std::to_string(d) + ": position " + std::to_string(position) +
+               " is not inside its context of " + std::to_string(context);
+      });
+    }
     const int64_t blocks = (context + a.block_size - 1) / a.block_size;
-    for (int64_t b = first_visible(a, context) / a.block_size; b < blocks; ++b) {
+    for (int64_t b = first_visible(a, d, context) / a.block_size; b < blocks; ++b) {
       const int64_t id = index_at(a.block_tables, a.table_index_bytes, d * a.table_stride + b);
       check(id >= 0 && id < a.num_blocks, [&] {
         return "query " + std::to_string(d) + ": block id " + std::to_string(id) +
@@ -255,7 +265,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args) {
   int64_t total = 0;
   for (int d = 0; d < args.num_queries; ++d) {
     const int64_t context = index_at(args.context_lens, args.context_index_bytes, d);
-    total += context - first_visible(args, context);
+    total += context - first_visible(args, d, context);
   }
   const int partition = args.partition_tokens > 0
                             ? args.partition_tokens
@@ -269,7 +279,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args) {
   int64_t num_partials = 0;
   for (int d = 0; d < args.num_queries; ++d) {
     const auto context = static_cast<int>(index_at(args.context_lens, args.context_index_bytes, d));
-    const auto first = static_cast<int>(first_visible(args, context));
+    const auto first = static_cast<int>(first_visible(args, d, context));
     const int parts = static_cast<int>((context - first + int64_t{partition} - 1) / partition);
     for (int g = 0; g < args.num_kv_heads; ++g) {
       if (parts > 1) merges.push_back({static_cast<int>(items.size()), parts});

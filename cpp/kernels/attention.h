@@ -48,6 +48,10 @@ struct DecodeAttentionArgs {
   // [num_heads] float32: each head's sink logit, one more softmax column with no value
   // (gpt-oss); null: none.
   const float* sinks = nullptr;
+  // [num_queries], context_index_bytes wide: each query's own position p, where its window ends
+  // (it sees [max(0, p − window + 1), context)); null: p = context − 1. A query of a run of
+  // positions that attend to each other both ways (Gemma 3's images) reads past itself.
+  const void* positions = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the output.

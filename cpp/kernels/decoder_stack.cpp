@@ -298,7 +298,7 @@ void DecoderStack::forward(const StackBatch& b) const {
   DecodeAttentionArgs decode{in_place ? qkv : q_decode, in_place ? qkv_size : q_size,
       DType::kFloat32, b.num_decodes, s.num_heads, nullptr, nullptr, s.cache_dtype, s.num_kv_heads,
       s.num_blocks, s.block_size, dim, b.decode_tables, 8, b.decode_table_stride, b.context_lens, 8,
-      b.scale, in_place ? attn : out_decode, q_size, 0, 0, s.softcap};
+      b.scale, in_place ? attn : out_decode, q_size, 0, 0, s.softcap, nullptr, b.decode_positions};
   // and rope + KV write's but for the layer's table, norms and caches
   RopeKvArgs rope{qkv, qkv_size, rows, s.num_heads, s.num_kv_heads, dim, nullptr, nullptr, b.slots,
       nullptr, nullptr, s.cache_dtype, s.num_blocks, s.block_size};

@@ -134,6 +134,9 @@ struct StackBatch {
   int64_t decode_table_stride;
   const int64_t* context_lens;  // [num_decodes]
   float scale;                  // attention's, head_dim^-0.5 unless the model says otherwise
+  // [num_decodes]: each decode row's own position, where its window ends (DecodeAttentionArgs);
+  // null: context − 1
+  const int64_t* decode_positions = nullptr;
 };
 
 class DecoderStack {

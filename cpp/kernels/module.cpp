@@ -117,7 +117,7 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                             uintptr_t block_tables, int table_index_bytes, int64_t table_stride,
                             uintptr_t context_lens, int context_index_bytes, float scale,
                             uintptr_t out, int64_t out_token_stride, int partition_tokens,
-                            int window, float softcap, uintptr_t sinks) {
+                            int window, float softcap, uintptr_t sinks, uintptr_t positions) {
   const pk::DecodeAttentionArgs args{address<const void>(q),
                                      q_token_stride,
                                      static_cast<pk::DType>(q_dtype),
@@ -141,7 +141,8 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      partition_tokens,
                                      window,
                                      softcap,
-                                     address<const float>(sinks)};
+                                     address<const float>(sinks),
+                                     address<const void>(positions)};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
 }
@@ -410,7 +411,8 @@ void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, ui
                    const py::sequence& cos, const py::sequence& sin, uintptr_t slots,
                    uintptr_t spans, int num_spans, uintptr_t span_tables, int64_t span_table_stride,
                    int num_decodes, uintptr_t decode_rows, uintptr_t decode_tables,
-                   int64_t decode_table_stride, uintptr_t context_lens, float scale) {
+                   int64_t decode_table_stride, uintptr_t context_lens, float scale,
+                   uintptr_t decode_positions) {
   thread_local std::vector<const float*> cos_tables, sin_tables;
   table_addresses(cos, cos_tables);
   table_addresses(sin, sin_tables);
@@ -431,7 +433,8 @@ void stack_forward(const pk::DecoderStack& stack, int rows, uintptr_t hidden, ui
                              address<const int64_t>(decode_tables),
                              decode_table_stride,
                              address<const int64_t>(context_lens),
-                             scale};
+                             scale,
+                             address<const int64_t>(decode_positions)};
   py::gil_scoped_release released;
   stack.forward(batch);
 }
@@ -469,11 +472,13 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("table_index_bytes"), py::arg("table_stride"), py::arg("context_lens"),
         py::arg("context_index_bytes"), py::arg("scale"), py::arg("out"),
         py::arg("out_token_stride"), py::arg("partition_tokens"), py::arg("window") = 0,
-        py::arg("softcap") = 0.0f, py::arg("sinks") = 0,
+        py::arg("softcap") = 0.0f, py::arg("sinks") = 0, py::arg("positions") = 0,
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
         "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself; window > 0: the "
         "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap); "
-        "sinks: the address of a float32 logit per head, one more softmax column (0: none)");
+        "sinks: the address of a float32 logit per head, one more softmax column (0: none); "
+        "positions: each query's own position, where its window ends, as wide as context_lens "
+        "(0: context - 1)");
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"),
         py::arg("q_token_stride"), py::arg("q_dtype"), py::arg("num_rows"), py::arg("num_heads"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"), py::arg("num_kv_heads"),
@@ -600,7 +605,7 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("spans"), py::arg("num_spans"),
            py::arg("span_tables"), py::arg("span_table_stride"), py::arg("num_decodes"),
            py::arg("decode_rows"), py::arg("decode_tables"), py::arg("decode_table_stride"),
-           py::arg("context_lens"), py::arg("scale"),
+           py::arg("context_lens"), py::arg("scale"), py::arg("decode_positions") = 0,
            "every layer over one batch: hidden (the embeddings) becomes the last MLP output, "
            "residual the stream it adds to; cos and sin: sequences of addresses, one per rope "
            "table (float32 [rows, rotary_dim]); int64 metadata, float32 rows");

@@ -142,9 +142,17 @@ class DecodeAttention(_BoundToCache):
         num_heads: int,
         k_cache: torch.Tensor,
         partition_tokens: int = 0,
+        positions: torch.Tensor | None = None,
     ):
+        """``positions``: each query's own position, where its window ends, of context_lens'
+        dtype (None: context - 1; a run of positions that attend to each other both ways reads
+        past itself)."""
         num_queries = context_lens.shape[0] if context_lens.dim() == 1 else -1
         _check_index("context_lens", context_lens, 1, num_queries)
+        if positions is not None:
+            _check_index("positions", positions, 1, num_queries)
+            if positions.dtype != context_lens.dtype:
+                raise ValueError("positions must have context_lens' dtype")
         _check_index("block_tables", block_tables, 2, num_queries)
         super().__init__(num_queries, num_heads, k_cache)
         block_size = self.geometry[2]
@@ -157,6 +165,7 @@ class DecodeAttention(_BoundToCache):
                 raise ValueError("a context is longer than its block table covers")
         self.block_tables = block_tables
         self.context_lens = context_lens
+        self.positions = positions
         self.partition_tokens = partition_tokens
 
     def run(
@@ -205,6 +214,7 @@ class DecodeAttention(_BoundToCache):
             window,
             softcap,
             sinks_at,
+            0 if self.positions is None else self.positions.data_ptr(),
         )
         return out
 
@@ -338,6 +348,7 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [D, heads, head_dim] (one token per request) over each request's first
     ``context_lens[d]`` cached tokens, found through ``block_tables[d]``, with a ``window`` only
@@ -348,6 +359,8 @@ def paged_decode_attention(
 
     block_tables: int32/int64 [D, width]; context_lens: int32/int64 [D]. ``partition_tokens``
     forces the context split (0: the kernel picks it from the load and its thread count).
+    ``positions`` (context_lens' dtype, [D]): each query's own position, where its window ends
+    (None: context - 1).
     """
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
@@ -362,6 +375,7 @@ def paged_decode_attention(
         num_heads=q.shape[1],
         k_cache=k_cache,
         partition_tokens=partition_tokens,
+        positions=positions,
     )
     return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks)
 

@@ -314,8 +314,15 @@ class CpuKernelsBackend(Backend):
             every_entry = len(decode_entries) == len(table_rows) == split.num_rows
             tables = table_rows if every_entry else table_rows[decode_entries]
             contexts = torch.tensor(split.decode_contexts, dtype=torch.int64)
+            positions = None
+            if split.decode_positions:  # a two-way run's rows read past themselves
+                positions = torch.tensor(split.decode_positions, dtype=torch.int64)
             call = DecodeAttention(
-                tables, contexts, num_heads=self.config.num_heads, k_cache=cache.k[0]
+                tables,
+                contexts,
+                num_heads=self.config.num_heads,
+                k_cache=cache.k[0],
+                positions=positions,
             )
             rows = torch.tensor(split.decode_rows, dtype=torch.int64)
             decode = DecodeKernelBatch(rows, call)

@@ -297,10 +297,11 @@ class CpuDecoderStack:
         if isinstance(prefill, PrefillAttention) and len(prefill.spans):
             spans, tables = prefill.spans, prefill.block_tables.long()
         decode = metadata.decode
-        decode_rows = decode_tables = contexts = None
+        decode_rows = decode_tables = contexts = positions = None
         if decode is not None:
             decode_rows, decode_tables = decode.token_index, decode.call.block_tables.long()
             contexts = decode.call.context_lens.long()
+            positions = decode.call.positions
         self._stack.forward(
             rows, hidden.data_ptr(), residual.data_ptr(),
             cos_addresses, sin_addresses, slots.data_ptr(),
@@ -312,5 +313,6 @@ class CpuDecoderStack:
             0 if decode_tables is None else decode_tables.shape[1],
             0 if contexts is None else contexts.data_ptr(),
             scale,
+            0 if positions is None else positions.data_ptr(),
         )  # fmt: skip
         return hidden, residual

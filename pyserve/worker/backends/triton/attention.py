@@ -82,11 +82,12 @@ def _accumulate(scores, v, best, total, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, rows_ptr, out_ptr, lse_ptr,
-    q_row_stride, table_stride, scale, softcap, window, split_tokens_ptr,
+    q_row_stride, table_stride, scale, softcap, window, split_tokens_ptr, positions_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,7 +99,12 @@ def _decode_split_kernel(
     lo = split * split_tokens
     hi = tl.minimum(lo + split_tokens, context)
     if HAS_WINDOW:
-        lo = tl.maximum(lo, context - window)
+        # the window ends at the query's own position: the context's last, unless the query is
+        # in a run that reads past itself (Gemma 3's images)
+        if HAS_POSITIONS:
+            lo = tl.maximum(lo, tl.load(positions_ptr + entry) - window + 1)
+        else:
+            lo = tl.maximum(lo, context - window)
 
     group = tl.arange(0, BLOCK_H)
     group_ok = group < GROUP
@@ -271,7 +277,7 @@ def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
     num_splits: int, block_n: int | None = None, split_tokens: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, positions: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
 
@@ -279,7 +285,8 @@ def paged_decode_attention(
     included, at most ``max_context``); ``num_splits`` splits of the longest context are
     computed apart and merged. ``split_tokens``: int32 [1] on the device, the positions a
     split covers (None: decode_split_tokens of ``max_context``; a multiple of ``block_n``).
-    ``sinks``: float32 [heads], each head's sink logit (None: no sinks).
+    ``sinks``: float32 [heads], each head's sink logit (None: no sinks). ``positions``: int32
+    [D], each query's own position, where its window ends (None: context - 1).
     """
     import torch
 
@@ -298,10 +305,12 @@ def paged_decode_attention(
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, context, rows, parts, lse,
         q.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0, split_tokens,
+        context if positions is None else positions,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        HAS_POSITIONS=positions is not None, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0), lse if sinks is None else sinks,

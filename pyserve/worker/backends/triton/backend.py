@@ -110,6 +110,8 @@ class TritonMetadata:
     prefill_prefix: torch.Tensor | None
     prefill_tables: torch.Tensor | None
     max_prefill_len: int
+    # int32 [D]: each decode row's own position, where its window ends (None: context - 1)
+    decode_positions: torch.Tensor | None = None
 
 
 class TritonBackend(Backend):
@@ -260,6 +262,8 @@ class TritonBackend(Backend):
             contexts = split.decode_contexts
             meta.decode_rows = ints(split.decode_rows)
             meta.decode_context = ints(contexts)
+            if split.decode_positions:  # a two-way run's rows read past themselves
+                meta.decode_positions = ints(split.decode_positions)
             meta.decode_tables = tables(split.decode_entries)
             meta.max_context = max(contexts)
             meta.num_splits = self.num_splits or fixed_splits(meta.max_context)
@@ -325,7 +329,7 @@ class TritonBackend(Backend):
             self._attention.paged_decode_attention(
                 q, k_cache, v_cache, out, meta.decode_tables, meta.decode_context,
                 meta.decode_rows, max_context=meta.max_context, num_splits=meta.num_splits,
-                split_tokens=meta.split_tokens, **common,
+                split_tokens=meta.split_tokens, positions=meta.decode_positions, **common,
             )  # fmt: skip
         if meta.prefill_start is not None:
             self._attention.paged_extend_attention(
