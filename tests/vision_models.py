@@ -48,6 +48,7 @@ GEMMA3_NAMED_TOKENS = {
     "eoi_token": "<end_of_image>",
     "image_token": "<image_soft_token>",
 }
+QWEN2_5_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TINY_VLM_VOCAB = SMOLLM2_VOCAB + 128  # room for the added tokens, as SmolVLM's 49280
 # the language model's and the vision tower's tiny shapes (a large init range: distinct logits)
 TEXT_SHAPE = {
@@ -210,13 +211,90 @@ def _gemma3(out: Path, spec: dict):
     return model, Gemma3Processor(image_processor, tokenizer=tok, image_seq_length=16)
 
 
+class _QwenInputs:
+    """Qwen2.5-VL's processor for images, from its image processor and the template's
+    placeholder expansion: transformers' own processor needs torchvision (its video half)."""
+
+    def __init__(self, image_processor, tokenizer) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+
+    def __call__(self, text: str, images: list | None, **encode):
+        inputs = {}
+        if images:
+            inputs = dict(self.image_processor(images[0], return_tensors="pt"))
+            merged = self.image_processor.merge_size**2
+            pieces = text.split("<|image_pad|>")
+            counts = [int(grid.prod()) // merged for grid in inputs["image_grid_thw"]]
+            text = pieces[0] + "".join(
+                "<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:], strict=True)
+            )
+        encoded = self.tokenizer(text, **encode)
+        image_token = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        encoded["mm_token_type_ids"] = (encoded["input_ids"] == image_token).int()
+        return {**encoded, **inputs}
+
+    def save_pretrained(self, out: Path) -> None:
+        self.image_processor.save_pretrained(out)
+
+
+def _qwen2_5_vl(out: Path, spec: dict):
+    """(model, processor) of a tiny Qwen2.5-VL with its vision tokens and template."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _smollm_tokenizer(out, QWEN2_5_VL_TOKENS)
+    tok.chat_template = (TEMPLATES / "qwen2_5_vl.jinja").read_text()
+    torch.manual_seed(spec["seed"])
+    text = {
+        **TEXT_SHAPE,
+        "vocab_size": TINY_VLM_VOCAB,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+        },
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 4,
+        "out_hidden_size": TEXT_SHAPE["hidden_size"],
+        "patch_size": 4,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "window_size": 16,
+        "fullatt_block_indexes": [1],
+        "initializer_range": 0.2,
+    }
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN2_5_VL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=48 * 48
+    )
+    return model, _QwenInputs(image_processor, tok)
+
+
 def _build_here(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(2)
     out = Path(spec["directory"])
     out.mkdir(parents=True, exist_ok=True)
-    model, processor = {"idefics3": _idefics3, "gemma3": _gemma3}[spec["family"]](out, spec)
+    builders = {"idefics3": _idefics3, "gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}
+    model, processor = builders[spec["family"]](out, spec)
     tok = processor.tokenizer
     with torch.no_grad():  # spread the logits: random init ties every argmax
         embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight

@@ -1,4 +1,4 @@
-"""Prompts with images, for a served vision model (Idefics3 / SmolVLM, Gemma 3).
+"""Prompts with images, for a served vision model (Idefics3 / SmolVLM, Gemma 3, Qwen2.5-VL).
 
 transformers' own processor class for the model does the model-specific work, as it does for
 HF's ``generate``: its image processor (the PIL backend: no torchvision) turns each image into
@@ -45,6 +45,11 @@ _DETAIL_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
 _NESTED = frozenset({"idefics3", "smolvlm"})
 # processor_config.json entries that are not the processor's own settings
 _NOT_SETTINGS = frozenset({"processor_class", "image_processor", "video_processor", "tokenizer"})
+# families whose transformers processor cannot be built here (its video processor needs
+# torchvision): MergedPatchPrompts stands in
+_MERGED_PATCH_FAMILIES = frozenset({"qwen2_5_vl"})
+# the families whose vision towers the worker runs (pyserve/worker/vision)
+VISION_FAMILIES = frozenset({"idefics3", "smolvlm", "gemma3", "qwen2_5_vl"})
 # tensors of the processor's output that are not the vision tower's input
 _NOT_TENSORS = frozenset({"rows", "cols", "num_crops"})
 
@@ -109,8 +114,9 @@ class ImagePrompts:
 
     @classmethod
     def load(cls, path: str, tokenizer: Any, vocab_size: int) -> ImagePrompts | None:
-        """From a Hugging Face model directory whose config has a vision tower; None for a
-        text-only model (or a single file, which holds no vision tower)."""
+        """From a Hugging Face model directory whose config has a vision tower of one of
+        ``VISION_FAMILIES``; None for a text-only model (or a single file, which holds no
+        vision tower), or another family's."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             return None
@@ -118,18 +124,23 @@ class ImagePrompts:
         if "vision_config" not in raw:
             return None
         family = raw.get("model_type", "")
+        if family not in VISION_FAMILIES:
+            return None  # the worker serves it as text (and says so in its log)
         import transformers
         from transformers import AutoImageProcessor
         from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-        processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[family])
         image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-        settings_file = Path(path) / "processor_config.json"
-        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
-        settings = {k: v for k, v in settings.items() if k not in _NOT_SETTINGS}
-        processor = processor_class(
-            image_processor=image_processor, tokenizer=tokenizer, **settings
-        )
+        if family in _MERGED_PATCH_FAMILIES:
+            processor: Any = MergedPatchPrompts(image_processor, tokenizer)
+        else:
+            processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[family])
+            settings_file = Path(path) / "processor_config.json"
+            settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+            settings = {k: v for k, v in settings.items() if k not in _NOT_SETTINGS}
+            processor = processor_class(
+                image_processor=image_processor, tokenizer=tokenizer, **settings
+            )
         token = raw.get("image_token_id", raw.get("image_token_index"))
         if token is None:
             raise ValueError(f"{config_file}: no image_token_id")
@@ -204,6 +215,27 @@ class Processed:
     key: bytes
     arrays: dict[str, np.ndarray]
     rows: int
+
+
+class MergedPatchPrompts:
+    """Qwen2.5-VL's processor for images alone: its image processor, and each marker expanded
+    into one placeholder per merged patch, as ``Qwen2_5_VLProcessor.replace_image_token``
+    does (its video half needs torchvision, which the PIL image processor does not)."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, image_processor: Any, tokenizer: Any) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+
+    def _merge_kwargs(self, tokenizer_init_kwargs: dict) -> dict:
+        return {"images_kwargs": {}}
+
+    def _process_images(self, images: list, **settings: Any) -> tuple[dict, list[str]]:
+        outputs = self.image_processor(images, **settings)
+        merged = self.image_processor.merge_size**2
+        counts = [int(np.prod(grid)) // merged for grid in outputs["image_grid_thw"]]
+        return outputs, [self.image_token * n for n in counts]
 
 
 def _image_key(image: PromptImage, arrays: dict[str, np.ndarray]) -> bytes:

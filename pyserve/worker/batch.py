@@ -34,6 +34,10 @@ class ForwardBatch:
     # run's first row within the entry, rows); every row of a run sees the whole run. Empty:
     # causal everywhere
     bidirectional: list[tuple[int, int, int]] = field(default_factory=list)
+    # int64 [3, T]: each row's rope positions (temporal, height, width) where the model's rope is
+    # multimodal and a request's differ from its cache positions (Qwen2.5-VL after an image);
+    # None: ``positions``
+    rope_positions: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:

@@ -53,10 +53,11 @@ class StepExecutor:
         images: ImageEncoder | None = None,
         image_token_id: int | None = None,
         bidirectional_images: bool = False,
+        mrope_merge: int | None = None,
     ) -> None:
         """``images``: the vision tower of a model that takes images, whose requests' image
         positions hold ``image_token_id`` (and attend to each other both ways in prefill where
-        ``bidirectional_images``)."""
+        ``bidirectional_images``; with multimodal rope over grids merged by ``mrope_merge``)."""
         if drafter is not None and tp is not None:
             raise ValueError("a draft model cannot run with tensor parallelism (--tp)")
         self.runner = runner
@@ -71,6 +72,7 @@ class StepExecutor:
             vocab_size=vocab_size,
             image_token_id=image_token_id if images is not None else None,
             bidirectional_images=bidirectional_images,
+            mrope_merge=mrope_merge,
         )
         self.sampler = Sampler(eos_token_ids, device=device, seed=seed)
 

@@ -156,6 +156,7 @@ class ModelRunner:
         self.image_encoder: ImageEncoder | None = None
         self.image_token_id: int | None = None
         self.bidirectional_images = False
+        self.mrope_merge: int | None = None
         self._load_vision(checkpoint.path, checkpoint.tensors)
         self.quantized_linears = sum(packed.values())
         # projections packed at each precision, e.g. {"int4": 144, "int8": 25} ("mxfp4": MXFP4's
@@ -225,6 +226,9 @@ class ModelRunner:
         # Gemma 3: an image's positions attend to each other both ways in prefill (as
         # transformers' token_type_ids mask does)
         self.bidirectional_images = hf.model_type == "gemma3"
+        if any(layer.rope.mrope_section for layer in self.config.layers):
+            # Qwen2.5-VL: rope positions laid out on each image's merged patch grid
+            self.mrope_merge = int(hf.vision_config.spatial_merge_size)
 
     def executor_options(self) -> dict:
         """What a StepExecutor over this runner needs to know of its vocabulary and images."""
@@ -233,6 +237,7 @@ class ModelRunner:
             "images": self.image_encoder,
             "image_token_id": self.image_token_id,
             "bidirectional_images": self.bidirectional_images,
+            "mrope_merge": self.mrope_merge,
         }
 
     @property

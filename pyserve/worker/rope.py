@@ -157,12 +157,26 @@ class RotaryTable:
         self.long = long is not None and context > original
         self.inv_freq = (long if self.long else inv_freq).to(device)  # type: ignore[union-attr]
         self.rotary_dim = rope.rotary_dim
+        self.mrope_section = list(rope.mrope_section or ())
+        if self.mrope_section and sum(self.mrope_section) != self.rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} does not cover the {self.rotary_dim // 2} "
+                "rotated pairs"
+            )
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, each [T, 1, rotary_dim], broadcastable over heads."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        """cos and sign-folded sin, each [T, 1, rotary_dim], broadcastable over heads.
+        ``positions``: [T], or with multimodal rope [3, T] (temporal, height, width)."""
+        if positions.dim() == 2:
+            # each section of pairs turns by one of the three positions, in turn (transformers'
+            # recomposition: section i takes axis i % 3)
+            freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq
+            sections = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(sections)], dim=-1)
+        else:
+            freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor

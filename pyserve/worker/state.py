@@ -46,6 +46,7 @@ from pyserve.wire.worker_to_detok import (
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
 from pyserve.worker.image_encoder import ImageSlice, RequestImage, image_slices, row_runs
+from pyserve.worker.mrope import mrope_positions
 from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
 from pyserve.worker.speculative_verify import VerifyOutput
@@ -71,6 +72,10 @@ class RequestState:
     draft_computed: int = 0
     draft_generator: torch.Generator | None = None
     images: list[RequestImage] = field(default_factory=list)  # its prompt's images
+    # multimodal rope (mrope.py): its prompt's rope positions [3, P], and the offset of every
+    # later position's; None: its cache positions
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 @dataclass(eq=False)
@@ -119,16 +124,20 @@ class RequestTable:
         vocab_size: int | None = None,
         image_token_id: int | None = None,
         bidirectional_images: bool = False,
+        mrope_merge: int | None = None,
     ) -> None:
         """``vocab_size``: ids at or above it (an image's positions, a draft copied from one)
         are embedded as id 0, their rows replaced or their drafts rejected; ``image_token_id``:
         where the worker serves images, the id its requests' image positions count as (for
         penalties), None: requests with images are refused; ``bidirectional_images``: each run
-        of an image's positions attends to itself both ways (Gemma 3)."""
+        of an image's positions attends to itself both ways (Gemma 3); ``mrope_merge``: the
+        model's rope is multimodal, over patch grids merged by this factor (Qwen2.5-VL)."""
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
         self.bidirectional_images = bidirectional_images
+        self.mrope_merge = mrope_merge
+        self.mrope = 0  # live requests whose rope positions are not their cache positions
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
         self.grammars = grammars
@@ -158,6 +167,10 @@ class RequestTable:
             images = [RequestImage.of(image, prompt.size) for image in request.images]
             for item in images:  # what penalties see there, as in transformers
                 prompt[item.positions] = self.image_token_id
+        rope_positions, rope_delta = None, 0
+        if images and self.mrope_merge is not None:
+            grids = [(item.positions, _grid(item)) for item in images]
+            rope_positions, rope_delta = mrope_positions(prompt.size, grids, self.mrope_merge)
         params = request.sampling
         if request.pooling is not None and params.max_new_tokens != 1:
             raise ValueError(f"request {request.rid} pools its prompt: max_new_tokens must be 1")
@@ -177,8 +190,11 @@ class RequestTable:
             grammar=grammar,
             pooling=request.pooling,
             images=images,
+            rope_positions=rope_positions,
+            rope_delta=rope_delta,
         )
         self._requests[request.rid] = state
+        self.mrope += rope_positions is not None
         self.pooling += request.pooling is not None
         return state
 
@@ -218,6 +234,8 @@ class RequestTable:
                     self.constrained -= 1
                 if state.pooling is not None:
                     self.pooling -= 1
+                if state.rope_positions is not None:
+                    self.mrope -= 1
 
     def prepare(self, step: Step) -> PreparedStep:
         """Applies the Step's block-table entries and builds its ForwardBatch.
@@ -307,6 +325,8 @@ class RequestTable:
             sample_index=torch.from_numpy(sample_index).to(self.device),
             bidirectional=bidirectional,
         )
+        if self.mrope:
+            batch.rope_positions = _rope_positions(states, positions, counts).to(self.device)
         samples = arrays.sample.tolist()
         sampling = [s for s, wants in zip(states, samples, strict=True) if wants]
         pooling = None
@@ -443,6 +463,34 @@ class RequestTable:
         if len(state.output_ids) >= params.max_new_tokens:
             return FINISH_LENGTH
         return FINISH_NONE
+
+
+def _grid(item: RequestImage) -> tuple[int, int, int]:
+    """An image's patch grid (t, h, w), as Qwen2.5-VL's image processor reports it."""
+    grid = item.image.tensors.get("image_grid_thw")
+    if grid is None:
+        raise ValueError("an image without image_grid_thw for multimodal rope")
+    t, h, w = np.frombuffer(grid.data, dtype=np.dtype(grid.dtype)).reshape(-1)[:3].tolist()
+    return int(t), int(h), int(w)
+
+
+def _rope_positions(
+    states: list[RequestState], positions: np.ndarray, counts: list[int]
+) -> torch.Tensor:
+    """int64 [3, T]: each row's rope positions: its cache position, but for requests with
+    multimodal rope the prompt's own (mrope.py) and past it the position plus the delta."""
+    out = np.broadcast_to(positions, (3, positions.size)).copy()
+    at = 0
+    for state, n in zip(states, counts, strict=True):
+        table = state.rope_positions
+        if table is not None:
+            rows = positions[at : at + n]
+            inside = rows < table.shape[1]
+            out[:, at : at + n] = np.where(
+                inside, table[:, np.minimum(rows, table.shape[1] - 1)], rows + state.rope_delta
+            )
+        at += n
+    return torch.from_numpy(out)
 
 
 def _top_logprobs(index: int, top: tuple[list[int], list[float]]) -> TopLogprobs:

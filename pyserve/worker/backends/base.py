@@ -263,4 +263,5 @@ def model_forward(model: CausalLM, backend: Backend, batch: ForwardBatch) -> For
         hidden_index,
         batch.image_rows,
         batch.image_embeds,
+        None if batch.rope_positions is None else batch.rope_positions.to(device),
     )

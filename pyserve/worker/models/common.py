@@ -31,6 +31,7 @@ def hf_rope(hf: Any, layer_type: str | None = None) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     params.pop("type", None)
     params["rope_type"] = rope_type
+    mrope = params.pop("mrope_section", None)
     original = getattr(hf, "original_max_position_embeddings", None)
     if (
         rope_type in ("yarn", "longrope")
@@ -43,6 +44,7 @@ def hf_rope(hf: Any, layer_type: str | None = None) -> RopeConfig:
         rotary_dim=int(head_dim * partial),
         scaling=None if rope_type == "default" else params,
         max_position_embeddings=int(hf.max_position_embeddings),
+        mrope_section=tuple(int(n) for n in mrope) if mrope else None,
     )
 
 

@@ -24,6 +24,9 @@ class RopeConfig:
     freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
     # the context the rope scaling is relative to (yarn, longrope); None: not scaled
     max_position_embeddings: int | None = None
+    # multimodal rope (Qwen2.5-VL): the rotated pairs in sections turned by a token's temporal,
+    # height and width positions in turn (equal for text); None: one position
+    mrope_section: tuple[int, ...] | None = None
 
     def key(self) -> tuple:
         """Equal for tables that give the same angles (they are computed once)."""
@@ -34,6 +37,7 @@ class RopeConfig:
             scaling,
             self.freq_factors,
             self.max_position_embeddings,
+            self.mrope_section,
         )
 
 

@@ -212,12 +212,16 @@ class CausalLM(nn.Module):
         hidden_index: torch.Tensor | None = None,
         image_rows: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """float32 logits [S, vocab] for the rows in ``sample_index`` only; with
         ``hidden_index``, also the float32 final-norm hidden states [H, hidden] of those rows
         (what HF's ``AutoModel(...).last_hidden_state`` gives): (logits, hidden). Rows
-        ``image_rows`` take ``image_embeds`` in place of their tokens' embeddings."""
-        hidden, ropes = self.layer_inputs(input_ids, positions, image_rows, image_embeds)
+        ``image_rows`` take ``image_embeds`` in place of their tokens' embeddings; rope turns
+        by ``rope_positions`` ([3, T], multimodal rope) where given."""
+        hidden, ropes = self.layer_inputs(
+            input_ids, positions, image_rows, image_embeds, rope_positions
+        )
         hidden, residual = self.run_layers(hidden, ropes, backend, metadata)
         return self.outputs(hidden, residual, sample_index, backend, hidden_index)
 
@@ -230,6 +234,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         image_rows: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """(the scaled token embeddings, every rope table's (cos, signed_sin) at ``positions``);
         rows ``image_rows`` hold ``image_embeds`` instead, unscaled (as transformers' vision
@@ -240,6 +245,8 @@ class CausalLM(nn.Module):
         if image_rows is not None:
             assert image_embeds is not None
             hidden[image_rows] = image_embeds.to(hidden.dtype)
+        if rope_positions is not None:
+            positions = rope_positions
         return hidden, [table.cos_sin(positions, hidden.dtype) for table in self.rotary]
 
     def run_layers(

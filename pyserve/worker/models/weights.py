@@ -25,8 +25,8 @@ from pyserve.worker.weight_packing import Packing, PackingPool, pack_parts, pack
 EMBEDDING = "embed_tokens"  # the packing pool's key for a packed embedding table
 # Checkpoint tensors that hold no weights (old checkpoints saved rope tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Multimodal checkpoints (Gemma 3 4B+): the text model's tensors under another prefix, and the
-# vision tower's, which a text server does not load.
+# Multimodal checkpoints (Gemma 3, Idefics3 / SmolVLM, Qwen2.5-VL): the text model's tensors under
+# another prefix, and the vision tower's, which pyserve/worker/vision loads.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.")
 _VISION_PREFIXES = (
     "model.vision_tower.",
@@ -35,6 +35,8 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_model.",  # Idefics3 / SmolVLM
     "model.connector.",
+    "model.visual.",  # Qwen2.5-VL
+    "visual.",
 )
 
 

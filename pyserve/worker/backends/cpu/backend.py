@@ -287,7 +287,11 @@ class CpuKernelsBackend(Backend):
         assert self.stack is not None
         metadata = self.prepare(batch)
         hidden, ropes = model.layer_inputs(
-            batch.input_ids, batch.positions, batch.image_rows, batch.image_embeds
+            batch.input_ids,
+            batch.positions,
+            batch.image_rows,
+            batch.image_embeds,
+            batch.rope_positions,
         )
         hidden, residual = self.stack.run(hidden, ropes, metadata, self.config.scale)
         return model.outputs(hidden, residual, batch.sample_index, self, batch.hidden_index)

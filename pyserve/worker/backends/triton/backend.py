@@ -222,6 +222,7 @@ class TritonBackend(Backend):
             self.graphs is None
             or batch.hidden_index is not None
             or batch.image_rows is not None
+            or batch.rope_positions is not None
             or not self.graphs.fits(batch)
         ):
             return None

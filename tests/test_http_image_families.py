@@ -1,10 +1,15 @@
-"""Gemma 3 with images, end to end: `pyserve run` on a tiny random Gemma 3 (SigLIP, the pooling
-projector, a local and a global layer; ``vision_models.py``) answers as transformers' generate
-does with its own processor, whose prefill lets each image's positions attend to each other both
-ways (within the local layer's window, which ends at each position's own). The tiny model's attention is sharp so that the two-way attention moves the logprobs by
-~4e-5: the tolerance here (1e-5) tells it from causal attention. A server per backend: the CPU
-kernels, the torch backend with prefill chunks that end right after an image, and Triton's
-kernels (in its interpreter).
+"""Vision families with images, end to end: `pyserve run` on tiny random models
+(``vision_models.py``) answers as transformers' generate does with its own processing:
+
+- Gemma 3 (SigLIP, the pooling projector, a local and a global layer), whose prefill lets each
+  image's positions attend to each other both ways (within the local layer's window, which ends
+  at each position's own). Its attention is sharp so that the two-way attention moves the
+  logprobs by ~4e-5: the tolerance (1e-5) tells it from causal attention.
+- Qwen2.5-VL (the window-attention ViT, the patch merger), whose rope is multimodal: an image's
+  positions lie on its patch grid and later tokens are shifted by the grid's saving.
+
+A server per family and backend: the CPU kernels, the torch backend with prefill chunks that
+end right after an image, and Triton's kernels (in its interpreter).
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from tokenizers import Tokenizer
 from vision_models import TOP_LOGPROBS, build_tiny_vlm, random_picture
 
 MAX_NEW = 8
-ATOL = 1e-5  # causal attention over the image is ~4e-5 off
+# per family: its tolerance, and what the builder takes
+FAMILIES = {
+    "gemma3": (1e-5, {"sliding_window": 8}),  # causal attention over the image is ~4e-5 off
+    "qwen2_5_vl": (1e-4, {}),
+}
 QUESTION = "What is in this picture?"
 CASES = [
     {
@@ -46,28 +55,38 @@ CASES = [
         "images": [[40, 50, 2], [64, 64, 3]],
     },
 ]
-# the local layer's window: shorter than an image (16 positions), whose rows then see from
+# Gemma 3's local window (8) is shorter than its images (16 positions), whose rows then see from
 # their own position's window to the image's end
-SLIDING_WINDOW = 8
 BACKENDS = {
     "cpu": [],
-    # 24-token chunks: the first ends two positions after the first image
+    # 24-token chunks: Gemma 3's first ends two positions after its first image
     "torch-chunked": ["--backend", "torch", "--chunked-prefill-size", "24"],
     "triton": ["--backend", "triton"],  # the interpreter (conftest.py sets TRITON_INTERPRET)
 }
 
 
 @pytest.fixture(scope="module")
-def model():
-    with tempfile.TemporaryDirectory(prefix="pyserve-test-gemma3-images-") as directory:
-        yield build_tiny_vlm(
-            Path(directory) / "tiny-gemma3",
-            family="gemma3",
-            seed=0,
-            cases=CASES,
-            max_new_tokens=MAX_NEW,
-            sliding_window=SLIDING_WINDOW,
-        )
+def workdir():
+    with tempfile.TemporaryDirectory(prefix="pyserve-test-image-families-") as directory:
+        yield Path(directory)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(workdir, family) -> Path:
+    options = FAMILIES[family][1]
+    return build_tiny_vlm(
+        workdir / family, family=family, seed=0, cases=CASES, max_new_tokens=MAX_NEW, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def atol(family) -> float:
+    return FAMILIES[family][0]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +126,7 @@ def content_of(case: dict) -> list[dict]:
 
 def ask(server, content: list[dict]):
     return openai_client(server).chat.completions.create(
-        model="tiny-gemma3",
+        model=server.args[1].rsplit("/", 1)[-1],
         messages=[{"role": "user", "content": content}],
         max_tokens=MAX_NEW,
         temperature=0,
@@ -118,24 +137,26 @@ def ask(server, content: list[dict]):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_images_are_answered_as_transformers_answers_them(server, references, tokenizer, case):
+def test_images_are_answered_as_transformers_answers_them(
+    server, references, tokenizer, atol, case
+):
     out = ask(server, content_of(CASES[case]))
     reference = references[case]
     assert out.usage.prompt_tokens == len(reference["prompt"])
     text = tokenizer.decode(reference["output"], skip_special_tokens=True)
     assert out.choices[0].message.content == text
     ours = [[t.logprob for t in p.top_logprobs] for p in out.choices[0].logprobs.content]
-    np.testing.assert_allclose(ours, reference["top_logprobs"], atol=ATOL)
+    np.testing.assert_allclose(ours, reference["top_logprobs"], atol=atol)
 
 
-def test_the_same_image_again_is_a_prefix_hit_with_the_same_answer(server, references):
+def test_the_same_image_again_is_a_prefix_hit_with_the_same_answer(server, references, atol):
     content = content_of(CASES[0])
     first = ask(server, content)
     again = ask(server, content)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == first.choices[0].message.content
     top = [[t.logprob for t in p.top_logprobs] for p in again.choices[0].logprobs.content]
-    np.testing.assert_allclose(top, references[0]["top_logprobs"], atol=ATOL)
+    np.testing.assert_allclose(top, references[0]["top_logprobs"], atol=atol)
 
 
 def test_nothing_is_left_behind(server):
