@@ -123,7 +123,8 @@ class OfflineEngine:
             device=device,
             seed=settings.seed,
             drafter=drafter,
-            **runner.executor_options(),
+            # a ModelRunner's vocabulary and images; a stand-in runner (tests) has neither
+            **(runner.executor_options() if hasattr(runner, "executor_options") else {}),
         )
         self.planner = Planner(
             num_blocks,
