@@ -33,6 +33,7 @@ from http_testlib import (
     wait_for_metrics,
 )
 from playwright import sync_api
+from vision_models import build_tiny_vlm
 
 from pyserve import Engine, EngineConfig, create_app
 
@@ -723,6 +724,48 @@ def test_a_server_without_images_hides_the_button_and_sends_plain_text(server, w
     wait_answer_done(page)
     assert bodies[-1]["messages"] == [{"role": "user", "content": "Just words"}]
     assert page.locator("#attach-note").is_hidden()
+    assert w.errors == []
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    """A server of a tiny vision model (Idefics3, ``vision_models.py``): it takes images."""
+    model = build_tiny_vlm(
+        tmp_path_factory.mktemp("vision") / "tiny-idefics3", family="idefics3", seed=0
+    )
+    with running_server(["--model", str(model), *SERVER_ARGS]) as server:
+        yield server
+
+
+def test_a_picture_from_the_page_reaches_a_vision_model(vision_server, watched):
+    """A real vision model: the page sends the attached picture, the answer is the one the API
+    gives for the same request, and the next turn sends the picture and that answer again."""
+    w = open_chat(watched, vision_server.url + "/")
+    page = w.page
+    bodies: list[dict] = []
+    page.on(
+        "request",
+        lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json),
+    )
+    assert page.locator("#attach").is_visible()
+    picture = png(96, 64, (220, 40, 40))
+    page.set_input_files(
+        "#attach-input", [{"name": "red.png", "mimeType": "image/png", "buffer": picture}]
+    )
+    assert wait_thumbnails(page, 1) == ["red.png"]
+    ask(page, "What is in this picture?", max_tokens=8)
+    wait_answer_done(page)
+    first = bodies[-1]
+    assert image_parts(first["messages"][-1]["content"]) == [picture]
+    status, _, raw = request(vision_server.url + "/v1/chat/completions", {**first, "stream": False})
+    assert status == 200, raw
+    expected = json.loads(raw)["choices"][0]["message"]["content"]
+    ask(page, "And now?", max_tokens=4)
+    wait_answer_done(page)
+    history = bodies[-1]["messages"]
+    assert history[-2] == {"role": "assistant", "content": expected}
+    assert image_parts(history[-3]["content"]) == [picture]
+    w.shot("chat-image-vision-model")
     assert w.errors == []
 
 

@@ -1,0 +1,258 @@
+"""Images: the vision tower's encode time and the TTFT of a one-image question, pyserve against
+transformers on the same random weights.
+
+Two towers, random weights, float32, transformers' own configs:
+
+- ``gemma3-4b``: Gemma 3 4B's vision side (SigLIP so400m: 27 layers of width 1152, 896 px images
+  in 14 px patches, pooled to 256 tokens) before a Gemma 3 text model of 4B's width cut to
+  ``--text-layers`` layers (the tower is what this measures; a whole random 4B text model would
+  not fit the machine's memory in float32 beside transformers' copy);
+- ``smolvlm-256m``: SmolVLM-256M's (SigLIP of 12 layers of width 768, 512 px tiles in 16 px
+  patches, pixel shuffle by 4) before SmolLM2-135M's shape cut the same way.
+
+Encode: best of ``--rounds`` of pyserve's tower (``pyserve/worker/vision``) and transformers'
+``get_image_features`` on the same preprocessed pixels, in this process, with ``--threads``
+torch threads. TTFT: best of ``--rounds`` of a chat request with one picture (``max_tokens`` 1)
+to `pyserve run` (a new picture each round, so no cache hit), against transformers' processor
+plus ``generate(max_new_tokens=1)`` in this process.
+
+    .venv/bin/python benchmarks/images.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from http_testlib import Server
+from vision_models import (
+    GEMMA3_NAMED_TOKENS,
+    GEMMA3_TOKENS,
+    IDEFICS3_TOKENS,
+    TEMPLATES,
+    _smollm_tokenizer,
+    random_picture,
+)
+
+from pyserve.worker.loading import open_checkpoint
+from pyserve.worker.vision import load_vision_weights, vision_tower_for
+
+
+def gemma3_4b(out: Path, text_layers: int):
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    tok = _smollm_tokenizer(out, GEMMA3_TOKENS)
+    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
+    tok.save_pretrained(out)
+    config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["extra_special_tokens"] = GEMMA3_NAMED_TOKENS
+    config_file.write_text(json.dumps(tokenizer_config))
+    tok = AutoTokenizer.from_pretrained(out)
+    text = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=text_layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        layer_types=["full_attention"] * text_layers,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=256,
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    processor = Gemma3Processor(
+        Gemma3ImageProcessorPil(size={"height": 896, "width": 896}),
+        tokenizer=tok,
+        image_seq_length=256,
+    )
+    return model, processor
+
+
+def smolvlm_256m(out: Path, text_layers: int):
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+    from transformers.models.idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    tok = _smollm_tokenizer(out, IDEFICS3_TOKENS)
+    tok.chat_template = (TEMPLATES / "smolvlm.jinja").read_text()
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=text_layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    vision = Idefics3VisionConfig(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=512,
+        patch_size=16,
+    )
+    config = Idefics3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        scale_factor=4,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+    )
+    model = Idefics3ForConditionalGeneration(config).eval()
+    image_processor = Idefics3ImageProcessorPil(
+        max_image_size={"longest_edge": 512}, size={"longest_edge": 1024}
+    )
+    processor = Idefics3Processor(image_processor, tokenizer=tok, image_seq_len=64)
+    return model, processor
+
+
+MODELS = {"gemma3-4b": gemma3_4b, "smolvlm-256m": smolvlm_256m}
+
+
+def best(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def data_url(picture) -> str:
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def measure(name: str, directory: Path, args) -> dict:
+    import requests
+
+    out = directory / name
+    out.mkdir()
+    torch.manual_seed(0)
+    model, processor = MODELS[name](out, args.text_layers)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    processor.tokenizer.save_pretrained(out)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    rendered = processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    picture = random_picture(600, 800, 1)
+    inputs = processor(
+        text=rendered, images=[[picture]], add_special_tokens=False, return_tensors="pt"
+    )
+    extra = {k: v for k, v in inputs.items() if k == "pixel_attention_mask"}
+    pixels = inputs["pixel_values"]
+    from transformers import AutoConfig
+
+    tower = vision_tower_for(AutoConfig.from_pretrained(out), dtype=torch.float32, device="cpu")
+    load_vision_weights(tower, open_checkpoint(str(out)).tensors, str(out))
+    with torch.inference_mode():
+        ours = best(lambda: tower.encode(pixels, **extra), args.rounds)
+        theirs = best(lambda: model.model.get_image_features(pixels, **extra), args.rounds)
+
+        def hf_ttft() -> None:
+            fresh = random_picture(600, 800, int(time.perf_counter() * 1e6) % 1000)
+            batch = processor(
+                text=rendered, images=[[fresh]], add_special_tokens=False, return_tensors="pt"
+            )
+            model.generate(**batch, max_new_tokens=1, do_sample=False)
+
+        hf = best(hf_ttft, args.rounds)
+    tokens = int(inputs["input_ids"].shape[1])
+    server_args = ["--model", str(out), "--torch-threads", str(args.threads)]
+    server_args += ["--kv-cache-tokens", "16384", "--tokenizer-workers", "1"]
+    server = Server(server_args)
+    try:
+        url = server.url + "/v1/chat/completions"
+        times = []
+        for round_ in range(args.rounds + 1):  # the first warms the server up
+            url_of_picture = data_url(random_picture(600, 800, 50 + round_))
+            content = [
+                {"type": "image_url", "image_url": {"url": url_of_picture}},
+                {"type": "text", "text": "What?"},
+            ]
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            started = time.perf_counter()
+            reply = requests.post(url, json=body, timeout=600)
+            reply.raise_for_status()
+            times.append(time.perf_counter() - started)
+        pyserve = min(times[1:])
+    finally:
+        server.stop()
+    return {
+        "model": name,
+        "prompt_tokens": tokens,
+        "encode_ms": {"pyserve": ours * 1e3, "transformers": theirs * 1e3},
+        "ttft_ms": {"pyserve": pyserve * 1e3, "transformers": hf * 1e3},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--text-layers", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {platform.processor() or platform.machine()}, torch threads {args.threads}")
+    with tempfile.TemporaryDirectory(prefix="pyserve-bench-images-") as directory:
+        for name in args.models.split(","):
+            row = measure(name, Path(directory), args)
+            encode, ttft = row["encode_ms"], row["ttft_ms"]
+            print(
+                f"{name}: {row['prompt_tokens']} prompt tokens; encode pyserve "
+                f"{encode['pyserve']:.0f} ms, transformers {encode['transformers']:.0f} ms "
+                f"({encode['transformers'] / encode['pyserve']:.2f}x); TTFT pyserve "
+                f"{ttft['pyserve']:.0f} ms, transformers {ttft['transformers']:.0f} ms "
+                f"({ttft['transformers'] / ttft['pyserve']:.2f}x)",
+                flush=True,
+            )
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
