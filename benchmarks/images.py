@@ -37,14 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from http_testlib import Server
-from vision_models import (
-    GEMMA3_NAMED_TOKENS,
-    GEMMA3_TOKENS,
-    IDEFICS3_TOKENS,
-    TEMPLATES,
-    _smollm_tokenizer,
-    random_picture,
-)
+from vision_models import gemma3_tokenizer, idefics3_tokenizer, random_picture
 
 from pyserve.worker.loading import open_checkpoint
 from pyserve.worker.vision import load_vision_weights, vision_tower_for
@@ -52,7 +45,6 @@ from pyserve.worker.vision import load_vision_weights, vision_tower_for
 
 def gemma3_4b(out: Path, text_layers: int):
     from transformers import (
-        AutoTokenizer,
         Gemma3Config,
         Gemma3ForConditionalGeneration,
         Gemma3Processor,
@@ -61,14 +53,7 @@ def gemma3_4b(out: Path, text_layers: int):
     )
     from transformers.models.gemma3 import Gemma3ImageProcessorPil
 
-    tok = _smollm_tokenizer(out, GEMMA3_TOKENS)
-    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
-    tok.save_pretrained(out)
-    config_file = out / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["extra_special_tokens"] = GEMMA3_NAMED_TOKENS
-    config_file.write_text(json.dumps(tokenizer_config))
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = gemma3_tokenizer(out)
     text = Gemma3TextConfig(
         vocab_size=len(tok),
         hidden_size=2560,
@@ -114,8 +99,7 @@ def smolvlm_256m(out: Path, text_layers: int):
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
-    tok = _smollm_tokenizer(out, IDEFICS3_TOKENS)
-    tok.chat_template = (TEMPLATES / "smolvlm.jinja").read_text()
+    tok = idefics3_tokenizer(out)
     text = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=576,

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from http_testlib import kv_idle, openai_client, running_server, wait_for_metrics
 from tokenizers import Tokenizer
-from vision_models import TOP_LOGPROBS, build_tiny_vlm, random_picture
+from vision_models import IMAGE_CASES, TOP_LOGPROBS, build_tiny_vlm, random_picture
 
 MAX_NEW = 8
 # per family: its tolerance, and what the builder takes
@@ -32,29 +32,7 @@ FAMILIES = {
     "gemma3": (1e-5, {"sliding_window": 8}),  # causal attention over the image is ~4e-5 off
     "qwen2_5_vl": (1e-4, {}),
 }
-QUESTION = "What is in this picture?"
-CASES = [
-    {
-        "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
-        ],
-        "images": [[100, 150, 1]],
-    },
-    {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "Compare"},
-                    {"type": "image"},
-                    {"type": "text", "text": "and"},
-                    {"type": "image"},
-                ],
-            }
-        ],
-        "images": [[40, 50, 2], [64, 64, 3]],
-    },
-]
+CASES = IMAGE_CASES
 # Gemma 3's local window (8) is shorter than its images (16 positions), whose rows then see from
 # their own position's window to the image's end
 BACKENDS = {

@@ -25,32 +25,19 @@ import numpy as np
 import pytest
 from http_testlib import kv_idle, openai_client, request, running_server, wait_for_metrics
 from tokenizers import Tokenizer
-from vision_models import TOP_LOGPROBS, build_tiny_vlm, random_picture
+from vision_models import (
+    IMAGE_CASES,
+    PICTURE,
+    QUESTION,
+    TOP_LOGPROBS,
+    build_tiny_vlm,
+    random_picture,
+)
 
 MAX_NEW = 8
-QUESTION = "What is in this picture?"
-PICTURE = [100, 150, 1]  # height, width, seed: split into 4 tiles + the whole
+# the shared cases, and the first picture with one pixel changed
 CASES = [
-    {
-        "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
-        ],
-        "images": [PICTURE],
-    },
-    {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "Compare"},
-                    {"type": "image"},
-                    {"type": "text", "text": "and"},
-                    {"type": "image"},
-                ],
-            }
-        ],
-        "images": [[40, 50, 2], [64, 64, 3]],
-    },
+    *IMAGE_CASES,
     {  # the first picture with one pixel changed
         "messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}

@@ -70,6 +70,31 @@ VISION_SHAPE = {
     "initializer_range": 0.2,
 }
 TOP_LOGPROBS = 5
+QUESTION = "What is in this picture?"
+PICTURE = [100, 150, 1]  # height, width, seed
+# the end-to-end tests' conversations: one picture, then two pictures in one message
+IMAGE_CASES = [
+    {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+        ],
+        "images": [PICTURE],
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image"},
+                    {"type": "text", "text": "and"},
+                    {"type": "image"},
+                ],
+            }
+        ],
+        "images": [[40, 50, 2], [64, 64, 3]],
+    },
+]
 
 
 def random_picture(height: int, width: int, seed: int, *, alter_pixel: bool = False):
@@ -132,6 +157,28 @@ def _smollm_tokenizer(out: Path, added: Sequence[str]):
     return tok
 
 
+def gemma3_tokenizer(out: Path):
+    """SmolLM2's tokenizer with Gemma 3's image tokens, named in its config as Google's
+    tokenizer names them (``boi_token``, ...), and Gemma 3's chat template, saved in ``out``."""
+    from transformers import AutoTokenizer
+
+    tok = _smollm_tokenizer(out, GEMMA3_TOKENS)
+    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
+    tok.save_pretrained(out)
+    config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["extra_special_tokens"] = GEMMA3_NAMED_TOKENS
+    config_file.write_text(json.dumps(tokenizer_config))
+    return AutoTokenizer.from_pretrained(out)
+
+
+def idefics3_tokenizer(out: Path):
+    """SmolLM2's tokenizer with SmolVLM's added tokens and chat template."""
+    tok = _smollm_tokenizer(out, IDEFICS3_TOKENS)
+    tok.chat_template = (TEMPLATES / "smolvlm.jinja").read_text()
+    return tok
+
+
 def _idefics3(out: Path, spec: dict):
     """(model, processor) of a tiny Idefics3 with SmolVLM's tokens and template."""
     import torch
@@ -144,8 +191,7 @@ def _idefics3(out: Path, spec: dict):
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
-    tok = _smollm_tokenizer(out, IDEFICS3_TOKENS)
-    tok.chat_template = (TEMPLATES / "smolvlm.jinja").read_text()
+    tok = idefics3_tokenizer(out)
     torch.manual_seed(spec["seed"])
     text = LlamaConfig(vocab_size=TINY_VLM_VOCAB, **TEXT_SHAPE, max_position_embeddings=4096)
     vision = Idefics3VisionConfig(**VISION_SHAPE, image_size=64, patch_size=8)
@@ -168,7 +214,6 @@ def _gemma3(out: Path, spec: dict):
     """(model, processor) of a tiny Gemma 3 with its image tokens and template."""
     import torch
     from transformers import (
-        AutoTokenizer,
         Gemma3Config,
         Gemma3ForConditionalGeneration,
         Gemma3Processor,
@@ -177,14 +222,7 @@ def _gemma3(out: Path, spec: dict):
     )
     from transformers.models.gemma3 import Gemma3ImageProcessorPil
 
-    tok = _smollm_tokenizer(out, GEMMA3_TOKENS)
-    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
-    tok.save_pretrained(out)
-    config_file = out / "tokenizer_config.json"  # Gemma's tokenizer names its image tokens
-    tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["extra_special_tokens"] = GEMMA3_NAMED_TOKENS
-    config_file.write_text(json.dumps(tokenizer_config))
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = gemma3_tokenizer(out)
     torch.manual_seed(spec["seed"])
     text = Gemma3TextConfig(
         vocab_size=TINY_VLM_VOCAB,
