@@ -204,8 +204,10 @@ class DraftWalk:
     def __call__(self, i: int) -> torch.Tensor:
         while self.consumed < i and not self.stuck:
             # a draft the grammar stops at (an EOS after a complete answer) may be refused:
-            # tokens after it are never emitted, whatever their masks
-            if self.matcher.try_consume_tokens([self.drafts[self.consumed]]) == 1:
+            # tokens after it are never emitted, whatever their masks; so is one beyond the
+            # vocabulary (an n-gram copied from an image's ids), which no sample can equal
+            draft = self.drafts[self.consumed]
+            if draft < self.vocab_size and self.matcher.try_consume_tokens([draft]) == 1:
                 self.consumed += 1
             else:
                 self.stuck = True
