@@ -356,6 +356,8 @@ class _Request:
     # False: admissions compute every position (no cached prefix), and its blocks never enter
     # the cache (they would duplicate cached ones, both held while it runs)
     match_prefix: bool = True
+    # [start, end) pairs of prompt positions that no prefill chunk ends strictly inside
+    whole_spans: list[tuple[int, int]] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     state: str = "waiting"  # waiting | running | retracted | done
     table: list[int] = field(default_factory=list)  # one allocator reference held per entry
@@ -448,6 +450,7 @@ class Planner:
         max_new_tokens: int,
         *,
         match_prefix: bool = True,
+        whole_spans: Sequence[int] | bytes = b"",
     ) -> None:
         tokens = _ints(prompt, "i")
         if rid in self._requests:
@@ -458,12 +461,23 @@ class Planner:
         if max_new_tokens < 1:
             raise ValueError(f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
         capacity = self.allocator.num_blocks * self.block_size
+        flat = _ints(whole_spans, "i")
+        if len(flat) % 2:
+            raise ValueError(f"request {rid}: whole_spans holds {len(flat)} ints, not pairs")
+        spans = list(zip(flat[::2], flat[1::2], strict=True))
+        for i, (s, e) in enumerate(spans):
+            if not 0 <= s < e <= len(tokens):
+                raise ValueError(f"request {rid}: whole_spans[{i}] = [{s}, {e}) is not a range")
+            if i and s < spans[i - 1][1]:
+                raise ValueError(f"request {rid}: whole_spans[{i}] overlaps the span before it")
+            if self._blocks_for(e) > self.allocator.num_blocks:
+                raise ValueError(f"request {rid}: whole_spans[{i}] needs more than the pool")
         if len(tokens) + max_new_tokens > capacity:
             raise ValueError(
                 f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
                 f"({capacity} tokens)"
             )
-        req = _Request(rid, tokens, max_new_tokens, match_prefix)
+        req = _Request(rid, tokens, max_new_tokens, match_prefix, spans)
         self._requests[rid] = req
         self._waiting.append(req)
 
@@ -539,6 +553,21 @@ class Planner:
         final = max(req.prefill_target, req.num_scheduled)
         final += math.ceil(remaining * self.reserve_ratio)
         return max(0, self._blocks_for(final) - len(req.table))
+
+    @staticmethod
+    def _span_end(req: _Request, start: int, end: int, limit: int) -> int:
+        """Where a prefill chunk from ``start`` ends, given the end the budgets allow and the
+        furthest end the pool holds now: a chunk starting in a span (or at its start) runs to
+        the span's end even past the budgets; one that would end strictly inside a later span
+        ends at its start; ``start`` (nothing now) when the pool cannot hold the span."""
+        for s, e in req.whole_spans:
+            if s <= start < e:
+                end = max(end, e)
+        end = min(end, limit)
+        for s, e in req.whole_spans:
+            if s < end < e:
+                return s if s > start else start
+        return end
 
     def _release(self, req: _Request) -> None:
         self.allocator.decref(req.table)
@@ -620,8 +649,10 @@ class Planner:
                 continue
             if budget <= 0:
                 break
-            n = min(req.prefill_target - req.num_scheduled, self.chunked_prefill_size, budget)
-            n = min(n, (len(req.table) + self._available()) * bs - req.num_scheduled)
+            start = req.num_scheduled
+            n = min(req.prefill_target - start, self.chunked_prefill_size, budget)
+            fits = (len(req.table) + self._available()) * bs - start
+            n = self._span_end(req, start, start + n, start + fits) - start
             if n <= 0:
                 continue
             old_len = len(req.table)
@@ -644,6 +675,7 @@ class Planner:
             # Match at most target - 1 tokens: a prefill computes at least one token.
             matched, unlocked = self._peek(tokens[:-1]) if req.match_prefix else (0, 0)
             n = min(target - matched, self.chunked_prefill_size, budget)
+            n = self._span_end(req, matched, matched + n, target) - matched
             blocks_now = self._blocks_for(matched + n) - matched // bs
             later_tokens = target + math.ceil(
                 (req.max_new_tokens - len(req.output)) * self.reserve_ratio

@@ -67,6 +67,25 @@ def _block_ids(blocks: bytes | list[int]) -> list[int]:
     return _i32(blocks) if isinstance(blocks, bytes) else list(blocks)
 
 
+def _draw_spans(draw, length: int) -> list[int]:
+    """Random whole spans (flat [start, end) pairs) over a prompt of ``length`` positions: cuts
+    at random positions (0 and the prompt's end included now and then), each gap between two
+    cuts a span or not, so spans may start at 0, touch each other, outgrow chunked_prefill_size
+    and the prefill budget, and hold the end of a cached prefix."""
+    if length == 0 or draw(st.integers(0, 2), "spans?") == 0:
+        return []
+    cuts = sorted(set(draw(st.lists(st.integers(0, length), min_size=2, max_size=8), "cuts")))
+    flat = []
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        if draw(st.integers(0, 2), "span?"):
+            flat += [start, end]
+    return flat
+
+
+def _span_pairs(flat: list[int]) -> list[tuple[int, int]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
 def _prefix_hashes(tokens: list[int]) -> list[tuple[int, int]]:
     """hashes[k] identifies tokens[:k] (length and content)."""
     out, h = [(0, 0)], 0
@@ -276,6 +295,7 @@ class Tracked:
     match_prefix: bool = True  # False: every admission starts at position 0
     draft: list[int] = field(default_factory=list)  # set for the next plan()
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
+    spans: list[tuple[int, int]] = field(default_factory=list)  # whole spans [start, end)
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -419,22 +439,35 @@ class PlannerMachine(RuleBasedStateMachine):
         self.next_rid += 1
         # one request in four computes its whole prompt, reusing no cached prefix
         match_prefix = data.draw(st.integers(0, 3), label="match_prefix") > 0
+        spans = _draw_spans(lambda s, label: data.draw(s, label=label), len(prompt))
         self._begin(
-            f"add_request({rid}, len {len(prompt)}, max_new {max_new}, match_prefix={match_prefix})"
+            f"add_request({rid}, len {len(prompt)}, max_new {max_new}, match_prefix={match_prefix}"
+            f", whole_spans={_span_pairs(spans)})"
         )
         fits = len(prompt) + max_new <= self.num_blocks * self.bs
         if not prompt or not fits:
             with pytest.raises(ValueError):
-                self.planner.add_request(rid, prompt, max_new)
+                self.planner.add_request(rid, prompt, max_new, whole_spans=spans)
         else:
             if data.draw(st.booleans()):
-                packed = array("i", prompt).tobytes()
-                self.planner.add_request(rid, packed, max_new, match_prefix=match_prefix)
+                packed, packed_spans = array("i", prompt).tobytes(), array("i", spans).tobytes()
+                self.planner.add_request(
+                    rid, packed, max_new, match_prefix=match_prefix, whole_spans=packed_spans
+                )
             else:
-                self.planner.add_request(rid, prompt, max_new, match_prefix=match_prefix)
+                self.planner.add_request(
+                    rid, prompt, max_new, match_prefix=match_prefix, whole_spans=spans
+                )
             self.requests[rid] = Tracked(
-                rid, prompt, max_new, arrival=len(self.requests), match_prefix=match_prefix
+                rid,
+                prompt,
+                max_new,
+                arrival=len(self.requests),
+                match_prefix=match_prefix,
+                spans=_span_pairs(spans),
             )
+            if spans:
+                event("whole spans")
         self._end()
 
     @rule(data=st.data())
@@ -451,6 +484,7 @@ class PlannerMachine(RuleBasedStateMachine):
                     "report_rid",
                     "report_missing",
                     "finish",
+                    "spans",
                 ]
             )
         )
@@ -473,6 +507,9 @@ class PlannerMachine(RuleBasedStateMachine):
             prompt = [1, -1]
         elif kind == "max_new":
             max_new = data.draw(st.sampled_from([0, -3]))
+        spans = []
+        if kind == "spans":  # odd length, empty, reversed, past the prompt, overlapping
+            spans = data.draw(st.sampled_from([[1], [1, 1], [2, 1], [0, 4], [-1, 1], [0, 2, 1, 3]]))
         if kind == "report":  # a step that was never planned, or not the oldest in flight
             with pytest.raises(RuntimeError):
                 self.planner.report(self.next_step_id + 5, [], [])
@@ -496,7 +533,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 self.planner.finish(self.next_rid + 11)
         else:
             with pytest.raises(ValueError):
-                self.planner.add_request(rid, prompt, max_new)
+                self.planner.add_request(rid, prompt, max_new, whole_spans=spans)
         self._end()
 
     @precondition(lambda self: self.ready and len(self.inflight) < MAX_INFLIGHT)
@@ -762,15 +799,34 @@ class PlannerMachine(RuleBasedStateMachine):
             self._fail(f"step {sid} dropped {sorted(dropped)}, expected {sorted(self.to_drop)}")
         self.to_drop.clear()
 
-        # Budgets.
+        # Budgets. A chunk that starts inside a whole span (or at its start) runs to the span's
+        # end even past them; then it is the step's last prefill entry when the step's total
+        # passes max_prefill_tokens (the budget left before it was positive).
         prefill = [e for e in entries if not e.decode]
         if len(entries) > cfg["max_running_requests"]:
             self._fail(f"step {sid}: {len(entries)} entries > max_running_requests")
-        if sum(e.n for e in prefill) > cfg["max_prefill_tokens"]:
-            self._fail(f"step {sid}: {sum(e.n for e in prefill)} prefill tokens > budget")
+        total = sum(e.n for e in prefill)
+        if total > cfg["max_prefill_tokens"]:
+            if not self._span_completing(prefill[-1]) or total - prefill[-1].n >= cfg[
+                "max_prefill_tokens"
+            ]:
+                self._fail(f"step {sid}: {total} prefill tokens > budget")
+            event("whole span past the prefill budget")
         for e in prefill:
             if e.n > cfg["chunked_prefill_size"]:
-                self._fail(f"step {sid}: rid {e.rid} chunk of {e.n} > chunked_prefill_size")
+                if not self._span_completing(e):
+                    self._fail(f"step {sid}: rid {e.rid} chunk of {e.n} > chunked_prefill_size")
+                event("whole span past chunked_prefill_size")
+            # No chunk ends strictly inside a whole span of its request.
+            end = e.start + e.n
+            for start, stop in self.requests[e.rid].spans if e.rid in self.requests else []:
+                if start < end < stop:
+                    self._fail(
+                        f"step {sid}: rid {e.rid}'s chunk [{e.start}, {end}) ends inside its "
+                        f"whole span [{start}, {stop})"
+                    )
+                if start < e.start < stop:
+                    event("prefix hit ends inside a whole span")
         if step.num_prefill_tokens != sum(e.n for e in prefill):
             self._fail(f"step {sid}: num_prefill_tokens {step.num_prefill_tokens} is wrong")
         if step.num_decode_tokens != sum(e.n for e in entries if e.decode):
@@ -844,6 +900,14 @@ class PlannerMachine(RuleBasedStateMachine):
         self.inflight.append((sid, sampling))
         self.step_members[sid] = {e.rid: e.start + e.n for e in entries}
         self.step_verify[sid] = verify
+
+    def _span_completing(self, e: PlannedEntry) -> bool:
+        """The entry starts inside a whole span of its request (or at its start) and ends at
+        the span's end."""
+        req = self.requests.get(e.rid)
+        return req is not None and any(
+            start <= e.start < stop == e.start + e.n for start, stop in req.spans
+        )
 
     def _slot(self, block: int, pos: int) -> list:
         while block >= len(self.kv):
@@ -1196,10 +1260,18 @@ class LockstepMachine(RuleBasedStateMachine):
         except KeyError:
             return None
 
-    @rule(max_new=st.integers(1, 10), prompt=st.lists(st.integers(0, 7), max_size=16))
-    def add(self, max_new: int, prompt: list[int]) -> None:
+    @rule(
+        max_new=st.integers(1, 10),
+        prompt=st.lists(st.integers(0, 7), max_size=16),
+        data=st.data(),
+    )
+    def add(self, max_new: int, prompt: list[int], data: st.DataObject) -> None:
         rid, self.next_rid = self.next_rid, self.next_rid + 1
-        self._both(f"add_request({rid})", lambda p: p.add_request(rid, prompt, max_new))
+        spans = _draw_spans(lambda s, label: data.draw(s, label=label), len(prompt))
+        self._both(
+            f"add_request({rid}, whole_spans={_span_pairs(spans)})",
+            lambda p: p.add_request(rid, prompt, max_new, whole_spans=spans),
+        )
 
     def _decoding(self) -> list[int]:
         """Requests that can take drafts (their prefill sampled, no verify in flight)."""

@@ -171,14 +171,18 @@ void bind_planner(py::module_& m) {
       .def(
           "add_request",
           [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens,
-             bool match_prefix) {
+             bool match_prefix, py::handle whole_spans) {
             auto tokens = to_int32s(prompt, "prompt");
+            auto spans = to_int32s(whole_spans, "whole_spans");
             p.released([&](Planner& x) {
-              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix);
+              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix,
+                            std::move(spans));
             });
           },
           py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"), py::kw_only(),
-          py::arg("match_prefix") = true)
+          py::arg("match_prefix") = true, py::arg("whole_spans") = py::bytes(),
+          "whole_spans: [start, end) pairs of prompt positions (int32 bytes or ints), ascending "
+          "and disjoint, that no prefill chunk ends strictly inside")
       .def(
           "plan",
           [](PyPlanner& p) -> std::shared_ptr<Step> {

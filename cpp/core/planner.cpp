@@ -50,6 +50,38 @@ const PlannerConfig& validated(const PlannerConfig& c) {
   return c;
 }
 
+// Where a prefill chunk from `start` ends under whole spans (ascending [s, e) pairs), given the
+// end the budgets allow (`end` > start) and the furthest end the KV pool can hold now (`limit`):
+// a chunk that starts inside a span, or at its start, runs at least to the span's end, past the
+// budgets if need be (else a span longer than the budget could never be computed); one that
+// would end strictly inside a later span ends where that span starts. Returns `start` (nothing
+// can be computed now) when the pool cannot hold the rest of the span `start` lies in.
+int64_t whole_span_end(const std::vector<int32_t>& spans, int64_t start, int64_t end,
+                       int64_t limit) {
+  if (spans.empty()) return std::min(end, limit);
+  const size_t n = spans.size() / 2;
+  // The first span ending after pos (ends ascend with the starts).
+  auto first_ending_after = [&](int64_t pos) {
+    size_t lo = 0;
+    size_t hi = n;
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (spans[2 * mid + 1] > pos) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
+  };
+  const size_t i = first_ending_after(start);
+  if (i < n && spans[2 * i] <= start) end = std::max<int64_t>(end, spans[2 * i + 1]);
+  end = std::min(end, limit);
+  const size_t j = first_ending_after(end);
+  if (j < n && spans[2 * j] < end) end = spans[2 * j] > start ? spans[2 * j] : start;
+  return end;
+}
+
 }  // namespace
 
 const char* state_name(RequestState state) {
@@ -95,7 +127,7 @@ Request* Planner::find(int64_t rid) const {
 // Requests in and out
 
 void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
-                          bool match_prefix) {
+                          bool match_prefix, std::vector<int32_t> whole_spans) {
   if (find(rid)) throw ValueError("request " + std::to_string(rid) + " already exists");
   require(!prompt.empty(), "request " + std::to_string(rid) + ": the prompt is empty");
   require(max_new_tokens >= 1, "request " + std::to_string(rid) +
@@ -109,6 +141,28 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
     }
   }
   const int64_t capacity = static_cast<int64_t>(allocator_.num_blocks()) * block_size_;
+  const std::string name = "request " + std::to_string(rid) + ": ";
+  require(whole_spans.size() % 2 == 0, name + "whole_spans holds " +
+                                           std::to_string(whole_spans.size()) +
+                                           " ints, not [start, end) pairs");
+  for (size_t i = 0; i < whole_spans.size(); i += 2) {
+    const int64_t s = whole_spans[i];
+    const int64_t e = whole_spans[i + 1];
+    const std::string span = "whole_spans[" + std::to_string(i / 2) + "] = [" +
+                             std::to_string(s) + ", " + std::to_string(e) + ")";
+    require(0 <= s && s < e && e <= static_cast<int64_t>(prompt.size()),
+            name + span + " is not a non-empty range of prompt positions [0, " +
+                std::to_string(prompt.size()) + ")");
+    require(i == 0 || s >= whole_spans[i - 1],
+            name + span + " starts before the previous span ends at " +
+                std::to_string(whole_spans[i - 1]) + " (spans must ascend and not overlap)");
+    // A chunk computing the span holds positions [0, e) at once: a pool that cannot hold them
+    // would keep the request waiting forever.
+    require(blocks_for(e) <= allocator_.num_blocks(),
+            name + span + " needs positions [0, " + std::to_string(e) +
+                ") in the KV pool at once, more than its " + std::to_string(capacity) +
+                " tokens");
+  }
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   if (max_new_tokens > capacity || total > capacity || total > 2147483647) {
     throw ValueError("request " + std::to_string(rid) + ": " + std::to_string(prompt.size()) +
@@ -122,6 +176,7 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   r.prompt = std::move(prompt);
   r.max_new_tokens = max_new_tokens;
   r.match_prefix = match_prefix;
+  r.whole_spans = std::move(whole_spans);
   r.state = RequestState::kWaiting;
   waiting_.push_back(&r);
   r.queue_pos = std::prev(waiting_.end());
@@ -461,12 +516,16 @@ void Planner::plan_prefill_chunks(Step& step, InflightStep& record, int64_t& pre
     Request& r = *rp;
     if (r.num_scheduled >= r.prefill_target) continue;
     if (prefill_budget <= 0) break;
-    int64_t chunk = std::min(
+    const int64_t want = std::min(
         {r.prefill_target - r.num_scheduled, config_.chunked_prefill_size, prefill_budget});
-    // Never wait for blocks that decodes may hold for long: compute what fits now.
+    // Never wait for blocks that decodes may hold for long: compute what fits now (but a whole
+    // span or nothing).
     const int64_t fits =
         (static_cast<int64_t>(r.table.size()) + available_blocks()) * block_size_ - r.num_scheduled;
-    chunk = std::min(chunk, fits);
+    const int64_t chunk =
+        whole_span_end(r.whole_spans, r.num_scheduled, r.num_scheduled + want,
+                       r.num_scheduled + fits) -
+        r.num_scheduled;
     if (chunk <= 0) continue;
     const size_t old_len = r.table.size();
     if (!allocate_blocks(blocks_for(r.num_scheduled + chunk) - static_cast<int64_t>(old_len),
@@ -546,7 +605,10 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
     peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
   }
   const int64_t matched = peek.num_blocks * block_size_;
-  const int64_t chunk = std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
+  const int64_t want = std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
+  // A match may end inside a whole span (its K/V was computed with the span whole): the chunk
+  // then runs to the span's end. The block counts below use this adjusted length.
+  const int64_t chunk = whole_span_end(c.whole_spans, matched, matched + want, target) - matched;
   const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
   const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
   const int64_t reserve_tokens =

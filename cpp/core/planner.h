@@ -119,9 +119,11 @@ class Planner {
   // tokens than the pool can ever hold. match_prefix false: its admissions (first and after a
   // retraction) compute the whole sequence instead of reusing cached blocks, and its blocks
   // never enter the cache (they would duplicate cached ones, and a running request's lock
-  // would hold both): they are freed when it ends.
+  // would hold both): they are freed when it ends. whole_spans: [start, end) pairs of prompt
+  // positions, ascending, disjoint and non-empty, that no prefill chunk ends strictly inside
+  // (ValueError naming the span otherwise, or if the pool cannot hold positions [0, end)).
   void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
-                   bool match_prefix = true);
+                   bool match_prefix = true, std::vector<int32_t> whole_spans = {});
 
   // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
   std::optional<Step> plan();

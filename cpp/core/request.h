@@ -28,6 +28,10 @@ struct Request {
   // (an embedding that pools over all of them needs each one's hidden state); its blocks are
   // freed at the end, never cached
   bool match_prefix = true;
+  // [start, end) pairs of prompt positions, ascending and disjoint, that one forward pass must
+  // compute whole (an image whose positions attend to each other): no prefill chunk ends
+  // strictly inside one. They stay with the request across retraction and recompute.
+  std::vector<int32_t> whole_spans;
   RequestState state = RequestState::kWaiting;
 
   // While running. Positions [0, num_scheduled) are computed or planned in an unreported step;
