@@ -175,8 +175,7 @@ void bind_planner(py::module_& m) {
             auto tokens = to_int32s(prompt, "prompt");
             auto spans = to_int32s(whole_spans, "whole_spans");
             p.released([&](Planner& x) {
-              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix,
-                            std::move(spans));
+              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix, std::move(spans));
             });
           },
           py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"), py::kw_only(),

@@ -148,8 +148,8 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   for (size_t i = 0; i < whole_spans.size(); i += 2) {
     const int64_t s = whole_spans[i];
     const int64_t e = whole_spans[i + 1];
-    const std::string span = "whole_spans[" + std::to_string(i / 2) + "] = [" +
-                             std::to_string(s) + ", " + std::to_string(e) + ")";
+    const std::string span = "whole_spans[" + std::to_string(i / 2) + "] = [" + std::to_string(s) +
+                             ", " + std::to_string(e) + ")";
     require(0 <= s && s < e && e <= static_cast<int64_t>(prompt.size()),
             name + span + " is not a non-empty range of prompt positions [0, " +
                 std::to_string(prompt.size()) + ")");
@@ -160,8 +160,7 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
     // would keep the request waiting forever.
     require(blocks_for(e) <= allocator_.num_blocks(),
             name + span + " needs positions [0, " + std::to_string(e) +
-                ") in the KV pool at once, more than its " + std::to_string(capacity) +
-                " tokens");
+                ") in the KV pool at once, more than its " + std::to_string(capacity) + " tokens");
   }
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   if (max_new_tokens > capacity || total > capacity || total > 2147483647) {
@@ -522,10 +521,9 @@ void Planner::plan_prefill_chunks(Step& step, InflightStep& record, int64_t& pre
     // span or nothing).
     const int64_t fits =
         (static_cast<int64_t>(r.table.size()) + available_blocks()) * block_size_ - r.num_scheduled;
-    const int64_t chunk =
-        whole_span_end(r.whole_spans, r.num_scheduled, r.num_scheduled + want,
-                       r.num_scheduled + fits) -
-        r.num_scheduled;
+    const int64_t chunk = whole_span_end(r.whole_spans, r.num_scheduled, r.num_scheduled + want,
+                                         r.num_scheduled + fits) -
+                          r.num_scheduled;
     if (chunk <= 0) continue;
     const size_t old_len = r.table.size();
     if (!allocate_blocks(blocks_for(r.num_scheduled + chunk) - static_cast<int64_t>(old_len),
