@@ -9,8 +9,9 @@ returns lists, its natural form, so that caller code such as ``blocks + fresh`` 
 - ``RadixCache``: a tree over token ids whose edges hold whole blocks; LRU eviction of unlocked
   leaves by (last access, node id). Its prefix matches and block ids are meant to agree exactly
   with the C++ cache for the same sequence of calls.
-- ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill, reservation,
-  retraction, abort, overlapped steps and speculative verify entries, following the planning
+- ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill (never ending
+  inside a request's whole spans), reservation, retraction, abort, overlapped steps and
+  speculative verify entries, following the planning
   rules of cpp/README.md (including its reservation arithmetic). Node layout inside the cache
   may differ from the core's (the core extends a decoding request's leaf in place), so tests
   compare the two planners through the invariants a worker relies on, not step by step.

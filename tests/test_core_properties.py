@@ -8,7 +8,10 @@ Two hypothesis state machines:
 - ``PlannerMachine`` drives a ``Planner`` through random interleavings of add / plan / report
   (up to two steps in flight) / finish / abort / evict / flush, and of speculative decoding:
   random drafts, reports that accept any number of them (none to all), aborts while drafts are
-  being verified. It plays the worker itself: it
+  being verified. Requests carry random whole spans (at position 0, touching, longer than a
+  chunk or the step's budget, holding the end of a cached prefix): no prefill entry may end
+  strictly inside one, and only a chunk that completes a span may pass the budgets. It plays
+  the worker itself: it
   keeps every request's block table as the worker would and a shadow of the KV pool that
   records which (request, position) wrote each slot. From that it checks what the worker
   relies on: a step reads only slots that hold the KV of exactly the tokens it expects, writes
@@ -24,6 +27,7 @@ reference with the same calls (radix cache off) and demands identical Steps and 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from array import array
@@ -76,7 +80,7 @@ def _draw_spans(draw, length: int) -> list[int]:
         return []
     cuts = sorted(set(draw(st.lists(st.integers(0, length), min_size=2, max_size=8), "cuts")))
     flat = []
-    for start, end in zip(cuts, cuts[1:], strict=False):
+    for start, end in itertools.pairwise(cuts):
         if draw(st.integers(0, 2), "span?"):
             flat += [start, end]
     return flat
@@ -807,9 +811,10 @@ class PlannerMachine(RuleBasedStateMachine):
             self._fail(f"step {sid}: {len(entries)} entries > max_running_requests")
         total = sum(e.n for e in prefill)
         if total > cfg["max_prefill_tokens"]:
-            if not self._span_completing(prefill[-1]) or total - prefill[-1].n >= cfg[
-                "max_prefill_tokens"
-            ]:
+            if (
+                not self._span_completing(prefill[-1])
+                or total - prefill[-1].n >= cfg["max_prefill_tokens"]
+            ):
                 self._fail(f"step {sid}: {total} prefill tokens > budget")
             event("whole span past the prefill budget")
         for e in prefill:

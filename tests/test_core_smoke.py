@@ -6,6 +6,7 @@ reference model by tests/test_core_properties.py; this file checks only the Pyth
 
 from __future__ import annotations
 
+import re
 import threading
 from array import array
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from pyserve import _core as core
+from pyserve.engine.scheduler_loop import whole_spans
 from pyserve.wire import main_to_worker
 
 
@@ -172,6 +174,54 @@ def test_token_inputs_accept_sequences_and_buffers(tokens):
 def test_bad_token_inputs_raise(tokens, error):
     with pytest.raises(error):
         _planner().add_request(1, tokens, 1)
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[2, 6], (2, 6), array("i", [2, 6]).tobytes(), np.array([2, 6], dtype=np.int32)],
+    ids=["list", "tuple", "bytes", "int32"],
+)
+def test_whole_spans_accept_sequences_and_buffers(spans):
+    planner = _planner(chunked_prefill_size=4)
+    planner.add_request(1, list(range(10)), 1, whole_spans=spans)
+    chunks = [(e["start_pos"], e["num_tokens"]) for e in planner.plan().entries()]
+    assert chunks == [(0, 2)]  # [0, 4) would end inside [2, 6)
+
+
+@pytest.mark.parametrize(
+    ("spans", "words"),
+    [
+        ([1], "not [start, end) pairs"),
+        ([3, 3], "whole_spans[0] = [3, 3) is not a non-empty range"),
+        ([2, 11], "whole_spans[0] = [2, 11) is not a non-empty range of prompt positions"),
+        ([0, 2, 1, 3], "whole_spans[1] = [1, 3) starts before the previous span ends at 2"),
+        ([4, 6, 0, 1], "whole_spans[1] = [0, 1) starts before"),
+    ],
+)
+def test_bad_whole_spans_raise_naming_the_span(spans, words):
+    planner = _planner()
+    with pytest.raises(ValueError, match=re.escape(words)):
+        planner.add_request(1, list(range(10)), 1, whole_spans=spans)
+    assert planner.num_waiting == 0
+
+
+def test_a_whole_span_the_pool_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match=re.escape("whole_spans[0] = [2, 10) needs positions")):
+        _planner(num_blocks=2, block_size=4).add_request(1, list(range(10)), 1, whole_spans=[2, 10])
+
+
+def test_each_run_of_an_images_positions_is_a_whole_span():
+    def image(*positions: int) -> main_to_worker.ImageInput:
+        return main_to_worker.ImageInput(
+            key=b"k", positions=array("i", positions).tobytes(), tensors={}
+        )
+
+    spans = whole_spans([image(5, 6, 7, 10, 11), image(1, 2), image(12)])
+    assert _i32(spans) == [1, 3, 5, 8, 10, 12, 12, 13]  # ascending; runs may touch
+    assert whole_spans([image()]) == b""
+    planner = _planner(chunked_prefill_size=6)
+    planner.add_request(1, list(range(14)), 1, whole_spans=spans)
+    assert planner.plan().entries()[0]["num_tokens"] == 5  # [0, 6) would split [5, 8)
 
 
 def test_step_fields_are_packed_little_endian_arrays():

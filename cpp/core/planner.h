@@ -23,6 +23,13 @@
 // freed. Until that report the request gets no entry. Only computed whole blocks enter the
 // cache, so no cached block ever holds rejected K/V.
 //
+// Whole spans: add_request may name runs of prompt positions that one forward pass must compute
+// together (an image whose positions attend to each other). No prefill chunk ends strictly
+// inside one: a chunk that would ends at the span's start; a chunk that starts inside one (after
+// a prefix match) or at its start runs to its end, past chunked_prefill_size and the step's
+// budget if need be (so a step exceeds the budget by less than one span), but never past what
+// the pool holds now: then the request waits.
+//
 // Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
 // for every running request whose table holds it; the tree blocks in a running request's table
 // lie on the path to the node it locks; each running request holds exactly one lock.

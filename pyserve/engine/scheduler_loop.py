@@ -47,6 +47,26 @@ LOG_EVERY_S = 10.0
 MAX_COSTED_TOKENS = 256  # decode steps measured for speculation: up to this many tokens
 
 
+def whole_spans(images: list[out.ImageInput]) -> bytes:
+    """The prompt spans no prefill chunk may split, as the Planner takes them (int32
+    ``[start, end)`` pairs, ascending): every maximal run of consecutive positions of an image,
+    whose positions may attend to each other within one forward pass (Gemma 3's do)."""
+    runs = []
+    for image in images:
+        pos = np.frombuffer(image.positions, dtype="<i4").astype(np.int64)
+        if not len(pos):
+            continue
+        cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+        starts = pos[np.concatenate(([0], cuts))]
+        ends = pos[np.concatenate((cuts - 1, [len(pos) - 1]))] + 1
+        runs.append(np.stack((starts, ends), axis=1))
+    if not runs:
+        return b""
+    spans = np.concatenate(runs)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]  # images in any order
+    return spans.astype("<i4").tobytes()
+
+
 class EngineSink(Protocol):
     """What the thread calls on the event loop (through call_soon_threadsafe)."""
 
@@ -269,6 +289,7 @@ class SchedulerLoop:
                     request.prompt_ids,
                     request.sampling.max_new_tokens,
                     match_prefix=pooling is None or not pooling.needs_every_position,
+                    whole_spans=whole_spans(request.images) if request.images else b"",
                 )
             except (ValueError, KeyError) as e:
                 self._post(self._sink.on_request_error, [rid], ValueError(str(e)))
