@@ -141,26 +141,31 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
     }
   }
   const int64_t capacity = static_cast<int64_t>(allocator_.num_blocks()) * block_size_;
-  const std::string name = "request " + std::to_string(rid) + ": ";
-  require(whole_spans.size() % 2 == 0, name + "whole_spans holds " +
-                                           std::to_string(whole_spans.size()) +
-                                           " ints, not [start, end) pairs");
+  if (whole_spans.size() % 2 != 0) {
+    throw ValueError("request " + std::to_string(rid) + ": whole_spans holds " +
+                     std::to_string(whole_spans.size()) + " ints, not [start, end) pairs");
+  }
   for (size_t i = 0; i < whole_spans.size(); i += 2) {
     const int64_t s = whole_spans[i];
     const int64_t e = whole_spans[i + 1];
-    const std::string span = "whole_spans[" + std::to_string(i / 2) + "] = [" + std::to_string(s) +
-                             ", " + std::to_string(e) + ")";
-    require(0 <= s && s < e && e <= static_cast<int64_t>(prompt.size()),
-            name + span + " is not a non-empty range of prompt positions [0, " +
-                std::to_string(prompt.size()) + ")");
-    require(i == 0 || s >= whole_spans[i - 1],
-            name + span + " starts before the previous span ends at " +
-                std::to_string(whole_spans[i - 1]) + " (spans must ascend and not overlap)");
+    auto refuse = [&](const std::string& why) {
+      throw ValueError("request " + std::to_string(rid) + ": whole_spans[" + std::to_string(i / 2) +
+                       "] = [" + std::to_string(s) + ", " + std::to_string(e) + ") " + why);
+    };
+    if (s < 0 || s >= e || e > static_cast<int64_t>(prompt.size())) {
+      refuse("is not a non-empty range of prompt positions [0, " + std::to_string(prompt.size()) +
+             ")");
+    }
+    if (i > 0 && s < whole_spans[i - 1]) {
+      refuse("starts before the previous span ends at " + std::to_string(whole_spans[i - 1]) +
+             " (spans must ascend and not overlap)");
+    }
     // A chunk computing the span holds positions [0, e) at once: a pool that cannot hold them
     // would keep the request waiting forever.
-    require(blocks_for(e) <= allocator_.num_blocks(),
-            name + span + " needs positions [0, " + std::to_string(e) +
-                ") in the KV pool at once, more than its " + std::to_string(capacity) + " tokens");
+    if (blocks_for(e) > allocator_.num_blocks()) {
+      refuse("needs positions [0, " + std::to_string(e) +
+             ") in the KV pool at once, more than its " + std::to_string(capacity) + " tokens");
+    }
   }
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   if (max_new_tokens > capacity || total > capacity || total > 2147483647) {
