@@ -2,7 +2,9 @@
 // evict / flush, checked after every operation. A shadow worker executes each Step on a shadow
 // KV pool that records which token each slot holds, and demands what the real worker relies on:
 // every position a step reads holds exactly that request's token, prefill inputs are the
-// request's tokens, and tables cover what is written. Runs under the sanitizers in CI.
+// request's tokens, and tables cover what is written; with whole spans, no prefill entry ends
+// strictly inside one, and only an entry that completes a span passes the budgets. Runs under
+// the sanitizers in CI.
 #include <deque>
 #include <map>
 #include <random>
@@ -31,6 +33,8 @@ struct Soak {
   std::deque<std::pair<Step, std::vector<std::pair<int64_t, int32_t>>>> inflight;
   std::set<int64_t> live;  // added and not finished or aborted by us
   int64_t next_rid = 0;
+  bool with_spans = false;
+  std::map<int64_t, Tokens> spans;  // each request's whole spans, flat [start, end) pairs
 
   Soak(const PlannerConfig& c, uint32_t seed)
       : planner(c),
@@ -46,7 +50,19 @@ struct Soak {
     for (int32_t n = pick(6); n >= 0; --n) prompt.push_back(1 + pick(6));
     const int64_t rid = next_rid++;
     const int64_t max_new_tokens = 1 + pick(8);
-    planner.add_request(rid, prompt, max_new_tokens);
+    Tokens flat;
+    const int32_t len = static_cast<int32_t>(prompt.size());
+    // Spans at 0 now and then, touching or apart, some longer than a chunk.
+    for (int32_t pos = pick(3); with_spans && pos < len;) {
+      const int32_t end = std::min(len, pos + 1 + pick(6));
+      if (pick(3) > 0) {
+        flat.push_back(pos);
+        flat.push_back(end);
+      }
+      pos = end + pick(2);
+    }
+    planner.add_request(rid, prompt, max_new_tokens, true, flat);
+    spans[rid] = flat;
     sequence[rid] = prompt;
     max_new[rid] = max_new_tokens;
     live.insert(rid);
@@ -94,8 +110,30 @@ struct Soak {
     std::optional<Step> s = planner.plan();
     if (!s) return;
     CHECK(static_cast<int64_t>(s->num_entries()) <= planner.config().max_running_requests);
-    CHECK(s->num_prefill_tokens <= planner.config().max_prefill_tokens);
-    for (int32_t n : s->num_tokens) CHECK(n <= planner.config().chunked_prefill_size);
+    const PlannerConfig& c = planner.config();
+    int64_t before_last = 0;  // prefill tokens before the last prefill entry
+    std::optional<Entry> last;
+    for (const Entry& e : entries(*s)) {
+      if (e.decode) continue;
+      const Tokens& sp = spans.at(e.rid);
+      bool completes = false;  // starts inside a span (or at its start), ends at its end
+      for (size_t i = 0; i < sp.size(); i += 2) {
+        CHECK(!(sp[i] < e.start + e.num_tokens && e.start + e.num_tokens < sp[i + 1]));
+        completes = completes || (sp[i] <= e.start && e.start + e.num_tokens == sp[i + 1]);
+      }
+      CHECK(e.num_tokens <= c.chunked_prefill_size || completes);
+      if (last) before_last += last->num_tokens;
+      last = e;
+    }
+    if (s->num_prefill_tokens > c.max_prefill_tokens) {
+      const Tokens& sp = spans.at(last->rid);
+      bool completes = false;
+      for (size_t i = 0; i < sp.size(); i += 2) {
+        completes =
+            completes || (sp[i] <= last->start && last->start + last->num_tokens == sp[i + 1]);
+      }
+      CHECK(completes && before_last < c.max_prefill_tokens);
+    }
     execute(*s);
   }
 
@@ -164,9 +202,10 @@ struct Soak {
 };
 
 // Returns the number of retractions, so a test can demand that it exercised them.
-int64_t soak(PlannerConfig c, uint32_t seed, int ops) {
+int64_t soak(PlannerConfig c, uint32_t seed, int ops, bool with_spans = false) {
   c.vocab_size = 16;
   Soak s(c, seed);
+  s.with_spans = with_spans;
   for (int i = 0; i < ops; ++i) s.random_op();
   const int64_t retractions = s.planner.stats().retractions;
   s.drain();
@@ -215,6 +254,23 @@ TEST(random_runs_without_the_radix_cache) {
     c.enable_radix_cache = false;
     soak(c, seed, 1000);
   }
+}
+
+TEST(random_runs_with_whole_spans) {
+  int64_t retractions = 0;
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    const int64_t block_size = seed % 3 ? 2 : 1;
+    PlannerConfig c = config(22 / block_size, block_size);  // the longest request just fits
+    c.policy = seed % 2 ? "fcfs" : "lpm";
+    c.chunked_prefill_size = 1 + seed % 3;
+    c.max_prefill_tokens = 2 + seed % 4;
+    c.init_reserve_ratio = 0.2;
+    c.min_reserve_ratio = 0.0;
+    c.reserve_decay = 0.05;
+    c.enable_radix_cache = seed != 5;
+    retractions += soak(c, seed, 3000, /*with_spans=*/true);
+  }
+  CHECK(retractions > 0);
 }
 
 int main() { return check::run_all_tests(); }
