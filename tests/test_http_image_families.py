@@ -9,7 +9,9 @@
   positions lie on its patch grid and later tokens are shifted by the grid's saving.
 
 A server per family and backend: the CPU kernels, the torch backend with prefill chunks that
-end right after an image, and Triton's kernels (in its interpreter).
+end right after an image, the torch backend with chunks shorter than an image (the planner keeps
+each image in one chunk: its positions are whole spans), and Triton's kernels (in its
+interpreter).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ BACKENDS = {
     "cpu": [],
     # 24-token chunks: Gemma 3's first ends two positions after its first image
     "torch-chunked": ["--backend", "torch", "--chunked-prefill-size", "24"],
+    # 6-token chunks, shorter than an image: the planner keeps each image in one chunk anyway
+    "torch-split": ["--backend", "torch", "--chunked-prefill-size", "6"],
     "triton": ["--backend", "triton"],  # the interpreter (conftest.py sets TRITON_INTERPRET)
 }
 

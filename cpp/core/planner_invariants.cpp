@@ -122,6 +122,13 @@ void Planner::check_invariants() const {
     if (r.num_scheduled > static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens) {
       fail(name + " scheduled past prompt + max_new_tokens");
     }
+    // Its scheduled positions end where its last entry did: never strictly inside a whole span.
+    for (size_t i = 0; i < r.whole_spans.size(); i += 2) {
+      if (r.whole_spans[i] < r.num_scheduled && r.num_scheduled < r.whole_spans[i + 1]) {
+        fail(name + "'s scheduled positions end inside its whole span [" +
+             std::to_string(r.whole_spans[i]) + ", " + std::to_string(r.whole_spans[i + 1]) + ")");
+      }
+    }
     for (BlockId b : r.table) {
       if (b < 0 || static_cast<size_t>(b) >= num_blocks) fail(name + " holds a bad block id");
       ++expected[b];
