@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = run.add_argument
     add("--model", help="a Hugging Face model directory or a .gguf file; none: SmolLM2-135M")
+    add(
+        "--mmproj",
+        help="llama.cpp's multimodal projector file (a GGUF vision tower) for a .gguf --model: "
+        "serves images for Gemma 3, SmolVLM/Idefics3 and Qwen2.5-VL",
+    )
     add("--served-model-name", help="the model's name in the API; none: from the model")
     add("--host", default="127.0.0.1", help="address to listen on")
     add("--port", type=int, default=30000, help="port to listen on; 0 picks a free one")
@@ -348,6 +353,7 @@ def add_speculative_args(add: Callable[..., object]) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=args.model,
+        mmproj=args.mmproj,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
         device=args.device,

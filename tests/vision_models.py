@@ -116,12 +116,16 @@ def build_tiny_vlm(
     cases: Sequence[dict] = (),
     max_new_tokens: int = 0,
     sliding_window: int = 4096,
+    vision: dict | None = None,
+    image_processor: dict | None = None,
 ) -> Path:
     """Saves the ``family`` model (``idefics3`` or ``gemma3``) in ``directory`` and writes
     ``references.json``: for each case (``{"messages": [...], "images": [[h, w, seed,
     alter_pixel?], ...]}``, messages in the OpenAI form whose image parts are
     ``{"type": "image"}``), HF's prompt ids, greedy output of ``max_new_tokens`` tokens and top
-    logprobs at every position. ``sliding_window``: Gemma 3's local layers' window."""
+    logprobs at every position. ``sliding_window``: Gemma 3's local layers' window. ``vision``
+    and ``image_processor``: settings that replace the family's tiny vision config's and image
+    processor's (a shape llama.cpp's converter takes, limits as its runtime reads them)."""
     spec = {
         "directory": str(directory),
         "family": family,
@@ -129,6 +133,8 @@ def build_tiny_vlm(
         "cases": list(cases),
         "max_new_tokens": max_new_tokens,
         "sliding_window": sliding_window,
+        "vision": vision or {},
+        "image_processor": image_processor or {},
     }
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
@@ -194,7 +200,9 @@ def _idefics3(out: Path, spec: dict):
     tok = idefics3_tokenizer(out)
     torch.manual_seed(spec["seed"])
     text = LlamaConfig(vocab_size=TINY_VLM_VOCAB, **TEXT_SHAPE, max_position_embeddings=4096)
-    vision = Idefics3VisionConfig(**VISION_SHAPE, image_size=64, patch_size=8)
+    vision = Idefics3VisionConfig(
+        **{**VISION_SHAPE, "image_size": 64, "patch_size": 8, **spec["vision"]}
+    )
     config = Idefics3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
@@ -204,7 +212,8 @@ def _idefics3(out: Path, spec: dict):
     )
     model = Idefics3ForConditionalGeneration(config).eval()
     image_processor = Idefics3ImageProcessorPil(
-        max_image_size={"longest_edge": 64}, size={"longest_edge": 128}
+        **{"max_image_size": {"longest_edge": 64}, "size": {"longest_edge": 128}}
+        | spec["image_processor"]
     )
     seq_len = (64 // 8) ** 2 // 4  # patches per tile / scale_factor²
     return model, Idefics3Processor(image_processor, tokenizer=tok, image_seq_len=seq_len)
@@ -234,7 +243,9 @@ def _gemma3(out: Path, spec: dict):
         query_pre_attn_scalar=1,  # sharp attention: the image's two-way attention shows
         tie_word_embeddings=False,
     )
-    vision = SiglipVisionConfig(**VISION_SHAPE, image_size=32, patch_size=4)
+    vision = SiglipVisionConfig(
+        **{**VISION_SHAPE, "image_size": 32, "patch_size": 4, **spec["vision"]}
+    )
     config = Gemma3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
@@ -245,7 +256,9 @@ def _gemma3(out: Path, spec: dict):
         tie_word_embeddings=False,
     )
     model = Gemma3ForConditionalGeneration(config).eval()
-    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    image_processor = Gemma3ImageProcessorPil(
+        **{"size": {"height": 32, "width": 32}} | spec["image_processor"]
+    )
     return model, Gemma3Processor(image_processor, tokenizer=tok, image_seq_length=16)
 
 
@@ -307,6 +320,7 @@ def _qwen2_5_vl(out: Path, spec: dict):
         "window_size": 16,
         "fullatt_block_indexes": [1],
         "initializer_range": 0.2,
+        **spec["vision"],
     }
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN2_5_VL_TOKENS}
     config = Qwen2_5_VLConfig(
@@ -320,7 +334,14 @@ def _qwen2_5_vl(out: Path, spec: dict):
     )
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=48 * 48
+        **{
+            "patch_size": 4,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "min_pixels": 8 * 8,
+            "max_pixels": 48 * 48,
+        }
+        | spec["image_processor"]
     )
     return model, _QwenInputs(image_processor, tok)
 

@@ -26,6 +26,8 @@ GPU_PREFILL_BUDGET = (8192, 2048)
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2 GGUF
+    # llama.cpp's --mmproj file: the vision tower and projector of a GGUF model (pyserve/mmproj.py)
+    mmproj: str | None = None
     served_model_name: str | None = None  # what /v1/models reports; default from the model
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto = float32 on CPU, bfloat16 else
     device: str = "cpu"
@@ -170,6 +172,7 @@ class EngineConfig:
             seed=self.seed,
             mem_fraction_static=self.mem_fraction_static,
             draft_model=self.speculative_draft_model_path,
+            mmproj=self.mmproj,
         )
 
     def validate(self) -> None:

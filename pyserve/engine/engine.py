@@ -43,6 +43,7 @@ from pyserve.engine.scheduler_loop import SchedulerLoop
 from pyserve.engine.step_watch import Stall
 from pyserve.engine.subprocesses import Children
 from pyserve.engine.tokenizer_manager import TokenizerManager
+from pyserve.mmproj import Mmproj, MmprojError, check_pairing, gguf_tokens, read_mmproj
 from pyserve.outputs import Embedding, GenerationChunk, RerankResult
 from pyserve.wire.detok_to_main import Ready, RequestDelta
 from pyserve.wire.main_to_worker import (
@@ -100,6 +101,7 @@ class Engine:
         self._idle_check_failures = 0
         self._stall: Stall | None = None  # a step the worker has not answered in time
         self._embedding: embeddings.EmbeddingModel | None = None
+        self._mmproj: Mmproj | None = None  # llama.cpp's --mmproj file, read at start
 
     # ------------------------------------------------------------------ life cycle
 
@@ -113,6 +115,8 @@ class Engine:
         self._ready_future = loop.create_future()
         source, info = await asyncio.to_thread(_read_model_files, config.model)
         self._source, self._info = source, info
+        if config.mmproj is not None:  # checked before the worker loads anything
+            self._mmproj = await asyncio.to_thread(_read_mmproj, config.mmproj, source, info)
         _check_tensor_parallel(config.tp_size, info)
         self._context_length = config.max_model_len or info.context_length
         self._addresses = addresses = RingAddresses.create()
@@ -130,9 +134,14 @@ class Engine:
             # The detokenizer decodes with exactly this tokenizer, saved where only we can read.
             tokenizer_file = os.path.join(addresses.directory, "tokenizer.json")
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
-            self._tokenizers.images = await asyncio.to_thread(
-                ImagePrompts.load, source.path, tokenizer, info.vocab_size
-            )
+            if self._mmproj is not None:
+                self._tokenizers.images = await asyncio.to_thread(
+                    ImagePrompts.from_mmproj, self._mmproj, tokenizer, info.vocab_size
+                )
+            else:
+                self._tokenizers.images = await asyncio.to_thread(
+                    ImagePrompts.load, source.path, tokenizer, info.vocab_size
+                )
             self._embedding = embeddings.describe(
                 path=source.path,
                 kind=source.kind,
@@ -453,7 +462,18 @@ class Engine:
             "speculative": self._speculative_info(),
             "capabilities": self.capabilities,
             "embedding": self._embedding.info() if self._embedding is not None else None,
+            "mmproj": self._mmproj_info(),
             "versions": _versions(),
+        }
+
+    def _mmproj_info(self) -> dict | None:
+        """The --mmproj file and what it holds; None without one."""
+        if self._mmproj is None:
+            return None
+        return {
+            "path": self._mmproj.path,
+            "projector_type": self._mmproj.projector,
+            "family": self._mmproj.family,
         }
 
     def _speculative_info(self) -> dict | None:
@@ -853,6 +873,18 @@ _POOL_DETOK = DetokParams(skip_special_tokens=True)
 def _read_model_files(model: str | None) -> tuple[model_files.ModelSource, model_files.ModelInfo]:
     source = model_files.resolve_model(model)
     return source, model_files.read_model_info(source)
+
+
+def _read_mmproj(path: str, source: model_files.ModelSource, info: model_files.ModelInfo) -> Mmproj:
+    """The --mmproj file, once it is known to fit the text model (MmprojError naming both)."""
+    if source.kind != "gguf":
+        raise MmprojError(
+            f"--mmproj {path} goes with a GGUF text model; --model {source.path} is a Hugging "
+            "Face directory, which brings its own vision tower"
+        )
+    mmproj = read_mmproj(path)
+    check_pairing(mmproj, source.path, info.hidden_size, gguf_tokens(source.path))
+    return mmproj
 
 
 def _int32_bytes(ids: list[int]) -> bytes:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pyserve.mmproj import PLACEHOLDER_TOKENS, Mmproj
 from pyserve.wire.main_to_worker import ImageInput, WireTensor
 
 if TYPE_CHECKING:
@@ -50,6 +51,18 @@ _NOT_SETTINGS = frozenset({"processor_class", "image_processor", "video_processo
 _MERGED_PATCH_FAMILIES = frozenset({"qwen2_5_vl"})
 # the families whose vision towers the worker runs (pyserve/worker/vision)
 VISION_FAMILIES = frozenset({"idefics3", "smolvlm", "gemma3", "qwen2_5_vl"})
+# per family served from an mmproj file: its transformers image processor (the PIL backend)
+_MMPROJ_IMAGE_PROCESSORS = {
+    "idefics3": ("transformers.models.idefics3", "Idefics3ImageProcessorPil"),
+    "gemma3": ("transformers.models.gemma3", "Gemma3ImageProcessorPil"),
+    "qwen2_5_vl": ("transformers.models.qwen2_vl", "Qwen2VLImageProcessorPil"),
+}
+# the image tokens Gemma 3's tokenizer config names (boi, the placeholder, eoi)
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
 # tensors of the processor's output that are not the vision tower's input
 _NOT_TENSORS = frozenset({"rows", "cols", "num_crops"})
 
@@ -145,6 +158,34 @@ class ImagePrompts:
         if token is None:
             raise ValueError(f"{config_file}: no image_token_id")
         return cls(processor, family, int(token), vocab_size)
+
+    @classmethod
+    def from_mmproj(cls, mmproj: Mmproj, tokenizer: Any, vocab_size: int) -> ImagePrompts:
+        """For a GGUF text model served with llama.cpp's ``--mmproj`` file: the family's image
+        processor with the file's sizes and normalization, and its processor's expansion."""
+        import importlib
+
+        import transformers
+
+        module, name = _MMPROJ_IMAGE_PROCESSORS[mmproj.family]
+        image_processor_class = getattr(importlib.import_module(module), name)
+        image_processor = image_processor_class(**mmproj.image_processor_settings())
+        if mmproj.family in _MERGED_PATCH_FAMILIES:
+            processor: Any = MergedPatchPrompts(image_processor, tokenizer)
+        elif mmproj.family == "gemma3":
+            # Gemma3Processor finds its tokens on the tokenizer, named as Gemma's tokenizer
+            # config names them (extra_special_tokens); a GGUF's tokenizer has no such names
+            if getattr(tokenizer, "boi_token", None) is None:
+                tokenizer._set_model_specific_special_tokens(GEMMA3_TOKENS)
+            processor = transformers.Gemma3Processor(
+                image_processor, tokenizer, image_seq_length=mmproj.tokens_per_image
+            )
+        else:
+            processor = transformers.Idefics3Processor(
+                image_processor, tokenizer=tokenizer, image_seq_len=mmproj.tokens_per_image
+            )
+        token = tokenizer.convert_tokens_to_ids(PLACEHOLDER_TOKENS[mmproj.family])
+        return cls(processor, mmproj.family, int(token), vocab_size)
 
     def details(self) -> tuple[str, ...]:
         """The ``detail`` values that change what this model sees."""

@@ -157,7 +157,10 @@ class ModelRunner:
         self.image_token_id: int | None = None
         self.bidirectional_images = False
         self.mrope_merge: int | None = None
-        self._load_vision(checkpoint.path, checkpoint.tensors)
+        if settings.mmproj is not None:
+            self._load_mmproj(checkpoint.path, settings.mmproj)
+        else:
+            self._load_vision(checkpoint.path, checkpoint.tensors)
         self.quantized_linears = sum(packed.values())
         # projections packed at each precision, e.g. {"int4": 144, "int8": 25} ("mxfp4": MXFP4's
         # own form)
@@ -229,6 +232,38 @@ class ModelRunner:
         if any(layer.rope.mrope_section for layer in self.config.layers):
             # Qwen2.5-VL: rope positions laid out on each image's merged patch grid
             self.mrope_merge = int(hf.vision_config.spatial_merge_size)
+
+    def _load_mmproj(self, path: str, mmproj_path: str) -> None:
+        """The vision tower of llama.cpp's ``--mmproj`` file, for the GGUF text model at
+        ``path``; ModelLoadError naming both files where they do not fit."""
+        from pyserve.mmproj import MmprojError, check_pairing, gguf_tokens, read_mmproj
+        from pyserve.worker.vision import load_vision_weights, vision_tower_for
+        from pyserve.worker.vision.mmproj import mmproj_tensors, tower_config
+
+        source = f"{mmproj_path} (the --mmproj of {path})"
+        try:
+            if os.path.isdir(path):
+                raise MmprojError(f"--mmproj {mmproj_path} is for a GGUF model, not {path}")
+            mmproj = read_mmproj(mmproj_path)
+            hidden = self.config.hidden_size
+            token = check_pairing(mmproj, path, hidden, gguf_tokens(path))
+            tower = vision_tower_for(
+                tower_config(mmproj, hidden), dtype=self.dtype, device=self.device
+            )
+            assert tower is not None  # read_mmproj admits our families only
+            load_vision_weights(tower, mmproj_tensors(mmproj, source), source)
+        except MmprojError as e:
+            raise ModelLoadError(str(e)) from None
+        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.dtype)
+        self.image_token_id = token
+        self.bidirectional_images = mmproj.family == "gemma3"
+        if mmproj.family == "qwen2_5_vl":
+            if not any(layer.rope.mrope_section for layer in self.config.layers):
+                raise ModelLoadError(
+                    f"--mmproj {mmproj_path} does not fit --model {path}: a Qwen2.5-VL "
+                    "projector needs the text model's multimodal rope (a qwen2vl GGUF)"
+                )
+            self.mrope_merge = mmproj.scale_factor
 
     def executor_options(self) -> dict:
         """What a StepExecutor over this runner needs to know of its vocabulary and images."""

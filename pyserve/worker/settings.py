@@ -31,6 +31,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a smaller model (a path like ``model``) that drafts tokens for worker-drafted verify
     # entries; it shares the KV pool's block ids and the vocabulary. None: no draft model
     draft_model: str | None = None
+    # llama.cpp's --mmproj: a GGUF vision tower and projector for a GGUF ``model``; None: the
+    # model's own tower (a Hugging Face directory's), if any
+    mmproj: str | None = None
     num_blocks: int = 1024  # KV pool size, in blocks (the core's BlockAllocator has as many)
     block_size: int = 16
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto

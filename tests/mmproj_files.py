@@ -1,0 +1,135 @@
+"""Tiny vision models as llama.cpp users download them: a text GGUF and an ``--mmproj`` projector
+GGUF, both written by llama.cpp's own ``convert_hf_to_gguf.py`` (the one benchmarks/compare.py
+builds llama-server from) from a ``vision_models.build_tiny_vlm`` checkpoint, whose
+``references.json`` (transformers on the HF weights) the served answers are compared with.
+
+The converter takes what released checkpoints hold, so the HF directory it reads is shaped as
+those are (the copy under ``release/``; the references stay those of the original):
+
+- SmolVLM: ``text_config.architectures`` names ``VLlama3ForCausalLM``, which routes the text
+  model to llama.cpp's Llama converter;
+- Gemma 3: the SigLIP tensors under ``vision_tower.vision_model.`` (Google's names;
+  transformers 5 saves them without ``vision_model.``);
+- Qwen2.5-VL: a vision depth of 3 (the converter's tensor map numbers the merger's ``mlp.2`` as
+  a block, so it needs more than two), the released model's 112-pixel attention window (the
+  mmproj has no key for it: llama.cpp assumes 112) and its image-size limits (likewise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from vision_models import build_tiny_vlm
+
+# per family: what build_tiny_vlm takes beside the cases
+CONVERTIBLE = {
+    "idefics3": {},
+    "gemma3": {},
+    "qwen2_5_vl": {
+        "vision": {"depth": 3, "window_size": 112, "fullatt_block_indexes": [1]},
+        # Qwen2.5-VL's released limits, 4 to 16384 merged 8x8-pixel patches here
+        "image_processor": {"min_pixels": 4 * 64, "max_pixels": 16384 * 64},
+    },
+}
+CONVERT_TIMEOUT_S = 300
+
+
+def llama_cpp_converter() -> Path | None:
+    """The llama.cpp source tree whose convert_hf_to_gguf.py (and gguf-py) converts, or None."""
+    from pyserve.model_files import cache_dir
+
+    found = sorted((cache_dir() / "peers" / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return found[-1] if found and (found[-1] / "convert_hf_to_gguf.py").is_file() else None
+
+
+def converted_vlm(base: Path, family: str, cases: list[dict], max_new_tokens: int) -> Path:
+    """``base/family`` holding the HF model (``hf/``, with references.json), ``model.gguf`` and
+    ``mmproj.gguf`` (float32); built once per ``base`` and reused."""
+    out = base / family
+    if (out / "mmproj.gguf").is_file():
+        return out
+    hf = build_tiny_vlm(
+        out / "hf",
+        family=family,
+        seed=0,
+        cases=cases,
+        max_new_tokens=max_new_tokens,
+        **CONVERTIBLE[family],
+    )
+    release = _as_released(hf, out / "release", family)
+    source = llama_cpp_converter()
+    assert source is not None, "llama.cpp's converter is not on this machine"
+    for target, extra in ((out / "model.gguf", []), (out / "mmproj.gguf", ["--mmproj"])):
+        done = subprocess.run(
+            [sys.executable, str(source / "convert_hf_to_gguf.py"), str(release),
+             "--outfile", str(target), "--outtype", "f32", *extra],
+            env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
+            capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{family} {target.name}: {done.stderr[-2000:]}"
+    return out
+
+
+def _as_released(hf: Path, out: Path, family: str) -> Path:
+    """A copy of ``hf`` with the names released checkpoints of ``family`` use."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(hf, out)
+    if family == "idefics3":
+        config = json.loads((out / "config.json").read_text())
+        config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+        (out / "config.json").write_text(json.dumps(config))
+    if family == "gemma3":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(out / "model.safetensors")
+        renamed = {
+            _google_name(name): value for name, value in tensors.items()
+        }  # numpy: no torch in the test process
+        save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _google_name(name: str) -> str:
+    for prefix in ("model.vision_tower.", "vision_tower."):
+        if name.startswith(prefix) and not name.startswith(prefix + "vision_model."):
+            return prefix + "vision_model." + name[len(prefix) :]
+    return name
+
+
+def rewritten_gguf(
+    source: Path, target: Path, *, drop: str | None = None, fields: dict | None = None
+) -> Path:
+    """A copy of the GGUF ``source`` without tensor ``drop`` and with ``fields`` (key -> str,
+    int or float) set: the broken files the start-up checks are tried on."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(target, arch)
+    changes = dict(fields or {})
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = changes.pop(key, field.contents())
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub)
+    for key, value in changes.items():
+        kind = {str: GGUFValueType.STRING, int: GGUFValueType.UINT32}.get(
+            type(value), GGUFValueType.FLOAT32
+        )
+        writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        if tensor.name != drop:
+            shape = [int(n) for n in reversed(tensor.shape)]
+            writer.add_tensor(tensor.name, tensor.data.reshape(shape), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
