@@ -160,17 +160,36 @@ def read_mmproj(path: str) -> Mmproj:
     return Mmproj(path=path, projector=str(projector), family=family, fields=fields)
 
 
-def gguf_tokens(path: str) -> list[str]:
-    """The vocabulary of a GGUF text model (``tokenizer.ggml.tokens``)."""
+def gguf_token_id(path: str, token: str) -> int | None:
+    """The id of ``token`` in a GGUF text model's vocabulary (``tokenizer.ggml.tokens``), or
+    None: the strings are walked in the file, not decoded into a list."""
     from pyserve.model_files import open_gguf_reader
 
-    field = open_gguf_reader(path).fields.get("tokenizer.ggml.tokens")
-    return [] if field is None else [str(t) for t in field.contents()]
+    reader = open_gguf_reader(path)
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    data, order = memoryview(reader.data), "little" if reader.endianess.name == "LITTLE" else "big"
+
+    def u64(at: int) -> int:
+        return int.from_bytes(data[at : at + 8], order)
+
+    # the field: key length, key, value type, item type, count, then each string's length and
+    # bytes
+    at = field.offset + 8 + u64(field.offset) + 4 + 4
+    count, at = u64(at), at + 8
+    want = token.encode()
+    for index in range(count):
+        size, at = u64(at), at + 8
+        if size == len(want) and data[at : at + size] == want:
+            return index
+        at += size
+    return None
 
 
-def check_pairing(mmproj: Mmproj, model_path: str, hidden_size: int, tokens: list[str]) -> int:
-    """The placeholder token's id in the text model's vocabulary ``tokens``, once the two files
-    fit each other: MmprojError naming both where they do not."""
+def check_pairing(mmproj: Mmproj, model_path: str, hidden_size: int) -> int:
+    """The placeholder token's id in the GGUF text model's vocabulary, once the two files fit
+    each other: MmprojError naming both where they do not."""
     pair = f"--mmproj {mmproj.path} does not fit --model {model_path}"
     if mmproj.projection_dim != hidden_size:
         raise MmprojError(
@@ -178,9 +197,9 @@ def check_pairing(mmproj: Mmproj, model_path: str, hidden_size: int, tokens: lis
             f"hidden size is {hidden_size}"
         )
     placeholder = PLACEHOLDER_TOKENS[mmproj.family]
-    try:
-        return tokens.index(placeholder)
-    except ValueError:
+    token = gguf_token_id(model_path, placeholder)
+    if token is None:
         raise MmprojError(
             f"{pair}: its vocabulary has no {placeholder} token ({mmproj.projector} projector)"
-        ) from None
+        )
+    return token

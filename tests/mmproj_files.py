@@ -9,7 +9,12 @@ those are (the copy under ``release/``; the references stay those of the origina
 - SmolVLM: ``text_config.architectures`` names ``VLlama3ForCausalLM``, which routes the text
   model to llama.cpp's Llama converter;
 - Gemma 3: the SigLIP tensors under ``vision_tower.vision_model.`` (Google's names;
-  transformers 5 saves them without ``vision_model.``);
+  transformers 5 saves them without ``vision_model.``), and unused tokens that fill the
+  vocabulary up to the embedding's rows, as Gemma's tokenizer has them (the converter cuts the
+  token embedding to the tokenizer's length, which would leave it shorter than the output
+  projection and the GGUF's vocabulary); released Gemma 3's attention scale (head_dim) and local
+  layers (five of six: both of two), for which the GGUF has no keys; and an input projection
+  that is not zeros, so that the image reaches the text model;
 - Qwen2.5-VL: a vision depth of 3 (the converter's tensor map numbers the merger's ``mlp.2`` as
   a block, so it needs more than two), the released model's 112-pixel attention window (the
   mmproj has no key for it: llama.cpp assumes 112) and its image-size limits (likewise).
@@ -29,7 +34,16 @@ from vision_models import build_tiny_vlm
 # per family: what build_tiny_vlm takes beside the cases
 CONVERTIBLE = {
     "idefics3": {},
-    "gemma3": {},
+    # released Gemma 3's attention scale and layer pattern (the GGUF has no key for either:
+    # llama.cpp scales by head_dim and makes five of six layers local), and a projector that
+    # lets the image through
+    "gemma3": {
+        "text": {
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "sliding_attention"],
+        },
+        "random_projector": True,
+    },
     "qwen2_5_vl": {
         "vision": {"depth": 3, "window_size": 112, "fullatt_block_indexes": [1]},
         # Qwen2.5-VL's released limits, 4 to 16384 merged 8x8-pixel patches here
@@ -91,7 +105,20 @@ def _as_released(hf: Path, out: Path, family: str) -> Path:
             _google_name(name): value for name, value in tensors.items()
         }  # numpy: no torch in the test process
         save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+        _fill_vocabulary(out / "tokenizer.json", json.loads((out / "config.json").read_text()))
     return out
+
+
+def _fill_vocabulary(tokenizer_file: Path, config: dict) -> None:
+    tokenizer = json.loads(tokenizer_file.read_text())
+    size = config["text_config"]["vocab_size"]
+    ids = [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
+    for index, token_id in enumerate(range(max(ids) + 1, size)):
+        tokenizer["added_tokens"].append(
+            {"id": token_id, "content": f"<unused{index}>", "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True}
+        )  # fmt: skip
+    tokenizer_file.write_text(json.dumps(tokenizer))
 
 
 def _google_name(name: str) -> str:

@@ -101,6 +101,18 @@ def test_an_image_is_answered_as_transformers_answers_it_on_the_hf_weights(serve
     )
     ours = [[t.logprob for t in p.top_logprobs] for p in out.choices[0].logprobs.content]
     np.testing.assert_allclose(ours, reference["top_logprobs"], atol=ATOL[family])
+    # the picture reaches the text model: another one moves the logprobs
+    content[0]["image_url"]["url"] = data_url(100, 150, 99)
+    other = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=1,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=TOP_LOGPROBS,
+    )
+    moved = [t.logprob for t in other.choices[0].logprobs.content[0].top_logprobs]
+    assert np.abs(np.subtract(moved, ours[0])).max() > 1e-3
     info = requests.get(server.url + "/server_info", timeout=10).json()
     assert info["mmproj"]["family"] == family
     assert info["mmproj"]["path"] == str(files[family] / "mmproj.gguf")

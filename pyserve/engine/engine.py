@@ -43,7 +43,7 @@ from pyserve.engine.scheduler_loop import SchedulerLoop
 from pyserve.engine.step_watch import Stall
 from pyserve.engine.subprocesses import Children
 from pyserve.engine.tokenizer_manager import TokenizerManager
-from pyserve.mmproj import Mmproj, MmprojError, check_pairing, gguf_tokens, read_mmproj
+from pyserve.mmproj import Mmproj, MmprojError, check_pairing, read_mmproj
 from pyserve.outputs import Embedding, GenerationChunk, RerankResult
 from pyserve.wire.detok_to_main import Ready, RequestDelta
 from pyserve.wire.main_to_worker import (
@@ -883,7 +883,7 @@ def _read_mmproj(path: str, source: model_files.ModelSource, info: model_files.M
             "Face directory, which brings its own vision tower"
         )
     mmproj = read_mmproj(path)
-    check_pairing(mmproj, source.path, info.hidden_size, gguf_tokens(source.path))
+    check_pairing(mmproj, source.path, info.hidden_size)
     return mmproj
 
 

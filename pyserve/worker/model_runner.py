@@ -236,7 +236,7 @@ class ModelRunner:
     def _load_mmproj(self, path: str, mmproj_path: str) -> None:
         """The vision tower of llama.cpp's ``--mmproj`` file, for the GGUF text model at
         ``path``; ModelLoadError naming both files where they do not fit."""
-        from pyserve.mmproj import MmprojError, check_pairing, gguf_tokens, read_mmproj
+        from pyserve.mmproj import MmprojError, check_pairing, read_mmproj
         from pyserve.worker.vision import load_vision_weights, vision_tower_for
         from pyserve.worker.vision.mmproj import mmproj_tensors, tower_config
 
@@ -246,7 +246,7 @@ class ModelRunner:
                 raise MmprojError(f"--mmproj {mmproj_path} is for a GGUF model, not {path}")
             mmproj = read_mmproj(mmproj_path)
             hidden = self.config.hidden_size
-            token = check_pairing(mmproj, path, hidden, gguf_tokens(path))
+            token = check_pairing(mmproj, path, hidden)
             tower = vision_tower_for(
                 tower_config(mmproj, hidden), dtype=self.dtype, device=self.device
             )
