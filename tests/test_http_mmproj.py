@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,13 +46,13 @@ START_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def files():
-    """Every family's HF model, text GGUF and mmproj, built side by side (subprocesses)."""
-    with tempfile.TemporaryDirectory(prefix="pyserve-test-mmproj-") as directory:
-        base = Path(directory)
-        with ThreadPoolExecutor(len(CONVERTIBLE)) as pool:
-            built = list(pool.map(lambda f: converted_vlm(base, f, CASES, MAX_NEW), CONVERTIBLE))
-        yield dict(zip(CONVERTIBLE, built, strict=True))
+def files(tmp_path_factory):
+    """Every family's HF model, text GGUF and mmproj, built side by side (subprocesses) once a
+    session."""
+    base = tmp_path_factory.getbasetemp() / "mmproj-models"
+    with ThreadPoolExecutor(len(CONVERTIBLE)) as pool:
+        built = list(pool.map(lambda f: converted_vlm(base, f, CASES, MAX_NEW), CONVERTIBLE))
+    return dict(zip(CONVERTIBLE, built, strict=True))
 
 
 @pytest.fixture(scope="module", params=list(CONVERTIBLE))
