@@ -187,10 +187,18 @@ def gguf_token_id(path: str, token: str) -> int | None:
     return None
 
 
-def check_pairing(mmproj: Mmproj, model_path: str, hidden_size: int) -> int:
+def check_pairing(
+    mmproj: Mmproj, model_path: str, hidden_size: int, architecture: str | None = None
+) -> int:
     """The placeholder token's id in the GGUF text model's vocabulary, once the two files fit
-    each other: MmprojError naming both where they do not."""
+    each other: MmprojError naming both where they do not. ``architecture``: the text GGUF's
+    ``general.architecture``, where known (Qwen2.5-VL's projector needs ``qwen2vl``'s rope)."""
     pair = f"--mmproj {mmproj.path} does not fit --model {model_path}"
+    if mmproj.family == "qwen2_5_vl" and architecture not in (None, "qwen2vl"):
+        raise MmprojError(
+            f"{pair}: a {mmproj.projector} projector goes with a qwen2vl text model (its "
+            f"multimodal rope), not {architecture}"
+        )
     if mmproj.projection_dim != hidden_size:
         raise MmprojError(
             f"{pair}: the projector writes {mmproj.projection_dim}-wide rows, the text model's "

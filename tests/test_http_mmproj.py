@@ -145,6 +145,13 @@ def test_a_projector_for_another_vocabulary_fails_naming_both_files(files):
     assert "no <image_soft_token> token" in line
 
 
+def test_a_qwen_projector_needs_the_qwen2vl_text_model(files):
+    model, mmproj = files["idefics3"] / "model.gguf", files["qwen2_5_vl"] / "mmproj.gguf"
+    line = failure_line(start_failure(model, mmproj))
+    assert f"--mmproj {mmproj} does not fit --model {model}" in line
+    assert "goes with a qwen2vl text model" in line and "not llama" in line
+
+
 def test_a_projector_of_another_width_fails_naming_both_files(files, tmp_path):
     model = files["gemma3"] / "model.gguf"
     mmproj = rewritten_gguf(
@@ -162,9 +169,14 @@ def test_a_missing_tensor_fails_naming_it_and_both_files(files, tmp_path):
     mmproj = rewritten_gguf(
         files["qwen2_5_vl"] / "mmproj.gguf", tmp_path / "holed.gguf", drop="mm.2.weight"
     )
-    line = failure_line(start_failure(model, mmproj))
-    assert str(mmproj) in line and str(model) in line
-    assert "missing vision tensor(s) visual.merger.mlp.2.weight" in line
+    # the worker finds it, and its log line says so (the engine's own line may only say that
+    # the worker exited: its message can be lost when no detokenizer is up yet to forward it)
+    output = start_failure(model, mmproj)
+    failure_line(output)
+    lines = [line for line in output.splitlines() if "missing vision tensor" in line]
+    assert lines, output
+    assert str(mmproj) in lines[0] and str(model) in lines[0]
+    assert "missing vision tensor(s) visual.merger.mlp.2.weight" in lines[0]
 
 
 def test_an_unsupported_projector_type_or_a_text_gguf_fails(files, tmp_path):

@@ -883,7 +883,7 @@ def _read_mmproj(path: str, source: model_files.ModelSource, info: model_files.M
             "Face directory, which brings its own vision tower"
         )
     mmproj = read_mmproj(path)
-    check_pairing(mmproj, source.path, info.hidden_size)
+    check_pairing(mmproj, source.path, info.hidden_size, info.architecture)
     return mmproj
 
 

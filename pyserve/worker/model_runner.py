@@ -247,6 +247,13 @@ class ModelRunner:
             mmproj = read_mmproj(mmproj_path)
             hidden = self.config.hidden_size
             token = check_pairing(mmproj, path, hidden)
+            if mmproj.family == "qwen2_5_vl" and not any(
+                layer.rope.mrope_section for layer in self.config.layers
+            ):
+                raise MmprojError(
+                    f"--mmproj {mmproj_path} does not fit --model {path}: a Qwen2.5-VL "
+                    "projector needs the text model's multimodal rope (a qwen2vl GGUF)"
+                )
             tower = vision_tower_for(
                 tower_config(mmproj, hidden), dtype=self.dtype, device=self.device
             )
@@ -258,11 +265,7 @@ class ModelRunner:
         self.image_token_id = token
         self.bidirectional_images = mmproj.family == "gemma3"
         if mmproj.family == "qwen2_5_vl":
-            if not any(layer.rope.mrope_section for layer in self.config.layers):
-                raise ModelLoadError(
-                    f"--mmproj {mmproj_path} does not fit --model {path}: a Qwen2.5-VL "
-                    "projector needs the text model's multimodal rope (a qwen2vl GGUF)"
-                )
+            # rope positions laid out on each image's merged patch grid
             self.mrope_merge = mmproj.scale_factor
 
     def executor_options(self) -> dict:
