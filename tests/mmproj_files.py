@@ -35,14 +35,12 @@ from vision_models import build_tiny_vlm
 CONVERTIBLE = {
     "idefics3": {},
     # released Gemma 3's attention scale and layer pattern (the GGUF has no key for either:
-    # llama.cpp scales by head_dim and makes five of six layers local), and a projector that
-    # lets the image through
+    # llama.cpp scales by head_dim and makes five of six layers local)
     "gemma3": {
         "text": {
             "query_pre_attn_scalar": 16,
             "layer_types": ["sliding_attention", "sliding_attention"],
         },
-        "random_projector": True,
     },
     "qwen2_5_vl": {
         "vision": {"depth": 3, "window_size": 112, "fullatt_block_indexes": [1]},

@@ -141,5 +141,15 @@ def test_the_same_image_again_is_a_prefix_hit_with_the_same_answer(server, refer
     np.testing.assert_allclose(top, references[0]["top_logprobs"], atol=atol)
 
 
+def test_another_picture_moves_the_logprobs(server, references):
+    """The image reaches the text model: random weights may keep the greedy ids, not the
+    logprobs."""
+    content = content_of(CASES[0])
+    content[0] = {"type": "image_url", "image_url": {"url": data_url(100, 150, 77)}}
+    out = ask(server, content)
+    top = [[t.logprob for t in p.top_logprobs] for p in out.choices[0].logprobs.content]
+    assert np.abs(np.array(top) - np.array(references[0]["top_logprobs"])).max() > 1e-3
+
+
 def test_nothing_is_left_behind(server):
     wait_for_metrics(server.url, kv_idle)

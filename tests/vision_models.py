@@ -119,18 +119,15 @@ def build_tiny_vlm(
     text: dict | None = None,
     vision: dict | None = None,
     image_processor: dict | None = None,
-    random_projector: bool = False,
 ) -> Path:
-    """Saves the ``family`` model (``idefics3`` or ``gemma3``) in ``directory`` and writes
-    ``references.json``: for each case (``{"messages": [...], "images": [[h, w, seed,
+    """Saves the ``family`` model (``idefics3``, ``gemma3`` or ``qwen2_5_vl``) in ``directory``
+    and writes ``references.json``: for each case (``{"messages": [...], "images": [[h, w, seed,
     alter_pixel?], ...]}``, messages in the OpenAI form whose image parts are
     ``{"type": "image"}``), HF's prompt ids, greedy output of ``max_new_tokens`` tokens and top
     logprobs at every position. ``sliding_window``: Gemma 3's local layers' window. ``text``
     (Gemma 3), ``vision`` and ``image_processor``: settings that replace the family's tiny
     text config's, vision config's and image processor's (a shape llama.cpp's converter takes,
-    limits as its runtime reads them). ``random_projector``: Gemma 3's input projection, which
-    transformers initializes to zeros (hiding the image from the text model), gets seeded
-    values that float16 holds exactly (llama.cpp's converter stores it in F16)."""
+    limits as its runtime reads them)."""
     spec = {
         "directory": str(directory),
         "family": family,
@@ -141,7 +138,6 @@ def build_tiny_vlm(
         "text": text or {},
         "vision": vision or {},
         "image_processor": image_processor or {},
-        "random_projector": random_projector,
     }
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
@@ -265,10 +261,12 @@ def _gemma3(out: Path, spec: dict):
         tie_word_embeddings=False,
     )
     model = Gemma3ForConditionalGeneration(config).eval()
-    if spec["random_projector"]:
-        with torch.no_grad():
-            weight = model.model.multi_modal_projector.mm_input_projection_weight
-            weight.copy_((torch.randn_like(weight) * 0.2).half().float())
+    with torch.no_grad():
+        # transformers initializes the input projection to zeros, which would hide the image
+        # from the text model; seeded values that float16 holds exactly (llama.cpp's converter
+        # stores it in F16)
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        weight.copy_((torch.randn_like(weight) * 0.2).half().float())
     image_processor = Gemma3ImageProcessorPil(
         **{"size": {"height": 32, "width": 32}} | spec["image_processor"]
     )
