@@ -13,10 +13,13 @@ Two towers, random weights, float32, transformers' own configs:
 Encode: best of ``--rounds`` of pyserve's tower (``pyserve/worker/vision``) and transformers'
 ``get_image_features`` on the same preprocessed pixels, in this process, with ``--threads``
 torch threads. TTFT: best of ``--rounds`` of a chat request with one picture (``max_tokens`` 1)
-to `pyserve run` (a new picture each round, so no cache hit), against transformers' processor
-plus ``generate(max_new_tokens=1)`` in this process.
+to `pyserve run` (a new picture each round, so no cache hit; once with the tower in the model's
+float32, once with ``--vision-dtype bfloat16``), against transformers' processor plus
+``generate(max_new_tokens=1)`` in this process. With ``--llama``, the same model converted by
+llama.cpp's converter to a text GGUF and an ``--mmproj`` file (f16, as users download them) is
+served by llama-server and by pyserve, the same requests to each.
 
-    .venv/bin/python benchmarks/images.py --rounds 3
+    .venv/bin/python benchmarks/images.py --rounds 3 --llama
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import base64
 import io
 import json
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from http_testlib import Server
+from mmproj_files import convert_vlm
 from vision_models import gemma3_tokenizer, idefics3_tokenizer, random_picture
 
 from pyserve.worker.loading import open_checkpoint
@@ -149,7 +154,6 @@ def data_url(picture) -> str:
 
 
 def measure(name: str, directory: Path, args) -> dict:
-    import requests
 
     out = directory / name
     out.mkdir()
@@ -185,32 +189,92 @@ def measure(name: str, directory: Path, args) -> dict:
 
         hf = best(hf_ttft, args.rounds)
     tokens = int(inputs["input_ids"].shape[1])
-    server_args = ["--model", str(out), "--torch-threads", str(args.threads)]
-    server_args += ["--kv-cache-tokens", "16384", "--tokenizer-workers", "1"]
-    server = Server(server_args)
-    try:
-        url = server.url + "/v1/chat/completions"
-        times = []
-        for round_ in range(args.rounds + 1):  # the first warms the server up
-            url_of_picture = data_url(random_picture(600, 800, 50 + round_))
-            content = [
-                {"type": "image_url", "image_url": {"url": url_of_picture}},
-                {"type": "text", "text": "What?"},
-            ]
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
-            started = time.perf_counter()
-            reply = requests.post(url, json=body, timeout=600)
-            reply.raise_for_status()
-            times.append(time.perf_counter() - started)
-        pyserve = min(times[1:])
-    finally:
-        server.stop()
+    common = ["--torch-threads", str(args.threads), "--kv-cache-tokens", "16384"]
+    common += ["--tokenizer-workers", "1"]
+    ttft = {"transformers": hf * 1e3}
+    ttft["pyserve"] = pyserve_ttft(["--model", str(out), *common], args.rounds)
+    bf16 = ["--model", str(out), "--vision-dtype", "bfloat16", *common]
+    ttft["pyserve bf16 tower"] = pyserve_ttft(bf16, args.rounds)
+    if args.llama and name in GGUF_FAMILIES:
+        convert_vlm(out, out / "gguf", GGUF_FAMILIES[name], "f16", timeout=1800)
+        files = ["--model", str(out / "gguf" / "model.gguf")]
+        files += ["--mmproj", str(out / "gguf" / "mmproj.gguf")]
+        ttft["pyserve gguf+mmproj"] = pyserve_ttft([*files, *common], args.rounds)
+        both = [*files, "--vision-dtype", "bfloat16", *common]
+        ttft["pyserve gguf+mmproj bf16 tower"] = pyserve_ttft(both, args.rounds)
+        ttft["llama-server gguf+mmproj"] = llama_ttft(out / "gguf", args)
     return {
         "model": name,
         "prompt_tokens": tokens,
         "encode_ms": {"pyserve": ours * 1e3, "transformers": theirs * 1e3},
-        "ttft_ms": {"pyserve": pyserve * 1e3, "transformers": hf * 1e3},
+        "ttft_ms": ttft,
     }
+
+
+# the benchmark's models llama.cpp's converter takes, by family
+GGUF_FAMILIES = {"gemma3-4b": "gemma3", "smolvlm-256m": "idefics3"}
+
+
+def ask_with_pictures(url: str, rounds: int) -> float:
+    """The best time to the first token of ``rounds`` one-picture chat requests (max_tokens 1),
+    after one that warms the server up; a new picture each time (no cache hit)."""
+    import requests
+
+    times = []
+    for round_ in range(rounds + 1):
+        picture = data_url(random_picture(600, 800, 50 + round_))
+        content = [
+            {"type": "image_url", "image_url": {"url": picture}},
+            {"type": "text", "text": "What?"},
+        ]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        started = time.perf_counter()
+        reply = requests.post(url + "/v1/chat/completions", json=body, timeout=1200)
+        reply.raise_for_status()
+        times.append(time.perf_counter() - started)
+    return min(times[1:]) * 1e3
+
+
+def pyserve_ttft(server_args: list[str], rounds: int) -> float:
+    server = Server(server_args)
+    try:
+        return ask_with_pictures(server.url, rounds)
+    finally:
+        server.stop()
+
+
+def llama_ttft(files: Path, args) -> float:
+    from compare import find_llama_server, free_port
+
+    binary = find_llama_server(None)
+    assert binary is not None, "no llama-server on this machine"
+    port = free_port()
+    command = [binary, "-m", str(files / "model.gguf"), "--mmproj", str(files / "mmproj.gguf")]
+    command += ["-t", str(args.threads), "-c", "8192", "-np", "1", "--port", str(port)]
+    command += ["--host", "127.0.0.1"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url + "/health", server)
+        return ask_with_pictures(url, args.rounds)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "llama-server exited"
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("llama-server did not become healthy")
 
 
 def main() -> None:
@@ -219,6 +283,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text-layers", type=int, default=2)
+    parser.add_argument(
+        "--llama", action="store_true", help="also llama-server on the converted GGUF + mmproj"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, torch threads {args.threads}")
@@ -229,11 +296,13 @@ def main() -> None:
             print(
                 f"{name}: {row['prompt_tokens']} prompt tokens; encode pyserve "
                 f"{encode['pyserve']:.0f} ms, transformers {encode['transformers']:.0f} ms "
-                f"({encode['transformers'] / encode['pyserve']:.2f}x); TTFT pyserve "
-                f"{ttft['pyserve']:.0f} ms, transformers {ttft['transformers']:.0f} ms "
-                f"({ttft['transformers'] / ttft['pyserve']:.2f}x)",
+                f"({encode['transformers'] / encode['pyserve']:.2f}x)",
                 flush=True,
             )
+            for server, ms in ttft.items():
+                print(
+                    f"  TTFT {server}: {ms:.0f} ms ({ttft['transformers'] / ms:.2f}x transformers)"
+                )
             print(json.dumps(row))
 
 

@@ -48,7 +48,6 @@ CONVERTIBLE = {
         "image_processor": {"min_pixels": 4 * 64, "max_pixels": 16384 * 64},
     },
 }
-CONVERT_TIMEOUT_S = 300
 
 
 def llama_cpp_converter() -> Path | None:
@@ -73,18 +72,25 @@ def converted_vlm(base: Path, family: str, cases: list[dict], max_new_tokens: in
         max_new_tokens=max_new_tokens,
         **CONVERTIBLE[family],
     )
+    convert_vlm(hf, out, family, "f32")
+    return out
+
+
+def convert_vlm(hf: Path, out: Path, family: str, outtype: str, timeout: float = 300) -> None:
+    """``out/model.gguf`` and ``out/mmproj.gguf`` from the HF model ``hf`` by llama.cpp's
+    converter (``outtype`` f32 or f16), through a copy shaped as released checkpoints are."""
     release = _as_released(hf, out / "release", family)
     source = llama_cpp_converter()
     assert source is not None, "llama.cpp's converter is not on this machine"
     for target, extra in ((out / "model.gguf", []), (out / "mmproj.gguf", ["--mmproj"])):
         done = subprocess.run(
             [sys.executable, str(source / "convert_hf_to_gguf.py"), str(release),
-             "--outfile", str(target), "--outtype", "f32", *extra],
+             "--outfile", str(target), "--outtype", outtype, *extra],
             env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
-            capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False,
+            capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
         assert done.returncode == 0, f"{family} {target.name}: {done.stderr[-2000:]}"
-    return out
+    shutil.rmtree(release)
 
 
 def _as_released(hf: Path, out: Path, family: str) -> Path:

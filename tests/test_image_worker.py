@@ -154,3 +154,10 @@ def test_a_request_with_images_is_refused_by_a_text_worker() -> None:
     t = RequestTable(block_size=4, eos_token_ids=[2], vocab_size=VOCAB)
     with pytest.raises(ValueError, match="takes none"):
         t.add(request(1, [5, IMAGE_TOKEN, 6], [image([1])]))
+
+
+def test_an_unknown_vision_dtype_is_refused_before_anything_loads() -> None:
+    from pyserve.worker.settings import WorkerSettings
+
+    with pytest.raises(ValueError, match="vision_dtype 'int4'"):
+        WorkerSettings(vision_dtype="int4").validate()

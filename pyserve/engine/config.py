@@ -28,6 +28,8 @@ class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2 GGUF
     # llama.cpp's --mmproj file: the vision tower and projector of a GGUF model (pyserve/mmproj.py)
     mmproj: str | None = None
+    # what the image tower computes in: auto (the model's dtype) | float32 | bfloat16 | float16
+    vision_dtype: str = "auto"
     served_model_name: str | None = None  # what /v1/models reports; default from the model
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto = float32 on CPU, bfloat16 else
     device: str = "cpu"
@@ -173,6 +175,7 @@ class EngineConfig:
             mem_fraction_static=self.mem_fraction_static,
             draft_model=self.speculative_draft_model_path,
             mmproj=self.mmproj,
+            vision_dtype=self.vision_dtype,
         )
 
     def validate(self) -> None:

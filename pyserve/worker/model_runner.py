@@ -157,6 +157,8 @@ class ModelRunner:
         self.image_token_id: int | None = None
         self.bidirectional_images = False
         self.mrope_merge: int | None = None
+        vision = settings.vision_dtype
+        self.vision_dtype = self.dtype if vision == "auto" else DTYPES[vision]
         if settings.mmproj is not None:
             self._load_mmproj(checkpoint.path, settings.mmproj)
         else:
@@ -212,7 +214,7 @@ class ModelRunner:
             return
         from pyserve.worker.vision import load_vision_weights, vision_tower_for
 
-        tower = vision_tower_for(hf, dtype=self.dtype, device=self.device)
+        tower = vision_tower_for(hf, dtype=self.vision_dtype, device=self.device)
         if tower is None:
             log.warning(
                 "%s: its vision tower (%s) is not supported: text only", path, hf.model_type
@@ -224,7 +226,7 @@ class ModelRunner:
             token = getattr(hf, "image_token_index", None)
         if token is None:
             raise ModelLoadError(f"{path}: a vision model without image_token_id")
-        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.dtype)
+        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.vision_dtype)
         self.image_token_id = int(token)
         # Gemma 3: an image's positions attend to each other both ways in prefill (as
         # transformers' token_type_ids mask does)
@@ -255,13 +257,13 @@ class ModelRunner:
                     "projector needs the text model's multimodal rope (a qwen2vl GGUF)"
                 )
             tower = vision_tower_for(
-                tower_config(mmproj, hidden), dtype=self.dtype, device=self.device
+                tower_config(mmproj, hidden), dtype=self.vision_dtype, device=self.device
             )
             assert tower is not None  # read_mmproj admits our families only
             load_vision_weights(tower, mmproj_tensors(mmproj, source), source)
         except MmprojError as e:
             raise ModelLoadError(str(e)) from None
-        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.dtype)
+        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.vision_dtype)
         self.image_token_id = token
         self.bidirectional_images = mmproj.family == "gemma3"
         if mmproj.family == "qwen2_5_vl":

@@ -34,6 +34,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # llama.cpp's --mmproj: a GGUF vision tower and projector for a GGUF ``model``; None: the
     # model's own tower (a Hugging Face directory's), if any
     mmproj: str | None = None
+    # what the image tower computes in; auto: ``dtype`` (its outputs join the model's embeddings
+    # in ``dtype`` either way)
+    vision_dtype: str = "auto"
     num_blocks: int = 1024  # KV pool size, in blocks (the core's BlockAllocator has as many)
     block_size: int = 16
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
@@ -53,6 +56,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(
                 f"dtype {self.dtype!r} is not supported (auto, {', '.join(DTYPE_NAMES)})"
+            )
+        if self.vision_dtype != "auto" and self.vision_dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"vision_dtype {self.vision_dtype!r} is not supported "
+                f"(auto, {', '.join(DTYPE_NAMES)})"
             )
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_NAMES:
             raise ValueError(
