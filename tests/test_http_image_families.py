@@ -16,8 +16,6 @@ interpreter).
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import tempfile
 from pathlib import Path
@@ -26,7 +24,7 @@ import numpy as np
 import pytest
 from http_testlib import kv_idle, openai_client, running_server, wait_for_metrics
 from tokenizers import Tokenizer
-from vision_models import IMAGE_CASES, TOP_LOGPROBS, build_tiny_vlm, random_picture
+from vision_models import IMAGE_CASES, TOP_LOGPROBS, build_tiny_vlm, data_url
 
 MAX_NEW = 8
 # per family: its tolerance, and what the builder takes
@@ -87,12 +85,6 @@ def server(request, model):
     args += ["--torch-threads", "1", "--tokenizer-workers", "1", *BACKENDS[request.param]]
     with running_server(args) as server:
         yield server
-
-
-def data_url(height: int, width: int, seed: int) -> str:
-    out = io.BytesIO()
-    random_picture(height, width, seed).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def content_of(case: dict) -> list[dict]:

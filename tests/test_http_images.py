@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
-import io
 import json
 import tempfile
 import threading
@@ -31,6 +30,8 @@ from vision_models import (
     QUESTION,
     TOP_LOGPROBS,
     build_tiny_vlm,
+    data_url,
+    png_base64,
     random_picture,
 )
 
@@ -106,16 +107,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer(model) -> Tokenizer:
     return Tokenizer.from_file(str(model / "tokenizer.json"))
-
-
-def png_base64(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
-    out = io.BytesIO()
-    random_picture(height, width, seed, alter_pixel=alter_pixel).save(out, format="PNG")
-    return base64.b64encode(out.getvalue()).decode()
-
-
-def data_url(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
-    return "data:image/png;base64," + png_base64(height, width, seed, alter_pixel)
 
 
 def image_part(url: str, detail: str | None = None) -> dict:

@@ -7,8 +7,6 @@ naming both.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import subprocess
@@ -22,7 +20,7 @@ import requests
 from http_testlib import openai_client, running_server
 from mmproj_files import CONVERTIBLE, converted_vlm, llama_cpp_converter, rewritten_gguf
 from tokenizers import Tokenizer
-from vision_models import TOP_LOGPROBS, random_picture
+from vision_models import IMAGE_CASES, QUESTION, TOP_LOGPROBS, data_url
 
 pytestmark = pytest.mark.skipif(
     llama_cpp_converter() is None,
@@ -33,15 +31,7 @@ pytestmark = pytest.mark.skipif(
 MAX_NEW = 8
 # the tolerances of test_http_image_families.py and test_http_images.py (idefics3)
 ATOL = {"gemma3": 1e-5, "idefics3": 1e-4, "qwen2_5_vl": 1e-4}
-QUESTION = "What is in this picture?"
-CASES = [
-    {
-        "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
-        ],
-        "images": [[100, 150, 1]],
-    }
-]
+CASES = IMAGE_CASES[:1]
 START_TIMEOUT_S = 120
 
 
@@ -68,12 +58,6 @@ def server(files, family):
     args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
     with running_server(args) as server:
         yield server
-
-
-def data_url(height: int, width: int, seed: int) -> str:
-    out = io.BytesIO()
-    random_picture(height, width, seed).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def test_an_image_is_answered_as_transformers_answers_it_on_the_hf_weights(server, files, family):

@@ -108,6 +108,21 @@ def random_picture(height: int, width: int, seed: int, *, alter_pixel: bool = Fa
     return Image.fromarray(pixels)
 
 
+def png_base64(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
+    """``random_picture`` as base64 PNG bytes."""
+    import base64
+    import io
+
+    out = io.BytesIO()
+    random_picture(height, width, seed, alter_pixel=alter_pixel).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def data_url(height: int, width: int, seed: int, alter_pixel: bool = False) -> str:
+    """``random_picture`` as the data: URL of a PNG (what clients send)."""
+    return "data:image/png;base64," + png_base64(height, width, seed, alter_pixel)
+
+
 def build_tiny_vlm(
     directory: Path,
     *,
