@@ -55,7 +55,13 @@ $(VENV)/.chromium: | $(VENV)/.base
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
 	touch $@
 
-test-py: setup $(VENV)/.chromium
+# The tests of files as llama.cpp's own converter writes them (mixtures of experts, --mmproj
+# projectors) run its convert_hf_to_gguf.py, unpacked once from the llama-cpp-python sdist.
+$(VENV)/.llama-cpp-converter: tests/llama_cpp_source.py | $(VENV)/.installed
+	$(PY) tests/llama_cpp_source.py
+	touch $@
+
+test-py: setup $(VENV)/.chromium $(VENV)/.llama-cpp-converter
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint test-cpp test-py

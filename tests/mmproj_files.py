@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llama_cpp_source import required_converter
 from vision_models import build_tiny_vlm
 
 # per family: what build_tiny_vlm takes beside the cases
@@ -48,14 +49,6 @@ CONVERTIBLE = {
         "image_processor": {"min_pixels": 4 * 64, "max_pixels": 16384 * 64},
     },
 }
-
-
-def llama_cpp_converter() -> Path | None:
-    """The llama.cpp source tree whose convert_hf_to_gguf.py (and gguf-py) converts, or None."""
-    from pyserve.model_files import cache_dir
-
-    found = sorted((cache_dir() / "peers" / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
-    return found[-1] if found and (found[-1] / "convert_hf_to_gguf.py").is_file() else None
 
 
 def converted_vlm(base: Path, family: str, cases: list[dict], max_new_tokens: int) -> Path:
@@ -80,8 +73,7 @@ def convert_vlm(hf: Path, out: Path, family: str, outtype: str, timeout: float =
     """``out/model.gguf`` and ``out/mmproj.gguf`` from the HF model ``hf`` by llama.cpp's
     converter (``outtype`` f32 or f16), through a copy shaped as released checkpoints are."""
     release = _as_released(hf, out / "release", family)
-    source = llama_cpp_converter()
-    assert source is not None, "llama.cpp's converter is not on this machine"
+    source = required_converter()
     for target, extra in ((out / "model.gguf", []), (out / "mmproj.gguf", ["--mmproj"])):
         done = subprocess.run(
             [sys.executable, str(source / "convert_hf_to_gguf.py"), str(release),

@@ -18,15 +18,10 @@ import numpy as np
 import pytest
 import requests
 from http_testlib import openai_client, running_server
-from mmproj_files import CONVERTIBLE, converted_vlm, llama_cpp_converter, rewritten_gguf
+from llama_cpp_source import required_converter
+from mmproj_files import CONVERTIBLE, converted_vlm, rewritten_gguf
 from tokenizers import Tokenizer
 from vision_models import IMAGE_CASES, QUESTION, TOP_LOGPROBS, data_url
-
-pytestmark = pytest.mark.skipif(
-    llama_cpp_converter() is None,
-    reason="llama.cpp's convert_hf_to_gguf.py is not on this machine (benchmarks/compare.py "
-    "unpacks it from the llama-cpp-python sdist)",
-)
 
 MAX_NEW = 8
 # the tolerances of test_http_image_families.py and test_http_images.py (idefics3)
@@ -39,6 +34,7 @@ START_TIMEOUT_S = 120
 def files(tmp_path_factory):
     """Every family's HF model, text GGUF and mmproj, built side by side (subprocesses) once a
     session."""
+    required_converter()
     base = tmp_path_factory.getbasetemp() / "mmproj-models"
     with ThreadPoolExecutor(len(CONVERTIBLE)) as pool:
         built = list(pool.map(lambda f: converted_vlm(base, f, CASES, MAX_NEW), CONVERTIBLE))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf_files import write_gguf
 from hf_parity import make_tiny_model
+from llama_cpp_source import required_converter
 from worker_testlib import load_runner, one_torch_thread  # noqa: F401 (an autouse fixture)
 
 from pyserve.worker import quant
@@ -520,15 +521,6 @@ def test_a_gguf_with_fused_gate_up_experts_loads_as_the_unfused_one(tmp_path):
 # ---------------------------------------------------------------------- llama.cpp's converter
 
 
-def llama_cpp_converter():
-    """convert_hf_to_gguf.py of the llama.cpp that compare.py builds llama-server from (the
-    llama-cpp-python sdist in the peers cache), or None."""
-    from pyserve.model_files import cache_dir
-
-    found = sorted((cache_dir() / "peers" / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
-    return found[-1] if found and (found[-1] / "convert_hf_to_gguf.py").is_file() else None
-
-
 CONVERTED = {
     # renormalized, as Qwen3-MoE checkpoints are: the converter writes no expert_weights_norm
     # and llama.cpp renormalizes every qwen3moe file (so does pyserve)
@@ -547,12 +539,6 @@ CONVERTED = {
 }  # fmt: skip
 
 
-@pytest.mark.skipif(
-    llama_cpp_converter() is None,
-    reason="llama.cpp's convert_hf_to_gguf.py is not on this machine (benchmarks/compare.py "
-    "unpacks it from the llama-cpp-python sdist); each family's GGUF is still checked as "
-    "tests/gguf_files.py writes it, with the converter's names and layout",
-)
 @pytest.mark.parametrize("family", list(CONVERTED))
 def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tmp_path):
     """Each mixture-of-experts family written by llama.cpp's convert_hf_to_gguf.py itself (its
@@ -560,7 +546,7 @@ def test_a_gguf_from_llama_cpps_own_converter_equals_the_hf_directory(family, tm
     gives: the same config, the same logprobs to float32 rounding."""
     from tiny_models import build_tiny_smollm
 
-    source = llama_cpp_converter()
+    source = required_converter()
     directory = build_tiny_smollm(
         tmp_path / "hf", seed=7, max_position_embeddings=1024, family=family,
         overrides={"num_experts_per_tok": 2, **CONVERTED[family]},
