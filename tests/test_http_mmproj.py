@@ -32,8 +32,8 @@ START_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Every family's HF model, text GGUF and mmproj, built side by side (subprocesses) once a
-    session."""
+    """Every family's HF model, text GGUF and mmproj, built side by side (subprocesses) once per
+    pytest run."""
     required_converter()
     base = tmp_path_factory.getbasetemp() / "mmproj-models"
     with ThreadPoolExecutor(len(CONVERTIBLE)) as pool:

@@ -239,11 +239,11 @@ async def _fetch(
 
 
 async def _get(
-    session: aiohttp.ClientSession, url: str, param: str | None, options: ImageOptions
+    client: aiohttp.ClientSession, url: str, param: str | None, options: ImageOptions
 ) -> bytes:
-    timeout = aiohttp.ClientTimeout(total=options.fetch_timeout)
-    async with session.get(
-        url, timeout=timeout, max_redirects=options.max_redirects, allow_redirects=True
+    """The body of ``url``; the caller bounds the whole exchange by the fetch timeout."""
+    async with client.get(
+        url, max_redirects=options.max_redirects, allow_redirects=True
     ) as response:
         if not 200 <= response.status < 300:
             raise ImageInputError(
