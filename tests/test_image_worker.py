@@ -16,7 +16,7 @@ from worker_testlib import i32, make_step
 from pyserve.engine.image_prompts import MAX_TOKEN_ID, with_image_ids
 from pyserve.wire.main_to_worker import ImageInput, NewRequest, SamplingParams, WireTensor
 from pyserve.worker.backends.common import EntrySplit
-from pyserve.worker.image_encoder import ImageEncoder, RequestImage, image_slices
+from pyserve.worker.image_encoder import ImageEncoder, RequestImage, VisionModel, image_slices
 from pyserve.worker.mrope import mrope_positions
 from pyserve.worker.state import RequestTable
 
@@ -37,10 +37,11 @@ def request(rid: int, prompt: list[int], images: list[ImageInput]) -> NewRequest
     return NewRequest(rid=rid, prompt_ids=i32(ids), sampling=greedy, images=images)
 
 
-def table(**options) -> RequestTable:
-    return RequestTable(
-        block_size=4, eos_token_ids=[2], vocab_size=VOCAB, image_token_id=IMAGE_TOKEN, **options
-    )
+def table(**vision) -> RequestTable:
+    """A request table of a vision model (``vision``: VisionModel's settings)."""
+    encoder = ImageEncoder(CountingTower(rows=1), device="cpu", dtype=torch.float32)
+    model = VisionModel(encoder, IMAGE_TOKEN, **vision)
+    return RequestTable(block_size=4, eos_token_ids=[2], vocab_size=VOCAB, vision=model)
 
 
 def test_image_ids_are_above_the_vocabulary_and_differ_between_images() -> None:
@@ -86,7 +87,7 @@ def test_drafts_beyond_the_vocabulary_are_embedded_as_0_and_kept_for_verificatio
 
 
 def test_two_way_runs_are_the_image_rows_of_each_chunk() -> None:
-    t = table(bidirectional_images=True)
+    t = table(bidirectional=True)
     prompt = [5, *[IMAGE_TOKEN] * 3, 6, *[IMAGE_TOKEN] * 2, 7]
     t.add(request(1, prompt, [image([1, 2, 3]), image([5, 6], b"z" * 16)]))
     prepared = t.prepare(make_step(0, [dict(rid=1, start=0, n=8, ids=_ids(t, 1), blocks=[0, 1])]))

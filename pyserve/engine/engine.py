@@ -136,11 +136,11 @@ class Engine:
             await asyncio.to_thread(tokenizer.backend_tokenizer.save, tokenizer_file)
             if self._mmproj is not None:
                 self._tokenizers.images = await asyncio.to_thread(
-                    ImagePrompts.from_mmproj, self._mmproj, tokenizer, info.vocab_size
+                    ImagePrompts.from_mmproj, self._mmproj, tokenizer
                 )
             else:
                 self._tokenizers.images = await asyncio.to_thread(
-                    ImagePrompts.load, source.path, tokenizer, info.vocab_size
+                    ImagePrompts.load, source.path, tokenizer
                 )
             self._embedding = embeddings.describe(
                 path=source.path,
@@ -589,6 +589,8 @@ class Engine:
     ) -> RequestState:
         self._check_serving()
         sampling = check_sampling(sampling)
+        if images and not self.takes_images:
+            raise ValueError("this model takes no images")
         tokenizers = self._tokenizer_manager()
         if pooling is None:
             tokenizers.check_prompt(prompt_ids, sampling.max_new_tokens)
@@ -614,9 +616,7 @@ class Engine:
             want_logprobs=sampling.logprobs,
         )
         self._registry.add(state)
-        if images:
-            if not self.takes_images:
-                raise ValueError("this model takes no images")
+        if images:  # checked as the vocabulary's ids above; the core holds the images' own
             prompt_ids = with_image_ids(prompt_ids, images, self._info.vocab_size)
         request = NewRequest(
             rid=state.core_rid,
@@ -847,7 +847,8 @@ class Engine:
 
     @property
     def takes_images(self) -> bool:
-        """Whether the served model reads images (a vision model's Hugging Face directory)."""
+        """Whether the served model reads images (a vision model's Hugging Face directory, or
+        a GGUF with ``--mmproj``)."""
         return self._tokenizers is not None and self._tokenizers.images is not None
 
     async def check_grammar(self, grammar: Grammar, param: str = "grammar") -> None:

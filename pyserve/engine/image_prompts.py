@@ -8,10 +8,10 @@ model expects. The expanded text is encoded as a whole; the placeholder position
 (the model config's image token, in order) are where its embedding rows go.
 
 Each image's placeholders then get ids of their own, derived from the image's content and above
-the vocabulary (``ImagePrompt.prompt_ids``): the radix cache matches a prefix only where every
-id agrees, so the same image in a later turn is a prefix hit and two different images never
-share KV. The worker reads those positions' embeddings from its vision tower, never the ids.
-Everything here runs in the tokenizer thread pool, never on the event loop.
+the vocabulary (``with_image_ids``, as the engine submits the prompt): the radix cache matches a
+prefix only where every id agrees, so the same image in a later turn is a prefix hit and two
+different images never share KV. The worker reads those positions' embeddings from its vision
+tower, never the ids. Everything here runs in the tokenizer thread pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -87,12 +87,6 @@ class ImagePrompt:
 
     ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
-    vocab_size: int = 0
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        """``ids`` with each image's positions holding its content-derived ids."""
-        return with_image_ids(self.ids, self.images, self.vocab_size)
 
 
 def with_image_ids(ids: list[int], images: Sequence[ImageInput], vocab_size: int) -> list[int]:
@@ -114,19 +108,19 @@ def with_image_ids(ids: list[int], images: Sequence[ImageInput], vocab_size: int
 class ImagePrompts:
     """How the served model's prompts take images (``load``: None for a text-only model)."""
 
-    def __init__(self, processor: Any, family: str, image_token_id: int, vocab_size: int) -> None:
+    def __init__(self, processor: Any, family: str, image_token_id: int) -> None:
         self.processor = processor
         self.family = family
         self.image_token_id = image_token_id  # the placeholder the embeddings replace
-        self.vocab_size = vocab_size
         self.marker: str = processor.image_token  # what the chat template writes per image
         tokenizer = processor.tokenizer
+        self._placeholder: str = tokenizer.convert_ids_to_tokens(image_token_id)
         self._images_kwargs = processor._merge_kwargs(tokenizer_init_kwargs=tokenizer.init_kwargs)[
             "images_kwargs"
         ]
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, vocab_size: int) -> ImagePrompts | None:
+    def load(cls, path: str, tokenizer: Any) -> ImagePrompts | None:
         """From a Hugging Face model directory whose config has a vision tower of one of
         ``VISION_FAMILIES``; None for a text-only model (or a single file, which holds no
         vision tower), or another family's."""
@@ -157,10 +151,10 @@ class ImagePrompts:
         token = raw.get("image_token_id", raw.get("image_token_index"))
         if token is None:
             raise ValueError(f"{config_file}: no image_token_id")
-        return cls(processor, family, int(token), vocab_size)
+        return cls(processor, family, int(token))
 
     @classmethod
-    def from_mmproj(cls, mmproj: Mmproj, tokenizer: Any, vocab_size: int) -> ImagePrompts:
+    def from_mmproj(cls, mmproj: Mmproj, tokenizer: Any) -> ImagePrompts:
         """For a GGUF text model served with llama.cpp's ``--mmproj`` file: the family's image
         processor with the file's sizes and normalization, and its processor's expansion."""
         import importlib
@@ -185,11 +179,7 @@ class ImagePrompts:
                 image_processor, tokenizer=tokenizer, image_seq_len=mmproj.tokens_per_image
             )
         token = tokenizer.convert_tokens_to_ids(PLACEHOLDER_TOKENS[mmproj.family])
-        return cls(processor, mmproj.family, int(token), vocab_size)
-
-    def details(self) -> tuple[str, ...]:
-        """The ``detail`` values that change what this model sees."""
-        return tuple(_DETAIL_SETTINGS.get(self.family, {}))
+        return cls(processor, mmproj.family, int(token))
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> tuple[str, list[Processed]]:
         """The rendered ``text`` with each marker expanded, and each image's tensors."""
@@ -207,10 +197,6 @@ class ImagePrompts:
             rows = replacement.count(self._placeholder)
             processed.append(Processed(_image_key(image, arrays), arrays, rows))
         return "".join(expanded), processed
-
-    @property
-    def _placeholder(self) -> str:
-        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     def _process(self, image: PromptImage) -> tuple[str, dict[str, np.ndarray]]:
         settings = {**self._images_kwargs, "return_tensors": "np"}
@@ -246,7 +232,7 @@ class ImagePrompts:
                 )
             )
             at += p.rows
-        return ImagePrompt(ids, inputs, self.vocab_size)
+        return ImagePrompt(ids, inputs)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pyserve.wire.main_to_worker import NewRequest, Step
 from pyserve.wire.worker_to_detok import StepTokens
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import DraftWalk, GrammarMasks, StepMasks
-from pyserve.worker.image_encoder import ImageEncoder
+from pyserve.worker.image_encoder import VisionModel
 from pyserve.worker.pooling import attach
 from pyserve.worker.sampling import SampleOutput, Sampler
 from pyserve.worker.speculative_verify import DraftProposal, VerifyOutput, verify_drafts
@@ -50,29 +50,23 @@ class StepExecutor:
         tp: TensorParallel | None = None,
         drafter: DraftModel | None = None,
         vocab_size: int | None = None,
-        images: ImageEncoder | None = None,
-        image_token_id: int | None = None,
-        bidirectional_images: bool = False,
-        mrope_merge: int | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
-        """``images``: the vision tower of a model that takes images, whose requests' image
-        positions hold ``image_token_id`` (and attend to each other both ways in prefill where
-        ``bidirectional_images``; with multimodal rope over grids merged by ``mrope_merge``)."""
+        """``vocab_size``: the model's (ids beyond it are an image's); ``vision``: a model that
+        takes images (its tower and what its prompts' images need)."""
         if drafter is not None and tp is not None:
             raise ValueError("a draft model cannot run with tensor parallelism (--tp)")
         self.runner = runner
         self.tp = tp  # one rank of a tensor-parallel group: rank 0's tokens are everyone's
         self.drafter = drafter  # drafts worker-drafted verify entries (is_decode 2)
-        self.images = images
+        self.vision = vision
         self.requests = RequestTable(
             block_size=block_size,
             eos_token_ids=eos_token_ids,
             device=device,
             grammars=grammars,
             vocab_size=vocab_size,
-            image_token_id=image_token_id if images is not None else None,
-            bidirectional_images=bidirectional_images,
-            mrope_merge=mrope_merge,
+            vision=vision,
         )
         self.sampler = Sampler(eos_token_ids, device=device, seed=seed)
 
@@ -95,9 +89,9 @@ class StepExecutor:
         verified = None
         pooled: dict[int, bytes] = {}
         if prepared.images:
-            assert self.images is not None  # the table refuses images otherwise
+            assert self.vision is not None  # the table refuses images otherwise
             batch = prepared.batch
-            batch.image_rows, batch.image_embeds = self.images.embeddings(prepared.images)
+            batch.image_rows, batch.image_embeds = self.vision.encoder.embeddings(prepared.images)
         if prepared.batch.num_entries:
             masks = None
             table = self.requests

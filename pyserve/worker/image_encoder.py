@@ -136,3 +136,16 @@ class ImageEncoder:
     def clear(self) -> None:
         self._cache.clear()
         self._cached_bytes = 0
+
+
+@dataclass(frozen=True)
+class VisionModel:
+    """What the worker knows of a model that takes images: its tower (with the cache of its
+    outputs), the token its requests' image positions count as (for penalties), whether each
+    run of an image's positions attends to itself both ways in prefill (Gemma 3), and the
+    merge of the patch grid its multimodal rope lays images on (Qwen2.5-VL; None: plain rope)."""
+
+    encoder: ImageEncoder
+    token_id: int
+    bidirectional: bool = False
+    mrope_merge: int | None = None

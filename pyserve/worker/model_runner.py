@@ -14,7 +14,7 @@ from pyserve.worker.backends import select_backend
 from pyserve.worker.backends.base import Backend, ForwardOutput, model_forward
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.dtypes import default_dtype, resolve_quantization
-from pyserve.worker.image_encoder import ImageEncoder
+from pyserve.worker.image_encoder import ImageEncoder, VisionModel
 from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
 from pyserve.worker.loading.progress import LoadProgress
@@ -152,11 +152,8 @@ class ModelRunner:
             progress=progress,
         )
         self.model.eval()
-        # a vision model's image encoder (None: text only), loaded beside the text model
-        self.image_encoder: ImageEncoder | None = None
-        self.image_token_id: int | None = None
-        self.bidirectional_images = False
-        self.mrope_merge: int | None = None
+        # a vision model's tower and image facts (None: text only), loaded beside the text model
+        self.vision: VisionModel | None = None
         vision = settings.vision_dtype
         self.vision_dtype = self.dtype if vision == "auto" else DTYPES[vision]
         if settings.mmproj is not None:
@@ -226,14 +223,16 @@ class ModelRunner:
             token = getattr(hf, "image_token_index", None)
         if token is None:
             raise ModelLoadError(f"{path}: a vision model without image_token_id")
-        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.vision_dtype)
-        self.image_token_id = int(token)
-        # Gemma 3: an image's positions attend to each other both ways in prefill (as
-        # transformers' token_type_ids mask does)
-        self.bidirectional_images = hf.model_type == "gemma3"
-        if any(layer.rope.mrope_section for layer in self.config.layers):
+        mrope = any(layer.rope.mrope_section for layer in self.config.layers)
+        self.vision = VisionModel(
+            ImageEncoder(tower, device=self.device, dtype=self.vision_dtype),
+            int(token),
+            # Gemma 3: an image's positions attend to each other both ways in prefill (as
+            # transformers' token_type_ids mask does)
+            bidirectional=hf.model_type == "gemma3",
             # Qwen2.5-VL: rope positions laid out on each image's merged patch grid
-            self.mrope_merge = int(hf.vision_config.spatial_merge_size)
+            mrope_merge=int(hf.vision_config.spatial_merge_size) if mrope else None,
+        )
 
     def _load_mmproj(self, path: str, mmproj_path: str) -> None:
         """The vision tower of llama.cpp's ``--mmproj`` file, for the GGUF text model at
@@ -263,22 +262,17 @@ class ModelRunner:
             load_vision_weights(tower, mmproj_tensors(mmproj, source), source)
         except MmprojError as e:
             raise ModelLoadError(str(e)) from None
-        self.image_encoder = ImageEncoder(tower, device=self.device, dtype=self.vision_dtype)
-        self.image_token_id = token
-        self.bidirectional_images = mmproj.family == "gemma3"
-        if mmproj.family == "qwen2_5_vl":
+        self.vision = VisionModel(
+            ImageEncoder(tower, device=self.device, dtype=self.vision_dtype),
+            token,
+            bidirectional=mmproj.family == "gemma3",
             # rope positions laid out on each image's merged patch grid
-            self.mrope_merge = mmproj.scale_factor
+            mrope_merge=mmproj.scale_factor if mmproj.family == "qwen2_5_vl" else None,
+        )
 
     def executor_options(self) -> dict:
         """What a StepExecutor over this runner needs to know of its vocabulary and images."""
-        return {
-            "vocab_size": self.config.vocab_size,
-            "images": self.image_encoder,
-            "image_token_id": self.image_token_id,
-            "bidirectional_images": self.bidirectional_images,
-            "mrope_merge": self.mrope_merge,
-        }
+        return {"vocab_size": self.config.vocab_size, "vision": self.vision}
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -45,7 +45,13 @@ from pyserve.wire.worker_to_detok import (
 )
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.grammar_masks import GrammarMasks, GrammarState
-from pyserve.worker.image_encoder import ImageSlice, RequestImage, image_slices, row_runs
+from pyserve.worker.image_encoder import (
+    ImageSlice,
+    RequestImage,
+    VisionModel,
+    image_slices,
+    row_runs,
+)
 from pyserve.worker.mrope import mrope_positions
 from pyserve.worker.pooling import PoolingRows
 from pyserve.worker.sampling import SampleOutput, make_generator
@@ -122,21 +128,14 @@ class RequestTable:
         device: torch.device | str = "cpu",
         grammars: GrammarMasks | None = None,
         vocab_size: int | None = None,
-        image_token_id: int | None = None,
-        bidirectional_images: bool = False,
-        mrope_merge: int | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
         """``vocab_size``: ids at or above it (an image's positions, a draft copied from one)
-        are embedded as id 0, their rows replaced or their drafts rejected; ``image_token_id``:
-        where the worker serves images, the id its requests' image positions count as (for
-        penalties), None: requests with images are refused; ``bidirectional_images``: each run
-        of an image's positions attends to itself both ways (Gemma 3); ``mrope_merge``: the
-        model's rope is multimodal, over patch grids merged by this factor (Qwen2.5-VL)."""
+        are embedded as id 0, their rows replaced or their drafts rejected; ``vision``: the
+        model's images (None: requests with images are refused)."""
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.image_token_id = image_token_id
-        self.bidirectional_images = bidirectional_images
-        self.mrope_merge = mrope_merge
+        self.vision = vision
         self.mrope = 0  # live requests whose rope positions are not their cache positions
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
@@ -161,16 +160,17 @@ class RequestTable:
         if prompt.size == 0:
             raise ValueError(f"request {request.rid} has an empty prompt")
         images = []
+        rope_positions, rope_delta = None, 0
         if request.images:
-            if self.image_token_id is None:
+            vision = self.vision
+            if vision is None:
                 raise ValueError(f"request {request.rid} has images: this model takes none")
             images = [RequestImage.of(image, prompt.size) for image in request.images]
             for item in images:  # what penalties see there, as in transformers
-                prompt[item.positions] = self.image_token_id
-        rope_positions, rope_delta = None, 0
-        if images and self.mrope_merge is not None:
-            grids = [(item.positions, _grid(item)) for item in images]
-            rope_positions, rope_delta = mrope_positions(prompt.size, grids, self.mrope_merge)
+                prompt[item.positions] = vision.token_id
+            if vision.mrope_merge is not None:
+                grids = [(item.positions, _grid(item)) for item in images]
+                rope_positions, rope_delta = mrope_positions(prompt.size, grids, vision.mrope_merge)
         params = request.sampling
         if request.pooling is not None and params.max_new_tokens != 1:
             raise ValueError(f"request {request.rid} pools its prompt: max_new_tokens must be 1")
@@ -300,7 +300,7 @@ class RequestTable:
                 if state.images:
                     slices = image_slices(state.images, starts[i], n, token_cursor)
                     images += slices
-                    if self.bidirectional_images:
+                    if self.vision is not None and self.vision.bidirectional:
                         bidirectional += [(i, a - token_cursor, b - a) for a, b in row_runs(slices)]
             token_cursor += n
             states.append(state)
