@@ -45,9 +45,8 @@ class ServerOptions:
     max_queued_requests: int | None = None  # generation requests waiting for their first token
     log_requests: bool = False  # log prompts and outputs (never logged otherwise)
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard
-    images: ImageOptions = field(
-        default_factory=ImageOptions
-    )  # image_url parts: from where, how large
+    # the images of image_url parts (and Anthropic image blocks): from where, how large
+    images: ImageOptions = field(default_factory=ImageOptions)
 
 
 def engine_error(exc: BaseException) -> APIError:
