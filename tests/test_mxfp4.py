@@ -312,9 +312,10 @@ def test_a_dense_mxfp4_file_on_the_triton_backend(dense_mxfp4, caplog, monkeypat
     assert runner.packed_precisions == {"int8": 4 * DENSE["num_hidden_layers"] + 1}
     down = runner.model.layers[1].down_proj
     assert isinstance(down, TritonQuantLinear) and down.bits == 8
-    w = down.qweight.float().cpu() * down.d.float().cpu().repeat_interleave(32, 1)
-    w += down.m.float().cpu().repeat_interleave(32, 1)
-    assert torch.equal(w, stored["model.layers.1.mlp.down_proj.weight"])
+    # the Triton layout: [inputs, outputs]
+    w = down.qweight.float().cpu() * down.d.float().cpu().repeat_interleave(32, 0)
+    w += down.m.float().cpu().repeat_interleave(32, 0)
+    assert torch.equal(w.t(), stored["model.layers.1.mlp.down_proj.weight"])
     ours = prefill_logits(runner).log_softmax(-1)
     exact = prefill_logits(float_reference(path)).log_softmax(-1)
     assert (ours - exact).abs().max() < 1e-4

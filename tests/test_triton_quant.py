@@ -60,12 +60,13 @@ def test_split_k_adds_the_same_sums(bits: int, groups: int, split: int):
 def test_the_device_layout_holds_the_packed_integers(bits: int):
     packed = quantize_weight(torch.randn(20, 64), bits)
     u, d, m = device_layout(packed)
-    assert u.dtype == torch.uint8 and u.shape == (20, 64 * bits // 8)
-    assert d.shape == m.shape == (20, 2) and d.dtype == torch.float16
-    if bits == 4:  # u[2j] in the low nibble of byte j, u[2j+1] in the high one
-        u = torch.stack([u & 0x0F, u >> 4], dim=-1).view(20, 64)
-    w = d.float().repeat_interleave(32, 1) * u.float() + m.float().repeat_interleave(32, 1)
-    assert torch.equal(w, dequantize_weight(packed))
+    # outputs contiguous: [inputs, outputs]
+    assert u.dtype == torch.uint8 and u.shape == (64 * bits // 8, 20) and u.is_contiguous()
+    assert d.shape == m.shape == (2, 20) and d.dtype == torch.float16 and d.is_contiguous()
+    if bits == 4:  # input 2j in the low nibble of byte row j, 2j+1 in the high one
+        u = torch.stack([u & 0x0F, u >> 4], dim=1).view(64, 20)
+    w = d.float().repeat_interleave(32, 0) * u.float() + m.float().repeat_interleave(32, 0)
+    assert torch.equal(w.t(), dequantize_weight(packed))
 
 
 def test_no_rows_give_an_empty_output():
@@ -121,6 +122,8 @@ def test_a_quantized_file_on_the_triton_backend_gives_transformers_logits(exact_
     layers = [m for m in model.modules() if isinstance(m, TritonQuantLinear)]
     assert len(layers) == 9 and not any(isinstance(m, QuantLinear) for m in model.modules())
     assert model.layers[0].gate_up_proj.bits == 4 and model.layers[1].qkv_proj.bits == 8
+    # /server_info says what computes the projections
+    assert loaded.backend.info().kernels["linear"] == "triton 8-/4-bit on 9 layers, else torch"
     # the untied embedding is a plain table on the device: a gather, not a CPU unpack
     assert isinstance(model.embed_tokens, torch.Tensor)
     assert not isinstance(model.embed_tokens, QuantEmbedding)

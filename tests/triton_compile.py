@@ -50,11 +50,26 @@ def _type_of(value: object) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def _specialized(value: object) -> tuple[str, str | None]:
+    """What Triton's JIT makes of a runtime argument on a GPU: ("constexpr", 1) for an integer
+    1, else its type and "D" where a pointer or an integer is a multiple of 16 (which lets the
+    compiler vectorize loads and stores), as triton.runtime.jit does."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    if isinstance(value, bool) or not isinstance(value, int | torch.Tensor):
+        return _type_of(value), None
+    kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+    return ("constexpr", key) if kind == "constexpr" else (_type_of(value), key)
+
+
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[dict]]:
     """Under ``TRITON_INTERPRET=1``: every kernel launch in the block, as the kernel's module
-    and name, the type of each runtime argument and the value of each constexpr. The kernels
-    do not run (their outputs stay as they were)."""
+    and name, the type of each runtime argument, the value of each constexpr and the
+    specializations the JIT would make on a GPU. The kernels do not run (their outputs stay as
+    they were)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[dict] = []
@@ -66,16 +81,23 @@ def record_launches() -> Iterator[list[dict]]:
         bound = declared.bind(*args, **kwargs)
         bound.apply_defaults()
         params = declared.parameters
-        signature, constexprs = {}, {}
+        signature, constexprs, aligned = {}, {}, []
         for name, value in bound.arguments.items():
             if "constexpr" in str(params[name].annotation):
                 signature[name] = "constexpr"
                 constexprs[name] = value
-            else:
-                signature[name] = _type_of(value)
+                continue
+            kind, key = _specialized(value)
+            signature[name] = kind
+            if kind == "constexpr":
+                constexprs[name] = key
+            elif key == "D":
+                aligned.append(name)
         kernel = {"module": self.fn.__module__, "name": self.fn.__name__}
         launches.append(
-            kernel | {"signature": signature, "constexprs": constexprs, "options": options}
+            kernel
+            | {"signature": signature, "constexprs": constexprs, "options": options}
+            | {"aligned": aligned}
         )
 
     InterpretedFunction.run = recording
@@ -101,7 +123,10 @@ def compile_one(launch: dict, capability: int) -> dict:
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
-    source = ASTSource(kernel, launch["signature"], launch["constexprs"])
+    # multiples of 16, as the JIT marks them (what lets loads and stores be vectorized)
+    divisible = [["tt.divisibility", 16]]
+    attrs = {(kernel.arg_names.index(name),): divisible for name in launch.get("aligned", ())}
+    source = ASTSource(kernel, launch["signature"], launch["constexprs"], attrs)
     row = {"kernel": launch["name"], "capability": capability}
     try:
         target = GPUTarget("cuda", capability, 32)
@@ -119,7 +144,7 @@ def compile_one(launch: dict, capability: int) -> dict:
 
 def _compile_job(job: tuple[dict, int]) -> dict:
     launch, capability = job
-    described = {k: launch[k] for k in ("signature", "constexprs", "options")}
+    described = {k: launch[k] for k in ("signature", "constexprs", "options", "aligned")}
     return compile_one(launch, capability) | described
 
 

@@ -14,6 +14,7 @@ tensors: slowly, but exactly what the tests need.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,8 @@ from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from pyserve.worker.backends.triton.decode_graphs import DecodeGraphs
     from pyserve.worker.models.decoder import CausalLM
     from pyserve.worker.weight_packing import QuantizedLayers
@@ -147,6 +150,7 @@ class TritonBackend(Backend):
         self._fused = fused
         self.num_splits = num_splits  # 0: by context length; tests force split-K with it
         self.experts_summary: str | None = None
+        self.quantized_linears = 0  # layers built on the 8-/4-bit Triton matmul
 
     @classmethod
     def auto_choice(cls, device: torch.device) -> tuple[bool, str] | None:
@@ -158,6 +162,8 @@ class TritonBackend(Backend):
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
         kernels["linear"] = "torch"
+        if self.quantized_linears:
+            kernels["linear"] = f"triton 8-/4-bit on {self.quantized_linears} layers, else torch"
         if self.experts_summary is not None:
             kernels["experts"] = self.experts_summary
         if self.graphs is not None:
@@ -167,7 +173,14 @@ class TritonBackend(Backend):
     def quantized_layers(self, quantization: str) -> QuantizedLayers:
         from pyserve.worker.backends.triton.quant_matmul import triton_quantized_layers
 
-        return triton_quantized_layers(self.device)
+        layers = triton_quantized_layers(self.device)
+        build = layers.linear
+
+        def counted(*args, **kwargs) -> nn.Module:
+            self.quantized_linears += 1
+            return build(*args, **kwargs)
+
+        return dataclasses.replace(layers, linear=counted)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
         # one extra block that no request owns: decode graphs pad their batches with rows that

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 @triton.jit
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, row_token_ptr, block_expert_ptr, block_row_ptr,
-    row_ends_ptr, n, k, x_stride, w_expert_stride, w_stride, groups, out_stride,
+    row_ends_ptr, n, k, x_stride, w_expert_stride, w_stride, d_expert_stride, d_stride, groups,
+    out_stride,
     GATHER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -59,8 +60,9 @@ def _grouped_matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     x_at = x_ptr + x_rows[:, None] * x_stride
-    w_at = w_ptr + expert.to(tl.int64) * w_expert_stride + cols.to(tl.int64)[None, :] * w_stride
-    if BITS == 0:  # float weights
+    w_expert = w_ptr + expert.to(tl.int64) * w_expert_stride
+    if BITS == 0:  # float weights [E, N, K]
+        w_at = w_expert + cols.to(tl.int64)[None, :] * w_stride
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -68,12 +70,12 @@ def _grouped_matmul_kernel(
             x = tl.load(x_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_at + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc += tl.dot(x, w, input_precision=PRECISION)
-    else:  # 8 or 4 bits, as quant_matmul.py lays them out; d and m [E, N, groups]
-        scale_at = (expert.to(tl.int64) * n + cols.to(tl.int64)[None, :]) * groups
+    else:  # 8 or 4 bits, as quant_matmul.py lays them out: u [E, bytes, N], d and m [E, G, N]
+        scales = expert.to(tl.int64) * d_expert_stride + cols[None, :]
         acc = quant_tile_dot(
-            x_at, row_ok, w_at, d_ptr, m_ptr, scale_at, col_ok, k, groups * GROUP, 0,
-            groups * GROUP, x_ptr.dtype.element_ty, BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-            PRECISION,
+            x_at, row_ok, w_expert + cols[None, :], w_stride, d_ptr + scales, m_ptr + scales,
+            d_stride, col_ok, k, groups * GROUP, 0, groups * GROUP, x_ptr.dtype.element_ty, BITS,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
         )  # fmt: skip
     out_at = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -85,7 +87,7 @@ BLOCK_N = 64
 @dataclass
 class ExpertStack:
     """One projection of every expert: float weights [E, N, K] (``bits`` 0), or 8-/4-bit ones
-    as quant_matmul.py lays a layer out, stacked: u uint8 [E, N, bytes], d and m [E, N, groups];
+    as quant_matmul.py lays a layer out, stacked: u uint8 [E, bytes, N], d and m [E, groups, N];
     and the experts' biases [E, N] where they have them (gpt-oss)."""
 
     weight: torch.Tensor
@@ -95,6 +97,11 @@ class ExpertStack:
     d: torch.Tensor | None = None
     m: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        """Outputs of each expert."""
+        return self.weight.shape[2] if self.bits else self.weight.shape[1]
 
     @staticmethod
     def fits(layers: list[nn.Module]) -> bool:
@@ -182,8 +189,7 @@ def grouped_matmul(
     ``gather``: x holds the tokens [T, K] (a grouped row reads its token's row), else the
     grouped rows [R, K]."""
     rows = groups.order.numel()
-    weight = stack.weight
-    n = weight.shape[1]
+    weight, n = stack.weight, stack.n
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -199,7 +205,7 @@ def grouped_matmul(
     _grouped_matmul_kernel[grid](
         x, weight, d, m, out, groups.row_token, groups.block_expert, groups.block_row,
         groups.row_ends, n, stack.k, x.stride(0), weight.stride(0), weight.stride(1),
-        d.shape[2] if stack.bits else 0, out.stride(0),
+        d.stride(0), d.stride(1), d.shape[1] if stack.bits else 0, out.stride(0),
         GATHER=gather, BITS=stack.bits, GROUP=stack.group, BLOCK_M=groups.block_m,
         BLOCK_N=BLOCK_N, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip

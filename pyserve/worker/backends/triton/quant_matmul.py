@@ -1,14 +1,16 @@
 """Weight-only 8- and 4-bit linear layers in Triton: the quantized GGUF formats on the GPU.
 
 The weights are the CPU kernels' (pyserve/worker/quant.py: w = d·u + m per group of inputs, d
-and m fp16, u 8 or 4 bits), laid out plainly for the GPU: u as uint8 [n, k] (8-bit) or two to a
-byte [n, k/2] (4-bit: u[2j] in the low nibble of byte j, u[2j+1] in the high one), d and m as
-fp16 [n, groups]. A program computes a [BLOCK_M, BLOCK_N] tile of x·Wᵀ over a range of groups:
-each loop step dequantizes [BLOCK_K, BLOCK_N] weights (whole groups) to the activations' dtype
-(in float32 from the integers and scales) and multiplies them with ``tl.dot``, accumulating in
-float32. For the few rows of a decode step the output tiles are too few to keep a GPU's
-streaming units busy, so the steps are split between programs (split-K) whose float32 partial
-sums are added after.
+and m fp16, u 8 or 4 bits), laid out for the GPU with the outputs contiguous: u as uint8 [k, n]
+(8-bit) or two inputs to a byte [k/2, n] (4-bit: input 2j in the low nibble of byte row j, 2j+1
+in the high one), d and m as fp16 [groups, n]. A warp then reads consecutive bytes of a row of
+u and consecutive scales of a group, in the one layout ``tl.dot`` takes its right operand in
+(the [n, k] order of the file had each thread load single bytes and scales a row apart). A
+program computes a [BLOCK_M, BLOCK_N] tile of x·Wᵀ over a range of groups: each loop step
+dequantizes [BLOCK_K, BLOCK_N] weights (whole groups) to the activations' dtype (in float32 from
+the integers and scales) and multiplies them with ``tl.dot``, accumulating in float32. For the
+few rows of a decode step the output tiles are too few to keep a GPU's streaming units busy, so
+the steps are split between programs (split-K) whose float32 partial sums are added after.
 """
 
 from __future__ import annotations
@@ -26,50 +28,57 @@ from pyserve.worker.weight_packing import QuantizedLayers
 
 
 @triton.jit
-def _dequantized(u, d_at, m_at, ok, dtype: tl.constexpr):
-    """Weights [K, BLOCK_N] of the activations' dtype from the integers u and each input's
-    group scales (pointers d_at, m_at [K, BLOCK_N]: a group's are read once from cache)."""
-    d = tl.load(d_at, mask=ok, other=0.0).to(tl.float32)
-    m = tl.load(m_at, mask=ok, other=0.0).to(tl.float32)
-    return (u.to(tl.float32) * d + m).to(dtype)
+def _dequantized(
+    u, d_rows, m_rows, ok, dtype: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Weights [GROUPS·GROUP, BLOCK_N] of the activations' dtype from the integers u of whole
+    groups and the groups' scales (pointers d_rows, m_rows [GROUPS, BLOCK_N]: each scale is
+    read once and broadcast over its group's inputs in registers)."""
+    d = tl.load(d_rows, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(m_rows, mask=ok, other=0.0).to(tl.float32)
+    u = tl.reshape(u.to(tl.float32), [GROUPS, GROUP, BLOCK_N])
+    w = u * d[:, None, :] + m[:, None, :]
+    return tl.reshape(w, [GROUPS * GROUP, BLOCK_N]).to(dtype)
 
 
 @triton.jit
 def quant_tile_dot(
-    x_rows, row_ok, w_cols, d_ptr, m_ptr, scale_at, col_ok, k, k_pad, first, last,
-    dtype: tl.constexpr,
+    x_rows, row_ok, w_cols, w_row_stride, d_cols, m_cols, scale_row_stride, col_ok, k, k_pad,
+    first, last, dtype: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The float32 [BLOCK_M, BLOCK_N] tile of x·Wᵀ over inputs first..last: x_rows the rows'
-    pointers [BLOCK_M, 1], w_cols the columns' packed weights [1, BLOCK_N], scale_at their first
-    group's offsets [1, BLOCK_N] into the scales d and m."""
+    pointers [BLOCK_M, 1]; w_cols, d_cols and m_cols the columns' first row of packed weights
+    and of scales [1, BLOCK_N], whose next rows are w_row_stride and scale_row_stride on."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
     for k0 in range(first, last, BLOCK_K):
+        groups = k0 // GROUP + tl.arange(0, GROUPS)
+        scales_ok = (groups < k_pad // GROUP)[:, None] & col_ok[None, :]
+        at = groups.to(tl.int64)[:, None] * scale_row_stride
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             ok = (ks < k_pad)[:, None] & col_ok[None, :]
-            u = tl.load(w_cols + ks[:, None], mask=ok, other=0)
-            at = scale_at + (ks // GROUP)[:, None]
+            u = tl.load(w_cols + ks.to(tl.int64)[:, None] * w_row_stride, mask=ok, other=0)
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
-            w = _dequantized(u, d_ptr + at, m_ptr + at, ok, dtype)
+            w = _dequantized(u, d_cols + at, m_cols + at, scales_ok, dtype, GROUPS, GROUP, BLOCK_N)
             acc += tl.dot(x, w, input_precision=PRECISION)
         else:
+            # byte row j holds inputs 2j (low nibble) and 2j+1 (high): a group's bytes are
+            # GROUP/2 rows, so the low and the high nibbles each make whole half groups
             half = tl.arange(0, BLOCK_K // 2)
-            even = k0 + 2 * half  # the inputs of the low nibbles; odd ones the high
-            ok = (even < k_pad)[:, None] & col_ok[None, :]
-            both = tl.load(w_cols + (k0 // 2 + half)[:, None], mask=ok, other=0)
-            at = scale_at + (even // GROUP)[:, None]  # a byte's two inputs share a group
-            x_even = tl.load(
-                x_rows + even[None, :], mask=row_ok[:, None] & (even < k)[None, :], other=0.0
-            )
-            x_odd = tl.load(
-                x_rows + (even + 1)[None, :],
-                mask=row_ok[:, None] & (even + 1 < k)[None, :],
-                other=0.0,
-            )
-            low = _dequantized(both & 0x0F, d_ptr + at, m_ptr + at, ok, dtype)
-            high = _dequantized(both >> 4, d_ptr + at, m_ptr + at, ok, dtype)
+            ok = (k0 + 2 * half < k_pad)[:, None] & col_ok[None, :]
+            byte_rows = (k0 // 2 + half).to(tl.int64)[:, None] * w_row_stride
+            both = tl.load(w_cols + byte_rows, mask=ok, other=0)
+            ks = k0 + tl.arange(0, BLOCK_K)  # read whole (contiguous), then split in two
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            d_at, m_at = d_cols + at, m_cols + at
+            HALF: tl.constexpr = GROUP // 2
+            low = _dequantized(both & 0x0F, d_at, m_at, scales_ok, dtype, GROUPS, HALF, BLOCK_N)
+            high = _dequantized(both >> 4, d_at, m_at, scales_ok, dtype, GROUPS, HALF, BLOCK_N)
             acc += tl.dot(x_even, low, input_precision=PRECISION)
             acc += tl.dot(x_odd, high, input_precision=PRECISION)
     return acc
@@ -78,7 +87,7 @@ def quant_tile_dot(
 @triton.jit
 def _quant_matmul_kernel(
     x_ptr, w_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, rows, n, k, x_stride, out_stride,
-    w_stride, groups, groups_per_split,
+    w_stride, scale_stride, groups, groups_per_split,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -92,14 +101,13 @@ def _quant_matmul_kernel(
     col_ok = cols < n
     dtype = x_ptr.dtype.element_ty
     x_rows = x_ptr + m_rows.to(tl.int64)[:, None] * x_stride
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * w_stride
-    scale_at = cols.to(tl.int64)[None, :] * groups
     k_pad = groups * GROUP
     # BLOCK_K inputs (whole groups) a step; a split's groups are whole steps
     first = split * groups_per_split * GROUP
     last = tl.minimum(first + groups_per_split * GROUP, k_pad)
     acc = quant_tile_dot(
-        x_rows, row_ok, w_cols, d_ptr, m_ptr, scale_at, col_ok, k, k_pad, first, last, dtype,
+        x_rows, row_ok, w_ptr + cols[None, :], w_stride, d_ptr + cols[None, :],
+        m_ptr + cols[None, :], scale_stride, col_ok, k, k_pad, first, last, dtype,
         BITS, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
     )  # fmt: skip
     out_at = out_ptr + split * rows * out_stride + m_rows[:, None] * out_stride + cols[None, :]
@@ -145,10 +153,10 @@ def quant_matmul(
     split: int | None = None,
 ) -> torch.Tensor:
     """x [rows, k] @ Wᵀ (+ bias) in x's dtype, W = d·u + m packed as the module docstring says
-    (``weight`` uint8 [n, k_pad·bits/8], d and m fp16 [n, groups]). ``split``: the groups in
+    (``weight`` uint8 [k_pad·bits/8, n], d and m fp16 [groups, n]). ``split``: the groups in
     this many parts (None: what keeps the GPU busy)."""
     rows, k = x.shape
-    groups = d.shape[1]
+    groups = d.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     # 8 warps and, in float32, 16 rows a tile: no register spills at sm_90 (test_triton_compile)
@@ -169,7 +177,7 @@ def quant_matmul(
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n), split)
     _quant_matmul_kernel[grid](
         x, weight, d, m, bias if bias is not None else d, out, rows, n, k, x.stride(0), n,
-        weight.stride(0), groups, per_split,
+        weight.stride(0), d.stride(0), groups, per_split,
         BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=step_groups * group, HAS_BIAS=bias is not None, SPLIT=split > 1,
         PRECISION=dot_precision(x.dtype), num_warps=8,
@@ -183,8 +191,8 @@ def quant_matmul(
 
 
 def device_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u, d, m) of a packed weight in this module's layout, on the CPU: u uint8 [n, k_pad]
-    (8-bit) or [n, k_pad/2] (4-bit), d and m fp16 [n, groups]."""
+    """(u, d, m) of a packed weight in this module's layout, on the CPU: u uint8 [k_pad, n]
+    (8-bit) or [k_pad/2, n] (4-bit), d and m fp16 [groups, n]."""
     if packed.mxfp4:  # its u (value + 12) would not fit the nibbles, its d and m not fp16
         raise ValueError(
             "MXFP4's own form runs on the CPU kernels; the Triton layers take it in 8-bit tiles "
@@ -194,7 +202,7 @@ def device_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     u, d, m = u[: packed.n], d[: packed.n], m[: packed.n]
     if packed.bits == 4:
         u = u[:, 0::2] | (u[:, 1::2] << 4)
-    return u.contiguous(), d.contiguous(), m.contiguous()
+    return u.t().contiguous(), d.t().contiguous(), m.t().contiguous()
 
 
 class TritonQuantLinear(nn.Module):
