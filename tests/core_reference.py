@@ -9,7 +9,8 @@ returns lists, its natural form, so that caller code such as ``blocks + fresh`` 
 - ``RadixCache``: a tree over token ids whose edges hold whole blocks; LRU eviction of unlocked
   leaves by (last access, node id). Its prefix matches and block ids are meant to agree exactly
   with the C++ cache for the same sequence of calls.
-- ``Planner``: waiting queue (fcfs/lpm), running set, budgets, chunked prefill (never ending
+- ``Planner``: waiting queue (fcfs/lpm/priority, with preemption of less important requests),
+  running set, budgets, chunked prefill (never ending
   inside a request's whole spans), reservation, retraction, abort, overlapped steps and
   speculative verify entries, following the planning
   rules of cpp/README.md (including its reservation arithmetic). Node layout inside the cache
@@ -354,6 +355,7 @@ class _Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
+    priority: int = 0  # lower runs first (the priority policy)
     # False: admissions compute every position (no cached prefix), and its blocks never enter
     # the cache (they would duplicate cached ones, both held while it runs)
     match_prefix: bool = True
@@ -381,7 +383,7 @@ class _Request:
         return self.prompt + self.output
 
 
-_POLICIES = ("fcfs", "lpm")
+_POLICIES = ("fcfs", "lpm", "priority")
 
 
 class Planner:
@@ -432,8 +434,9 @@ class Planner:
         self.reserve_ratio = init_reserve_ratio
         self.max_draft_tokens = max_draft_tokens
         self._requests: dict[int, _Request] = {}
-        self._waiting: deque[_Request] = deque()  # retracted requests go to the front
-        self._running: list[_Request] = []  # in admission order
+        # by (priority, arrival); a retracted request goes ahead of the waiting ones of its class
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # by (priority, admission); the last goes first
         # (step id, [(request, end, samples, drafts)])
         self._inflight: deque[tuple[int, list[tuple[_Request, int, bool, int]]]] = deque()
         self._dropped: list[int] = []
@@ -452,10 +455,13 @@ class Planner:
         *,
         match_prefix: bool = True,
         whole_spans: Sequence[int] | bytes = b"",
+        priority: int = 0,
     ) -> None:
         tokens = _ints(prompt, "i")
         if rid in self._requests:
             raise ValueError(f"request {rid} already exists")
+        if priority and self.policy != "priority":
+            raise ValueError(f"request {rid}: a priority needs the priority policy")
         if not tokens:
             raise ValueError(f"request {rid}: empty prompt")
         self._check_tokens(tokens)
@@ -478,9 +484,13 @@ class Planner:
                 f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
                 f"({capacity} tokens)"
             )
-        req = _Request(rid, tokens, max_new_tokens, match_prefix, spans)
+        req = _Request(rid, tokens, max_new_tokens, priority, match_prefix, spans)
         self._requests[rid] = req
-        self._waiting.append(req)
+        # behind every waiting request of its priority or a smaller value
+        at = len(self._waiting)
+        while at and self._waiting[at - 1].priority > priority:
+            at -= 1
+        self._waiting.insert(at, req)
 
     def finish(self, rid: int) -> None:
         req = self._requests.get(rid)
@@ -582,14 +592,17 @@ class Planner:
 
     def plan(self) -> Step | None:
         entries: list[tuple[_Request, int, int, bool, int]] = []
-        retracted: list[int] = []
+        retracted = self._preempt() if self.policy == "priority" else []
+        preempted = len(retracted)
         self._plan_decodes(entries, retracted)
         budget = self._plan_chunks(entries, self.max_prefill_tokens)
-        if not retracted:  # like the core: memory ran short, admitting now invites a retraction
+        # like the core: memory ran short, admitting now invites a retraction
+        memory_short = len(retracted) > preempted
+        if not memory_short:
             self._admit(entries, budget)
         if not entries and not self._dropped and not retracted:
             return None
-        if not retracted:
+        if not memory_short:
             self.reserve_ratio = max(
                 self.min_reserve_ratio, self.reserve_ratio - self.reserve_decay
             )
@@ -633,7 +646,7 @@ class Planner:
                     victim = next(
                         r for r in reversed(self._running) if r.planned_samples < r.max_new_tokens
                     )
-                    self._retract(victim)
+                    self._retract(victim, memory_short=True)
                     retracted.append(victim.rid)
                     if victim is req:
                         break
@@ -664,7 +677,6 @@ class Planner:
 
     def _admit(self, entries: list, budget: int) -> None:
         """Admits waiting requests in policy order; stops at the first that does not fit."""
-        bs = self.block_size
         reserved = sum(self._future_blocks(r) for r in self._running)
         for req in self._admission_order():
             if budget <= 0 or len(self._running) >= self.max_running_requests:
@@ -673,16 +685,10 @@ class Planner:
                 continue  # a retracted request still in flight, or one awaiting its finish
             tokens = req.tokens
             target = len(tokens)
-            # Match at most target - 1 tokens: a prefill computes at least one token.
-            matched, unlocked = self._peek(tokens[:-1]) if req.match_prefix else (0, 0)
-            n = min(target - matched, self.chunked_prefill_size, budget)
-            n = self._span_end(req, matched, matched + n, target) - matched
-            blocks_now = self._blocks_for(matched + n) - matched // bs
-            later_tokens = target + math.ceil(
-                (req.max_new_tokens - len(req.output)) * self.reserve_ratio
+            matched, n, blocks_now, blocks_later, shortfall = self._admit_cost(
+                req, budget, reserved
             )
-            blocks_later = max(0, self._blocks_for(later_tokens) - self._blocks_for(matched + n))
-            if self._available() - unlocked < reserved + blocks_now + blocks_later:
+            if shortfall > 0:
                 return
             self._waiting.remove(req)
             if self.enable_radix_cache and not req.match_prefix:
@@ -700,10 +706,67 @@ class Planner:
             req.planned_samples = len(req.output)
             if not req.admitted_once:
                 req.cached_tokens, req.admitted_once = matched, True
-            self._running.append(req)
+            self._insert_running(req)
             entries.append(self._schedule(req, n, False, 0))
             budget -= n
             reserved += blocks_later
+
+    def _admit_cost(self, req: _Request, budget: int, reserved: int) -> tuple[int, ...]:
+        """(matched, chunk, blocks now, blocks later, blocks short beside ``reserved``)."""
+        tokens = req.tokens
+        target = len(tokens)
+        # Match at most target - 1 tokens: a prefill computes at least one token.
+        matched, unlocked = self._peek(tokens[:-1]) if req.match_prefix else (0, 0)
+        n = min(target - matched, self.chunked_prefill_size, budget)
+        n = self._span_end(req, matched, matched + n, target) - matched
+        blocks_now = self._blocks_for(matched + n) - matched // self.block_size
+        later_tokens = target + math.ceil(
+            (req.max_new_tokens - len(req.output)) * self.reserve_ratio
+        )
+        blocks_later = max(0, self._blocks_for(later_tokens) - self._blocks_for(matched + n))
+        shortfall = reserved + blocks_now + blocks_later - (self._available() - unlocked)
+        return matched, n, blocks_now, blocks_later, shortfall
+
+    def _insert_running(self, req: _Request) -> None:
+        at = len(self._running)
+        while at and self._running[at - 1].priority > req.priority:
+            at -= 1
+        self._running.insert(at, req)
+
+    def _preempt(self) -> list[int]:
+        """The first admissible waiting request, short of blocks or of a running slot, retracts
+        running requests of a larger priority value, last in the running order first, as many
+        as make room by the blocks they would give back; none if all of them would not."""
+        head = next(
+            (r for r in self._waiting if not r.inflight and len(r.output) < r.max_new_tokens),
+            None,
+        )
+        if head is None:
+            return []
+        reserved = sum(self._future_blocks(r) for r in self._running)
+        shortfall = self._admit_cost(head, self.max_prefill_tokens, reserved)[-1]
+        slot_short = len(self._running) >= self.max_running_requests
+        if shortfall <= 0 and not slot_short:
+            return []
+        cached = self.cache.cached_block_ids() if self.enable_radix_cache else set()
+        victims, freed = [], 0
+        for v in reversed(self._running):
+            if v.priority <= head.priority:
+                break
+            if v.planned_samples >= v.max_new_tokens:
+                continue
+            victims.append(v)
+            freed += self._future_blocks(v) + sum(
+                self.allocator.refcount(b) == 1 or (self.allocator.refcount(b) == 2 and b in cached)
+                for b in v.table
+            )
+            if freed >= shortfall:
+                break
+        if not victims or freed < shortfall:
+            return []
+        for v in victims:
+            self._retract(v, memory_short=False)
+        return [v.rid for v in victims]
 
     def _admission_order(self) -> list[_Request]:
         order = list(self._waiting)
@@ -743,13 +806,18 @@ class Planner:
         req.inflight += 1
         return (req, start, n, decode, old_len, list(drafts))
 
-    def _retract(self, req: _Request) -> None:
+    def _retract(self, req: _Request, memory_short: bool) -> None:
         self._release(req)
         self._running.remove(req)
         req.state = "retracted"
-        self._waiting.appendleft(req)
+        # ahead of every waiting request of its priority or a larger value
+        at = 0
+        while at < len(self._waiting) and self._waiting[at].priority < req.priority:
+            at += 1
+        self._waiting.insert(at, req)
         self.retractions += 1
-        self.reserve_ratio = self.init_reserve_ratio
+        if memory_short:
+            self.reserve_ratio = self.init_reserve_ratio
 
     def _emit(self, entries: list, retracted: list[int]) -> Step:
         step_id = self._next_step
@@ -926,6 +994,7 @@ class Planner:
             num_scheduled=req.num_scheduled,
             cached_tokens=req.cached_tokens,
             max_new_tokens=req.max_new_tokens,
+            priority=req.priority,
             planned_samples=req.planned_samples,
             num_blocks=len(req.table),
             inflight_steps=req.inflight,
@@ -947,6 +1016,9 @@ class Planner:
         return array("i", counts).tobytes()
 
     def check_invariants(self) -> None:
+        for queue in (list(self._waiting), self._running):
+            if [r.priority for r in queue] != sorted(r.priority for r in queue):
+                raise RuntimeError("a queue is not ordered by priority")
         holders = [0] * self.allocator.num_blocks
         for b in self.cache.cached_block_ids():
             holders[b] += 1

@@ -300,6 +300,7 @@ class Tracked:
     draft: list[int] = field(default_factory=list)  # set for the next plan()
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
     spans: list[tuple[int, int]] = field(default_factory=list)  # whole spans [start, end)
+    priority: int = 0  # lower runs first (the priority policy)
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -369,7 +370,7 @@ def planner_configs(draw) -> dict:
         max_running_requests=draw(st.integers(1, 8)),
         max_prefill_tokens=draw(st.integers(1, 48)),
         chunked_prefill_size=draw(st.integers(1, 32)),
-        policy=draw(st.sampled_from(["fcfs", "lpm"])),
+        policy=draw(st.sampled_from(["fcfs", "lpm", "priority"])),
         enable_radix_cache=draw(st.sampled_from([True, True, True, False])),
         vocab_size=VOCAB,
         init_reserve_ratio=draw(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.0])),
@@ -425,6 +426,10 @@ class PlannerMachine(RuleBasedStateMachine):
     def _fail(self, what: str) -> None:
         raise CoreViolation(f"after {self.op}: {what}")
 
+    @property
+    def _by_priority(self) -> bool:
+        return self.cfg["policy"] == "priority"
+
     def _begin(self, op: str) -> None:
         self.op, self.busy = op, True
 
@@ -444,9 +449,10 @@ class PlannerMachine(RuleBasedStateMachine):
         # one request in four computes its whole prompt, reusing no cached prefix
         match_prefix = data.draw(st.integers(0, 3), label="match_prefix") > 0
         spans = _draw_spans(lambda s, label: data.draw(s, label=label), len(prompt))
+        prio = data.draw(st.integers(-1, 2), label="priority") if self._by_priority else 0
         self._begin(
             f"add_request({rid}, len {len(prompt)}, max_new {max_new}, match_prefix={match_prefix}"
-            f", whole_spans={_span_pairs(spans)})"
+            f", whole_spans={_span_pairs(spans)}, priority={prio})"
         )
         fits = len(prompt) + max_new <= self.num_blocks * self.bs
         if not prompt or not fits:
@@ -456,11 +462,21 @@ class PlannerMachine(RuleBasedStateMachine):
             if data.draw(st.booleans()):
                 packed, packed_spans = array("i", prompt).tobytes(), array("i", spans).tobytes()
                 self.planner.add_request(
-                    rid, packed, max_new, match_prefix=match_prefix, whole_spans=packed_spans
+                    rid,
+                    packed,
+                    max_new,
+                    match_prefix=match_prefix,
+                    whole_spans=packed_spans,
+                    priority=prio,
                 )
             else:
                 self.planner.add_request(
-                    rid, prompt, max_new, match_prefix=match_prefix, whole_spans=spans
+                    rid,
+                    prompt,
+                    max_new,
+                    match_prefix=match_prefix,
+                    whole_spans=spans,
+                    priority=prio,
                 )
             self.requests[rid] = Tracked(
                 rid,
@@ -469,6 +485,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 arrival=len(self.requests),
                 match_prefix=match_prefix,
                 spans=_span_pairs(spans),
+                priority=prio,
             )
             if spans:
                 event("whole spans")
@@ -489,6 +506,7 @@ class PlannerMachine(RuleBasedStateMachine):
                     "report_missing",
                     "finish",
                     "spans",
+                    "priority",
                 ]
             )
         )
@@ -500,6 +518,7 @@ class PlannerMachine(RuleBasedStateMachine):
             (kind == "duplicate" and not live)
             or (kind == "report_rid" and not self.inflight)
             or (kind == "report_missing" and not live_samples)
+            or (kind == "priority" and self._by_priority)
         ):
             kind = "token"
         self._begin(f"bad call: {kind}")
@@ -511,7 +530,9 @@ class PlannerMachine(RuleBasedStateMachine):
             prompt = [1, -1]
         elif kind == "max_new":
             max_new = data.draw(st.sampled_from([0, -3]))
-        spans = []
+        spans, prio = [], 0
+        if kind == "priority":  # a priority under a policy that ignores priorities
+            prio = data.draw(st.sampled_from([-1, 1]))
         if kind == "spans":  # odd length, empty, reversed, past the prompt, overlapping
             spans = data.draw(st.sampled_from([[1], [1, 1], [2, 1], [0, 4], [-1, 1], [0, 2, 1, 3]]))
         if kind == "report":  # a step that was never planned, or not the oldest in flight
@@ -537,7 +558,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 self.planner.finish(self.next_rid + 11)
         else:
             with pytest.raises(ValueError):
-                self.planner.add_request(rid, prompt, max_new, whole_spans=spans)
+                self.planner.add_request(rid, prompt, max_new, whole_spans=spans, priority=prio)
         self._end()
 
     @precondition(lambda self: self.ready and len(self.inflight) < MAX_INFLIGHT)
@@ -850,6 +871,8 @@ class PlannerMachine(RuleBasedStateMachine):
 
         self._check_order(sid, entries, set(retracted))
         first_admissions = []
+        admitted: list[tuple[Tracked, str]] = []  # (request, its state before) admitted now
+        running_before = [r for r in self.requests.values() if r.state == "running"]
         written: dict[int, int] = {}  # block -> rid writing it in this step
         read: dict[int, int] = {}  # block -> rid reading it
         for e in entries:
@@ -860,7 +883,10 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"step {sid}: rid {e.rid} computes {e.n} tokens")
             if not req.admitted:
                 first_admissions.append(req)
+            prior = req.state
             fresh = self._check_entry(sid, req, e, states)
+            if fresh:
+                admitted.append((req, prior))
             self._collect_blocks(sid, req, e, written, read)
             if fresh:
                 req.prefix_blocks = req.table[: e.start // self.bs]
@@ -881,6 +907,8 @@ class PlannerMachine(RuleBasedStateMachine):
             req.inflight += 1
         if self.cfg["policy"] == "fcfs":
             self._check_fcfs(sid, first_admissions, {e.rid for e in entries})
+        if self._by_priority:
+            self._check_priority(sid, admitted, {e.rid for e in entries}, retracted, running_before)
         sampling = [e.rid for e in entries if e.sample]
         for what, seen in (
             ("retraction", retracted),
@@ -927,7 +955,10 @@ class PlannerMachine(RuleBasedStateMachine):
             req = self.requests.get(e.rid)
             fresh = req is None or req.state in ("waiting", "retracted")
             kinds.append(0 if e.decode else 2 if fresh else 1)
-            seqs.append((kinds[-1], req.admit_seq if req and not fresh else 0))
+            # the running order: by priority (0 but under the priority policy), then admission
+            seqs.append(
+                (kinds[-1], req.priority if req else 0, req.admit_seq if req and not fresh else 0)
+            )
         if kinds != sorted(kinds):
             self._fail(f"step {sid}: entries not in the order decodes, chunks, admissions")
         if [q for q in seqs if q[0] < 2] != sorted(q for q in seqs if q[0] < 2):
@@ -1074,6 +1105,49 @@ class PlannerMachine(RuleBasedStateMachine):
             if req.state == "retracted" and req.inflight == 0 and req.output_len < req.max_new:
                 self._fail(f"step {sid}: fcfs admitted a new request before retracted {req.rid}")
 
+    def _check_priority(
+        self,
+        sid: int,
+        admitted: list[tuple[Tracked, str]],
+        planned: set[int],
+        retracted: list[int],
+        running_before: list[Tracked],
+    ) -> None:
+        """priority: nobody is admitted ahead of an admissible request with a smaller priority
+        value, of an earlier one of its value, or of a retracted one of its value (retracted
+        requests go first in their class); and a retraction takes running requests whose
+        priority values are at least those of every retractable request that keeps running."""
+        for f, prior in admitted:
+            for req in self.requests.values():
+                if req.rid in planned or req.state not in ("waiting", "retracted"):
+                    continue
+                if req.inflight or req.output_len >= req.max_new:
+                    continue  # not admissible now: admission passes over it
+                ahead = req.priority < f.priority or (
+                    req.priority == f.priority
+                    and (
+                        (req.state == "retracted" and prior == "waiting")
+                        or (req.state == prior == "waiting" and req.arrival < f.arrival)
+                    )
+                )
+                if ahead:
+                    self._fail(
+                        f"step {sid}: admitted rid {f.rid} (priority {f.priority}, {prior}) "
+                        f"ahead of rid {req.rid} (priority {req.priority}, {req.state})"
+                    )
+        if not retracted:
+            return
+        event("priority: retraction")
+        lowest = min(self.requests[rid].priority for rid in retracted)
+        for req in running_before:
+            if req.state == "running" and req.samples < req.max_new and req.priority > lowest:
+                self._fail(
+                    f"step {sid}: retracted priority {lowest} while rid {req.rid} of priority "
+                    f"{req.priority} keeps running"
+                )
+        if any(prior == "waiting" for _, prior in admitted):
+            event("priority: retraction and admission in one step")
+
     # -- invariants after every operation -----------------------------------------------------
 
     @invariant()
@@ -1125,6 +1199,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"request({req.rid}) = {info}, expected {req.state}/{req.output_len}")
             if info["prompt_len"] != len(req.prompt) or info["max_new_tokens"] != req.max_new:
                 self._fail(f"request({req.rid}) = {info}: wrong prompt_len or max_new_tokens")
+            if info["priority"] != req.priority:
+                self._fail(f"request({req.rid}) = {info}: priority should be {req.priority}")
             if list(info["output"]) != req.known[len(req.prompt) :]:
                 self._fail(f"request({req.rid}) output {info['output']} is not what was reported")
             if (info["draft_len"], info["verifying"]) != (len(req.draft), len(req.verifying)):
@@ -1273,9 +1349,13 @@ class LockstepMachine(RuleBasedStateMachine):
     def add(self, max_new: int, prompt: list[int], data: st.DataObject) -> None:
         rid, self.next_rid = self.next_rid, self.next_rid + 1
         spans = _draw_spans(lambda s, label: data.draw(s, label=label), len(prompt))
+        # a nonzero priority under another policy: refused by both
+        prio = data.draw(st.integers(-1, 2), label="priority")
+        if self.cfg["policy"] != "priority" and data.draw(st.integers(0, 5)):
+            prio = 0
         self._both(
-            f"add_request({rid}, whole_spans={_span_pairs(spans)})",
-            lambda p: p.add_request(rid, prompt, max_new, whole_spans=spans),
+            f"add_request({rid}, whole_spans={_span_pairs(spans)}, priority={prio})",
+            lambda p: p.add_request(rid, prompt, max_new, whole_spans=spans, priority=prio),
         )
 
     def _decoding(self) -> list[int]:

@@ -84,6 +84,7 @@ py::dict request_dict(const pyserve::RequestInfo& r) {
   d["num_scheduled"] = r.num_scheduled;
   d["cached_tokens"] = r.cached_tokens;
   d["max_new_tokens"] = r.max_new_tokens;
+  d["priority"] = r.priority;
   d["planned_samples"] = r.planned_samples;
   d["num_blocks"] = r.num_blocks;
   d["inflight_steps"] = r.inflight_steps;
@@ -171,17 +172,20 @@ void bind_planner(py::module_& m) {
       .def(
           "add_request",
           [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens,
-             bool match_prefix, py::handle whole_spans) {
+             bool match_prefix, py::handle whole_spans, int64_t priority) {
             auto tokens = to_int32s(prompt, "prompt");
             auto spans = to_int32s(whole_spans, "whole_spans");
             p.released([&](Planner& x) {
-              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix, std::move(spans));
+              x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix, std::move(spans),
+                            priority);
             });
           },
           py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"), py::kw_only(),
           py::arg("match_prefix") = true, py::arg("whole_spans") = py::bytes(),
+          py::arg("priority") = 0,
           "whole_spans: [start, end) pairs of prompt positions (int32 bytes or ints), ascending "
-          "and disjoint, that no prefill chunk ends strictly inside")
+          "and disjoint, that no prefill chunk ends strictly inside; priority: lower runs first "
+          "(the \"priority\" policy only)")
       .def(
           "plan",
           [](PyPlanner& p) -> std::shared_ptr<Step> {

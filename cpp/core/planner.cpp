@@ -22,7 +22,8 @@ void require(bool ok, const std::string& message) {
 Policy parse_policy(const std::string& policy) {
   if (policy == "fcfs") return Policy::kFcfs;
   if (policy == "lpm") return Policy::kLpm;
-  throw ValueError("policy must be \"fcfs\" or \"lpm\", got \"" + policy + "\"");
+  if (policy == "priority") return Policy::kPriority;
+  throw ValueError("policy must be \"fcfs\", \"lpm\" or \"priority\", got \"" + policy + "\"");
 }
 
 const PlannerConfig& validated(const PlannerConfig& c) {
@@ -127,8 +128,11 @@ Request* Planner::find(int64_t rid) const {
 // Requests in and out
 
 void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
-                          bool match_prefix, std::vector<int32_t> whole_spans) {
+                          bool match_prefix, std::vector<int32_t> whole_spans, int64_t priority) {
   if (find(rid)) throw ValueError("request " + std::to_string(rid) + " already exists");
+  require(priority == 0 || policy_ == Policy::kPriority,
+          "request " + std::to_string(rid) + ": priority " + std::to_string(priority) +
+              " needs the \"priority\" policy (this planner's is \"" + config_.policy + "\")");
   require(!prompt.empty(), "request " + std::to_string(rid) + ": the prompt is empty");
   require(max_new_tokens >= 1, "request " + std::to_string(rid) +
                                    ": max_new_tokens must be >= 1, got " +
@@ -181,9 +185,9 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   r.max_new_tokens = max_new_tokens;
   r.match_prefix = match_prefix;
   r.whole_spans = std::move(whole_spans);
+  r.priority = priority;
   r.state = RequestState::kWaiting;
-  waiting_.push_back(&r);
-  r.queue_pos = std::prev(waiting_.end());
+  enqueue_waiting(r, /*retracted=*/false);
   if (drafter_) drafter_->add(rid, r.prompt.data(), r.prompt.size());
   requests_.emplace(rid, std::move(owned));
 }
@@ -348,6 +352,7 @@ std::optional<Step> Planner::plan() {
   retracted_this_plan_ = false;
 
   int64_t prefill_budget = config_.max_prefill_tokens;
+  if (policy_ == Policy::kPriority) preempt_for_priority(step);
   plan_decodes(step, record);
   plan_prefill_chunks(step, record, prefill_budget);
   // Memory ran short this step: admitting now (possibly the request just retracted) would only
@@ -489,8 +494,9 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
-      // After a retraction memory is short, and the count of blocks left is stale.
-      if (!retracted_this_plan_ && available_blocks() >= extra + plain_blocks_left) {
+      // After a retraction memory is short, and the count of blocks left is stale (after a
+      // preemption, more important requests wait for memory).
+      if (step.retracted.empty() && available_blocks() >= extra + plain_blocks_left) {
         if (!allocate_blocks(extra, r.table)) {
           throw InvariantError("a verify entry sized to the available blocks did not fit");
         }
@@ -590,6 +596,38 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
   }
 }
 
+// What admitting c now takes, with `reserved` blocks promised to the running requests.
+Planner::AdmitCost Planner::admit_cost(const Request& c, int64_t prefill_budget, int64_t reserved) {
+  AdmitCost a;
+  const std::vector<int32_t>& seq = sequence(c);
+  const int64_t target = static_cast<int64_t>(seq.size());
+  // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
+  // prompt recomputes its last block rather than writing into a cached one.
+  if (config_.enable_radix_cache && c.match_prefix) {
+    a.peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
+  }
+  a.matched = a.peek.num_blocks * block_size_;
+  const int64_t want = std::min({target - a.matched, config_.chunked_prefill_size, prefill_budget});
+  // A match may end inside a whole span (its K/V was computed with the span whole): the chunk
+  // then runs to the span's end. The block counts below use this adjusted length.
+  a.chunk = whole_span_end(c.whole_spans, a.matched, a.matched + want, target) - a.matched;
+  a.blocks_now = blocks_for(a.matched + a.chunk) - a.peek.num_blocks;
+  const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
+  const int64_t reserve_tokens =
+      static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
+  a.blocks_later =
+      std::max<int64_t>(0, blocks_for(target + reserve_tokens) - blocks_for(a.matched + a.chunk));
+  a.shortfall =
+      reserved + a.blocks_now + a.blocks_later - (available_blocks() - a.peek.unlocked_blocks);
+  return a;
+}
+
+// Whether admission would consider c now (else it is passed over, not a reason to stop).
+bool Planner::admissible(const Request& c) const {
+  // retracted while an earlier step still names it, or awaiting its finish
+  return c.inflight_steps == 0 && static_cast<int64_t>(c.output.size()) < c.max_new_tokens;
+}
+
 // Admits c if the budgets allow. Returns false when admission must stop here.
 bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
                         int64_t& reserved) {
@@ -597,30 +635,10 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
       static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
     return false;
   }
-  if (c.inflight_steps > 0) return true;  // retracted, an earlier step still names it
-  if (static_cast<int64_t>(c.output.size()) >= c.max_new_tokens) return true;  // awaits finish
+  if (!admissible(c)) return true;
+  const AdmitCost a = admit_cost(c, prefill_budget, reserved);
+  if (a.shortfall > 0) return false;
   const std::vector<int32_t>& seq = sequence(c);
-  const int64_t target = static_cast<int64_t>(seq.size());
-  // Match at most target - 1 tokens: a prefill always computes >= 1 token, so a fully cached
-  // prompt recomputes its last block rather than writing into a cached one.
-  PrefixPeek peek;
-  if (config_.enable_radix_cache && c.match_prefix) {
-    peek = cache_.peek_prefix(seq.data(), seq.size() - 1);
-  }
-  const int64_t matched = peek.num_blocks * block_size_;
-  const int64_t want = std::min({target - matched, config_.chunked_prefill_size, prefill_budget});
-  // A match may end inside a whole span (its K/V was computed with the span whole): the chunk
-  // then runs to the span's end. The block counts below use this adjusted length.
-  const int64_t chunk = whole_span_end(c.whole_spans, matched, matched + want, target) - matched;
-  const int64_t blocks_now = blocks_for(matched + chunk) - peek.num_blocks;
-  const int64_t remaining_samples = c.max_new_tokens - static_cast<int64_t>(c.output.size());
-  const int64_t reserve_tokens =
-      static_cast<int64_t>(std::ceil(static_cast<double>(remaining_samples) * reserve_ratio_));
-  const int64_t blocks_later =
-      std::max<int64_t>(0, blocks_for(target + reserve_tokens) - blocks_for(matched + chunk));
-  const int64_t available = available_blocks() - peek.unlocked_blocks;
-  if (available < reserved + blocks_now + blocks_later) return false;
-
   waiting_.erase(c.queue_pos);
   if (config_.enable_radix_cache && c.match_prefix) {
     PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
@@ -632,21 +650,21 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
   } else if (config_.enable_radix_cache) {
     cache_.lock(kRootNode);  // every running request holds one lock; its blocks go below root
   }
-  if (!allocate_blocks(blocks_now, c.table)) {
-    throw InvariantError("admission counted " + std::to_string(available) +
-                         " available blocks but could not allocate " + std::to_string(blocks_now));
+  if (!allocate_blocks(a.blocks_now, c.table)) {
+    throw InvariantError("admission counted the blocks available but could not allocate " +
+                         std::to_string(a.blocks_now));
   }
   c.state = RequestState::kRunning;
-  c.prefill_target = target;
-  c.num_scheduled = matched;
-  c.num_computed = matched;
+  c.prefill_target = static_cast<int64_t>(seq.size());
+  c.num_scheduled = a.matched;
+  c.num_computed = a.matched;
   c.planned_samples = static_cast<int64_t>(c.output.size());
-  if (!c.ever_admitted) c.cached_tokens = matched;
+  if (!c.ever_admitted) c.cached_tokens = a.matched;
   c.ever_admitted = true;
-  running_.push_back(&c);
-  add_entry(step, record, c, chunk, /*decode=*/false, 0);
-  prefill_budget -= chunk;
-  reserved += blocks_later;
+  insert_running(c);
+  add_entry(step, record, c, a.chunk, /*decode=*/false, 0);
+  prefill_budget -= a.chunk;
+  reserved += a.blocks_later;
   return true;
 }
 
@@ -657,16 +675,79 @@ Request* Planner::newest_retractable() const {
   return nullptr;  // unreachable: the request asking for a block is retractable
 }
 
-void Planner::retract(Request& r, Step& step) {
+// memory_short: a decode found no block (the reservation was too optimistic, and admitting in
+// this plan would invite the next retraction); else a preemption for a more important request.
+void Planner::retract(Request& r, Step& step, bool memory_short) {
   release_blocks(r);
   remove_running(r);
   r.state = RequestState::kRetracted;
-  waiting_.push_front(&r);
-  r.queue_pos = waiting_.begin();
+  enqueue_waiting(r, /*retracted=*/true);
   step.retracted.push_back(r.rid);
   ++retractions_;
-  reserve_ratio_ = config_.init_reserve_ratio;
-  retracted_this_plan_ = true;
+  if (memory_short) {
+    reserve_ratio_ = config_.init_reserve_ratio;
+    retracted_this_plan_ = true;
+  }
+}
+
+// A new request goes behind every waiting one of its priority or a smaller value; a retracted
+// one ahead of every one of its priority or a larger value. With every priority 0 (fcfs, lpm):
+// the back and the front.
+void Planner::enqueue_waiting(Request& r, bool retracted) {
+  if (retracted) {
+    auto it = waiting_.begin();
+    while (it != waiting_.end() && (*it)->priority < r.priority) ++it;
+    r.queue_pos = waiting_.insert(it, &r);
+  } else {
+    auto it = waiting_.end();
+    while (it != waiting_.begin() && (*std::prev(it))->priority > r.priority) --it;
+    r.queue_pos = waiting_.insert(it, &r);
+  }
+}
+
+// Behind every running request of its priority or a smaller value.
+void Planner::insert_running(Request& r) {
+  auto it = running_.end();
+  while (it != running_.begin() && (*std::prev(it))->priority > r.priority) --it;
+  running_.insert(it, &r);
+}
+
+// Blocks that retracting r would give back: those only r holds, and cached ones only r uses
+// (they become evictable). An estimate for choosing victims: admission itself recounts.
+int64_t Planner::releasable_blocks(const Request& r) const {
+  int64_t n = 0;
+  for (BlockId b : r.table) {
+    const int32_t refs = allocator_.refcounts()[static_cast<size_t>(b)];
+    n += refs == 1 || (config_.enable_radix_cache && refs == 2 && cache_.in_tree(b));
+  }
+  return n;
+}
+
+// The first admissible waiting request, when it cannot be admitted for lack of blocks or of a
+// running slot, retracts running requests of strictly lower priority, the last in the running
+// order first, as many as make room; none if even all of them would not.
+void Planner::preempt_for_priority(Step& step) {
+  auto head_it = std::find_if(waiting_.begin(), waiting_.end(),
+                              [this](const Request* r) { return admissible(*r); });
+  if (head_it == waiting_.end()) return;
+  const Request& head = **head_it;
+  const bool slot_short = static_cast<int64_t>(running_.size()) >= config_.max_running_requests;
+  int64_t reserved = 0;
+  for (const Request* r : running_) reserved += future_blocks(*r);
+  const int64_t shortfall = admit_cost(head, config_.max_prefill_tokens, reserved).shortfall;
+  if (shortfall <= 0 && !slot_short) return;
+  std::vector<Request*> victims;
+  int64_t freed = 0;
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    Request& v = **it;
+    if (v.priority <= head.priority) break;  // the running order puts every candidate last
+    if (v.planned_samples >= v.max_new_tokens) continue;  // about to finish: not worth it
+    victims.push_back(&v);
+    freed += future_blocks(v) + releasable_blocks(v);
+    if (freed >= shortfall) break;
+  }
+  if (victims.empty() || freed < shortfall) return;
+  for (Request* v : victims) retract(*v, step, /*memory_short=*/false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -852,6 +933,7 @@ RequestInfo Planner::request(int64_t rid) const {
   info.num_scheduled = r->num_scheduled;
   info.cached_tokens = r->cached_tokens;
   info.max_new_tokens = r->max_new_tokens;
+  info.priority = r->priority;
   info.planned_samples = r->planned_samples;
   info.num_blocks = static_cast<int64_t>(r->table.size());
   info.inflight_steps = r->inflight_steps;

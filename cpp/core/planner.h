@@ -30,6 +30,21 @@
 // budget if need be (so a step exceeds the budget by less than one span), but never past what
 // the pool holds now: then the request waits.
 //
+// Priorities (policy "priority"; the other policies refuse a nonzero one): lower runs first.
+// The waiting queue is ordered by (priority, arrival), a retracted request going ahead of the
+// waiting ones of its priority; the running set by (priority, admission), so decodes plan the
+// most important first and a retraction for memory takes the last: the lowest-priority request,
+// the latest admitted among equals. Before planning, when the first admissible waiting request
+// cannot be admitted for lack of blocks or of a running slot, the running requests of strictly
+// lower priority (larger value) are retracted, lowest first, as many as make room by the count
+// of blocks they would give back; none if even all of them would not. Guarantee (the property
+// tests check it): a request is never admitted for the first time while an admissible request
+// of smaller priority value, or of equal value and earlier arrival, or a retracted one of equal
+// or smaller value, still waits; a running request is retracted only while every running one
+// that stays (and could be retracted) has a priority value at most its own. Between classes this
+// is strict priority: a stream of more important requests can delay a less important one
+// without bound (a deadline bounds that wait); within a class it is fcfs.
+//
 // Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
 // for every running request whose table holds it; the tree blocks in a running request's table
 // lie on the path to the node it locks; each running request holds exactly one lock.
@@ -53,7 +68,7 @@
 
 namespace pyserve {
 
-enum class Policy { kFcfs, kLpm };
+enum class Policy { kFcfs, kLpm, kPriority };
 
 struct PlannerConfig {
   int64_t num_blocks = 0;
@@ -61,7 +76,7 @@ struct PlannerConfig {
   int64_t max_running_requests = 256;
   int64_t max_prefill_tokens = 8192;
   int64_t chunked_prefill_size = 2048;
-  std::string policy = "fcfs";  // or "lpm"
+  std::string policy = "fcfs";  // or "lpm", "priority"
   bool enable_radix_cache = true;
   int64_t vocab_size = 2147483647;  // token ids must be in [0, vocab_size)
   double init_reserve_ratio = 0.7;
@@ -89,6 +104,7 @@ struct RequestInfo {
   int64_t num_scheduled = 0;
   int64_t cached_tokens = 0;
   int64_t max_new_tokens = 0;
+  int64_t priority = 0;
   int64_t planned_samples = 0;
   int64_t num_blocks = 0;
   int32_t inflight_steps = 0;
@@ -129,8 +145,10 @@ class Planner {
   // would hold both): they are freed when it ends. whole_spans: [start, end) pairs of prompt
   // positions, ascending, disjoint and non-empty, that no prefill chunk ends strictly inside
   // (ValueError naming the span otherwise, or if the pool cannot hold positions [0, end)).
+  // priority: lower runs first; ValueError if nonzero under a policy other than "priority".
   void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
-                   bool match_prefix = true, std::vector<int32_t> whole_spans = {});
+                   bool match_prefix = true, std::vector<int32_t> whole_spans = {},
+                   int64_t priority = 0);
 
   // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
   std::optional<Step> plan();
@@ -202,8 +220,22 @@ class Planner {
   void plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget);
   void admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget);
   std::vector<Request*> lpm_order();
+  struct AdmitCost {  // what admitting a waiting request now takes
+    PrefixPeek peek;
+    int64_t matched = 0;       // cached prefix positions it reuses
+    int64_t chunk = 0;         // its first prefill chunk
+    int64_t blocks_now = 0;    // new blocks for that chunk
+    int64_t blocks_later = 0;  // blocks reserved for the rest of its prefill and samples
+    int64_t shortfall = 0;     // blocks missing beside `reserved` (<= 0: it fits)
+  };
+  AdmitCost admit_cost(const Request& c, int64_t prefill_budget, int64_t reserved);
+  bool admissible(const Request& c) const;
   bool try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
                  int64_t& reserved);
+  void preempt_for_priority(Step& step);
+  int64_t releasable_blocks(const Request& r) const;
+  void enqueue_waiting(Request& r, bool retracted);
+  void insert_running(Request& r);
   void add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens, bool decode,
                  size_t old_table_len);
   void add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len);
@@ -217,7 +249,7 @@ class Planner {
   void count_verified(Request& r, int64_t drafts, int64_t accepted);
 
   Request* newest_retractable() const;
-  void retract(Request& r, Step& step);
+  void retract(Request& r, Step& step, bool memory_short = true);
   void release_blocks(Request& r);
   void remove_running(Request& r);
   void end_request(Request& r);
@@ -230,8 +262,9 @@ class Planner {
   RadixCache cache_;
 
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
-  std::list<Request*> waiting_;    // front is admitted first (retracted requests go there)
-  std::vector<Request*> running_;  // in admission order; the back is the newest
+  // Front is admitted first: by (priority, arrival), retracted requests ahead of their class.
+  std::list<Request*> waiting_;
+  std::vector<Request*> running_;  // by (priority, admission); the back is retracted first
   std::deque<InflightStep> inflight_;
   std::vector<int64_t> dropped_;  // ended since the last step
 

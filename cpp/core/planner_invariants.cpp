@@ -42,6 +42,9 @@ void Planner::check_invariants() const {
       fail(name + " holds blocks while " + state_name(r.state));
     }
     if (r.planned_samples > r.max_new_tokens) fail(name + " planned more samples than allowed");
+    if (r.priority != 0 && policy_ != Policy::kPriority) {
+      fail(name + " has a priority under a policy that ignores it");
+    }
     if (!r.draft.empty()) {
       if (r.state != RequestState::kRunning || r.num_scheduled < r.prefill_target) {
         fail(name + " holds drafts while not decoding");
@@ -62,8 +65,19 @@ void Planner::check_invariants() const {
   if (static_cast<int64_t>(running_.size()) > config_.max_running_requests) {
     fail("more running requests than max_running_requests");
   }
-  for (const Request* r : running_) {
-    if (r->state != RequestState::kRunning) fail("a non-running request is in the running set");
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (running_[i]->state != RequestState::kRunning) {
+      fail("a non-running request is in the running set");
+    }
+    if (i > 0 && running_[i - 1]->priority > running_[i]->priority) {
+      fail("the running set is not ordered by priority");
+    }
+  }
+  const Request* before = nullptr;
+  for (const Request* r : waiting_) {
+    if (before && before->priority > r->priority)
+      fail("the waiting queue is not ordered by priority");
+    before = r;
   }
   if (drafter_) {
     size_t live = 0;

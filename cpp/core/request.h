@@ -24,6 +24,7 @@ struct Request {
   std::vector<int32_t> prompt;
   std::vector<int32_t> output;  // sampled tokens reported so far
   int64_t max_new_tokens = 0;
+  int64_t priority = 0;  // lower runs first (the priority policy; 0 under the others)
   // false: admission never reuses cached prefix blocks, so every prompt position is computed
   // (an embedding that pools over all of them needs each one's hidden state); its blocks are
   // freed at the end, never cached
