@@ -167,7 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="prompt tokens of one request in one step; none: 512 on the CPU, 2048 else",
     )
-    add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="queue order")
+    add(
+        "--schedule-policy",
+        default="fcfs",
+        choices=["fcfs", "lpm", "priority"],
+        help="queue order: arrival, longest cached prefix first, or requests' priority field "
+        "(lower first; a waiting request preempts less important running ones)",
+    )
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
     add_speculative_args(add)
     add("--tokenizer-workers", type=int, default=2, help="threads for chat templates and encoding")

@@ -13,6 +13,7 @@ from http_testlib import (
     kv_idle,
     metrics,
     references,
+    request,
     running_server,
     tiny_model,
     wait_for_metrics,
@@ -350,3 +351,15 @@ def test_clients_that_disconnect_are_aborted_and_their_blocks_come_back(server):
         after = wait_for_metrics(server.url, kv_idle)
         ran = after["pyserve_generation_tokens_total"] - generated
         assert ran < long["max_tokens"] // 2, f"{scenario.__name__}: ran on for {ran:.0f} tokens"
+
+
+def test_a_priority_is_refused_without_the_priority_policy(server):
+    """Not accepted and ignored: a nonzero priority needs --schedule-policy priority."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/chat/completions", chat), ("/generate", {"text": "hi"})):
+        status, _, text = request(server.url + path, dict(body, priority=1))
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert error["param"] == "priority" and "--schedule-policy priority" in error["message"]
+        status, _, text = request(server.url + path, dict(body, priority=0))
+        assert status == 200, text

@@ -55,7 +55,7 @@ class EngineConfig:
     # Prompt tokens in one step, and of one request in one step; None: by device (below).
     max_prefill_tokens: int | None = None
     chunked_prefill_size: int | None = None
-    schedule_policy: str = "fcfs"  # or "lpm"
+    schedule_policy: str = "fcfs"  # or "lpm", "priority" (requests' priority field)
     enable_radix_cache: bool = True
     max_model_len: int | None = None  # None = the model's context length
     tokenizer_workers: int = 2
@@ -187,8 +187,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.schedule_policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(
+                f"schedule_policy must be fcfs, lpm or priority, got {self.schedule_policy!r}"
+            )
         from pyserve.chat.harmony import HARMONY
         from pyserve.chat.reasoning import REASONING_PARSERS
         from pyserve.chat.tool_calls import PARSERS

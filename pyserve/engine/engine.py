@@ -505,11 +505,13 @@ class Engine:
         detok: DetokParams | None = None,
         rid: str | None = None,
         images: Sequence[ImageInput] = (),
+        priority: int = 0,
     ) -> AsyncIterator[GenerationChunk]:
         """Streams one request's output; the last chunk has ``finish_reason``.
 
         ``images``: the prompt's images (``apply_chat_template_with_images`` makes the prompt
-        and them); their positions in ``prompt`` hold the model's image token.
+        and them); their positions in ``prompt`` hold the model's image token. ``priority``:
+        lower runs first, under ``schedule_policy="priority"`` only (ValueError otherwise).
 
         Raises ValueError (ContextLengthExceeded among them) for a request that cannot run, and
         EngineError when the engine is not serving or fails while the request runs.
@@ -521,7 +523,9 @@ class Engine:
             prompt_ids = list(prompt)
         if sampling.grammar is not None:
             await self.check_grammar(sampling.grammar)
-        state = self._submit(prompt_ids, sampling, detok or DetokParams(), rid, images=images)
+        state = self._submit(
+            prompt_ids, sampling, detok or DetokParams(), rid, images=images, priority=priority
+        )
         try:
             while True:
                 chunk = await state.next_chunk()
@@ -543,6 +547,7 @@ class Engine:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[GenerationChunk]:
         """``generate`` over the model's chat template applied to ``messages`` (and ``tools``,
         OpenAI tool definitions; the output is not parsed here: ``pyserve.chat.policy`` does)."""
@@ -553,7 +558,8 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        async with contextlib.aclosing(self.generate(prompt_ids, sampling, detok, rid)) as stream:
+        stream = self.generate(prompt_ids, sampling, detok, rid, priority=priority)
+        async with contextlib.aclosing(stream) as stream:
             async for chunk in stream:
                 yield chunk
 
@@ -586,9 +592,12 @@ class Engine:
         rid: str | None,
         pooling: Pooling | None = None,
         images: Sequence[ImageInput] = (),
+        priority: int = 0,
     ) -> RequestState:
         self._check_serving()
         sampling = check_sampling(sampling)
+        if priority and self.config.schedule_policy != "priority":
+            raise ValueError("a priority needs schedule_policy='priority'")
         if images and not self.takes_images:
             raise ValueError("this model takes no images")
         tokenizers = self._tokenizer_manager()
@@ -626,7 +635,7 @@ class Engine:
             pooling=pooling,
             images=list(images),
         )
-        self._scheduler_loop().submit(state.core_rid, request)
+        self._scheduler_loop().submit(state.core_rid, request, priority)
         return state
 
     # ------------------------------------------------------------------ embeddings and rerank

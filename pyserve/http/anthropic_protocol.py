@@ -15,7 +15,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from pyserve.http.protocol import MAX_STOP, MAX_TOOLS, FunctionName, StopString, TopK, Unsupported
+from pyserve.http.protocol import (
+    MAX_STOP,
+    MAX_TOOLS,
+    FunctionName,
+    Priority,
+    StopString,
+    TopK,
+    Unsupported,
+)
 from pyserve.wire.main_to_worker import PositiveCount, Temperature, TopP
 
 MAX_MESSAGES = 4096
@@ -174,6 +182,7 @@ class MessagesRequest(MessagesPrompt, kw_only=True):
     stream: bool = False
     metadata: MessagesMetadata | None = None
     service_tier: str | None = None  # "auto" and "standard_only": there is one tier
+    priority: Priority = 0  # pyserve's, as on every generation request
 
 
 class CountTokensRequest(MessagesPrompt, kw_only=True):

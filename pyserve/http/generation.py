@@ -98,3 +98,4 @@ class GenerationRequest:
     grammar: Grammar | None = None  # a constraint on the answer (beside any tools)
     grammar_param: str = "grammar"  # the request field it came from, for errors
     stream: bool = False
+    priority: int = 0  # lower runs first (--schedule-policy priority)

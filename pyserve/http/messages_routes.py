@@ -84,6 +84,7 @@ class MessagesRoutes:
             chat=self._chat_spec(req),
             max_tokens=req.max_tokens,
             stream=req.stream,
+            priority=req.priority,
         )
         _constrain(generation, req)
         id = f"msg_{uuid.uuid4().hex}"

@@ -87,6 +87,7 @@ class OpenAIRoutes:
             grammar=grammar,
             grammar_param=param,
             stream=req.stream,
+            priority=req.priority,
         )
         meta = self._meta("chatcmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)
@@ -123,6 +124,7 @@ class OpenAIRoutes:
             grammar=grammar,
             grammar_param=param,
             stream=req.stream,
+            priority=req.priority,
         )
         meta = self._meta("cmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)

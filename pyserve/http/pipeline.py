@@ -144,6 +144,7 @@ class Job:
     rids: list[str] = field(default_factory=list)
     prompt_tokens: list[list[int]] = field(default_factory=list)  # one per prompt
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images
+    priority: int = 0  # lower runs first (--schedule-policy priority)
 
     def __post_init__(self) -> None:
         if not self.rids:
@@ -175,6 +176,8 @@ class Pipeline:
         """The job of ``req``, refused here (APIError) if anything about it cannot run."""
         arrival = time.perf_counter()
         state, engine = self.state, self.engine
+        if req.priority and engine.config.schedule_policy != "priority":
+            raise unsupported("priority", "start the server with --schedule-policy priority")
         grammar, output, keep_special = req.grammar, None, False
         sampling = req.sampling
         images: list[ImageInput] = []
@@ -246,6 +249,7 @@ class Pipeline:
             rids=list(rids or []),
             prompt_tokens=prompts,
             images=images,
+            priority=req.priority,
         )
 
     async def _loose_tools(self, spec: ChatSpec) -> set[str]:
@@ -288,7 +292,9 @@ class Pipeline:
         try:
             with state.serving(request, job.id, job.rids):
                 streams = [
-                    self.engine.generate(prompt, sampling, job.detok, rid, images=job.images)
+                    self.engine.generate(
+                        prompt, sampling, job.detok, rid, images=job.images, priority=job.priority
+                    )
                     for (prompt, sampling), rid in zip(job.choices, job.rids, strict=True)
                 ]
                 latencies = [state.metrics.request(job.arrival) for _ in streams]

@@ -37,6 +37,8 @@ StopString = Annotated[str, Meta(min_length=1, max_length=1024)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)]
 TopK = Annotated[int, Meta(ge=-1, lt=2**31)]  # -1 and 0 both mean "disabled"
 Seed = Annotated[int, Meta(ge=0, lt=2**63 - MAX_N)]  # choice i of n samples with seed + i
+# vLLM's field and convention: lower runs first (--schedule-policy priority only)
+Priority = Annotated[int, Meta(ge=-(2**31), lt=2**31)]
 TopLogprobs = TopLogprobsCount
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
@@ -83,6 +85,7 @@ class SamplingFields(GrammarFields, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None  # accepted: changes nothing about the output
+    priority: Priority = 0
 
 
 # A field that is refused when present with any value but null (see SamplingFields).
@@ -333,6 +336,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
+    priority: Priority = 0
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

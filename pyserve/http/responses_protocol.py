@@ -34,6 +34,7 @@ from pyserve.http.protocol import (
     NamedFunction,
     NamedToolChoice,
     PositiveInt,
+    Priority,
     ResponseFormat,
     TextFormat,
     ToolChoice,
@@ -95,6 +96,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    priority: Priority = 0  # pyserve's, as on every generation request
     background: bool | None = None
     stream_options: dict | None = None  # include_obfuscation: nothing to obfuscate here
     # accepted, and change nothing about the output (README, "Responses API")

@@ -107,6 +107,7 @@ class ResponsesRoutes:
             grammar=grammar,
             grammar_param="response_format",  # the chat policy's name for text.format
             stream=req.stream,
+            priority=req.priority,
         )
         meta = ResponseMeta(
             id=new_id("resp"),
