@@ -253,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the worker may take to answer one step before /health answers 503 and an "
         "error is logged (until the step completes; nothing is killed); 0: never",
     )
+    add(
+        "--request-timeout",
+        type=float,
+        help="seconds a generation request may take, queue and generation together, unless it "
+        "sets its own timeout; past it a request that produced nothing gets a 503 "
+        '(request_timeout), one that did ends with finish_reason "timeout"; none: no limit',
+    )
     return parser
 
 
@@ -390,6 +397,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         log_level=args.log_level,
         step_timeout=args.step_timeout,
+        request_timeout=args.request_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         pooling=args.pooling,

@@ -451,6 +451,10 @@ def test_kv_pool_is_sized_from_the_model_and_the_budget():
     assert EngineConfig(kv_cache_tokens=1000, block_size=32).num_kv_blocks(info) == 32
     with pytest.raises(ValueError, match="schedule_policy"):
         EngineConfig(schedule_policy="random").validate()
+    EngineConfig(schedule_policy="priority", request_timeout=2.5).validate()
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="request_timeout"):
+            EngineConfig(request_timeout=bad).validate()
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int8").validate()
 

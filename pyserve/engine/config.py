@@ -71,6 +71,9 @@ class EngineConfig:
     # of seconds, and an orchestrator's health probe may restart a server it sees unhealthy, so
     # the default leaves a wide margin; a stuck worker never answers, so 5 min still catches it.
     step_timeout: float = 300.0
+    # seconds a generation request may take, queue and generation together (None: no limit);
+    # a request's own timeout replaces it
+    request_timeout: float | None = None
     # On a CUDA device: the KV pool takes what is left of this fraction of the device's memory
     # once the weights are loaded (SGLang's --mem-fraction-static); None: kv_cache_tokens/bytes.
     mem_fraction_static: float | None = None
@@ -213,6 +216,8 @@ class EngineConfig:
                 f"rerank_mode must be auto, yes-no or cosine; got {self.rerank_mode!r}"
             )
         self._validate_speculation()
+        if self.request_timeout is not None and not self.request_timeout > 0:  # also NaN
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if not self.step_timeout >= 0:  # also NaN
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
         # what the worker checks too (quantization, activation bits, backend): checked here first

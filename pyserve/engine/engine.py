@@ -506,12 +506,16 @@ class Engine:
         rid: str | None = None,
         images: Sequence[ImageInput] = (),
         priority: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Streams one request's output; the last chunk has ``finish_reason``.
 
         ``images``: the prompt's images (``apply_chat_template_with_images`` makes the prompt
         and them); their positions in ``prompt`` hold the model's image token. ``priority``:
         lower runs first, under ``schedule_policy="priority"`` only (ValueError otherwise).
+        ``timeout``: seconds from now, queue and generation together (None: the config's
+        ``request_timeout``); past it the request is aborted and ends with finish_reason
+        "timeout", or raises RequestTimedOut if it produced nothing.
 
         Raises ValueError (ContextLengthExceeded among them) for a request that cannot run, and
         EngineError when the engine is not serving or fails while the request runs.
@@ -526,6 +530,12 @@ class Engine:
         state = self._submit(
             prompt_ids, sampling, detok or DetokParams(), rid, images=images, priority=priority
         )
+        if timeout is None:
+            timeout = self.config.request_timeout
+        # one timer a request, not one a chunk: the hot path pays nothing for deadlines
+        timer = None
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, self._expire, state, timeout)
         try:
             while True:
                 chunk = await state.next_chunk()
@@ -533,6 +543,8 @@ class Engine:
                 if chunk.finish_reason is not None:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._registry.remove(state)
             if not state.finished or state.error is not None:
                 self._scheduler_loop().abort(state.core_rid)  # the consumer went away
@@ -548,6 +560,7 @@ class Engine:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         priority: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """``generate`` over the model's chat template applied to ``messages`` (and ``tools``,
         OpenAI tool definitions; the output is not parsed here: ``pyserve.chat.policy`` does)."""
@@ -558,7 +571,7 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        stream = self.generate(prompt_ids, sampling, detok, rid, priority=priority)
+        stream = self.generate(prompt_ids, sampling, detok, rid, priority=priority, timeout=timeout)
         async with contextlib.aclosing(stream) as stream:
             async for chunk in stream:
                 yield chunk
@@ -583,6 +596,14 @@ class Engine:
         self._scheduler_loop().abort(state.core_rid)
         state.end_aborted()
         return True
+
+    def _expire(self, state: RequestState, timeout: float) -> None:
+        """A request's deadline passed: aborted like ``abort`` (its blocks come back)."""
+        if state.finished:
+            return
+        self._registry.remove(state)
+        self._scheduler_loop().abort(state.core_rid)
+        state.end_timed_out(timeout)
 
     def _submit(
         self,

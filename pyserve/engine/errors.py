@@ -15,6 +15,11 @@ class EngineDeadError(EngineError):
     """A subprocess died while serving; every in-flight request fails with this."""
 
 
+class RequestTimedOut(EngineError):
+    """The request's deadline passed before it produced a token (a 503, code request_timeout).
+    One that times out while generating ends instead, with finish_reason "timeout"."""
+
+
 class ContextLengthExceeded(ValueError):
     """prompt + max_new_tokens is more than the model's context (a 400 for the client)."""
 

@@ -17,7 +17,7 @@ import collections
 import logging
 from collections.abc import Callable
 
-from pyserve.engine.errors import GrammarBroken
+from pyserve.engine.errors import GrammarBroken, RequestTimedOut
 from pyserve.outputs import GenerationChunk, TokenLogprob
 from pyserve.wire.detok_to_main import RequestDelta
 
@@ -115,6 +115,16 @@ class RequestState:
         """Queues the last chunk of a request aborted by ``Engine.abort``."""
         if not self.finished:
             self._flush("abort", None)
+
+    def end_timed_out(self, timeout: float) -> None:
+        """Its deadline passed: what it produced so far ends with finish_reason "timeout"; with
+        nothing produced, the consumer gets RequestTimedOut."""
+        if self.finished:
+            return
+        if self.completion_tokens or self._sent_first:
+            self._flush("timeout", None)
+        else:
+            self.fail(RequestTimedOut(f"the request produced nothing within its {timeout:g} s"))
 
     def fail(self, error: BaseException) -> None:
         """The consumer gets the chunks already queued, then ``error`` is raised."""

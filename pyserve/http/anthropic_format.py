@@ -51,6 +51,8 @@ def stop_reason(finish: str | None, matched_stop: str | int | None) -> tuple[str
         return "tool_use", None
     if finish == "length":
         return "max_tokens", None
+    if finish == "timeout":  # pyserve's: the request's deadline passed (README, "Deadlines")
+        return "timeout", None
     if finish == "stop" and isinstance(matched_stop, str):  # a stop string, not a stop token
         return "stop_sequence", matched_stop
     return "end_turn", None

@@ -21,6 +21,7 @@ from pyserve.http.protocol import (
     FunctionName,
     Priority,
     StopString,
+    Timeout,
     TopK,
     Unsupported,
 )
@@ -183,6 +184,7 @@ class MessagesRequest(MessagesPrompt, kw_only=True):
     metadata: MessagesMetadata | None = None
     service_tier: str | None = None  # "auto" and "standard_only": there is one tier
     priority: Priority = 0  # pyserve's, as on every generation request
+    timeout: Timeout | None = None
 
 
 class CountTokensRequest(MessagesPrompt, kw_only=True):

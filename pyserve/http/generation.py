@@ -99,3 +99,4 @@ class GenerationRequest:
     grammar_param: str = "grammar"  # the request field it came from, for errors
     stream: bool = False
     priority: int = 0  # lower runs first (--schedule-policy priority)
+    timeout: float | None = None  # seconds, queue and generation (None: --request-timeout)

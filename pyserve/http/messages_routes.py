@@ -85,6 +85,7 @@ class MessagesRoutes:
             max_tokens=req.max_tokens,
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
         )
         _constrain(generation, req)
         id = f"msg_{uuid.uuid4().hex}"

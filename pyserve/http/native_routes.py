@@ -144,6 +144,7 @@ class NativeRoutes:
             grammar_param=f"sampling_params.{param}",
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
         )
         base = req.rid or uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]

@@ -88,6 +88,7 @@ class OpenAIRoutes:
             grammar_param=param,
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
         )
         meta = self._meta("chatcmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)
@@ -125,6 +126,7 @@ class OpenAIRoutes:
             grammar_param=param,
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
         )
         meta = self._meta("cmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)

@@ -145,6 +145,7 @@ class Job:
     prompt_tokens: list[list[int]] = field(default_factory=list)  # one per prompt
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images
     priority: int = 0  # lower runs first (--schedule-policy priority)
+    timeout: float | None = None  # seconds, queue and generation (None: --request-timeout)
 
     def __post_init__(self) -> None:
         if not self.rids:
@@ -250,6 +251,7 @@ class Pipeline:
             prompt_tokens=prompts,
             images=images,
             priority=req.priority,
+            timeout=req.timeout,
         )
 
     async def _loose_tools(self, spec: ChatSpec) -> set[str]:
@@ -293,7 +295,13 @@ class Pipeline:
             with state.serving(request, job.id, job.rids):
                 streams = [
                     self.engine.generate(
-                        prompt, sampling, job.detok, rid, images=job.images, priority=job.priority
+                        prompt,
+                        sampling,
+                        job.detok,
+                        rid,
+                        images=job.images,
+                        priority=job.priority,
+                        timeout=job.timeout,
                     )
                     for (prompt, sampling), rid in zip(job.choices, job.rids, strict=True)
                 ]

@@ -39,6 +39,8 @@ TopK = Annotated[int, Meta(ge=-1, lt=2**31)]  # -1 and 0 both mean "disabled"
 Seed = Annotated[int, Meta(ge=0, lt=2**63 - MAX_N)]  # choice i of n samples with seed + i
 # vLLM's field and convention: lower runs first (--schedule-policy priority only)
 Priority = Annotated[int, Meta(ge=-(2**31), lt=2**31)]
+# seconds the request may take, queue and generation together (--request-timeout's default)
+Timeout = Annotated[float, Meta(gt=0, le=7 * 86400)]
 TopLogprobs = TopLogprobsCount
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
@@ -86,6 +88,7 @@ class SamplingFields(GrammarFields, kw_only=True):
     include_stop_str_in_output: bool = False
     user: str | None = None  # accepted: changes nothing about the output
     priority: Priority = 0
+    timeout: Timeout | None = None
 
 
 # A field that is refused when present with any value but null (see SamplingFields).
@@ -337,6 +340,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     priority: Priority = 0
+    timeout: Timeout | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

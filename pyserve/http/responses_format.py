@@ -60,7 +60,9 @@ class ResponseMeta:
         output: list[dict],
         usage: dict | None = None,
         error: dict | None = None,
+        finish: str | None = None,
     ) -> dict:
+        incomplete_reason = "timeout" if finish == "timeout" else "max_output_tokens"
         body: dict = {
             "id": self.id,
             "object": "response",
@@ -69,7 +71,7 @@ class ResponseMeta:
             "background": False,
             "error": error,
             "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
+                {"reason": incomplete_reason} if status == "incomplete" else None
             ),
             "model": self.model,
             "output": output,
@@ -92,8 +94,9 @@ def usage(result: ChoiceResult) -> dict:
 
 
 def status_of(finish: str | None) -> str:
-    """A response cut off by max_output_tokens (or the context) is incomplete."""
-    return "incomplete" if finish == "length" else "completed"
+    """A response cut off by max_output_tokens (or the context), or by its deadline, is
+    incomplete."""
+    return "incomplete" if finish in ("length", "timeout") else "completed"
 
 
 def _text_part(text: str) -> dict:
@@ -219,7 +222,7 @@ class ResponsesFormat:
 
     def end(self, results: list[ChoiceResult]) -> list[bytes]:
         status = status_of(self._finish)
-        response = self.meta.response(status, self._items, usage(results[0]))
+        response = self.meta.response(status, self._items, usage(results[0]), finish=self._finish)
         if self.on_done is not None:
             self.on_done(response)
         return [self._event(f"response.{status}", {"response": response})]
@@ -238,7 +241,7 @@ class ResponsesFormat:
         message = messages[0] if messages is not None else ParsedMessage(result.text)
         finish = message.finish_reason if messages is not None else result.finish_reason
         output = output_items(message, finish)
-        response = self.meta.response(status_of(finish), output, usage(result))
+        response = self.meta.response(status_of(finish), output, usage(result), finish=finish)
         if self.on_done is not None:
             self.on_done(response)
         return _encode(response)

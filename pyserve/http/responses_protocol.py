@@ -37,6 +37,7 @@ from pyserve.http.protocol import (
     Priority,
     ResponseFormat,
     TextFormat,
+    Timeout,
     ToolChoice,
     Unsupported,
 )
@@ -97,6 +98,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     priority: Priority = 0  # pyserve's, as on every generation request
+    timeout: Timeout | None = None
     background: bool | None = None
     stream_options: dict | None = None  # include_obfuscation: nothing to obfuscate here
     # accepted, and change nothing about the output (README, "Responses API")

@@ -108,6 +108,7 @@ class ResponsesRoutes:
             grammar_param="response_format",  # the chat policy's name for text.format
             stream=req.stream,
             priority=req.priority,
+            timeout=req.timeout,
         )
         meta = ResponseMeta(
             id=new_id("resp"),

@@ -18,6 +18,7 @@ from pyserve.engine.errors import (
     EngineError,
     GrammarBroken,
     KVCacheTooSmall,
+    RequestTimedOut,
 )
 from pyserve.engine.image_prompts import PromptImage
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
@@ -62,6 +63,8 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, GrammarBroken):
         log.error("request failed: %s", exc)
         return server_error(str(exc), code="grammar_error")
+    if isinstance(exc, RequestTimedOut):
+        return APIError(503, str(exc), type="service_unavailable", code="request_timeout")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, EngineError):  # not started, or shutting down
