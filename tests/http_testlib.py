@@ -238,3 +238,27 @@ def kv_idle(m: dict[str, float]) -> bool:
     no_requests = m["pyserve_requests_running"] == 0 and m["pyserve_requests_waiting"] == 0
     accounted = m["pyserve_kv_blocks_free"] + m["pyserve_kv_blocks_cached"]
     return no_requests and accounted == m["pyserve_kv_blocks_total"]
+
+
+GENERATION_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/responses",
+    "/v1/messages",
+)
+
+
+def short_generation_body(base_url: str, path: str) -> dict:
+    """A request of a few tokens on one of the generation endpoints (every dialect)."""
+    messages = [{"role": "user", "content": "hi"}]
+    if path == "/generate":
+        return {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    if path == "/v1/responses":
+        return {"input": "hi", "max_output_tokens": 16}
+    if path == "/v1/completions":
+        return {"prompt": "hi", "max_tokens": 2}
+    if path == "/v1/messages":  # Anthropic's Messages requires the model
+        model = json.loads(request(base_url + "/v1/models")[2])["data"][0]["id"]
+        return {"messages": messages, "max_tokens": 2, "model": model}
+    return {"messages": messages, "max_tokens": 2}

@@ -183,6 +183,7 @@ def test_an_empty_output_has_no_blocks() -> None:
     [
         ("tool_calls", None, ("tool_use", None)),
         ("length", None, ("max_tokens", None)),
+        ("timeout", None, ("timeout", None)),  # the request's deadline passed
         ("stop", "###", ("stop_sequence", "###")),
         ("stop", 2, ("end_turn", None)),  # an EOS token is no stop sequence
         ("stop", None, ("end_turn", None)),

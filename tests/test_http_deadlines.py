@@ -11,7 +11,16 @@ import json
 
 import aiohttp
 import pytest
-from http_testlib import kv_idle, metrics, request, running_server, tiny_model, wait_for_metrics
+from http_testlib import (
+    GENERATION_PATHS,
+    kv_idle,
+    metrics,
+    request,
+    running_server,
+    short_generation_body,
+    tiny_model,
+    wait_for_metrics,
+)
 
 from pyserve.testing.worker_hooks import HOLD_STEPS
 
@@ -115,24 +124,9 @@ def test_a_request_timing_out_while_generating_ends_with_what_it_has(server, hol
     wait_for_metrics(server.url, kv_idle)
 
 
-@pytest.mark.parametrize(
-    ("path", "extra"),
-    [
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        ),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
-        ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
-        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-    ],
-)
-def test_every_dialect_takes_a_timeout_and_refuses_a_bad_one(server, path, extra):
-    if path == "/v1/messages":  # Anthropic's Messages requires the model
-        extra = dict(
-            extra, model=json.loads(request(server.url + "/v1/models")[2])["data"][0]["id"]
-        )
+@pytest.mark.parametrize("path", GENERATION_PATHS)
+def test_every_dialect_takes_a_timeout_and_refuses_a_bad_one(server, path):
+    extra = short_generation_body(server.url, path)
     # its own deadline replaces the server's second
     status, _, text = request(server.url + path, dict(extra, timeout=GENERATING_TIMEOUT_S))
     assert status == 200, text

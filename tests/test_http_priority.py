@@ -9,11 +9,19 @@ refuses a bad one with a 400 naming it."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
-from http_testlib import kv_idle, metrics, request, running_server, tiny_model, wait_for_metrics
+from http_testlib import (
+    GENERATION_PATHS,
+    kv_idle,
+    metrics,
+    request,
+    running_server,
+    short_generation_body,
+    tiny_model,
+    wait_for_metrics,
+)
 
 from pyserve.testing.worker_hooks import HOLD_STEPS
 
@@ -83,27 +91,9 @@ def test_a_more_important_request_preempts_and_the_preempted_one_resumes_first(s
     wait_for_metrics(url, kv_idle)
 
 
-@pytest.mark.parametrize(
-    ("path", "extra"),
-    [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-        ("/v1/completions", {"prompt": "hi"}),
-        ("/generate", {"text": "hi"}),
-        ("/v1/responses", {"input": "hi"}),
-        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
-    ],
-)
-def test_every_dialect_takes_a_priority_and_refuses_a_bad_one(server, path, extra):
-    if path == "/generate":
-        extra = dict(extra, sampling_params={"max_new_tokens": 2})
-    elif path == "/v1/responses":
-        extra = dict(extra, max_output_tokens=16)
-    else:  # Anthropic's Messages requires the model
-        extra = dict(
-            extra,
-            max_tokens=2,
-            model=json.loads(request(server.url + "/v1/models")[2])["data"][0]["id"],
-        )
+@pytest.mark.parametrize("path", GENERATION_PATHS)
+def test_every_dialect_takes_a_priority_and_refuses_a_bad_one(server, path):
+    extra = short_generation_body(server.url, path)
     status, _, text = request(server.url + path, dict(extra, priority=-3))
     assert status == 200, text
     for bad in ("high", 1.5, 2**40):

@@ -200,6 +200,15 @@ def test_a_thought_cut_off_by_the_limit_is_an_incomplete_reasoning_item(cuts) ->
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": THOUGHT_ONLY}]
 
 
+def test_a_response_cut_off_by_its_deadline_is_incomplete_for_that_reason() -> None:
+    events = stream(OUTPUT, cut(THOUGHT_ONLY, []), "timeout")
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "timeout"}
+    body = whole(OUTPUT, THOUGHT_ONLY, "timeout")
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "timeout"}
+
+
 def test_an_unparsed_stream_is_one_message_and_a_repeated_chunk_keeps_its_number() -> None:
     fmt = ResponsesFormat(META, parsed=False)
     assert fmt.stateless  # the direct sink may render its chunks
