@@ -8,6 +8,7 @@ from pyserve.engine.errors import (
     EngineError,
     EngineStartError,
     KVCacheTooSmall,
+    RequestTimedOut,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "EngineError",
     "EngineStartError",
     "KVCacheTooSmall",
+    "RequestTimedOut",
 ]
