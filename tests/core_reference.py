@@ -356,6 +356,7 @@ class _Request:
     prompt: list[int]
     max_new_tokens: int
     priority: int = 0  # lower runs first (the priority policy)
+    tenant: int = 0  # whose request (tenant fairness)
     # False: admissions compute every position (no cached prefix), and its blocks never enter
     # the cache (they would duplicate cached ones, both held while it runs)
     match_prefix: bool = True
@@ -404,6 +405,7 @@ class Planner:
         min_reserve_ratio: float = 0.1,
         reserve_decay: float = 0.001,
         max_draft_tokens: int = 0,
+        tenant_fairness: bool = False,
     ) -> None:
         for name, value in dict(
             max_running_requests=max_running_requests,
@@ -417,6 +419,8 @@ class Planner:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         if not 0 <= min_reserve_ratio <= init_reserve_ratio <= 1 or reserve_decay < 0:
             raise ValueError("reserve ratios must satisfy 0 <= min <= init <= 1, decay >= 0")
+        if tenant_fairness and policy != "fcfs":
+            raise ValueError("tenant_fairness needs the fcfs policy")
         if not 0 <= max_draft_tokens <= 65536:
             raise ValueError(f"max_draft_tokens must be in [0, 65536], got {max_draft_tokens}")
         self.allocator = BlockAllocator(num_blocks)
@@ -433,6 +437,9 @@ class Planner:
         self.reserve_decay = reserve_decay
         self.reserve_ratio = init_reserve_ratio
         self.max_draft_tokens = max_draft_tokens
+        self.tenant_fairness = tenant_fairness
+        self._served: dict[int, int] = {}  # tenant -> tokens planned for it (lifted on return)
+        self._live: dict[int, int] = {}  # tenant -> its requests not yet ended
         self._requests: dict[int, _Request] = {}
         # by (priority, arrival); a retracted request goes ahead of the waiting ones of its class
         self._waiting: deque[_Request] = deque()
@@ -456,12 +463,15 @@ class Planner:
         match_prefix: bool = True,
         whole_spans: Sequence[int] | bytes = b"",
         priority: int = 0,
+        tenant: int = 0,
     ) -> None:
         tokens = _ints(prompt, "i")
         if rid in self._requests:
             raise ValueError(f"request {rid} already exists")
         if priority and self.policy != "priority":
             raise ValueError(f"request {rid}: a priority needs the priority policy")
+        if tenant < 0 or (tenant and not self.tenant_fairness):
+            raise ValueError(f"request {rid}: tenant {tenant} is negative or needs fairness")
         if not tokens:
             raise ValueError(f"request {rid}: empty prompt")
         self._check_tokens(tokens)
@@ -484,8 +494,15 @@ class Planner:
                 f"request {rid}: {len(tokens)} + {max_new_tokens} tokens exceed the pool "
                 f"({capacity} tokens)"
             )
-        req = _Request(rid, tokens, max_new_tokens, priority, match_prefix, spans)
+        req = _Request(rid, tokens, max_new_tokens, priority, tenant, match_prefix, spans)
         self._requests[rid] = req
+        if self.tenant_fairness:
+            if not self._live.get(tenant):  # back from idle: banks no credit
+                live = [self._served[t] for t, n in self._live.items() if n]
+                self._served.setdefault(tenant, 0)
+                if live:
+                    self._served[tenant] = max(self._served[tenant], min(live))
+            self._live[tenant] = self._live.get(tenant, 0) + 1
         # behind every waiting request of its priority or a smaller value
         at = len(self._waiting)
         while at and self._waiting[at - 1].priority > priority:
@@ -513,6 +530,8 @@ class Planner:
         else:
             self._waiting.remove(req)
         req.state = "done"
+        if self.tenant_fairness:
+            self._live[req.tenant] -= 1
         self._dropped.append(req.rid)
         if req.inflight == 0:
             del self._requests[req.rid]
@@ -678,7 +697,7 @@ class Planner:
     def _admit(self, entries: list, budget: int) -> None:
         """Admits waiting requests in policy order; stops at the first that does not fit."""
         reserved = sum(self._future_blocks(r) for r in self._running)
-        for req in self._admission_order():
+        for req in self._admission_candidates():
             if budget <= 0 or len(self._running) >= self.max_running_requests:
                 return
             if req.inflight or len(req.output) >= req.max_new_tokens:
@@ -768,6 +787,22 @@ class Planner:
             self._retract(v, memory_short=False)
         return [v.rid for v in victims]
 
+    def _admission_candidates(self) -> Iterable[_Request]:
+        """Policy order; with tenant fairness, again after each admission: the first admissible
+        request of the least-served tenant among the first 256 waiting."""
+        if not self.tenant_fairness:
+            yield from self._admission_order()
+            return
+        while True:
+            window = [
+                r
+                for r in list(self._waiting)[:256]
+                if not r.inflight and len(r.output) < r.max_new_tokens
+            ]
+            if not window:
+                return
+            yield min(window, key=lambda r: self._served[r.tenant])  # ties: queue order
+
     def _admission_order(self) -> list[_Request]:
         order = list(self._waiting)
         if self.policy == "lpm" and self.enable_radix_cache:
@@ -802,6 +837,8 @@ class Planner:
         start = req.num_scheduled
         sample = decode or start + n == req.prefill_target
         req.num_scheduled += n
+        if self.tenant_fairness:
+            self._served[req.tenant] += n
         req.planned_samples += sample + len(drafts)  # a verify entry may yield 1 + k tokens
         req.inflight += 1
         return (req, start, n, decode, old_len, list(drafts))
@@ -972,6 +1009,7 @@ class Planner:
             num_requests=len(self._requests),
             retractions=self.retractions,
             steps_planned=self._next_step,
+            tenant_tokens=dict(sorted(self._served.items())),
             reserve_ratio=self.reserve_ratio,
             spec_verify_entries=self.spec_verify_entries,
             spec_draft_tokens=self.spec_draft_tokens,
@@ -995,6 +1033,7 @@ class Planner:
             cached_tokens=req.cached_tokens,
             max_new_tokens=req.max_new_tokens,
             priority=req.priority,
+            tenant=req.tenant,
             planned_samples=req.planned_samples,
             num_blocks=len(req.table),
             inflight_steps=req.inflight,

@@ -301,6 +301,7 @@ class Tracked:
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
     spans: list[tuple[int, int]] = field(default_factory=list)  # whole spans [start, end)
     priority: int = 0  # lower runs first (the priority policy)
+    tenant: int = 0  # whose request (tenant fairness)
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -364,13 +365,15 @@ def _entries(step) -> list[PlannedEntry]:
 def planner_configs(draw) -> dict:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     pool_tokens = draw(st.integers(16, 128))  # tight: prompts reach ~60 tokens with outputs
+    policy = draw(st.sampled_from(["fcfs", "lpm", "priority"]))
     return dict(
+        tenant_fairness=policy == "fcfs" and draw(st.booleans()),
         num_blocks=-(-pool_tokens // block_size),
         block_size=block_size,
         max_running_requests=draw(st.integers(1, 8)),
         max_prefill_tokens=draw(st.integers(1, 48)),
         chunked_prefill_size=draw(st.integers(1, 32)),
-        policy=draw(st.sampled_from(["fcfs", "lpm", "priority"])),
+        policy=policy,
         enable_radix_cache=draw(st.sampled_from([True, True, True, False])),
         vocab_size=VOCAB,
         init_reserve_ratio=draw(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.0])),
@@ -450,6 +453,8 @@ class PlannerMachine(RuleBasedStateMachine):
         match_prefix = data.draw(st.integers(0, 3), label="match_prefix") > 0
         spans = _draw_spans(lambda s, label: data.draw(s, label=label), len(prompt))
         prio = data.draw(st.integers(-1, 2), label="priority") if self._by_priority else 0
+        fair = self.cfg.get("tenant_fairness")
+        tenant = data.draw(st.integers(0, 2), label="tenant") if fair else 0
         self._begin(
             f"add_request({rid}, len {len(prompt)}, max_new {max_new}, match_prefix={match_prefix}"
             f", whole_spans={_span_pairs(spans)}, priority={prio})"
@@ -468,6 +473,7 @@ class PlannerMachine(RuleBasedStateMachine):
                     match_prefix=match_prefix,
                     whole_spans=packed_spans,
                     priority=prio,
+                    tenant=tenant,
                 )
             else:
                 self.planner.add_request(
@@ -477,6 +483,7 @@ class PlannerMachine(RuleBasedStateMachine):
                     match_prefix=match_prefix,
                     whole_spans=spans,
                     priority=prio,
+                    tenant=tenant,
                 )
             self.requests[rid] = Tracked(
                 rid,
@@ -486,6 +493,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 match_prefix=match_prefix,
                 spans=_span_pairs(spans),
                 priority=prio,
+                tenant=tenant,
             )
             if spans:
                 event("whole spans")
@@ -709,6 +717,7 @@ class PlannerMachine(RuleBasedStateMachine):
     # -- driving the planner like the engine does ---------------------------------------------
 
     def _plan_once(self):
+        self.served_before = dict(self.planner.stats()["tenant_tokens"])
         step = self.planner.plan()
         if step is None:
             if self.to_drop:
@@ -905,7 +914,9 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._slot(req.table[pos // self.bs], pos)[pos % self.bs] = (e.rid, pos)
             req.kv_len = e.start + e.n
             req.inflight += 1
-        if self.cfg["policy"] == "fcfs":
+        if self.cfg.get("tenant_fairness"):
+            self._check_fairness(sid, entries, {r.rid for r, _ in admitted})
+        elif self.cfg["policy"] == "fcfs":
             self._check_fcfs(sid, first_admissions, {e.rid for e in entries})
         if self._by_priority:
             self._check_priority(sid, admitted, {e.rid for e in entries}, retracted, running_before)
@@ -1105,6 +1116,29 @@ class PlannerMachine(RuleBasedStateMachine):
             if req.state == "retracted" and req.inflight == 0 and req.output_len < req.max_new:
                 self._fail(f"step {sid}: fcfs admitted a new request before retracted {req.rid}")
 
+    def _check_fairness(self, sid: int, entries: list[PlannedEntry], admitted: set[int]) -> None:
+        """Tenant fairness: each admission is of a tenant with no more tokens served (counting
+        this step's entries before it) than any tenant with an admissible request waiting."""
+        served = dict(self.served_before)
+        planned = {e.rid for e in entries}
+        for e in entries:
+            req = self.requests[e.rid]
+            if e.rid in admitted:
+                for other in self.requests.values():
+                    if other.rid in planned or other.state not in ("waiting", "retracted"):
+                        continue
+                    if other.inflight or other.output_len >= other.max_new:
+                        continue
+                    if served[other.tenant] < served[req.tenant]:
+                        self._fail(
+                            f"step {sid}: admitted rid {e.rid} of tenant {req.tenant} "
+                            f"({served[req.tenant]} tokens served) ahead of rid {other.rid} of "
+                            f"tenant {other.tenant} ({served[other.tenant]})"
+                        )
+                if len({r.tenant for r in self.requests.values() if r.state != "done"}) > 1:
+                    event("fairness: admission among tenants")
+            served[req.tenant] = served.get(req.tenant, 0) + e.n
+
     def _check_priority(
         self,
         sid: int,
@@ -1199,6 +1233,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"request({req.rid}) = {info}, expected {req.state}/{req.output_len}")
             if info["prompt_len"] != len(req.prompt) or info["max_new_tokens"] != req.max_new:
                 self._fail(f"request({req.rid}) = {info}: wrong prompt_len or max_new_tokens")
+            if info["tenant"] != req.tenant:
+                self._fail(f"request({req.rid}) = {info}: tenant should be {req.tenant}")
             if info["priority"] != req.priority:
                 self._fail(f"request({req.rid}) = {info}: priority should be {req.priority}")
             if list(info["output"]) != req.known[len(req.prompt) :]:
@@ -1353,9 +1389,15 @@ class LockstepMachine(RuleBasedStateMachine):
         prio = data.draw(st.integers(-1, 2), label="priority")
         if self.cfg["policy"] != "priority" and data.draw(st.integers(0, 5)):
             prio = 0
+        tenant = data.draw(st.integers(-1, 2), label="tenant")
+        if not self.cfg["tenant_fairness"] and data.draw(st.integers(0, 5)):
+            tenant = 0  # else refused by both
         self._both(
-            f"add_request({rid}, whole_spans={_span_pairs(spans)}, priority={prio})",
-            lambda p: p.add_request(rid, prompt, max_new, whole_spans=spans, priority=prio),
+            f"add_request({rid}, whole_spans={_span_pairs(spans)}, priority={prio}, "
+            f"tenant={tenant})",
+            lambda p: p.add_request(
+                rid, prompt, max_new, whole_spans=spans, priority=prio, tenant=tenant
+            ),
         )
 
     def _decoding(self) -> list[int]:

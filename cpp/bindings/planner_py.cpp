@@ -85,6 +85,7 @@ py::dict request_dict(const pyserve::RequestInfo& r) {
   d["cached_tokens"] = r.cached_tokens;
   d["max_new_tokens"] = r.max_new_tokens;
   d["priority"] = r.priority;
+  d["tenant"] = r.tenant;
   d["planned_samples"] = r.planned_samples;
   d["num_blocks"] = r.num_blocks;
   d["inflight_steps"] = r.inflight_steps;
@@ -105,6 +106,9 @@ py::dict stats_dict(const pyserve::PlannerStats& s) {
   d["num_requests"] = s.num_requests;
   d["retractions"] = s.retractions;
   d["steps_planned"] = s.steps_planned;
+  py::dict tenants;
+  for (const auto& [id, served] : s.tenant_tokens) tenants[py::int_(id)] = served;
+  d["tenant_tokens"] = tenants;
   d["reserve_ratio"] = s.reserve_ratio;
   d["spec_verify_entries"] = s.spec_verify_entries;
   d["spec_draft_tokens"] = s.spec_draft_tokens;
@@ -125,7 +129,8 @@ void bind_planner(py::module_& m) {
                        double init_reserve_ratio, double min_reserve_ratio, double reserve_decay,
                        int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
                        int64_t ngram_max_match, int64_t ngram_corpus_tokens,
-                       int64_t speculative_token_budget, bool speculative_draft_model) {
+                       int64_t speculative_token_budget, bool speculative_draft_model,
+                       bool tenant_fairness) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -145,6 +150,7 @@ void bind_planner(py::module_& m) {
              c.ngram_corpus_tokens = ngram_corpus_tokens;
              c.speculative_token_budget = speculative_token_budget;
              c.speculative_draft_model = speculative_draft_model;
+             c.tenant_fairness = tenant_fairness;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -155,7 +161,8 @@ void bind_planner(py::module_& m) {
            py::arg("reserve_decay") = 0.001, py::arg("max_draft_tokens") = 0,
            py::arg("speculative_ngram") = false, py::arg("ngram_min_match") = 2,
            py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
-           py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false)
+           py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false,
+           py::arg("tenant_fairness") = false)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{
@@ -172,17 +179,17 @@ void bind_planner(py::module_& m) {
       .def(
           "add_request",
           [](PyPlanner& p, int64_t rid, py::handle prompt, int64_t max_new_tokens,
-             bool match_prefix, py::handle whole_spans, int64_t priority) {
+             bool match_prefix, py::handle whole_spans, int64_t priority, int32_t tenant) {
             auto tokens = to_int32s(prompt, "prompt");
             auto spans = to_int32s(whole_spans, "whole_spans");
             p.released([&](Planner& x) {
               x.add_request(rid, std::move(tokens), max_new_tokens, match_prefix, std::move(spans),
-                            priority);
+                            priority, tenant);
             });
           },
           py::arg("rid"), py::arg("prompt"), py::arg("max_new_tokens"), py::kw_only(),
           py::arg("match_prefix") = true, py::arg("whole_spans") = py::bytes(),
-          py::arg("priority") = 0,
+          py::arg("priority") = 0, py::arg("tenant") = 0,
           "whole_spans: [start, end) pairs of prompt positions (int32 bytes or ints), ascending "
           "and disjoint, that no prefill chunk ends strictly inside; priority: lower runs first "
           "(the \"priority\" policy only)")

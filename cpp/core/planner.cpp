@@ -46,6 +46,9 @@ const PlannerConfig& validated(const PlannerConfig& c) {
           "max_draft_tokens must be in [0, 65536], got " + std::to_string(c.max_draft_tokens));
   require(!(c.speculative_ngram && c.speculative_draft_model),
           "speculative_ngram and speculative_draft_model are alternatives: choose one");
+  require(!c.tenant_fairness || c.policy == "fcfs",
+          "tenant_fairness orders admission by itself: it needs the fcfs policy, got \"" +
+              c.policy + "\"");
   require(c.speculative_token_budget >= 1, "speculative_token_budget must be >= 1, got " +
                                                std::to_string(c.speculative_token_budget));
   return c;
@@ -128,11 +131,15 @@ Request* Planner::find(int64_t rid) const {
 // Requests in and out
 
 void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
-                          bool match_prefix, std::vector<int32_t> whole_spans, int64_t priority) {
+                          bool match_prefix, std::vector<int32_t> whole_spans, int64_t priority,
+                          int32_t tenant) {
   if (find(rid)) throw ValueError("request " + std::to_string(rid) + " already exists");
   require(priority == 0 || policy_ == Policy::kPriority,
           "request " + std::to_string(rid) + ": priority " + std::to_string(priority) +
               " needs the \"priority\" policy (this planner's is \"" + config_.policy + "\")");
+  require(tenant == 0 || (tenant > 0 && config_.tenant_fairness),
+          "request " + std::to_string(rid) + ": tenant " + std::to_string(tenant) +
+              (tenant < 0 ? " is negative" : " needs tenant_fairness"));
   require(!prompt.empty(), "request " + std::to_string(rid) + ": the prompt is empty");
   require(max_new_tokens >= 1, "request " + std::to_string(rid) +
                                    ": max_new_tokens must be >= 1, got " +
@@ -186,6 +193,22 @@ void Planner::add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_
   r.match_prefix = match_prefix;
   r.whole_spans = std::move(whole_spans);
   r.priority = priority;
+  r.tenant = tenant;
+  if (config_.tenant_fairness) {
+    Tenant& t = tenants_[tenant];
+    if (t.live == 0) {  // back from idle: at the least-served live tenant's count, if higher
+      bool any = false;
+      int64_t least = 0;
+      for (const auto& [id, other] : tenants_) {
+        if (other.live > 0 && (!any || other.served < least)) {
+          least = other.served;
+          any = true;
+        }
+      }
+      if (any) t.served = std::max(t.served, least);
+    }
+    ++t.live;
+  }
   r.state = RequestState::kWaiting;
   enqueue_waiting(r, /*retracted=*/false);
   if (drafter_) drafter_->add(rid, r.prompt.data(), r.prompt.size());
@@ -216,6 +239,7 @@ void Planner::end_request(Request& r) {
     waiting_.erase(r.queue_pos);
   }
   r.state = RequestState::kDone;
+  if (config_.tenant_fairness) --tenants_[r.tenant].live;
   if (drafter_) {
     const std::vector<int32_t>& seq = sequence(r);
     drafter_->end(r.rid, seq.data(), seq.size());
@@ -391,6 +415,7 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
     step.num_prefill_tokens += num_tokens;
   }
   record.entries.push_back(InflightEntry{&r, start + num_tokens, sample, 0});
+  if (config_.tenant_fairness) tenants_[r.tenant].served += num_tokens;
   r.num_scheduled += num_tokens;
   if (sample) ++r.planned_samples;
   ++r.inflight_steps;
@@ -584,7 +609,11 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
   // for each waiting request) when not even that is left.
   if (available_blocks() <= reserved) return;
 
-  if (policy_ == Policy::kLpm && config_.enable_radix_cache && waiting_.size() > 1) {
+  if (config_.tenant_fairness) {
+    while (Request* c = least_served_waiting()) {
+      if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
+    }
+  } else if (policy_ == Policy::kLpm && config_.enable_radix_cache && waiting_.size() > 1) {
     for (Request* c : lpm_order()) {
       if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
     }
@@ -620,6 +649,24 @@ Planner::AdmitCost Planner::admit_cost(const Request& c, int64_t prefill_budget,
   a.shortfall =
       reserved + a.blocks_now + a.blocks_later - (available_blocks() - a.peek.unlocked_blocks);
   return a;
+}
+
+// Tenant fairness: among the first kLpmWindow waiting requests, the first admissible one of the
+// tenant with the fewest tokens served; none if none is admissible.
+Request* Planner::least_served_waiting() {
+  Request* best = nullptr;
+  int64_t best_served = 0;
+  size_t seen = 0;
+  for (Request* r : waiting_) {
+    if (seen++ == kLpmWindow) break;
+    if (!admissible(*r)) continue;
+    const int64_t served = tenants_[r->tenant].served;
+    if (!best || served < best_served) {
+      best = r;
+      best_served = served;
+    }
+  }
+  return best;
 }
 
 // Whether admission would consider c now (else it is passed over, not a reason to stop).
@@ -912,6 +959,8 @@ PlannerStats Planner::stats() const {
   s.num_requests = static_cast<int64_t>(requests_.size());
   s.retractions = retractions_;
   s.steps_planned = next_step_id_;
+  for (const auto& [id, t] : tenants_) s.tenant_tokens.emplace_back(id, t.served);
+  std::sort(s.tenant_tokens.begin(), s.tenant_tokens.end());
   s.reserve_ratio = reserve_ratio_;
   s.spec_verify_entries = spec_verify_entries_;
   s.spec_draft_tokens = spec_draft_tokens_;
@@ -934,6 +983,7 @@ RequestInfo Planner::request(int64_t rid) const {
   info.cached_tokens = r->cached_tokens;
   info.max_new_tokens = r->max_new_tokens;
   info.priority = r->priority;
+  info.tenant = r->tenant;
   info.planned_samples = r->planned_samples;
   info.num_blocks = static_cast<int64_t>(r->table.size());
   info.inflight_steps = r->inflight_steps;

@@ -45,6 +45,16 @@
 // is strict priority: a stream of more important requests can delay a less important one
 // without bound (a deadline bounds that wait); within a class it is fcfs.
 //
+// Tenant fairness (tenant_fairness, with the fcfs policy): each tenant has a virtual token
+// counter, the tokens planned for its requests (prefill and decode positions). Admission takes
+// the admissible waiting request of the least-served tenant (queue order among its requests and
+// on ties), among the first 256 waiting; it stops, as fcfs does, at the first that does not fit.
+// A tenant with no live request that sends one starts at the least-served live tenant's count,
+// so idle time banks no credit. Guarantee (the property tests check it): no request is admitted
+// while an admissible waiting request of a tenant with a smaller count (at that admission)
+// waits in the window; so one tenant's backlog delays another tenant's request only while that
+// other tenant has been served more tokens than the backlogged one.
+//
 // Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
 // for every running request whose table holds it; the tree blocks in a running request's table
 // lie on the path to the node it locks; each running request holds exactly one lock.
@@ -94,6 +104,7 @@ struct PlannerConfig {
   int64_t ngram_max_match = 4;
   int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
   int64_t speculative_token_budget = 16;
+  bool tenant_fairness = false;  // admission by tokens served per tenant (fcfs policy only)
 };
 
 struct RequestInfo {
@@ -105,6 +116,7 @@ struct RequestInfo {
   int64_t cached_tokens = 0;
   int64_t max_new_tokens = 0;
   int64_t priority = 0;
+  int32_t tenant = 0;
   int64_t planned_samples = 0;
   int64_t num_blocks = 0;
   int32_t inflight_steps = 0;
@@ -123,6 +135,7 @@ struct PlannerStats {
   int64_t num_requests = 0;  // known: waiting, running, retracted, or done but still in flight
   int64_t retractions = 0;
   int64_t steps_planned = 0;
+  std::vector<std::pair<int32_t, int64_t>> tenant_tokens;  // (tenant, tokens served), ascending
   double reserve_ratio = 0.0;
   int64_t spec_verify_entries = 0;               // reported verify entries
   int64_t spec_draft_tokens = 0;                 // drafts they verified
@@ -148,7 +161,7 @@ class Planner {
   // priority: lower runs first; ValueError if nonzero under a policy other than "priority".
   void add_request(int64_t rid, std::vector<int32_t> prompt, int64_t max_new_tokens,
                    bool match_prefix = true, std::vector<int32_t> whole_spans = {},
-                   int64_t priority = 0);
+                   int64_t priority = 0, int32_t tenant = 0);
 
   // The next Step, or nothing when there is nothing to compute, drop or report as retracted.
   std::optional<Step> plan();
@@ -233,6 +246,7 @@ class Planner {
   bool try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
                  int64_t& reserved);
   void preempt_for_priority(Step& step);
+  Request* least_served_waiting();
   int64_t releasable_blocks(const Request& r) const;
   void enqueue_waiting(Request& r, bool retracted);
   void insert_running(Request& r);
@@ -267,6 +281,11 @@ class Planner {
   std::vector<Request*> running_;  // by (priority, admission); the back is retracted first
   std::deque<InflightStep> inflight_;
   std::vector<int64_t> dropped_;  // ended since the last step
+  struct Tenant {
+    int64_t served = 0;  // tokens planned for its requests (lifted when it returns: see above)
+    int64_t live = 0;    // its requests not yet ended
+  };
+  std::unordered_map<int32_t, Tenant> tenants_;  // with tenant_fairness
 
   int64_t next_step_id_ = 0;
   int64_t retractions_ = 0;

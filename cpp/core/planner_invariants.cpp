@@ -42,6 +42,7 @@ void Planner::check_invariants() const {
       fail(name + " holds blocks while " + state_name(r.state));
     }
     if (r.planned_samples > r.max_new_tokens) fail(name + " planned more samples than allowed");
+    if (r.tenant != 0 && !config_.tenant_fairness) fail(name + " has a tenant without fairness");
     if (r.priority != 0 && policy_ != Policy::kPriority) {
       fail(name + " has a priority under a policy that ignores it");
     }
@@ -78,6 +79,15 @@ void Planner::check_invariants() const {
     if (before && before->priority > r->priority)
       fail("the waiting queue is not ordered by priority");
     before = r;
+  }
+  if (config_.tenant_fairness) {
+    std::unordered_map<int32_t, int64_t> live;
+    for (const auto& entry : requests_) {
+      live[entry.second->tenant] += entry.second->state != RequestState::kDone;
+    }
+    for (const auto& [id, t] : tenants_) {
+      if (t.live != live[id]) fail("tenant " + std::to_string(id) + "'s live count is wrong");
+    }
   }
   if (drafter_) {
     size_t live = 0;

@@ -25,6 +25,7 @@ struct Request {
   std::vector<int32_t> output;  // sampled tokens reported so far
   int64_t max_new_tokens = 0;
   int64_t priority = 0;  // lower runs first (the priority policy; 0 under the others)
+  int32_t tenant = 0;    // whose request it is (tenant fairness; 0 without it)
   // false: admission never reuses cached prefix blocks, so every prompt position is computed
   // (an embedding that pools over all of them needs each one's hidden state); its blocks are
   // freed at the end, never cached
