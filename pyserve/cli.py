@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=list(KV_CACHE_DTYPE_NAMES),
         help="what K and V are stored in; auto: float16 for a float32 model on the CPU "
-        "(as llama.cpp), the model's dtype otherwise",
+        "(as llama.cpp), the model's dtype otherwise; int8: symmetric int8 with a float32 "
+        "scale per token and kv head (about half float16's bytes; the torch backend)",
     )
     add("--device", default="cpu", help="torch device of the model worker")
     add(

@@ -447,7 +447,11 @@ def test_kv_pool_is_sized_from_the_model_and_the_budget():
     assert EngineConfig(dtype="bfloat16").num_kv_blocks(info) == -(-((1 << 30) // 23040) // 16)
     assert EngineConfig(device="cuda", dtype="float32").resolved_kv_cache_dtype() == "float32"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int8").validate()
+        EngineConfig(kv_cache_dtype="int4").validate()
+    # int8 K/V: 64 one-byte values and a float32 scale per (token, head), scales counted
+    int8 = EngineConfig(kv_cache_dtype="int8")
+    assert int8.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * (64 + 4))) // 16)
+    assert int8.worker_settings(None, 1).kv_cache_dtype == "int8"
     assert EngineConfig(kv_cache_tokens=1000, block_size=32).num_kv_blocks(info) == 32
     with pytest.raises(ValueError, match="schedule_policy"):
         EngineConfig(schedule_policy="random").validate()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from pyserve.model_files import ModelInfo
 from pyserve.worker.dtypes import (  # torch-free
+    KV_SCALE_BYTES,
+    KV_VALUE_BYTES,
     resolve_kv_cache_dtype,
 )
 from pyserve.worker.settings import WorkerSettings  # torch-free
@@ -156,7 +158,10 @@ class EngineConfig:
         if self.kv_cache_tokens is not None:
             tokens = self.kv_cache_tokens
         else:
-            per_token = info.kv_bytes_per_token(DTYPE_BYTES[self.resolved_kv_cache_dtype()])
+            kv = self.resolved_kv_cache_dtype()
+            # int8 counts its scales: 68 bytes a (token, head) at head_dim 64 against float16's
+            # 128, so 1.88x float16's tokens in the same bytes
+            per_token = info.kv_bytes_per_token(KV_VALUE_BYTES[kv], KV_SCALE_BYTES.get(kv, 0))
             # the budget is a rank's: each holds K and V of its share of the kv heads
             tokens = self.kv_cache_bytes * self.tp_size // per_token
         return max(1, math.ceil(tokens / self.block_size))

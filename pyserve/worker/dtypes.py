@@ -49,7 +49,18 @@ def default_dtype(device: str, quantization: str = "none") -> str:
 
 # ---------------------------------------------------------------------------- KV cache
 
-KV_CACHE_DTYPE_NAMES = ("auto", *DTYPE_NAMES)
+# int8: symmetric int8 values with one float32 scale per (token, kv head) of K and of V
+# (pyserve/worker/kv_cache.py); the others store K and V as they are, rounded to the dtype
+KV_STORED_DTYPES = (*DTYPE_NAMES, "int8")
+KV_CACHE_DTYPE_NAMES = ("auto", *KV_STORED_DTYPES)
+# bytes per stored value, and per (token, kv head) scale of K or of V
+KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+KV_SCALE_BYTES = {"int8": 4}
+
+
+def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:
+    """Bytes one token's K (or V) takes in one kv head, its scale included."""
+    return head_dim * KV_VALUE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
 
 
 def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:
@@ -61,6 +72,8 @@ def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:
     share of the worker's time under a many-stream load, and float16 halves it. float16
     keeps 11 significant bits (relative rounding 2^-11; bf16 keeps 8) and covers ±65504, far
     beyond the keys and values of the models served here. Pass ``float32`` for the exact mode.
+    ``int8`` is only ever asked for: it halves float16's bytes again at a measured cost in
+    drift (benchmarks/RESULTS.md).
     """
     if setting not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(

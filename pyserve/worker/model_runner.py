@@ -13,7 +13,7 @@ import torch
 from pyserve.worker.backends import select_backend
 from pyserve.worker.backends.base import Backend, ForwardOutput, model_forward
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.dtypes import default_dtype, resolve_quantization
+from pyserve.worker.dtypes import KV_SCALE_BYTES, default_dtype, resolve_quantization
 from pyserve.worker.image_encoder import ImageEncoder, VisionModel
 from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
@@ -28,6 +28,7 @@ from pyserve.worker.tensor_parallel import TensorParallel, shard_config
 from pyserve.worker.weight_packing import Packing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: quantized, with scales (kv_cache.py)
 log = logging.getLogger("pyserve.worker")
 
 
@@ -165,7 +166,7 @@ class ModelRunner:
         # own form)
         self.packed_precisions = dict(sorted(packed.items()))
         self.packed_linears = self.model.pack_weights() if self.device.type == "cpu" else 0
-        kv_dtype = DTYPES[self.kv_cache_dtype_name]
+        kv_dtype = KV_DTYPES[self.kv_cache_dtype_name]
         if settings.mem_fraction_static is not None:
             self.num_blocks = self._blocks_for_memory(settings.mem_fraction_static, kv_dtype)
         self.kv_cache = self.backend.allocate_kv_cache(
@@ -185,7 +186,9 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
 
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
-        per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize)  # this rank's heads
+        scale_bytes = KV_SCALE_BYTES.get(self.kv_cache_dtype_name, 0)
+        # this rank's heads
+        per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # one block spare: the Triton backend's decode graphs pad into a scratch block

@@ -12,6 +12,7 @@ from pyserve.worker.backends import BACKEND_NAMES
 from pyserve.worker.dtypes import (
     ACTIVATION_BITS,
     DTYPE_NAMES,
+    KV_STORED_DTYPES,
     resolve_quantization,
 )
 
@@ -40,7 +41,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_blocks: int = 1024  # KV pool size, in blocks (the core's BlockAllocator has as many)
     block_size: int = 16
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    kv_cache_dtype: str | None = None  # None: the model's dtype
+    kv_cache_dtype: str | None = None  # None: the model's dtype; int8: quantized with scales
     quantization: str = "none"  # none | int8 | int4 | auto (the runner resolves auto)
     activation_bits: int = 16  # quantized layers' activations: 16 or 8 (llama.cpp's Q8_1)
     device: str = "cpu"
@@ -62,10 +63,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"vision_dtype {self.vision_dtype!r} is not supported "
                 f"(auto, {', '.join(DTYPE_NAMES)})"
             )
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_NAMES:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_STORED_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported "
-                f"({', '.join(DTYPE_NAMES)})"
+                f"({', '.join(KV_STORED_DTYPES)})"
             )
         if self.activation_bits not in ACTIVATION_BITS:
             raise ValueError(f"activation_bits must be 8 or 16, not {self.activation_bits}")

@@ -77,10 +77,12 @@ def attention_backend(
     dtype: torch.dtype,
     window: int | None = None,
     softcap: float | None = None,
+    kv_dtype: torch.dtype | None = None,
     **options: object,
 ) -> Backend:
     """A backend ("cpu-kernels" or "torch") for attention alone, with its cache allocated (tests
-    and benchmarks fill it); ``options`` go to the backend (e.g. ``max_chunk_tokens``)."""
+    and benchmarks fill it) in ``kv_dtype`` (None: ``dtype``); ``options`` go to the backend
+    (e.g. ``max_chunk_tokens``)."""
     import torch
 
     from pyserve.worker.models.config import ModelConfig, RopeConfig, uniform_layers
@@ -101,5 +103,5 @@ def attention_backend(
         attn_softcap=softcap,
     )
     backend = select_backend(kind, config, torch.device("cpu"), **options)
-    backend.allocate_kv_cache(num_blocks, block_size, dtype)
+    backend.allocate_kv_cache(num_blocks, block_size, kv_dtype or dtype)
     return backend

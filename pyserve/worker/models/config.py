@@ -145,8 +145,9 @@ class ModelConfig:
         )
         return self if layers == self.layers else replace(self, layers=layers)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """As pyserve.model_files.ModelInfo's (this process's kv heads)."""
+        return 2 * self.num_layers * (self.kv_size * dtype_bytes + self.num_kv_heads * scale_bytes)
 
     def features(self) -> list[str]:
         """What this model computes beyond a plain Llama block, for logs and /server_info."""

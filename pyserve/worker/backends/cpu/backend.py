@@ -234,6 +234,11 @@ class CpuKernelsBackend(Backend):
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> PagedKVCache:
+        if dtype == torch.int8:
+            raise ValueError(
+                "--kv-cache-dtype int8 runs on the torch backend only (--backend torch); "
+                "the cpu-kernels attention reads float K/V"
+            )
         cache = super().allocate_kv_cache(num_blocks, block_size, dtype)
         self.plan = KernelPlan.decide(self.config, dtype)
         self.reference = ReferenceAttention(cache, self.max_chunk_tokens)
