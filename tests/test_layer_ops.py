@@ -111,14 +111,22 @@ def rope_case(rows: int, heads: int, kv_heads: int, dim: int, cache_dtype, seed:
     return qkv, cos, signed_sin, slots, cache
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def scales(cache) -> dict:
+    """An int8 cache's layer-0 scales as rope_write_kv's keywords (none for a float cache)."""
+    return {"k_scale": cache.k_scale[0], "v_scale": cache.v_scale[0]} if cache.quantized else {}
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str
+)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 128), (3, 1, 40)], ids=str)
 def test_rope_write_kv_is_torch_rope_then_cache_write_bit_for_bit(
     isa, threads, cache_dtype, rows, shape
 ):
     """q rotated in place and the cache written exactly as rope.apply_rope followed by
-    PagedKVCache.write do it (HF's float32 rotation; torch's conversion and float16 clamp)."""
+    PagedKVCache.write do it (HF's float32 rotation; torch's conversion and float16 clamp; an
+    int8 cache's values and per-(token, head) scales as kv_cache.quantize_int8's)."""
     from pyserve.worker.rope import apply_rope
 
     heads, kv_heads, dim = shape
@@ -128,11 +136,16 @@ def test_rope_write_kv_is_torch_rope_then_cache_write_bit_for_bit(
     v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
     expected.write(0, slots, qk[:, heads:], v)
     done = run_kernel(layer_ops.rope_write_kv, qkv, cos, signed_sin, slots, cache.k[0],
-                      cache.v[0], num_heads=heads, num_kv_heads=kv_heads)  # fmt: skip
+                      cache.v[0], num_heads=heads, num_kv_heads=kv_heads,
+                      **scales(cache))  # fmt: skip
     assert done
     assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), qk[:, :heads])
     assert torch.equal(cache.k[0], expected.k[0]) and torch.equal(cache.v[0], expected.v[0])
     assert torch.isfinite(cache.k[0]).all()
+    if cache.quantized:
+        assert torch.equal(cache.k_scale[0], expected.k_scale[0])
+        assert torch.equal(cache.v_scale[0], expected.v_scale[0])
+        assert (cache.k_scale[0] > 0).sum() == rows * kv_heads  # every written token's
 
 
 def test_rope_write_kv_checks_its_arguments():
@@ -609,4 +622,4 @@ def test_rope_write_kv_checks_norms_and_rotary_dim():
                               signed_sin.data_ptr(), slots.data_ptr(), cache.k[0].data_ptr(),
                               cache.v[0].data_ptr(), 2, cache.num_blocks, cache.block_size,
                               rotary_dim=66)  # fmt: skip
-    assert set(KERNELS.ROPE_FEATURES) == {"qk_norm", "partial"}
+    assert set(KERNELS.ROPE_FEATURES) == {"qk_norm", "partial", "int8_cache"}

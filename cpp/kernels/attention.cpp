@@ -79,6 +79,25 @@ void write_output(const DecodeAttentionArgs& a, const WorkItem& item, int group,
   }
 }
 
+// An int8 cache's per-token scales applied to a chunk's row of each head: s[h][o_j + t] times
+// the K (keys) or V scale of token t of tile j; with keys, top[h] becomes the scaled maximum.
+template <class Chunk>
+void scale_tokens(const Chunk& chunk, int group, float* s, int stride, bool keys, float* top) {
+  for (int h = 0; h < group; ++h) {
+    float* row = s + h * stride;
+    float most = -std::numeric_limits<float>::infinity();
+    for (int j = 0, offset = 0; j < chunk.count; offset += chunk.tiles[j++].tokens) {
+      const Tile& tile = chunk.tiles[j];
+      const float* scale = keys ? tile.k_scale : tile.v_scale;
+      for (int t = 0; t < tile.tokens; ++t) {
+        row[offset + t] *= scale[t];
+        most = std::max(most, row[offset + t]);
+      }
+    }
+    if (keys) top[h] = most;
+  }
+}
+
 void attend(void* context, int chunk) {
   const Job& job = *static_cast<const Job*>(context);
   const DecodeAttentionArgs& a = *job.args;
@@ -104,6 +123,8 @@ void attend(void* context, int chunk) {
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.query * a.table_stride;
   const int64_t block_bytes = static_cast<int64_t>(bs) * dim * element;
+  const bool quantized = a.cache_dtype == DType::kInt8;
+  const int64_t head_tokens = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs;
 
   // The item's tiles, a chunk at a time: a tile never crosses a block; a block is bs·dim
   // elements in both caches, its token t at t in K (dimension-major), at t·dim in V. Each
@@ -126,6 +147,11 @@ void attend(void* context, int chunk) {
       const char* k = k_head + block * block_bytes;
       const char* v = v_head + block * block_bytes + offset * dim * element;
       chunk.tiles[chunk.count] = {k + offset * element, v, tokens};
+      if (quantized) {
+        const int64_t at = head_tokens + block * bs + offset;
+        chunk.tiles[chunk.count].k_scale = a.k_scale + at;
+        chunk.tiles[chunk.count].v_scale = a.v_scale + at;
+      }
       chunk.k_lines[chunk.count] = {k, block_bytes};
       chunk.v_lines[chunk.count] = {v, tokens * dim * element};
       ++chunk.count;
@@ -143,6 +169,7 @@ void attend(void* context, int chunk) {
     next_chunk(ahead);
     kernels.score(a.cache_dtype, q.data(), group, dim, bs, now.tiles, now.count, ahead.k_lines,
                   ahead.count, scores.data(), kChunkTokens, top.data());
+    if (quantized) scale_tokens(now, group, scores.data(), kChunkTokens, true, top.data());
     if (a.softcap > 0.0f)
       for (int h = 0; h < group; ++h)
         top[h] = kernels.softcap(scores.data() + h * kChunkTokens, now.tokens, a.softcap);
@@ -156,6 +183,8 @@ void attend(void* context, int chunk) {
       }
       l[h] += kernels.exp_sum(s, now.tokens, m[h]);
     }
+    // int8 V: token t's weight times its scale, then the raw values
+    if (quantized) scale_tokens(now, group, scores.data(), kChunkTokens, false, nullptr);
     kernels.accumulate(a.cache_dtype, scores.data(), kChunkTokens, group, dim, now.tiles, now.count,
                        ahead.v_lines, ahead.count, acc.data());
   }
@@ -201,9 +230,14 @@ void check_args(const DecodeAttentionArgs& a) {
   check(a.q != nullptr && a.k_cache != nullptr && a.v_cache != nullptr && a.out != nullptr &&
             a.block_tables != nullptr && a.context_lens != nullptr,
         "null pointer");
-  for (DType type : {a.q_dtype, a.cache_dtype})
-    check(type == DType::kFloat32 || type == DType::kBFloat16 || type == DType::kFloat16,
-          "dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(
+      a.q_dtype == DType::kFloat32 || a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16,
+      "q dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
+            a.cache_dtype == DType::kFloat16 || a.cache_dtype == DType::kInt8,
+        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
+  check((a.cache_dtype == DType::kInt8) == (a.k_scale != nullptr && a.v_scale != nullptr),
+        "an int8 cache comes with its K and V scales, and only an int8 cache");
   check(a.num_queries >= 0, "num_queries must be >= 0");
   check(a.num_heads >= 1 && a.num_kv_heads >= 1 && a.num_heads % a.num_kv_heads == 0,
         "num_heads must be a positive multiple of num_kv_heads");

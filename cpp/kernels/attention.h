@@ -15,8 +15,10 @@
 
 namespace pyserve_kernels {
 
-// Element types of q, the cache and the output (the codes cross the Python boundary).
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Element types of q, the cache and the output (the codes cross the Python boundary). kInt8: a
+// cache of symmetric int8 values, each (token, kv head) with a float32 scale beside it
+// (pyserve/worker/kv_cache.py): element i of a token's head is value[i] · scale.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
 struct DecodeAttentionArgs {
   const void* q;           // [num_queries][num_heads][head_dim], rows num_heads·head_dim apart…
@@ -52,6 +54,9 @@ struct DecodeAttentionArgs {
   // (it sees [max(0, p − window + 1), context)); null: p = context − 1. A query of a run of
   // positions that attend to each other both ways (Gemma 3's images) reads past itself.
   const void* positions = nullptr;
+  // An int8 cache's scales, [num_kv_heads][num_blocks][block_size] float32 each; null otherwise.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the output.
@@ -77,6 +82,10 @@ struct Tile {
   const void* k;  // its first token's element 0 in K: element i of token t at k[i·k_stride + t]
   const void* v;  // its first token's row in V: element i of token t at v[t·dim + i]
   int tokens;
+  // an int8 cache's scales of the tile's tokens (the ISA loops read raw int8 values: the caller
+  // scales the scores by k_scale and the weights by v_scale); null otherwise
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // Cache bytes to prefetch: [begin, begin + bytes).

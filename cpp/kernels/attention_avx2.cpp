@@ -22,6 +22,9 @@ template <DType T>
 PYSERVE_AVX2 inline __m256 load8(const void* p) {
   if constexpr (T == DType::kFloat32) {
     return _mm256_loadu_ps(static_cast<const float*>(p));
+  } else if constexpr (T == DType::kInt8) {  // the raw values (kInt8's scale is the caller's)
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
   } else {
     const __m128i raw = _mm_loadu_si128(static_cast<const __m128i*>(p));
     if constexpr (T == DType::kBFloat16)
@@ -33,7 +36,7 @@ PYSERVE_AVX2 inline __m256 load8(const void* p) {
 
 template <DType T>
 inline const void* element(const void* base, int64_t i) {
-  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  constexpr int bytes = T == DType::kFloat32 ? 4 : T == DType::kInt8 ? 1 : 2;
   return static_cast<const char*>(base) + i * bytes;
 }
 
@@ -107,6 +110,8 @@ PYSERVE_AVX2 void score_tile(DType cache, const float* q, int group, int dim, co
       return score_as<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
     case DType::kFloat16:
       return score_as<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
+    case DType::kInt8:
+      return score_as<DType::kInt8>(q, group, dim, k, k_stride, tokens, s, stride, top);
   }
 }
 
@@ -233,6 +238,8 @@ PYSERVE_AVX2 void accumulate_tile(DType cache, const float* p, int stride, int g
       return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc);
     case DType::kFloat16:
       return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
+    case DType::kInt8:
+      return accumulate_for<DType::kInt8>(p, stride, group, dim, v, tokens, acc);
   }
 }
 

@@ -169,6 +169,9 @@ PYSERVE_AVX512 void score(DType cache, const float* q, int group, int dim, int64
     case DType::kFloat16:
       return score_for<DType::kFloat16>(q, group, dim, k_stride, tiles, count, ahead, ahead_count,
                                         s, stride, top);
+    case DType::kInt8:
+      return score_for<DType::kInt8>(q, group, dim, k_stride, tiles, count, ahead, ahead_count, s,
+                                     stride, top);
   }
 }
 
@@ -299,6 +302,9 @@ PYSERVE_AVX512 void accumulate(DType cache, const float* p, int stride, int grou
     case DType::kFloat16:
       return accumulate_for<DType::kFloat16>(p, stride, group, dim, tiles, count, ahead,
                                              ahead_count, acc);
+    case DType::kInt8:
+      return accumulate_for<DType::kInt8>(p, stride, group, dim, tiles, count, ahead, ahead_count,
+                                          acc);
   }
 }
 

@@ -2,6 +2,7 @@
 // to nearest even as torch does (fp16 → float itself is half.h's); the scalar loops' tanh.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,8 @@ inline float load_element(DType type, const void* base, int64_t i) {
       return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::kFloat16:
       return half_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kInt8:  // the raw value: its scale is applied by the caller
+      return static_cast<float>(static_cast<const int8_t*>(base)[i]);
   }
   return 0.0f;
 }
@@ -72,10 +75,29 @@ inline void store_element(DType type, void* base, int64_t i, float value) {
     case DType::kFloat16:
       static_cast<uint16_t*>(base)[i] = float_to_half(value);
       return;
+    case DType::kInt8:  // never a q or output dtype; caches are written by quantize_int8_head
+      return;
   }
 }
 
-inline int element_bytes(DType type) { return type == DType::kFloat32 ? 4 : 2; }
+inline int element_bytes(DType type) {
+  return type == DType::kFloat32 ? 4 : type == DType::kInt8 ? 1 : 2;
+}
+
+// One head's values x[0..dim) as symmetric int8 at out[i·stride], their scale max|x| / 127
+// returned (0 for all zeros): as pyserve/worker/kv_cache.py's quantize_int8, bit for bit
+// (float32 division, reciprocal and product, rounded to nearest even).
+inline float quantize_int8_head(const float* x, int dim, int8_t* out, int64_t stride) {
+  float top = 0.0f;
+  for (int i = 0; i < dim; ++i) top = std::max(top, std::fabs(x[i]));
+  const float scale = top / 127.0f;
+  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int i = 0; i < dim; ++i) {
+    const float q = std::nearbyint(x[i] * inverse);
+    out[i * stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  return scale;
+}
 
 // tanh rounded from double: the float tanhf of glibc is off by up to ~2 ulp, more than the
 // vector loops' (avx512_math.h)

@@ -62,7 +62,7 @@ PYSERVE_AVX512_MATH inline __m512 tanh(__m512 x) {
 // The address of element i of an array of T.
 template <DType T>
 inline const void* element(const void* base, int64_t i) {
-  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  constexpr int bytes = T == DType::kFloat32 ? 4 : T == DType::kInt8 ? 1 : 2;
   return static_cast<const char*>(base) + i * bytes;
 }
 
@@ -71,6 +71,8 @@ template <DType T>
 PYSERVE_AVX512_MATH inline __m512 load(const void* p, __mmask16 live) {
   if constexpr (T == DType::kFloat32) {
     return _mm512_maskz_loadu_ps(live, p);
+  } else if constexpr (T == DType::kInt8) {  // the raw values (kInt8's scale is the caller's)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(live, p)));
   } else {
     const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
     if constexpr (T == DType::kBFloat16)
@@ -84,6 +86,9 @@ template <DType T>
 PYSERVE_AVX512_MATH inline __m512 load(const void* p) {
   if constexpr (T == DType::kFloat32) {
     return _mm512_loadu_ps(p);
+  } else if constexpr (T == DType::kInt8) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
   } else {
     const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
     if constexpr (T == DType::kBFloat16)

@@ -225,6 +225,8 @@ void DecoderStack::add_layer(const StackLayer& layer) {
   const int qkv_size = q_size + 2 * s.num_kv_heads * s.head_dim;
   check(layer.input_norm != nullptr && layer.post_attention_norm != nullptr, "no norm weights");
   check(layer.k_cache != nullptr && layer.v_cache != nullptr, "no cache");
+  check((s.cache_dtype == DType::kInt8) == (layer.k_scale != nullptr && layer.v_scale != nullptr),
+        "an int8 cache comes with its K and V scales, and only an int8 cache");
   check((layer.q_norm == nullptr) == (layer.k_norm == nullptr),
         "a q_norm without a k_norm, or a k_norm without a q_norm: both or neither");
   check(layer.rope_table >= 0 && layer.rope_table < num_rope_tables(), [&] {
@@ -325,10 +327,14 @@ void DecoderStack::forward(const StackBatch& b) const {
     rope.k_norm = layer.full_width_qk_norm ? nullptr : layer.k_norm;
     rope.k_cache = layer.k_cache;
     rope.v_cache = layer.v_cache;
+    rope.k_scale = layer.k_scale;
+    rope.v_scale = layer.v_scale;
     rope_write_kv(rope);
     if (b.num_spans > 0) {
       prefill.k_cache = layer.k_cache;
       prefill.v_cache = layer.v_cache;
+      prefill.k_scale = layer.k_scale;
+      prefill.v_scale = layer.v_scale;
       prefill.window = layer.window;
       prefill.sinks = layer.sinks;
       paged_prefill_attention(prefill);
@@ -340,6 +346,8 @@ void DecoderStack::forward(const StackBatch& b) const {
                       sizeof(float) * q_size);
       decode.k_cache = layer.k_cache;
       decode.v_cache = layer.v_cache;
+      decode.k_scale = layer.k_scale;
+      decode.v_scale = layer.v_scale;
       decode.window = layer.window;
       decode.sinks = layer.sinks;
       paged_decode_attention(decode);

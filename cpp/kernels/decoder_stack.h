@@ -91,7 +91,10 @@ struct StackLayer {
   int rope_table = 0;            // which of the forward's cos/sin tables this layer rotates with
   int window = 0;                // attends to the last `window` positions (itself included); 0: all
   const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or none
-  StackMoE moe = {};             // router set: this layer's MLP is a mixture of experts
+  // an int8 cache's scales, [num_kv_heads][num_blocks][block_size] each (attention.h); or none
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  StackMoE moe = {};  // router set: this layer's MLP is a mixture of experts
   bool is_moe() const { return moe.router != nullptr; }
 };
 

@@ -145,6 +145,12 @@ void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
         continue;
       }
       const int64_t base = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs * dim;
+      if (a.cache_dtype == DType::kInt8) {
+        const int64_t token = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs + offset;
+        a.k_scale[token] = quantize_int8_head(rotated.data(), dim,
+                                              static_cast<int8_t*>(a.k_cache) + base + offset, bs);
+        continue;
+      }
       for (int i = 0; i < dim; ++i)
         store_element(a.cache_dtype, a.k_cache, base + i * bs + offset,
                       saturated(a.cache_dtype, rotated[i]));
@@ -152,6 +158,11 @@ void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
     const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads) * dim;
     for (int h = 0; h < a.num_kv_heads; ++h) {
       const int64_t base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
+      if (a.cache_dtype == DType::kInt8) {
+        a.v_scale[base / dim] =
+            quantize_int8_head(v + h * dim, dim, static_cast<int8_t*>(a.v_cache) + base, 1);
+        continue;
+      }
       for (int i = 0; i < dim; ++i)
         store_element(a.cache_dtype, a.v_cache, base + i, saturated(a.cache_dtype, v[h * dim + i]));
     }
@@ -220,8 +231,10 @@ void rope_write_kv(const RopeKvArgs& a) {
   check(a.head_dim >= 2 && a.head_dim % 2 == 0 && a.head_dim <= kMaxRopeHeadDim,
         "head_dim must be even, at most 1024");
   check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
-            a.cache_dtype == DType::kFloat16,
-        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16");
+            a.cache_dtype == DType::kFloat16 || a.cache_dtype == DType::kInt8,
+        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
+  check((a.cache_dtype == DType::kInt8) == (a.k_scale != nullptr && a.v_scale != nullptr),
+        "an int8 cache comes with its K and V scales, and only an int8 cache");
   check(a.qkv_stride >= static_cast<int64_t>(a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
         "the qkv row stride is shorter than a row");
   check(a.rotary_dim == 0 ||

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "attention_convert.h"
 #include "avx512_math.h"
 
 namespace pyserve_kernels {
@@ -278,20 +279,30 @@ PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1
       }
       rotate_head(from, c, sn, rotary, rotated);
       if constexpr (EXTRAS) copy_dims(from, rotary, dim, rotated);
-      // converted as a vector, then element by element into the block: K is dimension-major,
-      // element i of this token is bs apart from i + 1
-      using Element = std::conditional_t<C == DType::kFloat32, float, uint16_t>;
-      alignas(64) Element converted[kMaxRopeHeadDim];
-      for (int i = 0; i < dim; i += 16)
-        store_cache<C>(converted, i, lanes(dim - i), _mm512_load_ps(rotated + i));
-      Element* k =
-          static_cast<Element*>(a.k_cache) + (h * int64_t{a.num_blocks} + block) * bs * dim;
-      for (int i = 0; i < dim; ++i) k[i * bs + offset] = converted[i];
-      const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads + h) * dim;
-      const int64_t v_base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
-      for (int i = 0; i < dim; i += 16) {
-        const __mmask16 live = lanes(dim - i);
-        store_cache<C>(a.v_cache, v_base + i, live, _mm512_maskz_loadu_ps(live, v + i));
+      if constexpr (C == DType::kInt8) {  // each head quantized whole: the scalar loop's
+        const int64_t token = (h * int64_t{a.num_blocks} + block) * bs + offset;
+        int8_t* k = static_cast<int8_t*>(a.k_cache) + (token - offset) * dim + offset;
+        a.k_scale[token] = quantize_int8_head(rotated, dim, k, bs);
+        const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads + h) * dim;
+        a.v_scale[token] =
+            quantize_int8_head(v, dim, static_cast<int8_t*>(a.v_cache) + token * dim, 1);
+        continue;
+      } else {
+        // converted as a vector, then element by element into the block: K is dimension-major,
+        // element i of this token is bs apart from i + 1
+        using Element = std::conditional_t<C == DType::kFloat32, float, uint16_t>;
+        alignas(64) Element converted[kMaxRopeHeadDim];
+        for (int i = 0; i < dim; i += 16)
+          store_cache<C>(converted, i, lanes(dim - i), _mm512_load_ps(rotated + i));
+        Element* k =
+            static_cast<Element*>(a.k_cache) + (h * int64_t{a.num_blocks} + block) * bs * dim;
+        for (int i = 0; i < dim; ++i) k[i * bs + offset] = converted[i];
+        const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads + h) * dim;
+        const int64_t v_base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
+        for (int i = 0; i < dim; i += 16) {
+          const __mmask16 live = lanes(dim - i);
+          store_cache<C>(a.v_cache, v_base + i, live, _mm512_maskz_loadu_ps(live, v + i));
+        }
       }
     }
   }
@@ -306,6 +317,8 @@ void rope_kv_rows_for(const RopeKvArgs& a, int row0, int row1) {
       return rope_kv_rows_as<DType::kBFloat16, EXTRAS>(a, row0, row1);
     case DType::kFloat16:
       return rope_kv_rows_as<DType::kFloat16, EXTRAS>(a, row0, row1);
+    case DType::kInt8:
+      return rope_kv_rows_as<DType::kInt8, EXTRAS>(a, row0, row1);
   }
 }
 

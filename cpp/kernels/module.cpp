@@ -117,7 +117,8 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                             uintptr_t block_tables, int table_index_bytes, int64_t table_stride,
                             uintptr_t context_lens, int context_index_bytes, float scale,
                             uintptr_t out, int64_t out_token_stride, int partition_tokens,
-                            int window, float softcap, uintptr_t sinks, uintptr_t positions) {
+                            int window, float softcap, uintptr_t sinks, uintptr_t positions,
+                            uintptr_t k_scale, uintptr_t v_scale) {
   const pk::DecodeAttentionArgs args{address<const void>(q),
                                      q_token_stride,
                                      static_cast<pk::DType>(q_dtype),
@@ -142,7 +143,9 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      window,
                                      softcap,
                                      address<const float>(sinks),
-                                     address<const void>(positions)};
+                                     address<const void>(positions),
+                                     address<const float>(k_scale),
+                                     address<const float>(v_scale)};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
 }
@@ -153,7 +156,7 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                              uintptr_t spans, int num_spans, uintptr_t block_tables,
                              int table_index_bytes, int64_t table_stride, float scale,
                              uintptr_t out, int64_t out_token_stride, int window, float softcap,
-                             uintptr_t sinks) {
+                             uintptr_t sinks, uintptr_t k_scale, uintptr_t v_scale) {
   const pk::PrefillAttentionArgs args{address<const void>(q),
                                       q_token_stride,
                                       static_cast<pk::DType>(q_dtype),
@@ -176,7 +179,9 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                                       out_token_stride,
                                       window,
                                       softcap,
-                                      address<const float>(sinks)};
+                                      address<const float>(sinks),
+                                      address<const float>(k_scale),
+                                      address<const float>(v_scale)};
   py::gil_scoped_release released;
   pk::paged_prefill_attention(args);
 }
@@ -245,7 +250,8 @@ void clamped_swiglu_mul(int dtype, uintptr_t input, int64_t input_stride, int ro
 void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, int num_kv_heads,
                    int head_dim, uintptr_t cos, uintptr_t sin, uintptr_t slots, uintptr_t k_cache,
                    uintptr_t v_cache, int cache_dtype, int num_blocks, int block_size,
-                   int rotary_dim, uintptr_t q_norm, uintptr_t k_norm, float eps) {
+                   int rotary_dim, uintptr_t q_norm, uintptr_t k_norm, float eps, uintptr_t k_scale,
+                   uintptr_t v_scale) {
   const pk::RopeKvArgs args{address<float>(qkv),
                             qkv_stride,
                             rows,
@@ -263,7 +269,9 @@ void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, i
                             rotary_dim,
                             address<const float>(q_norm),
                             address<const float>(k_norm),
-                            eps};
+                            eps,
+                            address<float>(k_scale),
+                            address<float>(v_scale)};
   py::gil_scoped_release released;
   pk::rope_write_kv(args);
 }
@@ -377,7 +385,7 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
                      const py::object& down, uintptr_t k_cache, uintptr_t v_cache, uintptr_t q_norm,
                      uintptr_t k_norm, uintptr_t attn_out_norm, uintptr_t mlp_out_norm,
                      int rope_table, int window, bool full_width_qk_norm, const py::object& moe,
-                     uintptr_t sinks) {
+                     uintptr_t sinks, uintptr_t k_scale, uintptr_t v_scale) {
   // a mixture's layer has no dense gate_up and down (None)
   pk::check(moe.is_none() != (gate_up.is_none() && down.is_none()),
             "a layer's MLP: gate_up and down, or a mixture of experts (moe), not both");
@@ -398,6 +406,8 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
   layer.rope_table = rope_table;
   layer.window = window;
   layer.sinks = address<const float>(sinks);
+  layer.k_scale = address<float>(k_scale);
+  layer.v_scale = address<float>(v_scale);
   stack.add_layer(layer);
 }
 
@@ -473,8 +483,11 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("context_index_bytes"), py::arg("scale"), py::arg("out"),
         py::arg("out_token_stride"), py::arg("partition_tokens"), py::arg("window") = 0,
         py::arg("softcap") = 0.0f, py::arg("sinks") = 0, py::arg("positions") = 0,
+        py::arg("k_scale") = 0, py::arg("v_scale") = 0,
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
-        "1 bfloat16, 2 float16); partition_tokens 0 chooses the split itself; window > 0: the "
+        "1 bfloat16, 2 float16, 3 int8 with k_scale and v_scale: the addresses of float32 "
+        "[kv_heads, blocks, block_size] scales); partition_tokens 0 chooses the split itself; "
+        "window > 0: the "
         "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap); "
         "sinks: the address of a float32 logit per head, one more softmax column (0: none); "
         "positions: each query's own position, where its window ends, as wide as context_lens "
@@ -486,10 +499,11 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("num_spans"), py::arg("block_tables"), py::arg("table_index_bytes"),
         py::arg("table_stride"), py::arg("scale"), py::arg("out"), py::arg("out_token_stride"),
         py::arg("window") = 0, py::arg("softcap") = 0.0f, py::arg("sinks") = 0,
+        py::arg("k_scale") = 0, py::arg("v_scale") = 0,
         "causal attention of prompt chunks (spans: int64 [num_spans, 3] of first row, rows, "
-        "cached tokens before them) over the paged KV cache, read in place; window, softcap and "
-        "sinks as paged_decode_attention's");
-  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap", "sinks");
+        "cached tokens before them) over the paged KV cache, read in place; window, softcap, "
+        "sinks and an int8 cache's scales as paged_decode_attention's");
+  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap", "sinks", "int8_cache");
   m.def("attention_softcap", &attention_softcap, py::arg("values"), py::arg("n"), py::arg("cap"),
         "values[i] = cap * tanh(values[i] / cap) in place over n float32 values, with the "
         "current ISA's attention loops; returns the largest");
@@ -521,12 +535,14 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cache_dtype"), py::arg("num_blocks"), py::arg("block_size"),
         py::arg("rotary_dim") = 0, py::arg("q_norm") = 0, py::arg("k_norm") = 0,
-        py::arg("eps") = 1e-6f,
+        py::arg("eps") = 1e-6f, py::arg("k_scale") = 0, py::arg("v_scale") = 0,
         "RoPE on the q and k heads of float32 qkv rows (q in place), k and v stored at the rows' "
-        "cache slots; rotary_dim > 0 rotates each head's first rotary_dim dims only (cos and sin "
+        "cache slots (an int8 cache: each head quantized, its scale written at k_scale / v_scale, "
+        "addresses of float32 [kv_heads, blocks, block_size]); rotary_dim > 0 rotates each head's "
+        "first rotary_dim dims only (cos and sin "
         "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
         "none) RMS-normalize each q / k head with eps first");
-  m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial");
+  m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial", "int8_cache");
   m.def("moe_group", &moe_group, py::arg("experts"), py::arg("weights"), py::arg("tokens"),
         py::arg("top_k"), py::arg("num_experts"), py::arg("row_token"), py::arg("row_weight"),
         py::arg("counts"),
@@ -586,7 +602,8 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("v_cache"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
            py::arg("attn_out_norm") = 0, py::arg("mlp_out_norm") = 0, py::arg("rope_table") = 0,
            py::arg("window") = 0, py::arg("full_width_qk_norm") = false,
-           py::arg("moe") = py::none(), py::arg("sinks") = 0,
+           py::arg("moe") = py::none(), py::arg("sinks") = 0, py::arg("k_scale") = 0,
+           py::arg("v_scale") = 0,
            "norm weights and cache addresses; each linear a tuple (weights, scales, n, k, bits, "
            "group, bias, activation_bits[, super_scales[, mxfp4]]), or a list of such tuples: a "
            "fused projection's row "

@@ -86,6 +86,7 @@ void attend(void* context, int index) {
   const char* k_head = static_cast<const char*>(a.k_cache) + head_offset * element;
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.span * a.table_stride;
+  const int64_t head_tokens = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs;
   const int first_query = span.start + item.row0;  // the first row's own position
   const int end = first_query + rows;              // keys [begin, end) are visible to some row
   const int begin = first_key(a, first_query);
@@ -98,6 +99,13 @@ void attend(void* context, int index) {
                           k.data());
     kernels.to_float(a.cache_dtype, v_head + block_at + offset * dim * element,
                      static_cast<int64_t>(n) * dim, v.data());
+    if (a.cache_dtype == DType::kInt8) {  // the raw values times each token's scale
+      const int64_t at = head_tokens + block * bs + offset;
+      for (int i = 0; i < dim; ++i)
+        for (int t = 0; t < n; ++t) k[i * kPrefillRows + t] *= a.k_scale[at + t];
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < dim; ++i) v[t * dim + i] *= a.v_scale[at + t];
+    }
     for (int h = 0; h < group; ++h)
       kernels.tile(qt.data() + h * per_head, k.data(), v.data(), n, dim, first_query - pos,
                    a.window, a.softcap, m.data() + h * kPrefillRows, l.data() + h * kPrefillRows,
@@ -120,9 +128,14 @@ void check_args(const PrefillAttentionArgs& a) {
   check(a.q != nullptr && a.k_cache != nullptr && a.v_cache != nullptr && a.out != nullptr &&
             (a.num_spans == 0 || (a.spans != nullptr && a.block_tables != nullptr)),
         "null pointer");
-  for (DType type : {a.q_dtype, a.cache_dtype})
-    check(type == DType::kFloat32 || type == DType::kBFloat16 || type == DType::kFloat16,
-          "dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(
+      a.q_dtype == DType::kFloat32 || a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16,
+      "q dtype codes: 0 float32, 1 bfloat16, 2 float16");
+  check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
+            a.cache_dtype == DType::kFloat16 || a.cache_dtype == DType::kInt8,
+        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
+  check((a.cache_dtype == DType::kInt8) == (a.k_scale != nullptr && a.v_scale != nullptr),
+        "an int8 cache comes with its K and V scales, and only an int8 cache");
   check(a.num_rows >= 0 && a.num_spans >= 0, "num_rows and num_spans must be >= 0");
   check(a.num_heads >= 1 && a.num_kv_heads >= 1 && a.num_heads % a.num_kv_heads == 0,
         "num_heads must be a positive multiple of num_kv_heads");

@@ -48,6 +48,9 @@ struct PrefillAttentionArgs {
   // [num_heads] float32: each head's sink logit, one more softmax column with no value
   // (gpt-oss); null: none.
   const float* sinks = nullptr;
+  // An int8 cache's scales, [num_kv_heads][num_blocks][block_size] float32 each; null otherwise.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the spans' rows.

@@ -24,7 +24,7 @@ using avx512::load;
 
 template <DType T>
 PYSERVE_AVX512 void to_float_as(const void* src, int64_t n, float* dst) {
-  constexpr int bytes = T == DType::kFloat32 ? 4 : 2;
+  constexpr int bytes = T == DType::kFloat32 ? 4 : T == DType::kInt8 ? 1 : 2;
   const char* from = static_cast<const char*>(src);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load<T>(from + i * bytes));
@@ -42,6 +42,8 @@ PYSERVE_AVX512 void to_float(DType type, const void* src, int64_t n, float* dst)
       return to_float_as<DType::kBFloat16>(src, n, dst);
     case DType::kFloat16:
       return to_float_as<DType::kFloat16>(src, n, dst);
+    case DType::kInt8:
+      return to_float_as<DType::kInt8>(src, n, dst);
   }
 }
 
@@ -61,6 +63,8 @@ PYSERVE_AVX512 void keys_to_float(DType type, const void* src, int64_t stride, i
       return keys_to_float_as<DType::kBFloat16>(src, stride, dim, n, dst);
     case DType::kFloat16:
       return keys_to_float_as<DType::kFloat16>(src, stride, dim, n, dst);
+    case DType::kInt8:
+      return keys_to_float_as<DType::kInt8>(src, stride, dim, n, dst);
   }
 }
 

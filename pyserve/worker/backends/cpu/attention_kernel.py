@@ -32,6 +32,8 @@ import torch
 from pyserve.worker import quant
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# what the cache may hold besides: int8 values with a float32 scale per (token, kv head)
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}
 INDEX_BYTES = {torch.int32: 4, torch.int64: 8}
 
 
@@ -71,8 +73,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, not {t.device}")
-        if t.dtype not in DTYPE_CODES:
-            raise ValueError(f"{name} dtype {t.dtype} is not float32, bfloat16 or float16")
+        if t.dtype not in CACHE_DTYPE_CODES:
+            raise ValueError(f"{name} dtype {t.dtype} is not float32, bfloat16, float16 or int8")
         if t.dim() != 4 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 4-d tensor")
     if k_cache.shape != _k_shape(v_cache.shape) or k_cache.dtype != v_cache.dtype:
@@ -80,6 +82,24 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             "k_cache must be [kv_heads, num_blocks, head_dim, block_size] for a v_cache of "
             "[kv_heads, num_blocks, block_size, head_dim], with the same dtype"
         )
+
+
+def scale_addresses(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[int, int]:
+    """The addresses of an int8 cache's K and V scales (0, 0 for a float cache), once checked:
+    float32 [kv_heads, num_blocks, block_size], contiguous, as kv_cache.py allocates them."""
+    if k_cache.dtype != torch.int8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"a {k_cache.dtype} cache has no scales")
+        return 0, 0
+    shape = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(f"an int8 cache needs its {name}")
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 {list(shape)} tensor")
+    return k_scale.data_ptr(), v_scale.data_ptr()  # type: ignore[union-attr]
 
 
 def _k_shape(v_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -179,12 +199,15 @@ class DecodeAttention(_BoundToCache):
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [D, heads, head_dim] (rows may be strided) → out of q's shape and dtype; each query
         sees its context's last ``window`` positions (0: all), scores soft-capped at ``softcap``
         (0: none), each head's softmax with its ``sinks`` logit as one more column (float32
-        [heads]; None: none)."""
+        [heads]; None: none); an int8 cache's ``k_scale`` and ``v_scale``."""
         sinks_at = _check_options(window, softcap, sinks, self.num_heads)
+        k_scale_at, v_scale_at = scale_addresses(k_cache, k_scale, v_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
@@ -197,7 +220,7 @@ class DecodeAttention(_BoundToCache):
             self.num_heads,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            DTYPE_CODES[k_cache.dtype],
+            CACHE_DTYPE_CODES[k_cache.dtype],
             kv_heads,
             num_blocks,
             block_size,
@@ -215,6 +238,8 @@ class DecodeAttention(_BoundToCache):
             softcap,
             sinks_at,
             0 if self.positions is None else self.positions.data_ptr(),
+            k_scale_at,
+            v_scale_at,
         )
         return out
 
@@ -265,12 +290,16 @@ class PrefillAttention(_BoundToCache):
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [rows, heads, head_dim] (rows may be strided) → the spans' rows of ``out`` (q's
         shape and dtype, contiguous heads); other rows of ``out`` are left as they are. Each row
         sees the last ``window`` positions up to its own (0: all), scores soft-capped at
-        ``softcap`` (0: none), with the ``sinks`` as DecodeAttention.run's."""
+        ``softcap`` (0: none), with the ``sinks`` and an int8 cache's scales as
+        DecodeAttention.run's."""
         sinks_at = _check_options(window, softcap, sinks, self.num_heads)
+        k_scale_at, v_scale_at = scale_addresses(k_cache, k_scale, v_scale)
         q_stride, out_stride = self._layer(q, k_cache, v_cache, out)
         kv_heads, num_blocks, block_size, head_dim = self.geometry
         self._kernels.paged_prefill_attention(
@@ -281,7 +310,7 @@ class PrefillAttention(_BoundToCache):
             self.num_heads,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            DTYPE_CODES[k_cache.dtype],
+            CACHE_DTYPE_CODES[k_cache.dtype],
             kv_heads,
             num_blocks,
             block_size,
@@ -297,6 +326,8 @@ class PrefillAttention(_BoundToCache):
             window,
             softcap,
             sinks_at,
+            k_scale_at,
+            v_scale_at,
         )
         return out
 
@@ -313,6 +344,8 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache (which already holds their K/V):
     row ``first + i`` of span (first, rows, start) sees its request's tokens [0, start + i]
@@ -332,7 +365,8 @@ def paged_prefill_attention(
     )
     if out is None:
         out = torch.zeros(q.shape, dtype=q.dtype)
-    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 def paged_decode_attention(
@@ -349,6 +383,8 @@ def paged_decode_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [D, heads, head_dim] (one token per request) over each request's first
     ``context_lens[d]`` cached tokens, found through ``block_tables[d]``, with a ``window`` only
@@ -360,7 +396,8 @@ def paged_decode_attention(
     block_tables: int32/int64 [D, width]; context_lens: int32/int64 [D]. ``partition_tokens``
     forces the context split (0: the kernel picks it from the load and its thread count).
     ``positions`` (context_lens' dtype, [D]): each query's own position, where its window ends
-    (None: context - 1).
+    (None: context - 1). An int8 cache (K and V values as int8) comes with ``k_scale`` and
+    ``v_scale``, float32 [kv_heads, num_blocks, block_size] (kv_cache.py).
     """
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
@@ -377,10 +414,12 @@ def paged_decode_attention(
         partition_tokens=partition_tokens,
         positions=positions,
     )
-    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks)
+    return call.run(q, k_cache, v_cache, scale, out, window=window, softcap=softcap, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 __all__ = [
+    "CACHE_DTYPE_CODES",
     "DTYPE_CODES",
     "DecodeAttention",
     "PrefillAttention",

@@ -102,10 +102,12 @@ class KernelPlan:
     @classmethod
     def decide(cls, config: ModelConfig, cache_dtype: torch.dtype) -> KernelPlan:
         isa = quant.kernels().isa() if kernel_available() else "none"
-        decode = kernel_available() and cache_dtype in DTYPE_CODES
+        features = attention_features()
+        # int8 K/V (values and per-token scales) where the compiled attention reads them
+        int8 = cache_dtype == torch.int8 and "int8_cache" in features
+        decode = kernel_available() and (cache_dtype in DTYPE_CODES or int8)
         prefill = decode and isa == "avx512_vnni"
         fused = layer_ops.fused_kernels() is not None
-        features = attention_features()
         if not fused:
             activation = "torch: the fused layer ops need AVX-512"
         elif config.activation == "silu" or config.activation in layer_ops.fused_activations():
@@ -135,6 +137,8 @@ class KernelPlan:
                 and "partial" not in layer_ops.rope_features()
             ):
                 rope_missing.append("partial rotary")
+            if cache_dtype == torch.int8 and "int8_cache" not in layer_ops.rope_features():
+                rope_missing.append("int8 K/V store")
             if not (fused and prefill and attention == "kernels"):
                 rope_kv = "torch: rope + KV write is fused only with both attention kernels"
             elif rope_missing:
@@ -234,13 +238,14 @@ class CpuKernelsBackend(Backend):
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> PagedKVCache:
-        if dtype == torch.int8:
+        plan = KernelPlan.decide(self.config, dtype)
+        if dtype == torch.int8 and not plan.decode_attention:
             raise ValueError(
-                "--kv-cache-dtype int8 runs on the torch backend only (--backend torch); "
-                "the cpu-kernels attention reads float K/V"
+                "--kv-cache-dtype int8 on the cpu-kernels backend needs pyserve._kernels' int8 "
+                "attention, which this build lacks (rebuild it, or use --backend torch)"
             )
         cache = super().allocate_kv_cache(num_blocks, block_size, dtype)
-        self.plan = KernelPlan.decide(self.config, dtype)
+        self.plan = plan
         self.reference = ReferenceAttention(cache, self.max_chunk_tokens)
         return cache
 
@@ -403,7 +408,17 @@ class CpuKernelsBackend(Backend):
             q_norm=None if qk_norm is None else qk_norm.q_weight,
             k_norm=None if qk_norm is None else qk_norm.k_weight,
             eps=1e-6 if qk_norm is None else qk_norm.eps,
+            **self._scales(layer.index),
         )
+
+    def _scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """An int8 cache's K and V scales of ``layer``, as the kernels' keywords (none for a
+        float cache)."""
+        cache = self.kv_cache
+        assert cache is not None
+        if not cache.quantized:
+            return {}
+        return {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
 
     def _attend_kernels(
         self,
@@ -424,6 +439,7 @@ class CpuKernelsBackend(Backend):
             "window": layer.sliding_window or 0,
             "softcap": layer.softcap or 0.0,
             "sinks": layer.sinks,
+            **self._scales(layer.index),
         }
         decode = meta.decode
         if meta.all_decode and decode is not None:

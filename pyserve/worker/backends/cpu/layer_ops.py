@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker import quant
-from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES
+from pyserve.worker.backends.cpu.attention_kernel import (
+    CACHE_DTYPE_CODES,
+    DTYPE_CODES,
+    scale_addresses,
+)
 from pyserve.worker.backends.torch.activations import clamped_swiglu
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (codes: attention_kernel's)
@@ -180,6 +184,8 @@ def rope_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """RoPE on the q and k heads of a float32 fused projection ``qkv`` [T, (heads + 2·kv_heads)
     ·head_dim] (q rotated in place), then k and v stored at ``slots`` (int64 [T]) of one layer's
@@ -187,6 +193,8 @@ def rope_write_kv(
     RotaryTable.cos_sin; with rotary_dim < head_dim only each head's first rotary_dim dims
     rotate (rope.apply_rope's partial rotary). q_norm, k_norm: float32 [head_dim] weights of a
     per-head RMSNorm (eps) of every q and k head before the rotation (Qwen3's), each optional.
+    An int8 cache takes each head quantized (kv_cache.quantize_int8's numerics) and its scale
+    into ``k_scale`` / ``v_scale``.
     Returns False, touching nothing, where the kernel does not apply (then normalize with
     F.rms_norm, rotate with rope.apply_rope and write with PagedKVCache.write)."""
     kernels = fused_kernels()
@@ -197,10 +205,12 @@ def rope_write_kv(
         or qkv.dtype != torch.float32
         or cos.dtype != torch.float32
         or signed_sin.dtype != torch.float32
-        or k_cache.dtype not in DTYPE_CODES
+        or k_cache.dtype not in CACHE_DTYPE_CODES
         or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
     ):
         return False
+    if k_cache.dtype == torch.int8:
+        needs.add("int8_cache")
     rows, width = qkv.shape
     kv_heads, num_blocks, block_size, head_dim = v_cache.shape
     if not (eps >= 0 and math.isfinite(eps)):
@@ -230,10 +240,19 @@ def rope_write_kv(
     kernels.rope_write_kv(
         qkv.data_ptr(), max(qkv.stride(0), width), rows, num_heads, num_kv_heads, head_dim,
         cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], num_blocks, block_size,
+        v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype], num_blocks, block_size,
         **_rope_options(rotary_dim, head_dim, q_norm, k_norm, eps),
+        **_scale_options(k_cache, k_scale, v_scale),
     )  # fmt: skip
     return True
+
+
+def _scale_options(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> dict:
+    """The kernel's keywords for an int8 cache's scales (none for a float cache)."""
+    k_at, v_at = scale_addresses(k_cache, k_scale, v_scale)
+    return {"k_scale": k_at, "v_scale": v_at} if k_at else {}
 
 
 def _rope_options(

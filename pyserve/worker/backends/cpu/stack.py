@@ -27,7 +27,7 @@ import torch
 
 from pyserve.worker import quant
 from pyserve.worker.backends.cpu import quant_linear
-from pyserve.worker.backends.cpu.attention_kernel import DTYPE_CODES, PrefillAttention
+from pyserve.worker.backends.cpu.attention_kernel import CACHE_DTYPE_CODES, PrefillAttention
 from pyserve.worker.backends.cpu.experts import ExpertKernels, KernelRouter
 from pyserve.worker.kv_cache import PagedKVCache
 
@@ -109,7 +109,7 @@ def unsupported(
         return f"the {cfg.activation} activation runs on {plan.activation}"
     if model.dtype != torch.float32:
         return f"the model runs in {model.dtype}, the stack in float32"
-    if kv_cache.k[0].dtype not in DTYPE_CODES:
+    if kv_cache.k[0].dtype not in CACHE_DTYPE_CODES:
         return f"a {kv_cache.k[0].dtype} cache"
     if len(kv_cache.k) != len(model.layers) or len(plan.layers) != len(model.layers):
         return "the cache or the kernel plan has another number of layers"
@@ -228,7 +228,7 @@ class CpuDecoderStack:
             head_dim=head_dim,
             intermediate=cfg.intermediate_size,
             eps=model.layers[0].attn_norm.eps,
-            cache_dtype=DTYPE_CODES[kv_cache.k[0].dtype],
+            cache_dtype=CACHE_DTYPE_CODES[kv_cache.k[0].dtype],
             num_blocks=num_blocks,
             block_size=block_size,
             activation=cfg.activation,
@@ -237,6 +237,15 @@ class CpuDecoderStack:
             swiglu_alpha=cfg.swiglu_alpha,
             swiglu_limit=cfg.swiglu_limit,
         )
+
+        def scales(i: int) -> dict[str, int]:  # an int8 cache's, per layer
+            if not kv_cache.quantized:
+                return {}
+            return {
+                "k_scale": kv_cache.k_scale[i].data_ptr(),
+                "v_scale": kv_cache.v_scale[i].data_ptr(),
+            }
+
         for i, layer in enumerate(model.layers):
             moe = None
             if layer.moe is not None:
@@ -262,6 +271,7 @@ class CpuDecoderStack:
                 full_width_qk_norm=layer.full_width_qk_norm,
                 moe=moe,
                 sinks=0 if layer.attn.sinks is None else layer.attn.sinks.data_ptr(),
+                **scales(i),
             )
         return cls(stack, [table.rotary_dim for table in model.rotary], keep), ""
 

@@ -185,8 +185,8 @@ class TritonBackend(Backend):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
         if dtype == torch.int8:
             raise ValueError(
-                "--kv-cache-dtype int8 runs on the torch backend only (--backend torch); "
-                "the Triton attention reads float K/V"
+                "--kv-cache-dtype int8 runs on the torch and cpu-kernels backends; the Triton "
+                "attention reads float K/V"
             )
         # one extra block that no request owns: decode graphs pad their batches with rows that
         # write into it, and the warm-up writes its K/V there
