@@ -79,25 +79,6 @@ void write_output(const DecodeAttentionArgs& a, const WorkItem& item, int group,
   }
 }
 
-// An int8 cache's per-token scales applied to a chunk's row of each head: s[h][o_j + t] times
-// the K (keys) or V scale of token t of tile j; with keys, top[h] becomes the scaled maximum.
-template <class Chunk>
-void scale_tokens(const Chunk& chunk, int group, float* s, int stride, bool keys, float* top) {
-  for (int h = 0; h < group; ++h) {
-    float* row = s + h * stride;
-    float most = -std::numeric_limits<float>::infinity();
-    for (int j = 0, offset = 0; j < chunk.count; offset += chunk.tiles[j++].tokens) {
-      const Tile& tile = chunk.tiles[j];
-      const float* scale = keys ? tile.k_scale : tile.v_scale;
-      for (int t = 0; t < tile.tokens; ++t) {
-        row[offset + t] *= scale[t];
-        most = std::max(most, row[offset + t]);
-      }
-    }
-    if (keys) top[h] = most;
-  }
-}
-
 void attend(void* context, int chunk) {
   const Job& job = *static_cast<const Job*>(context);
   const DecodeAttentionArgs& a = *job.args;
@@ -169,7 +150,6 @@ void attend(void* context, int chunk) {
     next_chunk(ahead);
     kernels.score(a.cache_dtype, q.data(), group, dim, bs, now.tiles, now.count, ahead.k_lines,
                   ahead.count, scores.data(), kChunkTokens, top.data());
-    if (quantized) scale_tokens(now, group, scores.data(), kChunkTokens, true, top.data());
     if (a.softcap > 0.0f)
       for (int h = 0; h < group; ++h)
         top[h] = kernels.softcap(scores.data() + h * kChunkTokens, now.tokens, a.softcap);
@@ -183,8 +163,6 @@ void attend(void* context, int chunk) {
       }
       l[h] += kernels.exp_sum(s, now.tokens, m[h]);
     }
-    // int8 V: token t's weight times its scale, then the raw values
-    if (quantized) scale_tokens(now, group, scores.data(), kChunkTokens, false, nullptr);
     kernels.accumulate(a.cache_dtype, scores.data(), kChunkTokens, group, dim, now.tiles, now.count,
                        ahead.v_lines, ahead.count, acc.data());
   }

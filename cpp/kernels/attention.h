@@ -82,8 +82,8 @@ struct Tile {
   const void* k;  // its first token's element 0 in K: element i of token t at k[i·k_stride + t]
   const void* v;  // its first token's row in V: element i of token t at v[t·dim + i]
   int tokens;
-  // an int8 cache's scales of the tile's tokens (the ISA loops read raw int8 values: the caller
-  // scales the scores by k_scale and the weights by v_scale); null otherwise
+  // an int8 cache's scales of the tile's tokens: the ISA loops multiply each token's dot product
+  // of raw int8 values by its k_scale, and its softmax weight by its v_scale; null otherwise
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
 };

@@ -51,7 +51,8 @@ PYSERVE_AVX2 inline float horizontal_sum(__m256 v) {
 // query element times one K vector each).
 template <DType T, int HN>
 PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int64_t k_stride,
-                                     float* s, int stride, float* top, bool first) {
+                                     float* s, int stride, float* top, bool first,
+                                     const float* scale) {
   __m256 acc[HN][2];
   for (int h = 0; h < HN; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
   for (int i = 0; i < dim; ++i) {
@@ -60,7 +61,9 @@ PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int
       acc[h][i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(q[h * dim + i]), key, acc[h][i % 2]);
   }
   for (int h = 0; h < HN; ++h) {
-    const __m256 sum = _mm256_add_ps(acc[h][0], acc[h][1]);
+    __m256 sum = _mm256_add_ps(acc[h][0], acc[h][1]);
+    // int8: the raw values' dot products times each token's scale
+    if constexpr (T == DType::kInt8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(scale));
     _mm256_storeu_ps(s + h * stride, sum);
     __m128 most = _mm_max_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     most = _mm_max_ps(most, _mm_movehl_ps(most, most));
@@ -72,22 +75,23 @@ PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int
 
 template <DType T>
 PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, int64_t k_stride,
-                           int tokens, float* s, int stride, float* top) {
+                           int tokens, float* s, int stride, float* top, const float* scale) {
   int t0 = 0;
   for (; t0 + 8 <= tokens; t0 += 8) {  // whole vectors of 8 tokens
     const void* tile = element<T>(k, t0);
+    const float* tile_scale = T == DType::kInt8 ? scale + t0 : nullptr;
     for (int h = 0; h < group; h += 3) {
       const float* qh = q + h * dim;
       float* sh = s + h * stride + t0;
       switch (group - h) {
         case 1:
-          score_heads<T, 1>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+          score_heads<T, 1>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0, tile_scale);
           break;
         case 2:
-          score_heads<T, 2>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+          score_heads<T, 2>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0, tile_scale);
           break;
         default:
-          score_heads<T, 3>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0);
+          score_heads<T, 3>(qh, dim, tile, k_stride, sh, stride, top + h, t0 == 0, tile_scale);
       }
     }
   }
@@ -95,6 +99,7 @@ PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, in
     for (int h = 0; h < group; ++h) {
       float sum = 0.0f;
       for (int i = 0; i < dim; ++i) sum += q[h * dim + i] * load_element(T, k, i * k_stride + t);
+      if constexpr (T == DType::kInt8) sum *= scale[t];
       s[h * stride + t] = sum;
       top[h] = t == 0 || sum > top[h] ? sum : top[h];
     }
@@ -102,16 +107,17 @@ PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, in
 }
 
 PYSERVE_AVX2 void score_tile(DType cache, const float* q, int group, int dim, const void* k,
-                             int64_t k_stride, int tokens, float* s, int stride, float* top) {
+                             int64_t k_stride, int tokens, float* s, int stride, float* top,
+                             const float* scale) {
   switch (cache) {
     case DType::kFloat32:
-      return score_as<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_as<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top, scale);
     case DType::kBFloat16:
-      return score_as<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_as<DType::kBFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top, scale);
     case DType::kFloat16:
-      return score_as<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_as<DType::kFloat16>(q, group, dim, k, k_stride, tokens, s, stride, top, scale);
     case DType::kInt8:
-      return score_as<DType::kInt8>(q, group, dim, k, k_stride, tokens, s, stride, top);
+      return score_as<DType::kInt8>(q, group, dim, k, k_stride, tokens, s, stride, top, scale);
   }
 }
 
@@ -191,14 +197,18 @@ PYSERVE_AVX2 float softcap(float* s, int n, float cap) {
 
 template <DType T, int DIM>
 PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
-                                int tokens, float* acc) {
+                                int tokens, float* acc, const float* scale) {
+  // int8: each weight times its token's scale, then the raw values
+  const auto weight_at = [&](int h, int t) {
+    return T == DType::kInt8 ? p[h * stride + t] * scale[t] : p[h * stride + t];
+  };
   if constexpr (DIM > 0) {
     constexpr int chunks = DIM / 8;
     for (int h = 0; h < group; ++h) {
       __m256 sum[chunks];
       for (int c = 0; c < chunks; ++c) sum[c] = _mm256_loadu_ps(acc + h * DIM + 8 * c);
       for (int t = 0; t < tokens; ++t) {
-        const __m256 weight = _mm256_set1_ps(p[h * stride + t]);
+        const __m256 weight = _mm256_set1_ps(weight_at(h, t));
         for (int c = 0; c < chunks; ++c)
           sum[c] = _mm256_fmadd_ps(weight, load8<T>(element<T>(v, t * DIM + 8 * c)), sum[c]);
       }
@@ -210,36 +220,36 @@ PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, 
       for (int i = 0; i < vector_end; i += 8) {
         __m256 sum = _mm256_loadu_ps(acc + h * dim + i);
         for (int t = 0; t < tokens; ++t)
-          sum = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + t]),
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(weight_at(h, t)),
                                 load8<T>(element<T>(v, int64_t{t} * dim + i)), sum);
         _mm256_storeu_ps(acc + h * dim + i, sum);
       }
       for (int i = vector_end; i < dim; ++i)
         for (int t = 0; t < tokens; ++t)
-          acc[h * dim + i] += p[h * stride + t] * load_element(T, v, int64_t{t} * dim + i);
+          acc[h * dim + i] += weight_at(h, t) * load_element(T, v, int64_t{t} * dim + i);
     }
   }
 }
 
 template <DType T>
 PYSERVE_AVX2 void accumulate_for(const float* p, int stride, int group, int dim, const void* v,
-                                 int tokens, float* acc) {
-  if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc);
-  if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc);
-  return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc);
+                                 int tokens, float* acc, const float* scale) {
+  if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc, scale);
+  if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc, scale);
+  return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc, scale);
 }
 
 PYSERVE_AVX2 void accumulate_tile(DType cache, const float* p, int stride, int group, int dim,
-                                  const void* v, int tokens, float* acc) {
+                                  const void* v, int tokens, float* acc, const float* scale) {
   switch (cache) {
     case DType::kFloat32:
-      return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc, scale);
     case DType::kBFloat16:
-      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kBFloat16>(p, stride, group, dim, v, tokens, acc, scale);
     case DType::kFloat16:
-      return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kFloat16>(p, stride, group, dim, v, tokens, acc, scale);
     case DType::kInt8:
-      return accumulate_for<DType::kInt8>(p, stride, group, dim, v, tokens, acc);
+      return accumulate_for<DType::kInt8>(p, stride, group, dim, v, tokens, acc, scale);
   }
 }
 
@@ -252,7 +262,7 @@ PYSERVE_AVX2 void score(DType cache, const float* q, int group, int dim, int64_t
   most.resize(group);
   for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
     score_tile(cache, q, group, dim, tiles[j].k, k_stride, tiles[j].tokens, s + offset, stride,
-               j == 0 ? top : most.data());
+               j == 0 ? top : most.data(), tiles[j].k_scale);
     if (j > 0)
       for (int h = 0; h < group; ++h) top[h] = most[h] > top[h] ? most[h] : top[h];
   }
@@ -263,7 +273,8 @@ PYSERVE_AVX2 void accumulate(DType cache, const float* p, int stride, int group,
                              int ahead_count, float* acc) {
   prefetch_spans(ahead, ahead_count);
   for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens)
-    accumulate_tile(cache, p + offset, stride, group, dim, tiles[j].v, tiles[j].tokens, acc);
+    accumulate_tile(cache, p + offset, stride, group, dim, tiles[j].v, tiles[j].tokens, acc,
+                    tiles[j].v_scale);
 }
 
 }  // namespace

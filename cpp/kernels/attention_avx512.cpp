@@ -69,7 +69,8 @@ class Prefetcher {
 template <DType T, int HN, int DIM>
 PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const void* k,
                                        int64_t k_stride, __mmask16 live, float* s, int stride,
-                                       __m512 (&most)[HN], Prefetcher& prefetch) {
+                                       __m512 (&most)[HN], Prefetcher& prefetch,
+                                       const float* scale) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
   const int whole = dim / 4 * 4;
   __m512 acc[HN][4];
@@ -95,6 +96,10 @@ PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const vo
     for (int h = 0; h < HN; ++h)
       sum[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), key, sum[h]);
   }
+  if constexpr (T == DType::kInt8) {  // the raw values' dot products times each token's scale
+    const __m512 factor = _mm512_maskz_loadu_ps(live, scale);
+    for (int h = 0; h < HN; ++h) sum[h] = _mm512_mul_ps(sum[h], factor);
+  }
   for (int h = 0; h < HN; ++h) {
     _mm512_mask_storeu_ps(s + h * stride, live, sum[h]);
     most[h] = _mm512_mask_max_ps(most[h], live, most[h], sum[h]);
@@ -110,7 +115,8 @@ PYSERVE_AVX512 void score_tiles(const float* q, int dim, int64_t k_stride, const
   for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens)
     for (int t0 = 0; t0 < tiles[j].tokens; t0 += 16)
       score_heads<T, HN, DIM>(q, dim, element<T>(tiles[j].k, t0), k_stride,
-                              lanes(tiles[j].tokens - t0), s + offset + t0, stride, most, prefetch);
+                              lanes(tiles[j].tokens - t0), s + offset + t0, stride, most, prefetch,
+                              T == DType::kInt8 ? tiles[j].k_scale + t0 : nullptr);
   for (int h = 0; h < HN; ++h) top[h] = _mm512_reduce_max_ps(most[h]);
 }
 
@@ -215,8 +221,10 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* til
     for (int t = 0; t < tiles[j].tokens; ++t) {
       __m512 row[chunks];
       for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
+      // int8: the weight times the token's scale, then the raw values
+      const float factor = T == DType::kInt8 ? tiles[j].v_scale[t] : 1.0f;
       for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(pj[g * stride + t]);
+        const __m512 weight = _mm512_set1_ps(pj[g * stride + t] * factor);
         for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
       }
       prefetch.step();
@@ -267,7 +275,8 @@ PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim
           const __mmask16 live = lanes(dim - i);
           __m512 sum = _mm512_maskz_loadu_ps(live, acc + h * dim + i);
           for (int t = 0; t < tiles[j].tokens; ++t) {
-            const __m512 weight = _mm512_set1_ps(ph[t]);
+            const float factor = T == DType::kInt8 ? tiles[j].v_scale[t] : 1.0f;
+            const __m512 weight = _mm512_set1_ps(ph[t] * factor);
             sum = _mm512_fmadd_ps(weight, load<T>(element<T>(v, int64_t{t} * dim + i), live), sum);
           }
           _mm512_mask_storeu_ps(acc + h * dim + i, live, sum);

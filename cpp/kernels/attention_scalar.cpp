@@ -20,6 +20,7 @@ void score(DType cache, const float* q, int group, int dim, int64_t k_stride, co
         float sum = 0.0f;
         for (int i = 0; i < dim; ++i)
           sum += q[h * dim + i] * load_element(cache, tiles[j].k, i * k_stride + t);
+        if (cache == DType::kInt8) sum *= tiles[j].k_scale[t];  // the raw values' dot product
         s[h * stride + offset + t] = sum;
         top[h] = std::max(top[h], sum);
       }
@@ -53,7 +54,8 @@ void accumulate(DType cache, const float* p, int stride, int group, int dim, con
     for (int t = 0; t < tiles[j].tokens; ++t) {
       const int64_t row = static_cast<int64_t>(t) * dim;
       for (int h = 0; h < group; ++h) {
-        const float weight = p[h * stride + offset + t];
+        float weight = p[h * stride + offset + t];
+        if (cache == DType::kInt8) weight *= tiles[j].v_scale[t];  // then the raw values
         for (int i = 0; i < dim; ++i)
           acc[h * dim + i] += weight * load_element(cache, tiles[j].v, row + i);
       }

@@ -118,6 +118,8 @@ PYSERVE_AVX512 void load_queries(DType type, const void* q, int64_t stride, int 
       return load_queries_as<DType::kBFloat16>(q, stride, rows, dim, scale, qt);
     case DType::kFloat16:
       return load_queries_as<DType::kFloat16>(q, stride, rows, dim, scale, qt);
+    case DType::kInt8:  // a cache dtype only: check_args refuses int8 queries
+      return;
   }
 }
 
@@ -153,6 +155,8 @@ PYSERVE_AVX512 void store_output(DType type, const float* ot, const float* l, in
       return store_output_as<DType::kBFloat16>(ot, l, rows, dim, out, stride);
     case DType::kFloat16:
       return store_output_as<DType::kFloat16>(ot, l, rows, dim, out, stride);
+    case DType::kInt8:  // a cache dtype only: check_args refuses int8 queries
+      return;
   }
 }
 

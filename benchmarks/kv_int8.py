@@ -1,0 +1,159 @@
+"""int8 K/V (``--kv-cache-dtype int8``) against float16 and float32 K/V: logit drift and decode
+speed, side by side.
+
+- drift: prefill logits of random prompts with the model served as ``pyserve run`` serves it
+  (``--quantization auto``, the cpu-kernels backend), its K/V stored in float16 and in int8,
+  against the same weights with float32 K/V: top-1 agreement, |Δ logprob| of the float32-K/V
+  top token, KL(float32 K/V ‖ stored). Prefill logits see the stored K/V: each chunk attends
+  to its own K/V as the cache holds them.
+- decode: tokens/s of greedy decode steps at each concurrency, every request at a
+  ``--context``-token position. The contexts' K/V are random values written straight into the
+  cache (the step's time does not depend on them; prefilling 32 × 4k tokens would take minutes
+  here); each step reads all of them. The median step of ``--steps`` (the machine may be
+  shared).
+
+    .venv/bin/python benchmarks/kv_int8.py                      # the default model
+    .venv/bin/python benchmarks/kv_int8.py --model path/to/model --parts drift
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pyserve.worker.batch import ForwardBatch
+from pyserve.worker.model_runner import ModelRunner
+from pyserve.worker.settings import WorkerSettings
+
+BLOCK = 16
+PARTS = ("drift", "decode")
+
+
+def runner(model: str | None, kv: str, tokens: int) -> ModelRunner:
+    return ModelRunner(
+        WorkerSettings(
+            model=model,
+            num_blocks=-(-tokens // BLOCK) + 1,
+            block_size=BLOCK,
+            dtype="auto",
+            quantization="auto",
+            kv_cache_dtype=kv,
+        )
+    )
+
+
+def drift(model: str | None, prompts: int, length: int) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    logits: dict[str, torch.Tensor] = {}
+    batch: list[list[int]] = []
+    for kv in ("float32", "float16", "int8"):
+        r = runner(model, kv, length)
+        if not batch:
+            vocab = r.config.vocab_size
+            batch = [torch.randint(0, vocab, (length,), generator=gen).tolist()
+                     for _ in range(prompts)]  # fmt: skip
+        logits[kv] = torch.cat(
+            [r.forward(ForwardBatch.whole_prompt(p, BLOCK)).float() for p in batch]
+        )
+        name = f"{r.config.architecture} {r.packed_precisions}"
+        del r
+    ref = logits["float32"]
+    ref_lp = ref.log_softmax(-1)
+    top = ref.argmax(-1, keepdim=True)
+    rows = []
+    for kv in ("float16", "int8"):
+        got = logits[kv]
+        new_lp = got.log_softmax(-1)
+        agree = got.argmax(-1) == top[:, 0]
+        drop = (new_lp.gather(1, top) - ref_lp.gather(1, top)).abs()[:, 0]
+        kl = (ref_lp.exp() * (ref_lp - new_lp)).sum(-1)
+        rows.append(
+            f"| {model or 'default (SmolLM2-135M Q4_1)'} | {kv} | {len(ref)} | "
+            f"{agree.float().mean() * 100:.1f}% | {drop.mean():.4f} / {drop.max():.3f} | "
+            f"{kl.mean():.5f} / {kl.max():.4f} |"
+        )
+    print(f"drift: {name}", flush=True)
+    return rows
+
+
+def fill_random(r: ModelRunner) -> None:
+    """Random K/V in every block: values like a model's (unit scale) for a float cache; random
+    int8 values and scales for an int8 cache."""
+    cache = r.kv_cache
+    gen = torch.Generator().manual_seed(1)
+    for t in cache.k + cache.v:
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=gen, dtype=torch.int8))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen))
+    for t in cache.k_scale + cache.v_scale:
+        t.copy_(torch.rand(t.shape, generator=gen) / 64)
+
+
+def decode_rate(model: str | None, kv: str, batch: int, context: int, steps: int) -> float:
+    blocks_each = -(-(context + steps + 2) // BLOCK)
+    r = runner(model, kv, batch * blocks_each * BLOCK)
+    fill_random(r)
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
+    last = torch.zeros(batch, dtype=torch.int64)
+    durations = []
+    for step in range(steps + 1):  # the first: a warm-up
+        pos = context + step
+        fb = ForwardBatch(
+            input_ids=last,
+            positions=torch.full((batch,), pos),
+            start_pos=[pos] * batch,
+            num_tokens=[1] * batch,
+            block_tables=tables,
+            sample_index=torch.arange(batch),
+        )
+        start = time.perf_counter()
+        last = r.forward(fb).argmax(-1)
+        if step:
+            durations.append(time.perf_counter() - start)
+    kv_bytes = r.kv_cache.nbytes
+    del r
+    print(f"decode {kv} c={batch}: pool {kv_bytes / 2**30:.2f} GiB", flush=True)
+    return batch / statistics.median(durations)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model path (default: the bundled SmolLM2)")
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--length", type=int, default=128, help="tokens of each drift prompt")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--steps", type=int, default=16)
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+    if "drift" in parts:
+        print(
+            "| model | K/V | positions | top-1 agreement with float32 K/V | abs Δ logprob of its "
+            "top token, mean / max | KL(float32 K/V ‖ stored), mean / max |\n"
+            "|---|---|---|---|---|---|"
+        )
+        for row in drift(args.model, args.prompts, args.length):
+            print(row, flush=True)
+    if "decode" in parts:
+        print("| concurrency | context | float16 K/V tok/s | int8 K/V tok/s | int8 / float16 |")
+        print("|---|---|---|---|---|")
+        for batch in map(int, args.batches.split(",")):
+            rates = {
+                kv: decode_rate(args.model, kv, batch, args.context, args.steps)
+                for kv in ("float16", "int8")
+            }
+            print(
+                f"| {batch} | {args.context} | {rates['float16']:.1f} | {rates['int8']:.1f} | "
+                f"{rates['int8'] / rates['float16']:.2f} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
