@@ -6,6 +6,9 @@ speed, side by side.
   against the same weights with float32 K/V: top-1 agreement, |Δ logprob| of the float32-K/V
   top token, KL(float32 K/V ‖ stored). Prefill logits see the stored K/V: each chunk attends
   to its own K/V as the cache holds them.
+- grouping: the same drift with K/V rounded on the torch backend as int8 with a scale per head
+  (what the cache stores) and with a scale per 32 values (llama.cpp's q8_0), both simulated
+  (rounded, then held in a float32 cache).
 - decode: tokens/s of greedy decode steps at each concurrency, every request at a
   ``--context``-token position. The contexts' K/V are random values written straight into the
   cache (the step's time does not depend on them; prefilling 32 × 4k tokens would take minutes
@@ -24,15 +27,16 @@ import time
 
 import torch
 
+from pyserve.testing.kv_fill import fill_random
 from pyserve.worker.batch import ForwardBatch
 from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.settings import WorkerSettings
 
 BLOCK = 16
-PARTS = ("drift", "decode")
+PARTS = ("drift", "grouping", "decode")
 
 
-def runner(model: str | None, kv: str, tokens: int) -> ModelRunner:
+def runner(model: str | None, kv: str, tokens: int, backend: str = "auto") -> ModelRunner:
     return ModelRunner(
         WorkerSettings(
             model=model,
@@ -41,7 +45,65 @@ def runner(model: str | None, kv: str, tokens: int) -> ModelRunner:
             dtype="auto",
             quantization="auto",
             kv_cache_dtype=kv,
+            backend=backend,
         )
+    )
+
+
+def fake_int8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., dim] rounded as symmetric int8 with a scale per ``group`` values, dequantized."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, g / scale, 0.0).round().clamp(-127, 127)
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+def grouping(model: str | None, prompts: int, length: int) -> list[str]:
+    """int8 K/V with a scale per head (what the cache stores) against llama.cpp's q8_0 grouping
+    (a scale per 32 values), simulated on the torch backend: a float32 cache written with each
+    token's K/V rounded so, against the plain float32 cache."""
+    from pyserve.worker.kv_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    write = PagedKVCache.write
+    logits: dict[int, torch.Tensor] = {}
+    batch: list[list[int]] = []
+    dim = 0
+    for group in (0, -1, 32):  # 0: float32; -1: one scale per head
+        r = runner(model, "float32", length, backend="torch")
+        dim = r.config.head_dim
+        size = dim if group == -1 else group
+        if group:
+            PagedKVCache.write = lambda self, layer, slots, k, v, size=size: write(
+                self, layer, slots, fake_int8(k, size), fake_int8(v, size)
+            )
+        if not batch:
+            vocab = r.config.vocab_size
+            batch = [torch.randint(0, vocab, (length,), generator=gen).tolist()
+                     for _ in range(prompts)]  # fmt: skip
+        try:
+            logits[group] = torch.cat(
+                [r.forward(ForwardBatch.whole_prompt(p, BLOCK)).float() for p in batch]
+            )
+        finally:
+            PagedKVCache.write = write
+        del r
+    rows = []
+    for group, label in ((-1, f"int8, a scale per head ({dim})"), (32, "int8, a scale per 32")):
+        rows.append(drift_row(model, label, logits[0], logits[group]))
+    return rows
+
+
+def drift_row(model: str | None, label: str, ref: torch.Tensor, got: torch.Tensor) -> str:
+    ref_lp, new_lp = ref.log_softmax(-1), got.log_softmax(-1)
+    top = ref.argmax(-1, keepdim=True)
+    agree = got.argmax(-1) == top[:, 0]
+    drop = (new_lp.gather(1, top) - ref_lp.gather(1, top)).abs()[:, 0]
+    kl = (ref_lp.exp() * (ref_lp - new_lp)).sum(-1)
+    return (
+        f"| {model or 'default (SmolLM2-135M Q4_1)'} | {label} | {len(ref)} | "
+        f"{agree.float().mean() * 100:.1f}% | {drop.mean():.4f} / {drop.max():.3f} | "
+        f"{kl.mean():.5f} / {kl.max():.4f} |"
     )
 
 
@@ -60,43 +122,14 @@ def drift(model: str | None, prompts: int, length: int) -> list[str]:
         )
         name = f"{r.config.architecture} {r.packed_precisions}"
         del r
-    ref = logits["float32"]
-    ref_lp = ref.log_softmax(-1)
-    top = ref.argmax(-1, keepdim=True)
-    rows = []
-    for kv in ("float16", "int8"):
-        got = logits[kv]
-        new_lp = got.log_softmax(-1)
-        agree = got.argmax(-1) == top[:, 0]
-        drop = (new_lp.gather(1, top) - ref_lp.gather(1, top)).abs()[:, 0]
-        kl = (ref_lp.exp() * (ref_lp - new_lp)).sum(-1)
-        rows.append(
-            f"| {model or 'default (SmolLM2-135M Q4_1)'} | {kv} | {len(ref)} | "
-            f"{agree.float().mean() * 100:.1f}% | {drop.mean():.4f} / {drop.max():.3f} | "
-            f"{kl.mean():.5f} / {kl.max():.4f} |"
-        )
     print(f"drift: {name}", flush=True)
-    return rows
-
-
-def fill_random(r: ModelRunner) -> None:
-    """Random K/V in every block: values like a model's (unit scale) for a float cache; random
-    int8 values and scales for an int8 cache."""
-    cache = r.kv_cache
-    gen = torch.Generator().manual_seed(1)
-    for t in cache.k + cache.v:
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-127, 128, t.shape, generator=gen, dtype=torch.int8))
-        else:
-            t.copy_(torch.randn(t.shape, generator=gen))
-    for t in cache.k_scale + cache.v_scale:
-        t.copy_(torch.rand(t.shape, generator=gen) / 64)
+    return [drift_row(model, kv, logits["float32"], logits[kv]) for kv in ("float16", "int8")]
 
 
 def decode_rate(model: str | None, kv: str, batch: int, context: int, steps: int) -> float:
     blocks_each = -(-(context + steps + 2) // BLOCK)
     r = runner(model, kv, batch * blocks_each * BLOCK)
-    fill_random(r)
+    fill_random(r.kv_cache, torch.Generator().manual_seed(1))
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch)]
     last = torch.zeros(batch, dtype=torch.int64)
     durations = []
@@ -138,6 +171,9 @@ def main() -> int:
             "|---|---|---|---|---|---|"
         )
         for row in drift(args.model, args.prompts, args.length):
+            print(row, flush=True)
+    if "grouping" in parts:
+        for row in grouping(args.model, args.prompts, args.length):
             print(row, flush=True)
     if "decode" in parts:
         print("| concurrency | context | float16 K/V tok/s | int8 K/V tok/s | int8 / float16 |")

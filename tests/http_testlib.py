@@ -206,6 +206,22 @@ def request(
         return err.code, dict(err.headers), err.read()
 
 
+def generate(url: str, ids: list[int], return_logprob: bool = False) -> dict:
+    """/generate of REFERENCE_NEW_TOKENS greedy tokens after the prompt ``ids``; 200 asserted."""
+    body = {
+        "input_ids": ids,
+        "return_logprob": return_logprob,
+        "sampling_params": {
+            "max_new_tokens": REFERENCE_NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+    status, _, raw = request(url + "/generate", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
 def metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
     """The unlabelled samples of /metrics."""
     _, _, text = request(base_url + "/metrics", headers=headers)

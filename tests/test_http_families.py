@@ -19,6 +19,7 @@ from http_testlib import (
     REFERENCE_NEW_TOKENS,
     REFERENCE_PROMPTS,
     check_against_reference,
+    generate,
     references,
     request,
     running_server,
@@ -85,20 +86,6 @@ def server(request, tmp_path_factory):
         server.refs = references(directory)
         server.family, server.backend = family, backend
         yield server
-
-
-def generate(url: str, ids: list[int]) -> dict:
-    body = {
-        "input_ids": ids,
-        "sampling_params": {
-            "max_new_tokens": REFERENCE_NEW_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    }
-    status, _, raw = request(url + "/generate", body)
-    assert status == 200, raw
-    return json.loads(raw)
 
 
 def test_the_server_names_the_family_and_its_backend(server):

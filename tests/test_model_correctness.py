@@ -30,6 +30,7 @@ from worker_testlib import (  # noqa: F401 (one_torch_thread: an autouse fixture
     paged_batch,
 )
 
+from pyserve.testing.kv_fill import fill_random
 from pyserve.worker.backends import attention_backend
 
 # ---------------------------------------------------------------------------- fixtures
@@ -126,12 +127,22 @@ def dense_attention(q, keys, values, start: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["cpu-kernels", "torch"])
 @pytest.mark.parametrize(
-    "dtype, max_chunk_tokens, tol",
-    [(torch.float32, None, 1e-5), (torch.float32, 8, 1e-5), (torch.bfloat16, 12, 3e-2)],
-    ids=["fp32-one-chunk", "fp32-split-chunks", "bf16-split-chunks"],
-)
-def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, kind):
-    """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes."""
+    "dtype, kv, max_chunk_tokens, tol",
+    [
+        (torch.float32, None, None, 1e-5),
+        (torch.float32, None, 8, 1e-5),
+        (torch.bfloat16, None, 12, 3e-2),
+        (torch.float32, torch.int8, None, 1e-5),
+        (torch.float32, torch.int8, 8, 1e-5),
+        (torch.bfloat16, torch.int8, 12, 3e-2),
+    ],
+    ids=["fp32-one-chunk", "fp32-split-chunks", "bf16-split-chunks", "int8-kv-one-chunk",
+         "int8-kv-split-chunks", "bf16-int8-kv-split-chunks"],
+)  # fmt: skip
+def test_attention_backend_matches_dense(dtype, kv, max_chunk_tokens, tol, kind):
+    """Mixed batch: fresh prefills, prefills after a prefix, 1-token chunks, long decodes; each
+    entry's new K/V as the cache stores them (an int8 cache: dequantized, the values and scales
+    a later read sees)."""
     from pyserve.worker.backends.base import AttentionLayer
 
     gen = torch.Generator().manual_seed(0)
@@ -139,12 +150,11 @@ def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, kind):
     # the torch path's chunks; the kernel splits its own
     backend = attention_backend(
         kind, heads=heads, kv_heads=kv_heads, dim=dim, num_layers=2, num_blocks=200,
-        block_size=block, dtype=dtype, max_chunk_tokens=max_chunk_tokens,
+        block_size=block, dtype=dtype, kv_dtype=kv, max_chunk_tokens=max_chunk_tokens,
     )  # fmt: skip
     assert backend.name == kind
     cache = backend.kv_cache
-    for t in cache.k + cache.v:
-        t.copy_(torch.randn(t.shape, generator=gen))
+    fill_random(cache, gen)
     # (start_pos, num_tokens) per entry
     shapes = [(37, 1), (0, 9), (12, 7), (5, 1), (0, 1), (61, 1), (23, 3), (2, 1)]
     tables, batch = paged_batch(shapes, block, 200, gen)
@@ -161,14 +171,21 @@ def test_attention_backend_matches_dense(dtype, max_chunk_tokens, tol, kind):
     out = backend.attend_qkv(layer, q, k, v, backend.prepare(batch))
     assert out.shape == q.shape and out.dtype == dtype
     row = 0
-    for (s, n), (pk, pv) in zip(shapes, prefixes, strict=True):
-        keys = torch.cat([pk.transpose(0, 1), k[row : row + n]])
-        values = torch.cat([pv.transpose(0, 1), v[row : row + n]])
+    for (s, n), (pk, pv), table in zip(shapes, prefixes, tables, strict=True):
+        new_k, new_v = k[row : row + n], v[row : row + n]
+        if kv is not None:  # the new tokens as stored
+            keys, values = cache.gather(1, torch.tensor(table))
+            new_k = keys.flatten(1, 2)[:, s : s + n].transpose(0, 1)
+            new_v = values.flatten(1, 2)[:, s : s + n].transpose(0, 1)
+            assert (new_k - k[row : row + n].float()).abs().max() <= k.float().abs().max() / 127
+        keys = torch.cat([pk.transpose(0, 1), new_k.to(pk.dtype)])
+        values = torch.cat([pv.transpose(0, 1), new_v.to(pv.dtype)])
         expected = dense_attention(q[row : row + n], keys, values, s)
         err = (out[row : row + n].float() - expected).abs().max().item()
         assert err < tol, f"entry start={s} n={n}: error {err:.2e}"
         row += n
-    assert (cache.k[0] != 0).all(), "layer 0 must be untouched"  # random init has no zeros
+    if kv is None:
+        assert (cache.k[0] != 0).all(), "layer 0 must be untouched"  # random init has no zeros
 
 
 def test_decode_split_across_chunks_matches_hf(llama):

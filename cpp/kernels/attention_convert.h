@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "arg_checks.h"
 #include "attention.h"
 #include "half.h"
 
@@ -82,6 +83,15 @@ inline void store_element(DType type, void* base, int64_t i, float value) {
 
 inline int element_bytes(DType type) {
   return type == DType::kFloat32 ? 4 : type == DType::kInt8 ? 1 : 2;
+}
+
+// The checks of a cache's dtype code, and that its scales come with it exactly when it is int8.
+inline void check_cache_dtype(DType cache, const float* k_scale, const float* v_scale) {
+  check(cache == DType::kFloat32 || cache == DType::kBFloat16 || cache == DType::kFloat16 ||
+            cache == DType::kInt8,
+        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
+  check((cache == DType::kInt8) == (k_scale != nullptr && v_scale != nullptr),
+        "an int8 cache comes with its K and V scales, and only an int8 cache");
 }
 
 // One head's values x[0..dim) as symmetric int8 at out[i·stride], their scale max|x| / 127

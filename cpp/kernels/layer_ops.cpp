@@ -230,11 +230,7 @@ void rope_write_kv(const RopeKvArgs& a) {
         "rows, heads and the cache geometry must be positive");
   check(a.head_dim >= 2 && a.head_dim % 2 == 0 && a.head_dim <= kMaxRopeHeadDim,
         "head_dim must be even, at most 1024");
-  check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
-            a.cache_dtype == DType::kFloat16 || a.cache_dtype == DType::kInt8,
-        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
-  check((a.cache_dtype == DType::kInt8) == (a.k_scale != nullptr && a.v_scale != nullptr),
-        "an int8 cache comes with its K and V scales, and only an int8 cache");
+  check_cache_dtype(a.cache_dtype, a.k_scale, a.v_scale);
   check(a.qkv_stride >= static_cast<int64_t>(a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
         "the qkv row stride is shorter than a row");
   check(a.rotary_dim == 0 ||

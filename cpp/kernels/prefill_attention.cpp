@@ -131,11 +131,7 @@ void check_args(const PrefillAttentionArgs& a) {
   check(
       a.q_dtype == DType::kFloat32 || a.q_dtype == DType::kBFloat16 || a.q_dtype == DType::kFloat16,
       "q dtype codes: 0 float32, 1 bfloat16, 2 float16");
-  check(a.cache_dtype == DType::kFloat32 || a.cache_dtype == DType::kBFloat16 ||
-            a.cache_dtype == DType::kFloat16 || a.cache_dtype == DType::kInt8,
-        "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
-  check((a.cache_dtype == DType::kInt8) == (a.k_scale != nullptr && a.v_scale != nullptr),
-        "an int8 cache comes with its K and V scales, and only an int8 cache");
+  check_cache_dtype(a.cache_dtype, a.k_scale, a.v_scale);
   check(a.num_rows >= 0 && a.num_spans >= 0, "num_rows and num_spans must be >= 0");
   check(a.num_heads >= 1 && a.num_kv_heads >= 1 && a.num_heads % a.num_kv_heads == 0,
         "num_heads must be a positive multiple of num_kv_heads");
