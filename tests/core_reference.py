@@ -105,16 +105,25 @@ class BlockAllocator:
 
 
 class _Node:
-    __slots__ = ("blocks", "children", "id", "key", "last_access", "lock_ref", "parent")
+    __slots__ = ("blocks", "children", "id", "key", "keys", "last_access", "lock_ref", "parent")
 
     def __init__(self, node_id: int, parent: _Node | None, key: tuple, blocks: list[int]):
         self.id = node_id
         self.parent = parent
         self.key = key  # tokens on the edge into this node, a whole number of blocks
-        self.blocks = blocks  # one block id per block_size tokens of key
+        self.blocks = blocks  # one block id per block_size tokens of key (RAM nodes)
+        self.keys: list[tuple] | None = None  # a disk node's block keys: the prefix up to each
         self.children: dict[tuple, _Node] = {}  # keyed by the first block of the child's key
         self.lock_ref = 0
         self.last_access = 0
+
+    @property
+    def on_disk(self) -> bool:
+        return self.keys is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys) if self.keys is not None else len(self.blocks)
 
 
 class RadixCache:
@@ -126,6 +135,10 @@ class RadixCache:
     Edges are compared block by block, as SGLang's paged Python radix cache does.
     ``whole_edge_compare`` adds a CPython shortcut (one tuple comparison per fully matching
     edge); the benchmark reports that tuned variant separately.
+
+    Disk tier (``set_disk_budget``): eviction turns an unlocked RAM node without RAM children
+    into a disk node, whose block keys here are the token prefixes themselves (the core's are
+    64-bit hashes of them: tests check the two name the same prefixes alike).
     """
 
     whole_edge_compare = False
@@ -142,44 +155,97 @@ class RadixCache:
         self._nodes: dict[int, _Node] = {0: self._root}
         self.cached_blocks = 0
         self.evictable_blocks = 0  # blocks of nodes with lock_ref == 0
-        self._stats = dict(hit_tokens=0, query_tokens=0, evicted_blocks=0, inserted_blocks=0)
+        self.disk_budget = 0
+        self.disk_blocks = 0
+        self._saves: list[tuple[int, tuple]] = []
+        self._drops: list[tuple] = []
+        self._stats = dict(
+            hit_tokens=0,
+            query_tokens=0,
+            evicted_blocks=0,
+            inserted_blocks=0,
+            saved_blocks=0,
+            loaded_blocks=0,
+            disk_evicted_blocks=0,
+        )
 
     # -- lookups ------------------------------------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int] | bytes) -> tuple[int, list[int], int]:
         key = tuple(_ints(tokens, "i"))
         self._clock += 1
-        node, matched, blocks = self._walk(key)
+        node, matched, blocks, _ = self._walk(key)
         self._stats["query_tokens"] += len(key)
         self._stats["hit_tokens"] += matched
         return matched, blocks, node.id
 
-    def _walk(self, key: tuple) -> tuple[_Node, int, list[int]]:
-        """Follows key down the tree (splitting a partly matched edge); touches the path."""
+    def peek_prefix(self, tokens: Sequence[int] | bytes) -> tuple[int, int, int]:
+        """(RAM blocks matched, of which unlocked, disk blocks right after); changes nothing."""
+        key = tuple(_ints(tokens, "i"))
+        key = key[: len(key) - len(key) % self.block_size]
+        node, pos, unlocked = self._root, 0, 0
+        while (child := self._child(node, key, pos)) is not None and not child.on_disk:
+            n = self._edge_match(child, key, pos)
+            unlocked += n if child.lock_ref == 0 else 0
+            pos += n * self.block_size
+            if n < child.num_blocks:
+                return pos // self.block_size, unlocked, 0
+            node = child
+        ram = pos
+        while (child := self._child(node, key, pos)) is not None and child.on_disk:
+            n = self._edge_match(child, key, pos)
+            pos += n * self.block_size
+            if n < child.num_blocks:
+                break
+            node = child
+        return ram // self.block_size, unlocked, (pos - ram) // self.block_size
+
+    def _child(self, node: _Node, key: tuple, pos: int) -> _Node | None:
+        return node.children.get(key[pos : pos + self.block_size]) if pos < len(key) else None
+
+    def _edge_match(self, child: _Node, key: tuple, pos: int) -> int:
+        """Leading blocks of child's edge equal to key[pos:] (the first is known to match)."""
+        bs, n = self.block_size, 1
+        while n < child.num_blocks and pos + (n + 1) * bs <= len(key):
+            if child.key[n * bs : (n + 1) * bs] != key[pos + n * bs : pos + (n + 1) * bs]:
+                break
+            n += 1
+        return n
+
+    def _walk(self, key: tuple, through_disk: bool = False) -> tuple[_Node, int, list[int], int]:
+        """Follows key down the tree (splitting a partly matched edge); touches the path.
+
+        Returns the last node, tokens matched, the RAM blocks, and the tokens matched in RAM
+        (the walk stops before the first disk node unless through_disk).
+        """
         bs = self.block_size
         usable = len(key) - len(key) % bs
-        node, pos, blocks = self._root, 0, []
+        node, pos, blocks, ram_pos = self._root, 0, [], None
         while pos < usable:
             child = node.children.get(key[pos : pos + bs])
             if child is None:
                 break
+            if child.on_disk:
+                if not through_disk:
+                    break
+                ram_pos = pos if ram_pos is None else ram_pos
             n = 1  # the first block matched through the dict key
             edge = len(child.key)
             whole = self.whole_edge_compare and pos + edge <= usable
             if whole and child.key == key[pos : pos + edge]:
-                n = len(child.blocks)
-            while n < len(child.blocks) and pos + (n + 1) * bs <= usable:
+                n = child.num_blocks
+            while n < child.num_blocks and pos + (n + 1) * bs <= usable:
                 start = pos + n * bs
                 if child.key[n * bs : (n + 1) * bs] != key[start : start + bs]:
                     break
                 n += 1
-            if n < len(child.blocks):
+            if n < child.num_blocks:
                 child = self._split(child, n)
             child.last_access = self._clock
             blocks.extend(child.blocks)
             pos += len(child.key)
             node = child
-        return node, pos, blocks
+        return node, pos, blocks, pos if ram_pos is None else ram_pos
 
     def _split(self, child: _Node, n: int) -> _Node:
         """Cuts child's edge after n blocks; returns the new upper node."""
@@ -191,15 +257,30 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         parent.children[upper.key[:bs]] = upper
+        if child.on_disk:
+            upper.keys, child.keys = child.keys[:n], child.keys[n:]
         child.key = child.key[n * bs :]
         child.blocks = child.blocks[n:]
         child.parent = upper
         upper.children[child.key[:bs]] = child
         return upper
 
+    def _prefix(self, node: _Node) -> tuple:
+        parts = []
+        while node is not self._root:
+            parts.append(node.key)
+            node = node.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
     # -- updates ------------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int] | bytes, block_ids: Sequence[int] | bytes) -> int:
+        return self.insert_with_loads(tokens, block_ids)[0]
+
+    def insert_with_loads(
+        self, tokens: Sequence[int] | bytes, block_ids: Sequence[int] | bytes
+    ) -> tuple[int, list[tuple[int, tuple]]]:
+        """insert; disk nodes on the path come back to RAM in the given blocks (the loads)."""
         bs = self.block_size
         key = _ints(tokens, "i")
         key = tuple(key[: len(key) - len(key) % bs])
@@ -208,7 +289,23 @@ class RadixCache:
             raise ValueError(f"{len(blocks)} block ids for {len(key) // bs} blocks of tokens")
         blocks = blocks[: len(key) // bs]
         self._clock += 1
-        node, matched, _ = self._walk(key)
+        node, matched, _, cached = self._walk(key, through_disk=True)
+        loads: list[tuple[int, tuple]] = []
+        path = []
+        x = node
+        while x.on_disk:
+            path.append(x)
+            x = x.parent
+        for d in reversed(path):
+            first = (len(self._prefix(d)) - len(d.key)) // bs
+            ids = blocks[first : first + len(d.keys)]
+            loads.extend(zip(ids, d.keys, strict=True))
+            self.allocator.incref(ids)
+            d.blocks, d.keys = ids, None
+            self.cached_blocks += len(ids)
+            self.evictable_blocks += len(ids)
+            self.disk_blocks -= len(ids)
+            self._stats["loaded_blocks"] += len(ids)
         if matched < len(key):
             new_blocks = blocks[matched // bs :]
             leaf = _Node(self._next_id, node, key[matched:], new_blocks)
@@ -220,10 +317,53 @@ class RadixCache:
             self.cached_blocks += len(new_blocks)
             self.evictable_blocks += len(new_blocks)
             self._stats["inserted_blocks"] += len(new_blocks)
-        return matched
+        return cached, loads
+
+    def set_disk_budget(self, max_blocks: int) -> None:
+        if max_blocks < 0:
+            raise ValueError(f"disk budget must be >= 0, got {max_blocks}")
+        self.disk_budget = max_blocks
+        self._trim_disk(max_blocks)
+
+    def insert_disk(self, tokens: Sequence[int] | bytes) -> int:
+        """Adds the whole blocks of tokens not in the tree as disk nodes, within the budget."""
+        bs = self.block_size
+        key = _ints(tokens, "i")
+        key = tuple(key[: len(key) - len(key) % bs])
+        node, matched = self._root, 0
+        while (child := self._child(node, key, matched)) is not None:
+            n = self._edge_match(child, key, matched)
+            matched += n * bs
+            if n < child.num_blocks:
+                break
+            node = child
+        count = min((len(key) - matched) // bs, self.disk_budget - self.disk_blocks)
+        if count <= 0:
+            return 0
+        self._clock += 1
+        node, matched, _, _ = self._walk(key, through_disk=True)
+        new_key = key[matched : matched + count * bs]
+        leaf = _Node(self._next_id, node, new_key, [])
+        self._next_id += 1
+        self._nodes[leaf.id] = leaf
+        leaf.last_access = self._clock
+        leaf.keys = [key[: matched + (i + 1) * bs] for i in range(count)]
+        node.children[new_key[:bs]] = leaf
+        self.disk_blocks += count
+        return count
+
+    def take_saves(self) -> list[tuple[int, tuple]]:
+        out, self._saves = self._saves, []
+        return out
+
+    def take_drops(self) -> list[tuple]:
+        out, self._drops = self._drops, []
+        return out
 
     def lock(self, handle: int) -> None:
         node = self._node(handle)
+        if node.on_disk:
+            raise ValueError(f"cannot lock disk node {handle}")
         while node is not self._root:
             if node.lock_ref == 0:
                 self.evictable_blocks -= len(node.blocks)
@@ -248,19 +388,60 @@ class RadixCache:
             raise ValueError(f"cannot evict {num_blocks} blocks")
         released = 0
         while released < num_blocks:
-            leaves = [n for n in self._nodes.values() if not n.children and n.lock_ref == 0]
+            frontier = [
+                n
+                for n in self._nodes.values()
+                if n.lock_ref == 0
+                and not n.on_disk
+                and not any(not c.on_disk for c in n.children.values())
+            ]
+            if not frontier:
+                break
+            victim = min(frontier, key=lambda n: (n.last_access, n.id))
+            if self.disk_budget == 0:
+                released += self._remove(victim)
+            else:
+                released += self._to_disk(victim)
+                self._trim_disk(self.disk_budget)
+        return released
+
+    def _to_disk(self, node: _Node) -> int:
+        before = self.allocator.num_free
+        prefix = self._prefix(node.parent)
+        bs = self.block_size
+        keys = [prefix + node.key[: (i + 1) * bs] for i in range(len(node.blocks))]
+        self._saves.extend(zip(node.blocks, keys, strict=True))
+        self.allocator.decref(node.blocks)
+        n = len(node.blocks)
+        self.cached_blocks -= n
+        self.evictable_blocks -= n
+        self.disk_blocks += n
+        self._stats["evicted_blocks"] += n
+        self._stats["saved_blocks"] += n
+        node.blocks, node.keys = [], keys
+        return self.allocator.num_free - before
+
+    def _trim_disk(self, max_blocks: int) -> None:
+        while self.disk_blocks > max_blocks:
+            leaves = [n for n in self._nodes.values() if n.on_disk and not n.children]
             if not leaves:
                 break
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
-            released += self._remove(victim)
-        return released
+            pending = {k for _, k in self._saves}
+            for k in victim.keys:
+                if k in pending:
+                    self._saves = [(b, s) for b, s in self._saves if s != k]
+                else:
+                    self._drops.append(k)
+            self._remove(victim)
 
     def reset(self) -> int:
-        """Drops every unlocked node; returns the blocks released to the allocator."""
+        """Drops every unlocked node and every disk node; returns the blocks released."""
         before = self.allocator.num_free
         for node in list(self._nodes.values()):
             if node.id in self._nodes and node.lock_ref == 0:
                 self._drop_subtree(node)
+        self._saves, self._drops = [], []
         return self.allocator.num_free - before
 
     def _drop_subtree(self, node: _Node) -> None:
@@ -273,6 +454,10 @@ class RadixCache:
         before = self.allocator.num_free
         del node.parent.children[node.key[: self.block_size]]
         del self._nodes[node.id]
+        if node.on_disk:
+            self.disk_blocks -= len(node.keys)
+            self._stats["disk_evicted_blocks"] += len(node.keys)
+            return 0
         self.allocator.decref(node.blocks)
         self.cached_blocks -= len(node.blocks)
         self.evictable_blocks -= len(node.blocks)
@@ -289,7 +474,11 @@ class RadixCache:
 
     def stats(self) -> dict[str, int]:
         return dict(
-            cached_blocks=self.cached_blocks, evictable_blocks=self.evictable_blocks, **self._stats
+            cached_blocks=self.cached_blocks,
+            evictable_blocks=self.evictable_blocks,
+            disk_blocks=self.disk_blocks,
+            disk_budget=self.disk_budget,
+            **self._stats,
         )
 
     def cached_block_ids(self) -> set[int]:

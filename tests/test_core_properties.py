@@ -111,9 +111,15 @@ class CacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(4, 40),
         prefixes=st.lists(st.lists(st.integers(0, 5), max_size=24), min_size=1, max_size=3),
         whole_edge_compare=st.booleans(),
+        disk_budget=st.sampled_from([0, 3, 12]),
     )
     def setup(
-        self, block_size: int, num_blocks: int, prefixes: list[list[int]], whole_edge_compare: bool
+        self,
+        block_size: int,
+        num_blocks: int,
+        prefixes: list[list[int]],
+        whole_edge_compare: bool,
+        disk_budget: int,
     ) -> None:
         self.bs = block_size
         self.prefixes = prefixes
@@ -122,8 +128,26 @@ class CacheMachine(RuleBasedStateMachine):
         self.ref_alloc = reference.BlockAllocator(num_blocks)
         self.ref_cache = reference.RadixCache(block_size, self.ref_alloc)
         self.ref_cache.whole_edge_compare = whole_edge_compare  # both ways of matching agree
+        self.core_cache.set_disk_budget(disk_budget)
+        self.ref_cache.set_disk_budget(disk_budget)
         self.locks: list[tuple[int, int, list[int]]] = []  # (core handle, ref handle, blocks)
         self.seen: list[list[int]] = [list(p) for p in prefixes]
+        # The core names a disk block by a 64-bit hash, the reference by its token prefix: the
+        # names must correspond one to one.
+        self.core_to_ref: dict[int, tuple] = {}
+        self.ref_to_core: dict[tuple, int] = {}
+
+    def _same_key(self, core_key: int, ref_key: tuple) -> None:
+        if self.core_to_ref.setdefault(core_key, ref_key) != ref_key:
+            self._fail(f"core key {core_key} names {self.core_to_ref[core_key]} and {ref_key}")
+        if self.ref_to_core.setdefault(ref_key, core_key) != core_key:
+            self._fail(f"prefix {ref_key} has core keys {self.ref_to_core[ref_key]}, {core_key}")
+
+    def _same_ops(self, what: str, core_ops: list, ref_ops: list) -> None:
+        if [b for b, _ in core_ops] != [b for b, _ in ref_ops]:
+            self._fail(f"{what}: core blocks {core_ops}, reference {ref_ops}")
+        for (_, core_key), (_, ref_key) in zip(core_ops, ref_ops, strict=True):
+            self._same_key(core_key, ref_key)
 
     def _sequence(self, data: st.DataObject) -> list[int]:
         prefix = data.draw(st.sampled_from(self.prefixes))
@@ -143,11 +167,17 @@ class CacheMachine(RuleBasedStateMachine):
         ids = _i32(self.core_alloc.allocate(n))
         self.ref_alloc.take(ids)  # the reference must agree that these blocks were free
         as_bytes = data.draw(st.booleans())
-        core_hit = self.core_cache.insert(
+        core_args = (
             array("i", tokens).tobytes() if as_bytes else tokens,
             array("i", ids).tobytes() if as_bytes else ids,
         )
-        ref_hit = self.ref_cache.insert(tokens, ids)
+        if data.draw(st.booleans()):
+            core_hit, core_loads = self.core_cache.insert_with_loads(*core_args)
+            ref_hit, ref_loads = self.ref_cache.insert_with_loads(tokens, ids)
+            self._same_ops(f"insert({tokens}) loads", core_loads, ref_loads)
+        else:
+            core_hit = self.core_cache.insert(*core_args)
+            ref_hit = self.ref_cache.insert(tokens, ids)
         if core_hit != ref_hit:
             self._fail(f"insert({tokens}): core says {core_hit} cached, reference {ref_hit}")
         # The caller drops its own references: duplicates become free, adopted ones stay.
@@ -207,12 +237,55 @@ class CacheMachine(RuleBasedStateMachine):
             )
         self.core_alloc.decref(ids)
 
-    @rule(n=st.integers(0, 12))
-    def evict(self, n: int) -> None:
+    @rule(n=st.integers(0, 12), take=st.booleans())
+    def evict(self, n: int, take: bool) -> None:
         core_released = self.core_cache.evict(n)
         ref_released = self.ref_cache.evict(n)
         if core_released != ref_released:
             self._fail(f"evict({n}) released {core_released} blocks, reference {ref_released}")
+        if take:  # as the planner does before the blocks are reused
+            self.take_ops()
+
+    @rule(budget=st.integers(0, 16))
+    def set_disk_budget(self, budget: int) -> None:
+        self.core_cache.set_disk_budget(budget)
+        self.ref_cache.set_disk_budget(budget)
+
+    @rule(data=st.data())
+    def insert_disk(self, data: st.DataObject) -> None:
+        """What a restart finds on disk joins the tree as disk nodes."""
+        tokens = self._sequence(data)
+        core_added = self.core_cache.insert_disk(tokens)
+        ref_added = self.ref_cache.insert_disk(tokens)
+        if core_added != ref_added:
+            self._fail(f"insert_disk({tokens}) added {core_added} blocks, reference {ref_added}")
+        self.seen.append(tokens)
+
+    @rule(data=st.data())
+    def peek(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(self.seen))
+        core_peek = self.core_cache.peek_prefix(tokens)
+        ref_peek = self.ref_cache.peek_prefix(tokens)
+        if core_peek != ref_peek:
+            self._fail(f"peek_prefix({tokens}) = {core_peek}, reference {ref_peek}")
+
+    @rule()
+    def take_ops(self) -> None:
+        self._same_ops("take_saves", self.core_cache.take_saves(), self.ref_cache.take_saves())
+        core_drops, ref_drops = self.core_cache.take_drops(), self.ref_cache.take_drops()
+        if len(core_drops) != len(ref_drops):
+            self._fail(f"take_drops: core {core_drops}, reference {ref_drops}")
+        for core_key, ref_key in zip(core_drops, ref_drops, strict=True):
+            self._same_key(core_key, ref_key)
+
+    @rule(data=st.data())
+    def block_keys(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(self.seen))
+        keys = self.core_cache.block_keys(tokens)
+        if len(keys) != len(tokens) // self.bs:
+            self._fail(f"block_keys({tokens}) gave {len(keys)} keys")
+        for i, key in enumerate(keys):
+            self._same_key(key, tuple(tokens[: (i + 1) * self.bs]))
 
     @rule()
     def reset(self) -> None:
@@ -238,6 +311,7 @@ class CacheMachine(RuleBasedStateMachine):
     def agrees_with_reference(self) -> None:
         if not hasattr(self, "core_cache"):
             return
+        self.core_cache.check_invariants()
         core_stats, ref_stats = self.core_cache.stats(), self.ref_cache.stats()
         for key, value in ref_stats.items():
             if core_stats.get(key) != value:

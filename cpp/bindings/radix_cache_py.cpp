@@ -65,6 +65,18 @@ PyObject* insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
   });
 }
 
+py::list key_list(const std::vector<uint64_t>& keys) {
+  py::list out;
+  for (uint64_t key : keys) out.append(py::int_(key));
+  return out;
+}
+
+py::list disk_ops(const std::vector<pyserve::DiskOp>& ops) {
+  py::list out;
+  for (const auto& op : ops) out.append(py::make_tuple(op.block, op.key));
+  return out;
+}
+
 // "name($self, ...)\n--\n\n" gives the methods an inspect.signature, as pybind11's have.
 PyMethodDef match_prefix_def = {
     "match_prefix", fastcall_function(&match_prefix), METH_FASTCALL | METH_KEYWORDS,
@@ -86,6 +98,11 @@ py::dict cache_stats_dict(const pyserve::CacheStats& s) {
   d["query_tokens"] = s.query_tokens;
   d["evicted_blocks"] = s.evicted_blocks;
   d["inserted_blocks"] = s.inserted_blocks;
+  d["disk_blocks"] = s.disk_blocks;
+  d["disk_budget"] = s.disk_budget;
+  d["saved_blocks"] = s.saved_blocks;
+  d["loaded_blocks"] = s.loaded_blocks;
+  d["disk_evicted_blocks"] = s.disk_evicted_blocks;
   return d;
 }
 
@@ -135,6 +152,60 @@ void bind_radix_cache(py::module_& m) {
               py::arg("num_blocks"), "evicts unlocked LRU leaves; returns blocks released")
           .def("reset",
                [](PyCache& c) { return c.released([](RadixCache& x) { return x.reset(); }); })
+          .def(
+              "set_disk_budget",
+              [](PyCache& c, int64_t max_blocks) {
+                c.held([max_blocks](RadixCache& x) { x.set_disk_budget(max_blocks); });
+              },
+              py::arg("max_blocks"),
+              "the disk tier's size in blocks (0: off); evicted RAM nodes become disk nodes")
+          .def_property_readonly(
+              "disk_blocks",
+              [](PyCache& c) { return c.held([](auto& x) { return x.disk_blocks(); }); })
+          .def(
+              "peek_prefix",
+              [](PyCache& c, const py::object& tokens) {
+                Int32Arg t(tokens.ptr(), "tokens");
+                auto r = c.held([&](RadixCache& x) { return x.peek_prefix(t.data(), t.size()); });
+                return py::make_tuple(r.num_blocks, r.unlocked_blocks, r.disk_blocks);
+              },
+              py::arg("tokens"),
+              "(RAM blocks matched, of which unlocked, disk blocks after them); changes nothing")
+          .def(
+              "insert_with_loads",
+              [](PyCache& c, const py::object& tokens, const py::object& block_ids) {
+                Int32Arg t(tokens.ptr(), "tokens");
+                Int32Arg b(block_ids.ptr(), "block_ids");
+                auto r = c.held([&](RadixCache& x) {
+                  return x.insert(t.data(), t.size(), b.data(), b.size());
+                });
+                return py::make_tuple(r.cached_tokens, disk_ops(r.loads));
+              },
+              py::arg("tokens"), py::arg("block_ids"),
+              "insert; also returns [(block, key)]: disk blocks brought back into these blocks")
+          .def(
+              "insert_disk",
+              [](PyCache& c, const py::object& tokens) {
+                Int32Arg t(tokens.ptr(), "tokens");
+                return c.held([&](RadixCache& x) { return x.insert_disk(t.data(), t.size()); });
+              },
+              py::arg("tokens"), "adds the blocks not in the tree as disk nodes; returns how many")
+          .def(
+              "take_saves",
+              [](PyCache& c) { return disk_ops(c.held([](auto& x) { return x.take_saves(); })); },
+              "[(block, key)] queued by eviction to disk since the last call")
+          .def(
+              "take_drops",
+              [](PyCache& c) { return key_list(c.held([](auto& x) { return x.take_drops(); })); },
+              "disk keys dropped since the last call")
+          .def(
+              "block_keys",
+              [](PyCache& c, const py::object& tokens) {
+                Int32Arg t(tokens.ptr(), "tokens");
+                return key_list(
+                    c.held([&](RadixCache& x) { return x.block_keys(t.data(), t.size()); }));
+              },
+              py::arg("tokens"), "the disk key of every whole block of tokens")
           .def("stats",
                [](PyCache& c) {
                  return cache_stats_dict(c.held([](auto& x) { return x.stats(); }));

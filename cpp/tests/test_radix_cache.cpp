@@ -2,6 +2,8 @@
 // are two whole blocks and one token that is never cached.
 #include "radix_cache.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "check.h"
@@ -321,6 +323,118 @@ TEST(bad_block_size_is_a_value_error) {
   BlockAllocator a(4);
   CHECK_THROWS(RadixCache(0, a), ValueError);
   CHECK_THROWS(RadixCache(-2, a), ValueError);
+}
+
+// The disk tier: blocks evicted from RAM stay in the tree under 64-bit keys.
+
+std::vector<uint64_t> keys_of(const std::vector<pyserve::DiskOp>& ops) {
+  std::vector<uint64_t> keys;
+  for (const auto& op : ops) keys.push_back(op.key);
+  return keys;
+}
+
+TEST(eviction_with_a_disk_budget_turns_ram_nodes_into_disk_nodes_and_queues_saves) {
+  Fixture f;
+  f.cache.set_disk_budget(8);
+  const Tokens tokens{1, 2, 3, 4, 5, 6};
+  const Ids ids = f.allocator.allocate(3);
+  f.cache.insert(tokens.data(), tokens.size(), ids.data(), ids.size());
+  f.allocator.decref(ids.data(), ids.size());
+  CHECK_EQ(f.cache.evict(16), 3);
+  f.check();
+  CHECK_EQ(f.allocator.num_free(), 16);
+  CHECK_EQ(f.cache.cached_blocks(), 0);
+  CHECK_EQ(f.cache.disk_blocks(), 3);
+  const auto saves = f.cache.take_saves();
+  CHECK_EQ(saves.size(), size_t{3});
+  CHECK_EQ(saves[0].block, ids[0]);
+  CHECK_EQ(saves[2].block, ids[2]);
+  CHECK_EQ(keys_of(saves), f.cache.block_keys(tokens.data(), tokens.size()));
+  CHECK(f.cache.take_saves().empty());  // taken once
+
+  // A match returns RAM blocks only and says how much continues on disk.
+  const auto m = f.match({1, 2, 3, 4, 5, 6, 7});
+  CHECK_EQ(m.num_tokens, 0);
+  CHECK_EQ(m.disk_blocks, 3);
+  CHECK_EQ(f.cache.peek_prefix(tokens.data(), 4).disk_blocks, 2);
+
+  // Inserting through the disk nodes brings them back into the caller's blocks, as loads.
+  const Ids fresh = f.allocator.allocate(2);
+  const auto r = f.cache.insert(tokens.data(), 4, fresh.data(), fresh.size());
+  f.allocator.decref(fresh.data(), fresh.size());
+  f.check();
+  CHECK_EQ(r.cached_tokens, 0);
+  CHECK_EQ(r.loads.size(), size_t{2});
+  CHECK_EQ(r.loads[0].block, fresh[0]);
+  CHECK_EQ(r.loads[1].block, fresh[1]);
+  CHECK_EQ(r.loads[1].key, saves[1].key);
+  CHECK_EQ(f.cache.disk_blocks(), 1);  // the edge was split: {5,6} stays on disk
+  CHECK_EQ(f.cache.cached_blocks(), 2);
+  const auto again = f.match(tokens);
+  CHECK_EQ(again.num_tokens, 4);
+  CHECK_EQ(again.disk_blocks, 1);
+  CHECK_EQ(f.cache.stats().loaded_blocks, 2);
+  CHECK_EQ(f.cache.stats().saved_blocks, 3);
+}
+
+TEST(the_disk_budget_drops_lru_disk_leaves_and_a_save_never_taken_is_no_drop) {
+  Fixture f;
+  f.cache.set_disk_budget(2);
+  f.insert_fresh({1, 2, 3, 4});
+  f.insert_fresh({5, 6});
+  f.match({5, 6});                // {1,2,3,4} is older
+  CHECK_EQ(f.cache.evict(2), 2);  // {1,2,3,4} to disk
+  const auto saved = f.cache.take_saves();
+  CHECK_EQ(saved.size(), size_t{2});
+  CHECK_EQ(f.cache.evict(1), 1);  // {5,6} to disk: {1,2,3,4} (the LRU disk leaf) is dropped
+  f.check();
+  CHECK_EQ(f.cache.disk_blocks(), 1);
+  CHECK_EQ(f.cache.take_drops(), keys_of(saved));
+  CHECK_EQ(f.cache.take_saves().size(), size_t{1});
+  CHECK_EQ(f.cache.stats().disk_evicted_blocks, 2);
+
+  // Saved and dropped before the caller took the save: neither is queued.
+  f.insert_fresh({7, 8, 9, 10, 11, 12});
+  f.cache.set_disk_budget(1);
+  CHECK_EQ(f.cache.evict(16), 3);
+  f.check();
+  CHECK(f.cache.take_saves().empty());
+  CHECK_EQ(f.cache.take_drops().size(), size_t{1});  // {5,6}, whose save was taken
+  CHECK_EQ(f.cache.disk_blocks(), 0);
+  CHECK_THROWS(f.cache.set_disk_budget(-1), ValueError);
+}
+
+TEST(insert_disk_rebuilds_what_a_restart_finds_with_the_same_keys) {
+  Fixture before;
+  before.cache.set_disk_budget(8);
+  before.insert_fresh({1, 2, 3, 4});
+  before.insert_fresh({1, 2, 5, 6});
+  before.cache.evict(16);
+  const auto saves = before.cache.take_saves();
+  CHECK_EQ(saves.size(), size_t{3});
+
+  Fixture after;
+  CHECK_EQ(after.cache.insert_disk(Tokens{1, 2, 3, 4}.data(), 4), 0);  // no tier: nothing
+  after.cache.set_disk_budget(3);
+  CHECK_EQ(after.cache.insert_disk(Tokens{1, 2, 3, 4}.data(), 4), 2);
+  CHECK_EQ(after.cache.insert_disk(Tokens{1, 2, 5, 6, 7, 8}.data(), 6), 1);  // budget: 1 left
+  after.check();
+  CHECK_EQ(after.cache.disk_blocks(), 3);
+  CHECK_EQ(after.match({1, 2, 5, 6, 7, 8}).disk_blocks, 2);
+  const Ids fresh = after.allocator.allocate(2);
+  const auto r = after.cache.insert(Tokens{1, 2, 5, 6}.data(), 4, fresh.data(), fresh.size());
+  after.allocator.decref(fresh.data(), fresh.size());
+  after.check();
+  std::vector<uint64_t> expected;
+  for (const auto& op : saves) expected.push_back(op.key);
+  const std::vector<uint64_t> loaded = keys_of(r.loads);
+  CHECK_EQ(loaded.size(), size_t{2});
+  CHECK(std::find(expected.begin(), expected.end(), loaded[0]) != expected.end());
+  CHECK(std::find(expected.begin(), expected.end(), loaded[1]) != expected.end());
+  CHECK_EQ(after.cache.reset(), 2);
+  after.check();
+  CHECK_EQ(after.cache.disk_blocks(), 0);
+  CHECK_EQ(after.cache.num_nodes(), 1);
 }
 
 int main() { return check::run_all_tests(); }
