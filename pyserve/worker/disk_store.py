@@ -1,0 +1,187 @@
+"""The disk tier's block files: one KV block per file, named by the radix cache's 64-bit key.
+
+A file is ``<key as 16 hex digits>.kv``: a fixed header (magic, the KV-layout fingerprint, the
+key, the parent block's key, the token count, the payload size), the block's token ids, the
+payload (the block's K/V bytes, all layers) and a BLAKE2b digest of everything before it. A file
+is written to a temporary name and renamed, so a reader sees a whole file or none; a torn write,
+a truncated file, a full disk or a foreign fingerprint all fail the checks, and ``load`` answers
+None: the caller recomputes, it never uses bytes that did not verify.
+
+Writes run on one background thread (off the step loop): ``save`` copies nothing and returns at
+once; ``wait`` blocks until every queued write is on disk (tests, shutdown).
+
+``open_tier`` makes ``<base>/kv-<fingerprint>/`` private (mode 0700) and holds an exclusive
+``fcntl`` lock on its ``lock`` file for the store's lifetime: a second server on the same
+directory runs without the tier (one log line) instead of sharing files with the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PSKVBLK1"
+_HEADER = struct.Struct("<8s32sQQIQ")  # magic, fingerprint, key, parent key, tokens, payload
+_DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    key: int
+    parent_key: int
+    tokens: tuple[int, ...]
+    payload_bytes: int
+
+
+def fingerprint_of(*parts: object) -> bytes:
+    """32 bytes naming everything that determines a block's KV bytes (model, dtype, layout...)."""
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+
+
+class DiskBlockStore:
+    """Block files in one private directory, for one KV-layout fingerprint."""
+
+    def __init__(self, directory: Path, fingerprint: bytes, lock_file: object = None) -> None:
+        if len(fingerprint) != 32:
+            raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self._lock_file = lock_file  # kept open: closing it would release the lock
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    def path(self, key: int) -> Path:
+        return self.directory / f"{key:016x}.kv"
+
+    # -- writes (background) ----------------------------------------------------------------
+
+    def save(self, key: int, parent_key: int, tokens: list[int], payload: bytes) -> None:
+        """Queues a block file; payload must not change afterwards (pass a fresh bytes)."""
+        self._queue.put((key, parent_key, tuple(tokens), payload))
+
+    def wait(self) -> None:
+        """Until every queued write is done (or failed: a failed write leaves no file)."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except OSError as e:  # a full disk costs a recompute later, nothing else
+                logger.warning("disk KV tier: could not write block %016x: %s", item[0], e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: int, parent_key: int, tokens: tuple, payload: bytes) -> None:
+        head = _HEADER.pack(MAGIC, self.fingerprint, key, parent_key, len(tokens), len(payload))
+        body = head + struct.pack(f"<{len(tokens)}i", *tokens) + payload
+        final = self.path(key)
+        tmp = final.with_suffix(f".tmp{threading.get_ident()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+                f.write(_digest(body))
+            os.replace(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def read_header(self, path: Path) -> BlockHeader | None:
+        """The header of a block file (a small read), or None if it is not one of ours."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+                if len(head) != _HEADER.size:
+                    return None
+                magic, fp, key, parent, n, payload = _HEADER.unpack(head)
+                if magic != MAGIC or fp != self.fingerprint or path.name != f"{key:016x}.kv":
+                    return None
+                raw = f.read(4 * n)
+        except OSError:
+            return None
+        if len(raw) != 4 * n:
+            return None
+        return BlockHeader(key, parent, struct.unpack(f"<{n}i", raw), payload)
+
+    def index(self) -> list[BlockHeader]:
+        """Every block file's header (unverified payloads: load checks them)."""
+        headers = (self.read_header(p) for p in sorted(self.directory.glob("*.kv")))
+        return [h for h in headers if h is not None]
+
+    def load(self, key: int, tokens: list[int] | None = None) -> bytes | None:
+        """The block's payload if its file is whole, ours and (given tokens) for these tokens."""
+        try:
+            data = self.path(key).read_bytes()
+        except OSError:
+            return None
+        if len(data) < _HEADER.size + _DIGEST_BYTES:
+            return None
+        body = memoryview(data)[:-_DIGEST_BYTES]
+        if _digest(body) != data[-_DIGEST_BYTES:]:
+            return None
+        magic, fp, file_key, _, n, payload = _HEADER.unpack_from(data)
+        start = _HEADER.size + 4 * n
+        if magic != MAGIC or fp != self.fingerprint or file_key != key:
+            return None
+        if start + payload != len(body):
+            return None
+        if tokens is not None and list(struct.unpack_from(f"<{n}i", data, _HEADER.size)) != list(
+            tokens
+        ):
+            return None
+        return bytes(body[start:])
+
+    # -- removal ------------------------------------------------------------------------------
+
+    def drop(self, key: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(key).unlink()
+
+    def clear(self) -> None:
+        """Deletes every block file (after the queued writes, which would recreate some)."""
+        self.wait()
+        for p in self.directory.glob("*.kv"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+        if self._lock_file is not None:
+            self._lock_file.close()
+
+
+def open_tier(base: Path, fingerprint: bytes) -> DiskBlockStore | None:
+    """The store for this fingerprint under base, or None if another server holds it."""
+    directory = base / f"kv-{fingerprint.hex()[:16]}"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)  # an existing directory is made private too
+    lock_file = open(directory / "lock", "a+b")  # noqa: SIM115 - held open for the lock
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        logger.warning("disk KV tier: %s is held by another server; running without it", directory)
+        return None
+    return DiskBlockStore(directory, fingerprint, lock_file)
