@@ -507,6 +507,10 @@ class Step:
     retracted: bytes
     num_prefill_tokens: int
     num_decode_tokens: int
+    # The disk tier's ops; the keys are the reference's (token prefixes), so not packed.
+    save_blocks: bytes = b""
+    save_keys: list = field(default_factory=list)
+    drop_keys: list = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
@@ -595,6 +599,7 @@ class Planner:
         reserve_decay: float = 0.001,
         max_draft_tokens: int = 0,
         tenant_fairness: bool = False,
+        disk_budget_blocks: int = 0,
     ) -> None:
         for name, value in dict(
             max_running_requests=max_running_requests,
@@ -614,6 +619,9 @@ class Planner:
             raise ValueError(f"max_draft_tokens must be in [0, 65536], got {max_draft_tokens}")
         self.allocator = BlockAllocator(num_blocks)
         self.cache = RadixCache(block_size, self.allocator)
+        if disk_budget_blocks and not enable_radix_cache:
+            raise ValueError("disk_budget_blocks needs the radix cache")
+        self.cache.set_disk_budget(disk_budget_blocks)
         self.block_size = block_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -808,13 +816,18 @@ class Planner:
         memory_short = len(retracted) > preempted
         if not memory_short:
             self._admit(entries, budget)
-        if not entries and not self._dropped and not retracted:
+        saves, drops = self.cache.take_saves(), self.cache.take_drops()
+        if not entries and not self._dropped and not retracted and not saves and not drops:
             return None
         if not memory_short:
             self.reserve_ratio = max(
                 self.min_reserve_ratio, self.reserve_ratio - self.reserve_decay
             )
-        return self._emit(entries, retracted)
+        step = self._emit(entries, retracted)
+        step.save_blocks = array("i", [b for b, _ in saves]).tobytes()
+        step.save_keys = [k for _, k in saves]
+        step.drop_keys = drops
+        return step
 
     def _decode_eligible(self, req: _Request) -> bool:
         """Decoding, samples left, and not waiting for a verify result (its next input)."""

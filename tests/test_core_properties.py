@@ -440,6 +440,7 @@ def planner_configs(draw) -> dict:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     pool_tokens = draw(st.integers(16, 128))  # tight: prompts reach ~60 tokens with outputs
     policy = draw(st.sampled_from(["fcfs", "lpm", "priority"]))
+    radix = draw(st.sampled_from([True, True, True, False]))
     return dict(
         tenant_fairness=policy == "fcfs" and draw(st.booleans()),
         num_blocks=-(-pool_tokens // block_size),
@@ -448,12 +449,13 @@ def planner_configs(draw) -> dict:
         max_prefill_tokens=draw(st.integers(1, 48)),
         chunked_prefill_size=draw(st.integers(1, 32)),
         policy=policy,
-        enable_radix_cache=draw(st.sampled_from([True, True, True, False])),
+        enable_radix_cache=radix,
         vocab_size=VOCAB,
         init_reserve_ratio=draw(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.0])),
         min_reserve_ratio=0.0,
         reserve_decay=draw(st.sampled_from([0.0, 0.05, 0.3])),
         max_draft_tokens=draw(st.sampled_from([0, 1, 3, 5])),
+        disk_budget_blocks=draw(st.sampled_from([0, 0, 4, 32])) if radix else 0,
     )
 
 
@@ -800,6 +802,33 @@ class PlannerMachine(RuleBasedStateMachine):
         self._on_step(step)
         return step
 
+    def _check_disk_ops(self, step) -> None:
+        """Each save names a block that holds one request's whole block of computed positions,
+        under the key of the tokens up to that block's end."""
+        core_keys = isinstance(step.save_keys, bytes)  # the reference's keys are token tuples
+        keys = list(array("Q", step.save_keys)) if core_keys else step.save_keys
+        blocks = _i32(step.save_blocks)
+        if len(keys) != len(blocks):
+            self._fail(f"step {step.step_id}: {len(blocks)} save blocks, {len(keys)} keys")
+        if (blocks or step.drop_keys) and not self.cfg.get("disk_budget_blocks"):
+            self._fail(f"step {step.step_id}: disk ops without a disk tier")
+        for b, key in zip(blocks, keys, strict=True):
+            slots = self.kv[b]
+            if slots[0] is None:
+                self._fail(f"step {step.step_id}: saves block {b}, which holds no K/V")
+            rid, first = slots[0]
+            if first % self.bs or slots != [(rid, first + i) for i in range(self.bs)]:
+                self._fail(f"step {step.step_id}: saves block {b}, not one whole block: {slots}")
+            tokens = self.requests[rid].known[: first + self.bs]
+            if len(tokens) != first + self.bs:
+                self._fail(f"step {step.step_id}: saves block {b} past rid {rid}'s tokens")
+            want = self.planner.cache.block_keys(tokens)[-1] if core_keys else tuple(tokens)
+            if key != want:
+                self._fail(f"step {step.step_id}: block {b} saved as {key}, expected {want}")
+            event("disk tier: block saved")
+        if step.drop_keys:
+            event("disk tier: files dropped")
+
     def _samples(self, step_id: int, rids: list[int], accepted, token) -> tuple[list, list]:
         """The report of a step's sampling rids: a verify entry of k drafts names its rid
         a + 1 times, with its first a drafts (accepted) and one more token."""
@@ -897,6 +926,7 @@ class PlannerMachine(RuleBasedStateMachine):
         if sid != self.next_step_id:
             self._fail(f"step id {sid}, expected {self.next_step_id}")
         self.next_step_id += 1
+        self._check_disk_ops(step)  # before the step's writes: saves copy the old contents
         entries = _entries(step)
         self.auto_drafts = 0  # the planner's own drafts in this step (_check_entry)
         dropped, retracted = _i64(step.dropped), _i64(step.retracted)
@@ -1426,7 +1456,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
     @initialize(config=planner_configs(), seed=st.integers(0, 2**16))
     def setup(self, config: dict, seed: int) -> None:
-        self.cfg = dict(config, enable_radix_cache=False)
+        self.cfg = dict(config, enable_radix_cache=False, disk_budget_blocks=0)
         self.planners = (core.Planner(**self.cfg), reference.Planner(**self.cfg))
         self.rng = random.Random(seed)
         self.inflight: list[tuple[int, list[dict]]] = []  # (step id, entries)

@@ -63,6 +63,9 @@ void bind_step(py::module_& m) {
       .def_property_readonly("block_ids", [](const Step& s) { return to_bytes(s.block_ids); })
       .def_property_readonly("dropped", [](const Step& s) { return to_bytes(s.dropped); })
       .def_property_readonly("retracted", [](const Step& s) { return to_bytes(s.retracted); })
+      .def_property_readonly("save_blocks", [](const Step& s) { return to_bytes(s.save_blocks); })
+      .def_property_readonly("save_keys", [](const Step& s) { return to_bytes(s.save_keys); })
+      .def_property_readonly("drop_keys", [](const Step& s) { return to_bytes(s.drop_keys); })
       .def_readonly("num_prefill_tokens", &Step::num_prefill_tokens)
       .def_readonly("num_decode_tokens", &Step::num_decode_tokens)
       .def("entries", &step_entries, "one dict an entry, for tests and debugging")
@@ -130,7 +133,7 @@ void bind_planner(py::module_& m) {
                        int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
                        int64_t ngram_max_match, int64_t ngram_corpus_tokens,
                        int64_t speculative_token_budget, bool speculative_draft_model,
-                       bool tenant_fairness) {
+                       bool tenant_fairness, int64_t disk_budget_blocks) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -151,6 +154,7 @@ void bind_planner(py::module_& m) {
              c.speculative_token_budget = speculative_token_budget;
              c.speculative_draft_model = speculative_draft_model;
              c.tenant_fairness = tenant_fairness;
+             c.disk_budget_blocks = disk_budget_blocks;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -162,7 +166,7 @@ void bind_planner(py::module_& m) {
            py::arg("speculative_ngram") = false, py::arg("ngram_min_match") = 2,
            py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
            py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false,
-           py::arg("tenant_fairness") = false)
+           py::arg("tenant_fairness") = false, py::arg("disk_budget_blocks") = 0)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{

@@ -51,6 +51,10 @@ const PlannerConfig& validated(const PlannerConfig& c) {
               c.policy + "\"");
   require(c.speculative_token_budget >= 1, "speculative_token_budget must be >= 1, got " +
                                                std::to_string(c.speculative_token_budget));
+  require(c.disk_budget_blocks >= 0,
+          "disk_budget_blocks must be >= 0, got " + std::to_string(c.disk_budget_blocks));
+  require(c.enable_radix_cache || c.disk_budget_blocks == 0,
+          "disk_budget_blocks needs the radix cache (the disk tier lives in its tree)");
   return c;
 }
 
@@ -110,6 +114,7 @@ Planner::Planner(const PlannerConfig& config)
       cache_(config.block_size, allocator_),
       reserve_ratio_(config.init_reserve_ratio),
       spec_accepted_histogram_(static_cast<size_t>(config.max_draft_tokens) + 1, 0) {
+  cache_.set_disk_budget(config_.disk_budget_blocks);
   if (config_.speculative_ngram || config_.speculative_draft_model) {
     NgramDrafterConfig d;
     d.lookup = config_.speculative_ngram;
@@ -385,13 +390,26 @@ std::optional<Step> Planner::plan() {
 
   step.dropped.swap(dropped_);
   dropped_.clear();
-  if (step.num_entries() == 0 && step.dropped.empty() && step.retracted.empty()) return {};
+  take_disk_ops(step);
+  if (step.num_entries() == 0 && step.dropped.empty() && step.retracted.empty() &&
+      step.save_blocks.empty() && step.drop_keys.empty()) {
+    return {};
+  }
   ++next_step_id_;
   inflight_.push_back(std::move(record));
   if (!retracted_this_plan_) {
     reserve_ratio_ = std::max(config_.min_reserve_ratio, reserve_ratio_ - config_.reserve_decay);
   }
   return step;
+}
+
+void Planner::take_disk_ops(Step& step) {
+  if (config_.disk_budget_blocks == 0) return;
+  for (const DiskOp& op : cache_.take_saves()) {
+    step.save_blocks.push_back(op.block);
+    step.save_keys.push_back(op.key);
+  }
+  step.drop_keys = cache_.take_drops();
 }
 
 void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens,

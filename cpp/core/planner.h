@@ -105,6 +105,9 @@ struct PlannerConfig {
   int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
   int64_t speculative_token_budget = 16;
   bool tenant_fairness = false;  // admission by tokens served per tenant (fcfs policy only)
+  // Blocks the radix cache keeps on disk (RadixCache::set_disk_budget); 0: no disk tier. Steps
+  // carry the saves and drops its evictions queue.
+  int64_t disk_budget_blocks = 0;
 };
 
 struct RequestInfo {
@@ -268,6 +271,7 @@ class Planner {
   void remove_running(Request& r);
   void end_request(Request& r);
   void cache_computed_blocks(Request& r);
+  void take_disk_ops(Step& step);
 
   PlannerConfig config_;
   Policy policy_;

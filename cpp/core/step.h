@@ -26,6 +26,12 @@ struct Step {
   // Request ids, not entries.
   std::vector<int64_t> dropped;    // finished or aborted since the previous step
   std::vector<int64_t> retracted;  // retracted while planning this step
+  // The disk tier (PlannerConfig::disk_budget_blocks), done before this step's forward pass:
+  // save block save_blocks[i]'s K/V as save_keys[i] (evicted while planning this step: the
+  // step may write into the block, so the copy comes first); delete the files of drop_keys.
+  std::vector<int32_t> save_blocks;
+  std::vector<uint64_t> save_keys;
+  std::vector<uint64_t> drop_keys;
   int64_t num_prefill_tokens = 0;
   int64_t num_decode_tokens = 0;  // positions computed by decode entries, drafts included
 

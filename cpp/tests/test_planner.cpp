@@ -2,6 +2,8 @@
 // Retraction, aborts, overlap and errors are in test_planner_lifecycle.cpp.
 #include "planner.h"
 
+#include <algorithm>
+
 #include "check.h"
 #include "errors.h"
 #include "planner_driver.h"
@@ -341,3 +343,41 @@ TEST(block_states_tell_free_owned_and_cached_apart) {
 }
 
 int main() { return check::run_all_tests(); }
+
+TEST(with_a_disk_budget_a_step_that_reuses_evicted_blocks_carries_their_saves_first) {
+  PlannerConfig c = config(4, 2);
+  c.disk_budget_blocks = 8;
+  Planner p(c);
+  Worker w;
+  add(p, 1, {1, 2, 3, 4, 5}, 1);
+  Step s = plan(p);
+  w.run(s, 2);
+  CHECK(s.save_blocks.empty());
+  report(p, s, 9);
+  p.finish(1);
+  CHECK_EQ(p.cache().cached_blocks(), 2);  // {1,2} {3,4}
+
+  add(p, 2, {7, 8, 9, 10, 11, 12, 13}, 1);  // needs all 4 blocks: both cached ones go to disk
+  s = plan(p);
+  w.run(s, 2);
+  CHECK_EQ(s.save_blocks.size(), size_t{2});
+  const Tokens prefix{1, 2, 3, 4};
+  CHECK_EQ(s.save_keys, p.cache().block_keys(prefix.data(), prefix.size()));
+  CHECK(s.drop_keys.empty());
+  const Entry e = *entry_for(s, 2);
+  for (BlockId b : s.save_blocks) {  // the step writes into the blocks it saves
+    CHECK(std::find(e.blocks.begin(), e.blocks.end(), b) != e.blocks.end());
+  }
+  CHECK_EQ(p.cache().disk_blocks(), 2);
+  CHECK_EQ(p.cache().cached_blocks(), 0);
+  p.check_invariants();
+}
+
+TEST(a_disk_budget_needs_the_radix_cache_and_cannot_be_negative) {
+  PlannerConfig c = config(4, 2);
+  c.disk_budget_blocks = -1;
+  CHECK_THROWS(Planner{c}, pyserve::ValueError);
+  c.disk_budget_blocks = 4;
+  c.enable_radix_cache = false;
+  CHECK_THROWS(Planner{c}, pyserve::ValueError);
+}
