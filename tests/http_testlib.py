@@ -137,6 +137,18 @@ def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterat
         assert code == 0, f"the server exited with {code}:\n{server.log()}"
 
 
+@contextlib.contextmanager
+def held_tiny_server(base: Path, hold: Path, *args: str) -> Iterator[Server]:
+    """A tiny float32 model's server (one torch thread, one tokenizer worker) whose worker holds
+    each step while the file ``hold`` exists, so that a test can build a queue behind it."""
+    from pyserve.testing.worker_hooks import HOLD_STEPS
+
+    argv = ["--model", str(tiny_model(base)), "--dtype", "float32", *args]
+    argv += ["--torch-threads", "1", "--tokenizer-workers", "1"]
+    with running_server(argv, env={HOLD_STEPS: str(hold)}) as server:
+        yield server
+
+
 def openai_client(server: Server):
     """The official SDK's client for ``server``, without retries (a test sees every error)."""
     from openai import OpenAI

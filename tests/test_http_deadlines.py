@@ -13,16 +13,13 @@ import aiohttp
 import pytest
 from http_testlib import (
     GENERATION_PATHS,
+    held_tiny_server,
     kv_idle,
     metrics,
     request,
-    running_server,
     short_generation_body,
-    tiny_model,
     wait_for_metrics,
 )
-
-from pyserve.testing.worker_hooks import HOLD_STEPS
 
 STORM = 12
 SERVER_TIMEOUT_S = 1.0
@@ -38,10 +35,8 @@ def hold(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
-    model = tiny_model(tmp_path_factory.getbasetemp())
-    args = ["--model", str(model), "--dtype", "float32", "--request-timeout", str(SERVER_TIMEOUT_S)]
-    args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
-    with running_server(args, env={HOLD_STEPS: str(hold)}) as server:
+    timeout = ["--request-timeout", str(SERVER_TIMEOUT_S)]
+    with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *timeout) as server:
         yield server
 
 

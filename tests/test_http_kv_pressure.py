@@ -11,9 +11,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from http_testlib import kv_idle, metrics, running_server, tiny_model, wait_for_metrics
-
-from pyserve.testing.worker_hooks import HOLD_STEPS
+from http_testlib import held_tiny_server, kv_idle, metrics, wait_for_metrics
 
 REQUESTS = 16
 NEW_TOKENS = 48
@@ -28,10 +26,8 @@ def hold(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
-    model = tiny_model(tmp_path_factory.getbasetemp())
-    args = ["--model", str(model), "--dtype", "float32", "--kv-cache-tokens", str(KV_TOKENS)]
-    args += ["--torch-threads", "1", "--tokenizer-workers", "1"]
-    with running_server(args, env={HOLD_STEPS: str(hold)}) as server:
+    args = ["--kv-cache-tokens", str(KV_TOKENS)]
+    with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
         yield server
 
 

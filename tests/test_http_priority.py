@@ -14,16 +14,13 @@ import aiohttp
 import pytest
 from http_testlib import (
     GENERATION_PATHS,
+    held_tiny_server,
     kv_idle,
     metrics,
     request,
-    running_server,
     short_generation_body,
-    tiny_model,
     wait_for_metrics,
 )
-
-from pyserve.testing.worker_hooks import HOLD_STEPS
 
 NEW_TOKENS = 24
 
@@ -36,10 +33,8 @@ def hold(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
-    model = tiny_model(tmp_path_factory.getbasetemp())
-    args = ["--model", str(model), "--dtype", "float32", "--schedule-policy", "priority"]
-    args += ["--max-running-requests", "1", "--torch-threads", "1", "--tokenizer-workers", "1"]
-    with running_server(args, env={HOLD_STEPS: str(hold)}) as server:
+    args = ["--schedule-policy", "priority", "--max-running-requests", "1"]
+    with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
         yield server
 
 
