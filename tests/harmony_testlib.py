@@ -123,7 +123,11 @@ class ScriptedEngine:
         detok: DetokParams | None = None,
         rid: str | None = None,
         images: Sequence = (),  # always none: it takes no images
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
+        # a script has no queue: the tests that send a priority or a deadline use a real engine
+        assert priority == 0 and timeout is None, (priority, timeout)
         detok = detok or DetokParams()
         self.requests.append((list(prompt), sampling, detok))
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)
