@@ -1,7 +1,8 @@
 """Fixtures for the tests of ``pyserve._kernels``: each test runs on every instruction set this
 CPU can run (``isa``) and with 1 and 2 threads in the kernels' pool (``threads``); both put the
 module back as they found it. A module that starts a server (its own `server` fixture) gets the
-openai SDK on it as `client`.
+openai SDK on it as `client`, and a module whose server holds its worker's steps
+(``http_testlib.held_tiny_server``) the file that holds them as `hold`.
 
 Triton kernels run in Triton's interpreter here (no GPU): the variable must be set before
 anything imports triton, and it reaches the servers and workers the tests start too.
@@ -43,3 +44,9 @@ def client(server):
 
     with openai_client(server) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def hold(tmp_path_factory):
+    """While this file exists, a held server's worker holds each step before running it."""
+    return tmp_path_factory.mktemp("hold") / "hold-steps"

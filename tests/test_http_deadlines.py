@@ -28,12 +28,6 @@ GENERATING_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def hold(tmp_path_factory):
-    """While this file exists, the server's worker holds each step before running it."""
-    return tmp_path_factory.mktemp("deadlines") / "hold-steps"
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
     timeout = ["--request-timeout", str(SERVER_TIMEOUT_S)]
     with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *timeout) as server:
@@ -46,8 +40,8 @@ def chat(stream: bool, **extra) -> dict:
     return dict(body, **extra)
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, bytes]:
-    async with session.post(url, json=body) as resp:
+async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, bytes]:
+    async with http.post(url, json=body) as resp:
         return resp.status, await resp.read()
 
 
@@ -56,11 +50,11 @@ def test_a_storm_of_requests_queued_past_their_deadline_gets_503s_and_leaves_kv_
     generate = {"text": "Once", "sampling_params": {"max_new_tokens": 50}}
 
     async def storm() -> list[tuple[int, bytes]]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession() as http:
             bodies = [(url + "/v1/chat/completions", chat(False)) for _ in range(STORM // 2)]
             bodies += [(url + "/generate", generate) for _ in range(STORM // 2 - 1)]
             bodies.append((url + "/v1/chat/completions", chat(False, timeout=0.5)))  # its own
-            return await asyncio.gather(*(post(session, u, b) for u, b in bodies))
+            return await asyncio.gather(*(post(http, u, b) for u, b in bodies))
 
     hold.touch()
     try:
@@ -77,8 +71,8 @@ def test_a_storm_of_requests_queued_past_their_deadline_gets_503s_and_leaves_kv_
 
 def test_a_stream_queued_past_its_deadline_ends_with_the_error(server, hold):
     async def one() -> tuple[int, bytes]:
-        async with aiohttp.ClientSession() as session:
-            return await post(session, server.url + "/v1/chat/completions", chat(True))
+        async with aiohttp.ClientSession() as http:
+            return await post(http, server.url + "/v1/chat/completions", chat(True))
 
     hold.touch()
     try:
@@ -96,7 +90,7 @@ def test_a_request_timing_out_while_generating_ends_with_what_it_has(server, hol
         events = []
         body = chat(True, timeout=GENERATING_TIMEOUT_S)
         url = server.url + "/v1/chat/completions"
-        async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
             assert resp.status == 200
             try:
                 async for line in resp.content:

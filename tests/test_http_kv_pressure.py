@@ -19,12 +19,6 @@ KV_TOKENS = 320  # 20 blocks of 16: about five of the sixteen requests fit at on
 
 
 @pytest.fixture(scope="module")
-def hold(tmp_path_factory):
-    """While this file exists, the server's worker holds each step before running it."""
-    return tmp_path_factory.mktemp("kv-pressure") / "hold-steps"
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
     args = ["--kv-cache-tokens", str(KV_TOKENS)]
     with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:

@@ -26,12 +26,6 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def hold(tmp_path_factory):
-    """While this file exists, the server's worker holds each step before running it."""
-    return tmp_path_factory.mktemp("priority") / "hold-steps"
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, hold):
     args = ["--schedule-policy", "priority", "--max-running-requests", "1"]
     with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
@@ -47,8 +41,8 @@ def test_a_more_important_request_preempts_and_the_preempted_one_resumes_first(s
     url = server.url
     done: list[str] = []
 
-    async def generate(session: aiohttp.ClientSession, name: str, priority: int) -> dict:
-        async with session.post(url + "/generate", json=body(f"{name} says", priority)) as resp:
+    async def generate(http: aiohttp.ClientSession, name: str, priority: int) -> dict:
+        async with http.post(url + "/generate", json=body(f"{name} says", priority)) as resp:
             assert resp.status == 200, await resp.text()
             result = await resp.json()
         done.append(name)
@@ -58,17 +52,17 @@ def test_a_more_important_request_preempts_and_the_preempted_one_resumes_first(s
         return lambda m: m["pyserve_requests_running"] + m["pyserve_requests_waiting"] == n
 
     async def scenario() -> dict[str, dict]:
-        async with aiohttp.ClientSession() as session:
-            alone = await generate(session, "first", 5)
+        async with aiohttp.ClientSession() as http:
+            alone = await generate(http, "first", 5)
             done.clear()
             before = metrics(url)["pyserve_retractions_total"]
             hold.touch()
             try:
-                tasks = {"first": asyncio.create_task(generate(session, "first", 5))}
+                tasks = {"first": asyncio.create_task(generate(http, "first", 5))}
                 await asyncio.to_thread(wait_for_metrics, url, in_core(1))
-                tasks["second"] = asyncio.create_task(generate(session, "second", 5))
+                tasks["second"] = asyncio.create_task(generate(http, "second", 5))
                 await asyncio.to_thread(wait_for_metrics, url, in_core(2))
-                tasks["urgent"] = asyncio.create_task(generate(session, "urgent", 0))
+                tasks["urgent"] = asyncio.create_task(generate(http, "urgent", 0))
                 await asyncio.to_thread(wait_for_metrics, url, in_core(3))
             finally:
                 hold.unlink()
