@@ -171,12 +171,15 @@ class RadixCache:
 
     # -- lookups ------------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int] | bytes) -> tuple[int, list[int], int]:
+    def match_prefix(
+        self, tokens: Sequence[int] | bytes, count_stats: bool = True
+    ) -> tuple[int, list[int], int]:
         key = tuple(_ints(tokens, "i"))
         self._clock += 1
         node, matched, blocks, _ = self._walk(key)
-        self._stats["query_tokens"] += len(key)
-        self._stats["hit_tokens"] += matched
+        if count_stats:
+            self._stats["query_tokens"] += len(key)
+            self._stats["hit_tokens"] += matched
         return matched, blocks, node.id
 
     def peek_prefix(self, tokens: Sequence[int] | bytes) -> tuple[int, int, int]:
@@ -352,6 +355,48 @@ class RadixCache:
         self.disk_blocks += count
         return count
 
+    def forget_disk(self, handle: int, tokens: Sequence[int]) -> int:
+        """Forgets the disk child of the node whose edge starts with tokens' first block, and
+        everything below it (their files dropped); returns the disk blocks forgotten."""
+        node = self._node(handle)
+        child = node.children.get(tuple(tokens[: self.block_size]))
+        if child is None or not child.on_disk:
+            return 0
+        before = self.disk_blocks
+        self._forget_subtree(child)
+        return before - self.disk_blocks
+
+    def _forget_subtree(self, node: _Node) -> None:
+        for child in list(node.children.values()):
+            self._forget_subtree(child)
+        self._drop_files(node.keys)
+        self._remove(node)
+
+    def _drop_files(self, keys: list[tuple]) -> None:
+        """Drops the files of keys; a save not yet taken is cancelled instead."""
+        pending = {k for _, k in self._saves}
+        for k in keys:
+            if k in pending:
+                self._saves = [(b, s) for b, s in self._saves if s != k]
+            else:
+                self._drops.append(k)
+
+    def disk_keys(self) -> list[tuple]:
+        return [k for n in self._nodes.values() if n.on_disk for k in n.keys]
+
+    def queue_drops(self, keys: list[tuple]) -> None:
+        self._drops.extend(keys)
+
+    def depth(self, handle: int) -> int:
+        return len(self._prefix(self._node(handle)))
+
+    def path_blocks(self, handle: int) -> list[int]:
+        node, parts = self._node(handle), []
+        while node is not self._root:
+            parts.append(node.blocks)
+            node = node.parent
+        return [b for part in reversed(parts) for b in part]
+
     def take_saves(self) -> list[tuple[int, tuple]]:
         out, self._saves = self._saves, []
         return out
@@ -427,12 +472,7 @@ class RadixCache:
             if not leaves:
                 break
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
-            pending = {k for _, k in self._saves}
-            for k in victim.keys:
-                if k in pending:
-                    self._saves = [(b, s) for b, s in self._saves if s != k]
-                else:
-                    self._drops.append(k)
+            self._drop_files(victim.keys)
             self._remove(victim)
 
     def reset(self) -> int:
@@ -510,7 +550,12 @@ class Step:
     # The disk tier's ops; the keys are the reference's (token prefixes), so not packed.
     save_blocks: bytes = b""
     save_keys: list = field(default_factory=list)
+    save_parents: list = field(default_factory=list)  # the key before each save (() first)
+    save_tokens: bytes = b""
+    load_blocks: bytes = b""
+    load_keys: list = field(default_factory=list)
     drop_keys: list = field(default_factory=list)
+    clear_disk: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -571,6 +616,8 @@ class _Request:
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
     spec_drafted: int = 0  # drafts of its reported verify entries
     spec_accepted: int = 0  # of which accepted
+    loading: list[int] = field(default_factory=list)  # blocks a step fills from disk for it
+    load_handle: int | None = None  # the cache node it locks while loading and until admitted
 
     @property
     def tokens(self) -> list[int]:
@@ -648,6 +695,11 @@ class Planner:
         self.retractions = 0
         self.spec_verify_entries = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_histogram = [0] * (max_draft_tokens + 1)
+        self._step_loads: dict[int, list[_Request]] = {}  # step id -> requests loading in it
+        self._failed_loads: list[int] = []  # fail_loads for the oldest step
+        self._pending_loads: tuple[list[int], list[tuple]] = ([], [])  # the plan's
+        self._clear_disk = False
+        self.disk_loaded_blocks = self.disk_failed_blocks = 0
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -726,6 +778,7 @@ class Planner:
             self._running.remove(req)
         else:
             self._waiting.remove(req)
+            self._drop_load(req)
         req.state = "done"
         if self.tenant_fairness:
             self._live[req.tenant] -= 1
@@ -734,7 +787,79 @@ class Planner:
             del self._requests[req.rid]
 
     def flush_cache(self) -> int:
+        self._clear_disk = self.cache.disk_budget > 0
         return self.cache.reset()
+
+    def spill_to_disk(self) -> int:
+        if not self.cache.disk_budget:
+            return 0
+        before = self.cache.stats()["saved_blocks"]
+        self.cache.evict(2**62)
+        return self.cache.stats()["saved_blocks"] - before
+
+    def drop_disk_files(self, keys: list) -> None:
+        self.cache.queue_drops(list(keys))
+
+    def fail_loads(self, step_id: int, blocks: Sequence[int] | bytes) -> None:
+        if not self._inflight or self._inflight[0][0] != step_id:
+            raise RuntimeError(f"fail_loads for step {step_id}, not the oldest unreported")
+        loads = self._step_loads.get(step_id, [])
+        ids = _ints(blocks, "i")
+        for b in ids:
+            if not any(b in r.loading for r in loads) and not any(
+                r.state == "done" for r in loads
+            ):
+                raise ValueError(f"fail_loads for step {step_id}: block {b} is not a load")
+        self._failed_loads.extend(ids)
+
+    def _start_load(self, req: _Request) -> None:
+        tokens = req.tokens
+        matched, _, handle = self.cache.match_prefix(tokens[:-1], count_stats=False)
+        self.cache.lock(handle)
+        if req.load_handle is not None:
+            self.cache.unlock(req.load_handle)
+        req.load_handle = handle
+        disk = self.cache.peek_prefix(tokens[:-1])[2]
+        if not self._allocate(disk, req.loading):
+            raise RuntimeError("a load counted the blocks available but could not allocate")
+        bs = self.block_size
+        self._pending_loads[0].extend(req.loading)
+        self._pending_loads[1].extend(tuple(tokens[: matched + (i + 1) * bs]) for i in range(disk))
+        req.inflight += 1
+        self._loading_now.append(req)
+
+    def _drop_load(self, req: _Request) -> None:
+        self.allocator.decref(req.loading)
+        req.loading = []
+        if req.load_handle is not None:
+            self.cache.unlock(req.load_handle)
+        req.load_handle = None
+
+    def _finish_loads(self, loads: list[_Request], failed: set[int]) -> None:
+        bs = self.block_size
+        for req in loads:
+            req.inflight -= 1
+            if req.state == "done":
+                continue
+            good = 0
+            while good < len(req.loading) and req.loading[good] not in failed:
+                good += 1
+            tokens = req.tokens
+            if good:
+                base = self.cache.depth(req.load_handle)
+                ids = self.cache.path_blocks(req.load_handle) + req.loading[:good]
+                self.cache.insert(tokens[: base + good * bs], ids)
+                _, _, handle = self.cache.match_prefix(tokens[: base + good * bs], False)
+                self.cache.lock(handle)
+                self.cache.unlock(req.load_handle)
+                req.load_handle = handle
+            if good < len(req.loading):
+                at = self.cache.depth(req.load_handle)
+                self.cache.forget_disk(req.load_handle, tokens[at : at + bs])
+                self.disk_failed_blocks += len(req.loading) - good
+            self.disk_loaded_blocks += good
+            self.allocator.decref(req.loading)
+            req.loading = []
 
     def set_draft(self, rid: int, draft: Sequence[int] | bytes) -> None:
         """Drafts for the request's next decode entry to verify; an empty draft clears."""
@@ -808,6 +933,8 @@ class Planner:
 
     def plan(self) -> Step | None:
         entries: list[tuple[_Request, int, int, bool, int]] = []
+        self._loading_now: list[_Request] = []
+        self._pending_loads = ([], [])
         retracted = self._preempt() if self.policy == "priority" else []
         preempted = len(retracted)
         self._plan_decodes(entries, retracted)
@@ -817,7 +944,17 @@ class Planner:
         if not memory_short:
             self._admit(entries, budget)
         saves, drops = self.cache.take_saves(), self.cache.take_drops()
-        if not entries and not self._dropped and not retracted and not saves and not drops:
+        load_blocks, load_keys = self._pending_loads
+        clear, self._clear_disk = self._clear_disk, False
+        if (
+            not entries
+            and not self._dropped
+            and not retracted
+            and not saves
+            and not drops
+            and not load_blocks
+            and not clear
+        ):
             return None
         if not memory_short:
             self.reserve_ratio = max(
@@ -826,7 +963,15 @@ class Planner:
         step = self._emit(entries, retracted)
         step.save_blocks = array("i", [b for b, _ in saves]).tobytes()
         step.save_keys = [k for _, k in saves]
+        bs = self.block_size
+        step.save_parents = [k[:-bs] for _, k in saves]
+        step.save_tokens = array("i", [t for _, k in saves for t in k[-bs:]]).tobytes()
+        step.load_blocks = array("i", load_blocks).tobytes()
+        step.load_keys = load_keys
         step.drop_keys = drops
+        step.clear_disk = clear
+        if self._loading_now:
+            self._step_loads[step.step_id] = self._loading_now
         return step
 
     def _decode_eligible(self, req: _Request) -> bool:
@@ -897,11 +1042,26 @@ class Planner:
         return budget
 
     def _admit(self, entries: list, budget: int) -> None:
-        """Admits waiting requests in policy order; stops at the first that does not fit."""
+        """Admits waiting requests in policy order; stops at the first that does not fit.
+        Stopped for lack of blocks, it unlocks the loaded prefixes of the other waiting ones."""
+        stop = self._admit_until(entries, budget)
+        if stop is not False:
+            for req in self._waiting:
+                if req is not stop and not req.inflight and req.load_handle is not None:
+                    self.cache.unlock(req.load_handle)
+                    req.load_handle = None
+
+    def _admit_until(self, entries: list, budget: int) -> _Request | None | bool:
+        """The request where admission stopped for lack of blocks (None: before any), or
+        False when it did not."""
+        if not self._waiting or budget <= 0 or len(self._running) >= self.max_running_requests:
+            return False
         reserved = sum(self._future_blocks(r) for r in self._running)
+        if self._available() <= reserved:
+            return None
         for req in self._admission_candidates():
             if budget <= 0 or len(self._running) >= self.max_running_requests:
-                return
+                return False
             if req.inflight or len(req.output) >= req.max_new_tokens:
                 continue  # a retracted request still in flight, or one awaiting its finish
             tokens = req.tokens
@@ -909,8 +1069,15 @@ class Planner:
             matched, n, blocks_now, blocks_later, shortfall = self._admit_cost(
                 req, budget, reserved
             )
+            if req.match_prefix and self.enable_radix_cache:
+                _, unlocked, disk = self.cache.peek_prefix(tokens[:-1])
+                if disk:  # load it first
+                    if reserved + disk > self._available() - unlocked:
+                        return req
+                    self._start_load(req)
+                    continue
             if shortfall > 0:
-                return
+                return req
             self._waiting.remove(req)
             if self.enable_radix_cache and not req.match_prefix:
                 self.cache.lock(0)  # the root: every running request holds one lock
@@ -918,6 +1085,9 @@ class Planner:
             elif self.enable_radix_cache:
                 matched, blocks, handle = self.cache.match_prefix(tokens[:-1])
                 self.cache.lock(handle)
+                if req.load_handle is not None:  # the loaded prefix, locked until now
+                    self.cache.unlock(req.load_handle)
+                    req.load_handle = None
                 self.allocator.incref(blocks)
                 req.table, req.handle, req.tree_len = list(blocks), handle, matched
             self._allocate(blocks_now, req.table)
@@ -931,6 +1101,7 @@ class Planner:
             entries.append(self._schedule(req, n, False, 0))
             budget -= n
             reserved += blocks_later
+        return False
 
     def _admit_cost(self, req: _Request, budget: int, reserved: int) -> tuple[int, ...]:
         """(matched, chunk, blocks now, blocks later, blocks short beside ``reserved``)."""
@@ -1157,9 +1328,13 @@ class Planner:
             req = members[i][0]
             if req.state != "done":
                 req.output.append(token)
+        loads = self._step_loads.pop(step_id, [])
+        failed, self._failed_loads = set(self._failed_loads), []
         for req, _, _, _ in members:
             if req.state == "running" and self.enable_radix_cache and req.match_prefix:
                 self._cache_computed(req)
+        self._finish_loads(loads, failed)
+        for req in [m[0] for m in members] + loads:
             if req.state == "done" and req.inflight == 0:
                 self._requests.pop(req.rid, None)
 
@@ -1218,6 +1393,9 @@ class Planner:
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_accepted_histogram=list(self.spec_accepted_histogram),
             ngram_corpus_tokens=0,  # the reference drafts nothing by itself
+            disk_loaded_blocks=self.disk_loaded_blocks,
+            disk_failed_blocks=self.disk_failed_blocks,
+            num_loading=sum(1 for r in self._waiting if r.inflight and r.loading),
             **self.cache.stats(),
         )
 
@@ -1266,6 +1444,11 @@ class Planner:
         for req in self._running:
             for b in req.table:
                 holders[b] += 1
+        for req in self._waiting:
+            for b in req.loading:
+                holders[b] += 1
+            if req.loading and not req.inflight:
+                raise RuntimeError(f"request {req.rid}: loads that no step carries")
         for b, n in enumerate(holders):
             if self.allocator.refcount(b) != n:
                 raise RuntimeError(f"block {b}: refcount {self.allocator.refcount(b)}, {n} holders")

@@ -496,6 +496,8 @@ class PlannerMachine(RuleBasedStateMachine):
             [None] * self.bs for _ in range(self.num_blocks)
         ]
         self.pending_reads: list[tuple[int, int, int, int]] = []  # (reader, writer, pos, step)
+        self.disk: dict = {}  # the disk tier's files: key -> the block's slots when saved
+        self.step_loads: dict[int, list[int]] = {}  # step id -> the blocks it loads
         self.op = "setup"
         self.ready = True
         self._check_all()
@@ -803,31 +805,66 @@ class PlannerMachine(RuleBasedStateMachine):
         return step
 
     def _check_disk_ops(self, step) -> None:
-        """Each save names a block that holds one request's whole block of computed positions,
-        under the key of the tokens up to that block's end."""
+        """The worker's disk ops, in its order: each save names a block that holds one
+        request's whole block of computed positions, under the key of the tokens up to that
+        block's end, with the key before it and its tokens; each load names a saved key and a
+        block nobody else holds, which then holds what was saved; drops name saved keys."""
         core_keys = isinstance(step.save_keys, bytes)  # the reference's keys are token tuples
-        keys = list(array("Q", step.save_keys)) if core_keys else step.save_keys
-        blocks = _i32(step.save_blocks)
-        if len(keys) != len(blocks):
-            self._fail(f"step {step.step_id}: {len(blocks)} save blocks, {len(keys)} keys")
-        if (blocks or step.drop_keys) and not self.cfg.get("disk_budget_blocks"):
+
+        def unpacked(keys) -> list:
+            return list(array("Q", keys)) if core_keys else list(keys)
+
+        keys, parents = unpacked(step.save_keys), unpacked(step.save_parents)
+        blocks, tokens = _i32(step.save_blocks), _i32(step.save_tokens)
+        if not len(keys) == len(blocks) == len(parents) or len(tokens) != len(blocks) * self.bs:
+            self._fail(f"step {step.step_id}: save fields of different lengths")
+        loads, load_keys = _i32(step.load_blocks), unpacked(step.load_keys)
+        drops = unpacked(step.drop_keys)
+        if len(loads) != len(load_keys):
+            self._fail(f"step {step.step_id}: {len(loads)} load blocks, {len(load_keys)} keys")
+        if (blocks or drops or loads or step.clear_disk) and not self.cfg.get("disk_budget_blocks"):
             self._fail(f"step {step.step_id}: disk ops without a disk tier")
-        for b, key in zip(blocks, keys, strict=True):
+        for i, (b, key) in enumerate(zip(blocks, keys, strict=True)):
             slots = self.kv[b]
             if slots[0] is None:
                 self._fail(f"step {step.step_id}: saves block {b}, which holds no K/V")
             rid, first = slots[0]
             if first % self.bs or slots != [(rid, first + i) for i in range(self.bs)]:
                 self._fail(f"step {step.step_id}: saves block {b}, not one whole block: {slots}")
-            tokens = self.requests[rid].known[: first + self.bs]
-            if len(tokens) != first + self.bs:
+            known = self.requests[rid].known[: first + self.bs]
+            if len(known) != first + self.bs:
                 self._fail(f"step {step.step_id}: saves block {b} past rid {rid}'s tokens")
-            want = self.planner.cache.block_keys(tokens)[-1] if core_keys else tuple(tokens)
+            if core_keys:
+                chain = self.planner.cache.block_keys(known)
+                want, parent = chain[-1], chain[-2] if len(chain) > 1 else None
+            else:
+                want, parent = tuple(known), tuple(known[:first])
             if key != want:
                 self._fail(f"step {step.step_id}: block {b} saved as {key}, expected {want}")
+            if parent is not None and parents[i] != parent:
+                self._fail(f"step {step.step_id}: block {b}'s parent key is {parents[i]}")
+            if tokens[i * self.bs : (i + 1) * self.bs] != known[first:]:
+                self._fail(f"step {step.step_id}: block {b} saved with other tokens")
+            self.disk[key] = list(slots)
             event("disk tier: block saved")
-        if step.drop_keys:
-            event("disk tier: files dropped")
+        held = {b for r in self.requests.values() if r.state == "running" for b in r.table}
+        states = bytes(self.planner.block_states())
+        for b, key in zip(loads, load_keys, strict=True):
+            if key not in self.disk:
+                self._fail(f"step {step.step_id}: loads key {key}, which was never saved")
+            if b in held or states[b] != OWNED or loads.count(b) > 1:
+                self._fail(f"step {step.step_id}: loads into block {b}, which is not free to")
+            self._slot(b, 0)[:] = self.disk[key]
+            event("disk tier: block loaded")
+        if loads:
+            self.step_loads[step.step_id] = loads
+        for key in drops:
+            if self.disk.pop(key, None) is None:
+                self._fail(f"step {step.step_id}: drops key {key}, which is not on disk")
+            event("disk tier: file dropped")
+        if step.clear_disk:
+            self.disk.clear()
+            event("disk tier: cleared")
 
     def _samples(self, step_id: int, rids: list[int], accepted, token) -> tuple[list, list]:
         """The report of a step's sampling rids: a verify entry of k drafts names its rid
@@ -865,6 +902,13 @@ class PlannerMachine(RuleBasedStateMachine):
         )
 
     def _report(self, step_id: int, rids: list[int], tokens: list[int], as_bytes=False) -> None:
+        loads = self.step_loads.pop(step_id, [])
+        if loads and self.rng.random() < 0.3:  # a damaged file: that block is never used
+            failed = self.rng.sample(loads, self.rng.randint(1, len(loads)))
+            self.planner.fail_loads(step_id, failed)
+            for b in failed:
+                self.kv[b] = [None] * self.bs
+            event("disk tier: load failed")
         verify = self.step_verify.pop(step_id)
         for rid in verify:  # a wrong draft among the accepted tokens is refused
             named = rids.count(rid)
@@ -1313,7 +1357,13 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"block {b}: state {s}, refcount {rc}")
             if (s == FREE) != (rc == 0):
                 self._fail(f"block {b}: state {s} with refcount {rc}")
-            if rc != holders[b] + (s == CACHED):
+            # a load's block is held by its waiting request until the report, or until that
+            # request ends (which the machine cannot tell from the step): check_invariants
+            # counts those exactly
+            loading = any(b in blocks for blocks in self.step_loads.values())
+            if rc != holders[b] + (s == CACHED) and not (
+                loading and rc == holders[b] + (s == CACHED) + 1
+            ):
                 self._fail(
                     f"block {b}: refcount {rc}, but {holders[b]} running tables hold it "
                     f"and cached={s == CACHED}"
@@ -1345,7 +1395,11 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"request({req.rid}) output {info['output']} is not what was reported")
             if (info["draft_len"], info["verifying"]) != (len(req.draft), len(req.verifying)):
                 self._fail(f"request({req.rid}) = {info}: drafts {req.draft}, {req.verifying}")
-            if info["inflight_steps"] != req.inflight:
+            # a waiting request may be loading its prefix in one step (not an entry of it)
+            loads = req.state in ("waiting", "retracted") and bool(self.step_loads)
+            if info["inflight_steps"] != req.inflight and not (
+                loads and info["inflight_steps"] == req.inflight + 1
+            ):
                 self._fail(f"request({req.rid}) = {info}: {req.inflight} steps in flight")
             if req.admitted and info["cached_tokens"] != req.cached_tokens:
                 self._fail(f"request({req.rid}) = {info}: cached_tokens {req.cached_tokens}")

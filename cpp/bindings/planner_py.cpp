@@ -65,7 +65,13 @@ void bind_step(py::module_& m) {
       .def_property_readonly("retracted", [](const Step& s) { return to_bytes(s.retracted); })
       .def_property_readonly("save_blocks", [](const Step& s) { return to_bytes(s.save_blocks); })
       .def_property_readonly("save_keys", [](const Step& s) { return to_bytes(s.save_keys); })
+      .def_property_readonly("save_parents",
+                             [](const Step& s) { return to_bytes(s.save_parents); })
+      .def_property_readonly("save_tokens", [](const Step& s) { return to_bytes(s.save_tokens); })
+      .def_property_readonly("load_blocks", [](const Step& s) { return to_bytes(s.load_blocks); })
+      .def_property_readonly("load_keys", [](const Step& s) { return to_bytes(s.load_keys); })
       .def_property_readonly("drop_keys", [](const Step& s) { return to_bytes(s.drop_keys); })
+      .def_readonly("clear_disk", &Step::clear_disk)
       .def_readonly("num_prefill_tokens", &Step::num_prefill_tokens)
       .def_readonly("num_decode_tokens", &Step::num_decode_tokens)
       .def("entries", &step_entries, "one dict an entry, for tests and debugging")
@@ -118,6 +124,9 @@ py::dict stats_dict(const pyserve::PlannerStats& s) {
   d["spec_accepted_tokens"] = s.spec_accepted_tokens;
   d["spec_accepted_histogram"] = s.spec_accepted_histogram;
   d["ngram_corpus_tokens"] = s.ngram_corpus_tokens;
+  d["disk_loaded_blocks"] = s.disk_loaded_blocks;
+  d["disk_failed_blocks"] = s.disk_failed_blocks;
+  d["num_loading"] = s.num_loading;
   return d;
 }
 
@@ -246,6 +255,23 @@ void bind_planner(py::module_& m) {
             return p.obj->config().speculative_ngram ? p.released(run) : p.held(run);
           },
           py::arg("rid"))
+      .def(
+          "fail_loads",
+          [](PyPlanner& p, int64_t step_id, py::handle blocks) {
+            auto ids = to_int32s(blocks, "blocks");
+            p.held([&](Planner& x) { x.fail_loads(step_id, ids); });
+          },
+          py::arg("step_id"), py::arg("blocks"),
+          "the blocks (int32 bytes or ints) of the oldest unreported step's loads that failed; "
+          "before its report")
+      .def("spill_to_disk",
+           [](PyPlanner& p) { return p.released([](Planner& x) { return x.spill_to_disk(); }); })
+      .def(
+          "drop_disk_files",
+          [](PyPlanner& p, std::vector<uint64_t> keys) {
+            p.held([&](Planner& x) { x.drop_disk_files(keys); });
+          },
+          py::arg("keys"), "queues drops (for the next step) of block files the tree lacks")
       .def("flush_cache",
            [](PyPlanner& p) { return p.released([](Planner& x) { return x.flush_cache(); }); })
       .def_property_readonly(

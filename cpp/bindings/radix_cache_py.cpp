@@ -206,6 +206,22 @@ void bind_radix_cache(py::module_& m) {
                     c.held([&](RadixCache& x) { return x.block_keys(t.data(), t.size()); }));
               },
               py::arg("tokens"), "the disk key of every whole block of tokens")
+          .def(
+              "forget_disk",
+              [](PyCache& c, int32_t handle, const py::object& tokens) {
+                Int32Arg t(tokens.ptr(), "tokens");
+                if (t.size() < static_cast<size_t>(c.obj->block_size())) {
+                  throw pyserve::ValueError("forget_disk: tokens must hold a whole block");
+                }
+                return c.held([&](RadixCache& x) { return x.forget_disk(handle, t.data()); });
+              },
+              py::arg("handle"), py::arg("tokens"),
+              "forgets the disk child of handle starting with tokens' first block, and its "
+              "subtree (drops queued); returns the disk blocks forgotten")
+          .def(
+              "disk_keys",
+              [](PyCache& c) { return key_list(c.held([](auto& x) { return x.disk_keys(); })); },
+              "every disk block's key")
           .def("stats",
                [](PyCache& c) {
                  return cache_stats_dict(c.held([](auto& x) { return x.stats(); }));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -242,6 +243,7 @@ void Planner::end_request(Request& r) {
     remove_running(r);
   } else {
     waiting_.erase(r.queue_pos);
+    drop_load(r);
   }
   r.state = RequestState::kDone;
   if (config_.tenant_fairness) --tenants_[r.tenant].live;
@@ -255,7 +257,35 @@ void Planner::end_request(Request& r) {
 
 int64_t Planner::flush_cache() {
   if (drafter_) drafter_->clear_corpus();  // it holds what earlier requests computed, as the tree
+  clear_disk_ = config_.disk_budget_blocks > 0;
   return cache_.reset();
+}
+
+int64_t Planner::spill_to_disk() {
+  if (config_.disk_budget_blocks == 0) return 0;
+  const int64_t before = cache_.stats().saved_blocks;
+  cache_.evict(std::numeric_limits<int64_t>::max());
+  return cache_.stats().saved_blocks - before;
+}
+
+void Planner::fail_loads(int64_t step_id, const std::vector<BlockId>& blocks) {
+  if (inflight_.empty() || inflight_.front().step_id != step_id) {
+    throw ProtocolError("fail_loads for step " + std::to_string(step_id) +
+                        ", which is not the oldest unreported step");
+  }
+  InflightStep& s = inflight_.front();
+  for (BlockId b : blocks) {
+    const bool loaded = std::any_of(s.loads.begin(), s.loads.end(), [b](const Request* r) {
+      return std::find(r->loading.begin(), r->loading.end(), b) != r->loading.end();
+    });
+    // a load of an aborted request has given its blocks back: any id of the step's is fine
+    if (!loaded && std::none_of(s.loads.begin(), s.loads.end(),
+                                [](const Request* r) { return r->state == RequestState::kDone; })) {
+      throw ValueError("fail_loads for step " + std::to_string(step_id) + ": block " +
+                       std::to_string(b) + " is not one of its loads");
+    }
+  }
+  s.failed_loads.insert(s.failed_loads.end(), blocks.begin(), blocks.end());
 }
 
 void Planner::set_draft(int64_t rid, std::vector<int32_t> draft) {
@@ -392,7 +422,8 @@ std::optional<Step> Planner::plan() {
   dropped_.clear();
   take_disk_ops(step);
   if (step.num_entries() == 0 && step.dropped.empty() && step.retracted.empty() &&
-      step.save_blocks.empty() && step.drop_keys.empty()) {
+      step.save_blocks.empty() && step.load_blocks.empty() && step.drop_keys.empty() &&
+      !step.clear_disk) {
     return {};
   }
   ++next_step_id_;
@@ -408,8 +439,74 @@ void Planner::take_disk_ops(Step& step) {
   for (const DiskOp& op : cache_.take_saves()) {
     step.save_blocks.push_back(op.block);
     step.save_keys.push_back(op.key);
+    step.save_parents.push_back(op.parent);
+    step.save_tokens.insert(step.save_tokens.end(), op.tokens.begin(), op.tokens.end());
   }
   step.drop_keys = cache_.take_drops();
+  step.clear_disk = clear_disk_;
+  clear_disk_ = false;
+}
+
+// Starts filling c's disk continuation: blocks for it, the loads in the step, a lock on the
+// prefix matched in RAM. admit_cost counted the blocks.
+void Planner::start_load(Request& c, Step& step, InflightStep& record) {
+  const std::vector<int32_t>& seq = sequence(c);
+  const PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1, false);
+  cache_.lock(match.node);
+  if (c.load_node >= 0) cache_.unlock(c.load_node);
+  c.load_node = match.node;
+  const int64_t first = match.num_tokens / block_size_;
+  const std::vector<uint64_t> keys =
+      cache_.block_keys(seq.data(), static_cast<size_t>((first + match.disk_blocks) * block_size_));
+  if (!allocate_blocks(match.disk_blocks, c.loading)) {
+    throw InvariantError("a load counted the blocks available but could not allocate " +
+                         std::to_string(match.disk_blocks));
+  }
+  step.load_blocks.insert(step.load_blocks.end(), c.loading.begin(), c.loading.end());
+  step.load_keys.insert(step.load_keys.end(), keys.begin() + first, keys.end());
+  record.loads.push_back(&c);
+  ++c.inflight_steps;
+}
+
+// A request that ends while waiting gives back what a load holds (the worker may still fill
+// the blocks: a later step that reuses them runs after it).
+void Planner::drop_load(Request& r) {
+  allocator_.decref(r.loading.data(), r.loading.size());
+  r.loading.clear();
+  if (r.load_node >= 0) cache_.unlock(r.load_node);
+  r.load_node = -1;
+}
+
+// The report of a step with loads: each loading request's blocks join the tree up to the first
+// failed one; the disk nodes from there on are forgotten, to be recomputed.
+void Planner::finish_loads(InflightStep& s) {
+  for (Request* rp : s.loads) {
+    Request& r = *rp;
+    --r.inflight_steps;
+    if (r.state == RequestState::kDone) continue;  // its blocks went back when it ended
+    size_t good = 0;
+    while (good < r.loading.size() &&
+           std::find(s.failed_loads.begin(), s.failed_loads.end(), r.loading[good]) ==
+               s.failed_loads.end()) {
+      ++good;
+    }
+    const std::vector<int32_t>& seq = sequence(r);
+    if (good > 0) {
+      const int64_t base = cache_.depth(r.load_node);
+      const InsertResult result =
+          cache_.insert_from(r.load_node, seq.data() + base,
+                             good * static_cast<size_t>(block_size_), r.loading.data(), good);
+      cache_.move_lock(r.load_node, result.node);
+      r.load_node = result.node;
+    }
+    if (good < r.loading.size()) {
+      cache_.forget_disk(r.load_node, seq.data() + cache_.depth(r.load_node));
+      disk_failed_blocks_ += static_cast<int64_t>(r.loading.size() - good);
+    }
+    disk_loaded_blocks_ += static_cast<int64_t>(good);
+    allocator_.decref(r.loading.data(), r.loading.size());  // the tree holds the loaded ones
+    r.loading.clear();
+  }
 }
 
 void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t num_tokens,
@@ -625,8 +722,12 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
   for (const Request* r : running_) reserved += future_blocks(*r);
   // Every admission needs at least one new block: skip ordering the queue (lpm walks the tree
   // for each waiting request) when not even that is left.
-  if (available_blocks() <= reserved) return;
+  if (available_blocks() <= reserved) {
+    release_load_locks(nullptr);
+    return;
+  }
 
+  memory_stop_ = nullptr;
   if (config_.tenant_fairness) {
     while (Request* c = least_served_waiting()) {
       if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
@@ -640,6 +741,18 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
       Request& c = **it++;  // advance first: admission erases c from the queue
       if (!try_admit(c, step, record, prefill_budget, reserved)) break;
     }
+  }
+  if (memory_stop_) release_load_locks(memory_stop_);
+}
+
+// Admission stopped for lack of blocks: the loaded prefixes that other waiting requests lock
+// become evictable again, so that they cannot keep the request at the head out forever (they
+// are loaded again, or recomputed, when their turn comes).
+void Planner::release_load_locks(const Request* keep) {
+  for (Request* r : waiting_) {
+    if (r == keep || r->inflight_steps > 0 || r->load_node < 0) continue;
+    cache_.unlock(r->load_node);
+    r->load_node = -1;
   }
 }
 
@@ -702,12 +815,27 @@ bool Planner::try_admit(Request& c, Step& step, InflightStep& record, int64_t& p
   }
   if (!admissible(c)) return true;
   const AdmitCost a = admit_cost(c, prefill_budget, reserved);
-  if (a.shortfall > 0) return false;
+  if (a.peek.disk_blocks > 0) {  // load it first (the disk tier implies c.match_prefix)
+    if (reserved + a.peek.disk_blocks > available_blocks() - a.peek.unlocked_blocks) {
+      memory_stop_ = &c;
+      return false;
+    }
+    start_load(c, step, record);
+    return true;
+  }
+  if (a.shortfall > 0) {
+    memory_stop_ = &c;
+    return false;
+  }
   const std::vector<int32_t>& seq = sequence(c);
   waiting_.erase(c.queue_pos);
   if (config_.enable_radix_cache && c.match_prefix) {
     PrefixMatch match = cache_.match_prefix(seq.data(), seq.size() - 1);
     cache_.lock(match.node);
+    if (c.load_node >= 0) {  // the loaded prefix, locked until now
+      cache_.unlock(c.load_node);
+      c.load_node = -1;
+    }
     allocator_.incref(match.blocks.data(), match.blocks.size());
     c.table = std::move(match.blocks);
     c.node = match.node;
@@ -958,9 +1086,13 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
       cache_computed_blocks(r);
     }
   }
+  if (!s.loads.empty()) finish_loads(s);
   for (const InflightEntry& entry : s.entries) {
     Request& r = *entry.request;
     if (r.state == RequestState::kDone && r.inflight_steps == 0) requests_.erase(r.rid);
+  }
+  for (Request* r : s.loads) {
+    if (r->state == RequestState::kDone && r->inflight_steps == 0) requests_.erase(r->rid);
   }
   inflight_.pop_front();
 }
@@ -985,6 +1117,9 @@ PlannerStats Planner::stats() const {
   s.spec_accepted_tokens = spec_accepted_tokens_;
   s.spec_accepted_histogram = spec_accepted_histogram_;
   s.ngram_corpus_tokens = drafter_ && drafter_->corpus() ? drafter_->corpus()->num_tokens() : 0;
+  s.disk_loaded_blocks = disk_loaded_blocks_;
+  s.disk_failed_blocks = disk_failed_blocks_;
+  for (const Request* r : waiting_) s.num_loading += r->inflight_steps > 0 && !r->loading.empty();
   s.cache = cache_.stats();
   return s;
 }

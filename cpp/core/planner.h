@@ -55,6 +55,16 @@
 // waits in the window; so one tenant's backlog delays another tenant's request only while that
 // other tenant has been served more tokens than the backlogged one.
 //
+// Disk tier (disk_budget_blocks > 0): evicted cache blocks are saved to disk (the steps carry
+// the saves). A waiting request whose prefix continues on disk loads it before admission: the
+// planner allocates blocks for the disk blocks, puts the loads in the step and locks the prefix
+// matched in RAM; the request is passed over until that step's report. The report puts the
+// loaded blocks in the tree, up to the first whose load failed (fail_loads); the disk nodes
+// from that one on are forgotten (their files dropped) and recomputed. The request keeps its
+// lock on the loaded prefix until it is admitted, so eviction cannot undo the load, unless
+// admission stops for lack of blocks at another request: then those locks go (they could keep
+// it out forever) and a request whose prefix was evicted again loads it again.
+//
 // Ownership invariant (check_invariants): a block's refcount is 1 if the tree holds it plus one
 // for every running request whose table holds it; the tree blocks in a running request's table
 // lie on the path to the node it locks; each running request holds exactly one lock.
@@ -144,6 +154,9 @@ struct PlannerStats {
   int64_t spec_draft_tokens = 0;                 // drafts they verified
   int64_t spec_accepted_tokens = 0;              // drafts they accepted
   std::vector<int64_t> spec_accepted_histogram;  // [a]: verify entries that accepted a drafts
+  int64_t disk_loaded_blocks = 0;                // blocks filled from disk and put in the tree
+  int64_t disk_failed_blocks = 0;                // loads that failed (recomputed instead)
+  int64_t num_loading = 0;                       // waiting requests with loads in flight
   int64_t ngram_corpus_tokens = 0;               // tokens in the drafter's corpus
   CacheStats cache;
 };
@@ -190,9 +203,20 @@ class Planner {
   // the planner's own drafts are only as many as the costs say pay. ValueError for bad values.
   void set_decode_costs(const std::vector<double>& ms_by_tokens, double verify_overhead_ms);
 
+  // The blocks of step step_id's loads that failed (the oldest unreported step; before its
+  // report). ProtocolError for another step, ValueError for a block it does not load.
+  void fail_loads(int64_t step_id, const std::vector<BlockId>& blocks);
+  // Turns every unlocked cached RAM block into a disk block (saved by the next step), as a
+  // clean stop does; returns the blocks. 0 without the disk tier.
+  int64_t spill_to_disk();
+  // Queues drops for block files the tree does not hold (found at start, not indexed).
+  void drop_disk_files(const std::vector<uint64_t>& keys) { cache_.queue_drops(keys); }
+
   void finish(int64_t rid);  // KeyError if unknown or already finished/aborted
   bool abort(int64_t rid);   // false if unknown or already finished/aborted
-  int64_t flush_cache();     // drops every unlocked cache node; returns blocks released
+  // Drops every unlocked cache node and the disk tier (the next step clears its files);
+  // returns blocks released.
+  int64_t flush_cache();
 
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
@@ -220,6 +244,8 @@ class Planner {
   struct InflightStep {
     int64_t step_id;
     std::vector<InflightEntry> entries;
+    std::vector<Request*> loads;        // waiting requests whose loads the step carries
+    std::vector<BlockId> failed_loads;  // fail_loads
   };
 
   Request* find(int64_t rid) const;
@@ -272,6 +298,10 @@ class Planner {
   void end_request(Request& r);
   void cache_computed_blocks(Request& r);
   void take_disk_ops(Step& step);
+  void start_load(Request& c, Step& step, InflightStep& record);
+  void finish_loads(InflightStep& s);
+  void drop_load(Request& r);
+  void release_load_locks(const Request* keep);
 
   PlannerConfig config_;
   Policy policy_;
@@ -301,6 +331,10 @@ class Planner {
   int64_t spec_draft_tokens_ = 0;
   int64_t spec_accepted_tokens_ = 0;
   std::vector<int64_t> spec_accepted_histogram_;
+  bool clear_disk_ = false;         // flush_cache since the last step
+  Request* memory_stop_ = nullptr;  // where admission stopped for lack of blocks, in a plan
+  int64_t disk_loaded_blocks_ = 0;
+  int64_t disk_failed_blocks_ = 0;
   std::vector<int32_t> scratch_tokens_;
   std::vector<size_t> scratch_targets_;  // report: the entry each token belongs to
   std::vector<int32_t> scratch_counts_;  // report: tokens named for each entry

@@ -110,6 +110,13 @@ void Planner::check_invariants() const {
         fail("request " + std::to_string(e.request->rid) + " has two unreported verify entries");
       }
     }
+    for (const Request* r : s.loads) {
+      if (++named[r] > 1) fail("request " + std::to_string(r->rid) + " loads in two steps");
+      if (r->state != RequestState::kDone && r->state != RequestState::kWaiting &&
+          r->state != RequestState::kRetracted) {
+        fail("request " + std::to_string(r->rid) + " loads while " + state_name(r->state));
+      }
+    }
   }
   for (const auto& [rid, owned] : requests_) {
     auto it = named.find(owned.get());
@@ -172,6 +179,28 @@ void Planner::check_invariants() const {
       }
     }
   }
+  // A waiting request's load: its blocks (one reference each), its lock, both only while a
+  // step carrying the loads is unreported; its lock alone once they are in the tree.
+  for (const Request* rp : waiting_) {
+    const Request& r = *rp;
+    const std::string name = "request " + std::to_string(r.rid);
+    if (!r.loading.empty() && r.inflight_steps == 0) fail(name + " holds loads no step carries");
+    if (!r.loading.empty() && r.load_node < 0) fail(name + " loads without a lock");
+    for (BlockId b : r.loading) {
+      if (b < 0 || static_cast<size_t>(b) >= num_blocks) fail(name + " loads a bad block id");
+      ++expected[b];
+    }
+    if (r.load_node < 0) continue;
+    if (!radix || config_.disk_budget_blocks == 0) fail(name + " loads without a disk tier");
+    if (!cache_.is_live(r.load_node)) fail(name + " locks a node that was evicted");
+    ++direct_locks[r.load_node];
+  }
+  for (const auto& [rid, owned] : requests_) {
+    if (owned->state != RequestState::kWaiting && owned->state != RequestState::kRetracted &&
+        (owned->load_node >= 0 || !owned->loading.empty())) {
+      fail("request " + std::to_string(rid) + " holds a load while " + state_name(owned->state));
+    }
+  }
   for (size_t b = 0; b < num_blocks; ++b) {
     const int32_t actual = allocator_.refcounts()[b];
     if (actual != expected[b]) {
@@ -192,7 +221,7 @@ void Planner::check_invariants() const {
     for (NodeId id = 0; id < cache_.node_id_limit(); ++id) {
       if (cache_.is_live(id) && cache_.lock_count(id) != expected_locks[id]) {
         fail("cache node " + std::to_string(id) + " has " + std::to_string(cache_.lock_count(id)) +
-             " locks, but running requests hold " + std::to_string(expected_locks[id]));
+             " locks, but requests hold " + std::to_string(expected_locks[id]));
       }
     }
   } else if (cache_.cached_blocks() != 0) {

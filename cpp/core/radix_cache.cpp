@@ -216,7 +216,7 @@ void RadixCache::touch(NodeId node, NodeId stop) {
   }
 }
 
-PrefixMatch RadixCache::match_prefix(const int32_t* tokens, size_t n) {
+PrefixMatch RadixCache::match_prefix(const int32_t* tokens, size_t n, bool count_stats) {
   PrefixMatch result;
   const int64_t num_full = static_cast<int64_t>(n / static_cast<size_t>(block_size_));
   result.blocks.reserve(static_cast<size_t>(num_full));
@@ -226,8 +226,10 @@ PrefixMatch RadixCache::match_prefix(const int32_t* tokens, size_t n) {
   result.disk_blocks = disk_after(w, tokens, num_full);
   ++clock_;
   touch(result.node);
-  query_tokens_ += static_cast<int64_t>(n);
-  hit_tokens_ += result.num_tokens;
+  if (count_stats) {
+    query_tokens_ += static_cast<int64_t>(n);
+    hit_tokens_ += result.num_tokens;
+  }
   return result;
 }
 
@@ -523,10 +525,12 @@ void RadixCache::to_disk(NodeId node) {
   const int64_t count = edge_blocks(n);
   n.keys.resize(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
+    const BlockId b = n.blocks[i];
+    const uint64_t parent = key;
     key = next_key(key, hash_tokens(&n.tokens[i * block_size_]));
     n.keys[i] = key;
-    const BlockId b = n.blocks[i];
-    pending_saves_.push_back(DiskOp{b, key});
+    const auto first = n.tokens.begin() + i * block_size_;
+    pending_saves_.push_back(DiskOp{b, key, parent, std::vector<int32_t>(first, first + block_size_)});
     block_node_[b] = -1;
     allocator_.decref(b);
   }
@@ -637,6 +641,34 @@ int64_t RadixCache::insert_disk(const int32_t* tokens, size_t n) {
   l.last_access = clock_;
   disk_relist(leaf);
   return count;
+}
+
+int64_t RadixCache::forget_disk(NodeId node, const int32_t* tokens) {
+  check_node(node, "forget_disk");
+  const NodeId child = find_child(nodes_[node], tokens);
+  if (child < 0 || !nodes_[child].on_disk) return 0;
+  std::vector<NodeId> order{child};  // parents before children: removed in reverse
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (const auto& entry : nodes_[order[i]].children) order.push_back(entry.second);
+  }
+  int64_t forgotten = 0;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    forgotten += remove_disk_leaf(*it, true);
+  }
+  return forgotten;
+}
+
+std::vector<uint64_t> RadixCache::disk_keys() const {
+  std::vector<uint64_t> keys;
+  keys.reserve(static_cast<size_t>(disk_blocks_));
+  for (const Node& n : nodes_) {
+    if (n.live && n.on_disk) keys.insert(keys.end(), n.keys.begin(), n.keys.end());
+  }
+  return keys;
+}
+
+void RadixCache::queue_drops(const std::vector<uint64_t>& keys) {
+  pending_drops_.insert(pending_drops_.end(), keys.begin(), keys.end());
 }
 
 std::vector<DiskOp> RadixCache::take_saves() {

@@ -60,10 +60,14 @@ struct PrefixMatch {
   int64_t disk_blocks = 0;      // blocks after the match that the disk tier holds
 };
 
-// A block to copy between the KV pool and the disk tier.
+// A block to copy between the KV pool and the disk tier. A save also names the key of the block
+// before it on its path (the chain's seed for a first block) and its tokens: what a restart needs
+// to put the block back in the tree (insert_disk).
 struct DiskOp {
   BlockId block = -1;
   uint64_t key = 0;
+  uint64_t parent = 0;
+  std::vector<int32_t> tokens;  // a save's block_size tokens (empty for a load)
 };
 
 // What a match would find, without touching the tree.
@@ -103,8 +107,9 @@ class RadixCache {
   int32_t block_size() const { return block_size_; }
 
   // Longest cached block-aligned prefix of tokens[0, n). Splits an edge that matches only in
-  // part (so the returned node ends exactly at the prefix), refreshes LRU times, counts stats.
-  PrefixMatch match_prefix(const int32_t* tokens, size_t n);
+  // part (so the returned node ends exactly at the prefix), refreshes LRU times, counts stats
+  // (unless count_stats is false: a second match of the same query).
+  PrefixMatch match_prefix(const int32_t* tokens, size_t n, bool count_stats = true);
   // How many blocks match_prefix would find; changes nothing.
   PrefixPeek peek_prefix(const int32_t* tokens, size_t n) const;
 
@@ -151,6 +156,14 @@ class RadixCache {
   // tier holds after a restart), within the budget; returns how many blocks were added. A block
   // already in the tree (RAM or disk) is left alone. Adds nothing with the tier off.
   int64_t insert_disk(const int32_t* tokens, size_t n);
+  // Forgets the disk child of `node` whose edge starts with the block at tokens[0, block_size),
+  // with everything below it, queueing their keys as drops (a load of one failed: its file is
+  // damaged). Returns the disk blocks forgotten (0 if that child is not on disk).
+  int64_t forget_disk(NodeId node, const int32_t* tokens);
+  // Every disk block's key.
+  std::vector<uint64_t> disk_keys() const;
+  // Queues drops for keys the tree does not hold (block files found at start but not indexed).
+  void queue_drops(const std::vector<uint64_t>& keys);
   // The queued ops, emptied by the call: saves in eviction order; drops are keys whose files
   // are no longer wanted (a key saved and dropped before being taken is in neither).
   std::vector<DiskOp> take_saves();

@@ -57,6 +57,13 @@ struct Request {
   int64_t spec_drafted = 0;    // drafts of its reported verify entries
   int64_t spec_accepted = 0;   // of which accepted
 
+  // The disk tier: while waiting, blocks being filled from disk files by an unreported step
+  // (owned by the request until that report puts them in the tree), and the cache node it locks
+  // meanwhile (-1: none), which keeps the prefix it loads onto, then the loaded blocks, in RAM
+  // until it is admitted.
+  std::vector<BlockId> loading;
+  NodeId load_node = -1;
+
   int64_t cached_tokens = 0;  // prefix hit at the first admission
   bool ever_admitted = false;
   int32_t inflight_steps = 0;               // unreported steps with an entry for this request

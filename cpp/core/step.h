@@ -26,12 +26,20 @@ struct Step {
   // Request ids, not entries.
   std::vector<int64_t> dropped;    // finished or aborted since the previous step
   std::vector<int64_t> retracted;  // retracted while planning this step
-  // The disk tier (PlannerConfig::disk_budget_blocks), done before this step's forward pass:
-  // save block save_blocks[i]'s K/V as save_keys[i] (evicted while planning this step: the
-  // step may write into the block, so the copy comes first); delete the files of drop_keys.
+  // The disk tier (PlannerConfig::disk_budget_blocks), done before this step's forward pass, in
+  // this order: save block save_blocks[i]'s K/V as save_keys[i] (evicted while planning this
+  // step: the step may write into the block, so the copy comes first), its parent key and
+  // block_size tokens beside it; fill block load_blocks[i] from the file of load_keys[i] (the
+  // report names the blocks whose load failed: Planner::fail_loads); delete the files of
+  // drop_keys; with clear_disk, delete every block file (the cache was flushed).
   std::vector<int32_t> save_blocks;
   std::vector<uint64_t> save_keys;
+  std::vector<uint64_t> save_parents;
+  std::vector<int32_t> save_tokens;
+  std::vector<int32_t> load_blocks;
+  std::vector<uint64_t> load_keys;
   std::vector<uint64_t> drop_keys;
+  bool clear_disk = false;
   int64_t num_prefill_tokens = 0;
   int64_t num_decode_tokens = 0;  // positions computed by decode entries, drafts included
 
