@@ -103,6 +103,7 @@ class Detokenizer:
             detokenizer_requests=len(self.requests),
             worker_busy_seconds=msg.busy_seconds,
             worker_steps=msg.steps,
+            failed_loads=msg.failed_loads,
         )
 
     def _process_round(
@@ -176,6 +177,7 @@ class Detokenizer:
             detokenizer_requests=len(self.requests),
             worker_busy_seconds=msg.busy_seconds,
             worker_steps=msg.steps,
+            failed_loads=msg.failed_loads,
         )
 
 

@@ -34,6 +34,7 @@ class StepDone(msgspec.Struct, tag=True, omit_defaults=True):
     # Forwarded from StepTokens: the worker's running totals of busy seconds and steps.
     worker_busy_seconds: float = 0.0
     worker_steps: int = 0
+    failed_loads: bytes = b""  # int32: forwarded from StepTokens.failed_loads
 
 
 class WorkerError(msgspec.Struct, tag=True):
@@ -61,6 +62,9 @@ class Ready(msgspec.Struct, tag=True):
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
     tp_size: int = 1  # tensor-parallel ranks the model is split over
+    disk_tier: str = ""  # the disk tier's directory in use ("": none)
+    disk_block_bytes: int = 0  # payload bytes of one block on disk
+    disk_index: bytes = b""  # WorkerReady.disk_index: the block files found at start
 
 
 class Stopped(msgspec.Struct, tag=True):

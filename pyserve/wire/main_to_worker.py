@@ -180,6 +180,20 @@ class Step(msgspec.Struct, tag=True):
     block_counts: bytes  # int32 per entry
     block_ids: bytes  # int32, concatenated
     dropped: bytes  # int64: requests whose state the worker and detokenizer drop
+    # The disk tier's operations, done before the forward pass in this order: saves, loads,
+    # drops, then clear. A save writes block ``save_blocks[i]`` under ``save_keys[i]``; its
+    # parent is the key of the block before it on its path (the root's chain seed for a first
+    # block); ``save_tokens`` holds block_size token ids per save. A load fills
+    # ``load_blocks[i]`` from the file of ``load_keys[i]``; StepTokens.failed_loads names the
+    # blocks that could not be (main recomputes them).
+    save_blocks: bytes = b""  # int32
+    save_keys: bytes = b""  # uint64
+    save_parents: bytes = b""  # uint64
+    save_tokens: bytes = b""  # int32, block_size per save
+    load_blocks: bytes = b""  # int32
+    load_keys: bytes = b""  # uint64
+    drop_keys: bytes = b""  # uint64
+    clear_disk: bool = False  # delete every block file (after this step's saves and drops)
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -206,4 +220,13 @@ def step_from_plan(plan) -> Step:  # plan: pyserve._core.Step
         block_counts=plan.block_counts,
         block_ids=plan.block_ids,
         dropped=plan.dropped,
+        # the disk ops, where the core's Step has them (a core without them plans none)
+        save_blocks=getattr(plan, "save_blocks", b""),
+        save_keys=getattr(plan, "save_keys", b""),
+        save_parents=getattr(plan, "save_parents", b""),
+        save_tokens=getattr(plan, "save_tokens", b""),
+        load_blocks=getattr(plan, "load_blocks", b""),
+        load_keys=getattr(plan, "load_keys", b""),
+        drop_keys=getattr(plan, "drop_keys", b""),
+        clear_disk=bool(getattr(plan, "clear_disk", False)),
     )

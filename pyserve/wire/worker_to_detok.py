@@ -58,6 +58,7 @@ class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     # and steps run.
     busy_seconds: float = 0.0
     steps: int = 0
+    failed_loads: bytes = b""  # int32: Step.load_blocks that could not be loaded from disk
 
 
 class WorkerError(msgspec.Struct, tag=True):
@@ -85,6 +86,11 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
     tp_size: int = 1  # tensor-parallel ranks the model is split over
+    disk_tier: str = ""  # the disk tier's directory in use ("": none)
+    disk_block_bytes: int = 0  # payload bytes of one block on disk
+    # every block file's header at start: per block, key '<u8', parent key '<u8', then
+    # block_size int32 token ids
+    disk_index: bytes = b""
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -51,6 +51,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # on a CUDA device: size the KV pool (instead of num_blocks) so that the worker holds this
     # fraction of the device's memory once the weights are loaded
     mem_fraction_static: float | None = None
+    # the disk tier under the prefix cache: the base directory of its block files ("": no disk
+    # tier; the worker uses ``<dir>/kv-<fingerprint>/``) and the bytes it may hold (the core
+    # keeps within them)
+    disk_cache_dir: str = ""
+    disk_cache_bytes: int = 0
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before anything loads."""
@@ -85,6 +90,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(
                     f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
                 )
+        if self.disk_cache_bytes < 0:
+            raise ValueError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes}")
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(
                 f"num_blocks={self.num_blocks} and block_size={self.block_size} must be >= 1"
