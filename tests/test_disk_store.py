@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 
 import pytest
 
@@ -110,3 +111,83 @@ def test_a_failed_write_leaves_no_file(store, monkeypatch, caplog):
     assert store.load(0xABC) is None
     assert list(store.directory.glob("*.kv*")) == []  # nor a temporary file
     assert any("could not write block" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def held_writer(store, monkeypatch):
+    """The store's writer blocked before each file until the Event is set."""
+    release = threading.Event()
+    write = store._write
+
+    def held(*args):
+        release.wait(timeout=30)
+        write(*args)
+
+    monkeypatch.setattr(store, "_write", held)
+    yield release
+    release.set()
+
+
+def test_a_queued_save_loads_before_its_file_exists(store, held_writer):
+    store.save(0xABC, 7, [1, 2, 3], b"pending")
+    assert not store.path(0xABC).exists()
+    assert store.load(0xABC) == b"pending"
+    assert store.load(0xABC, [1, 2, 3]) == b"pending"
+    assert store.load(0xABC, [1, 2, 4]) is None  # the tokens are checked as for a file
+    held_writer.set()
+    store.wait()
+    assert store.pending == 0
+    assert store.load(0xABC) == b"pending"  # now from the file
+    assert store.path(0xABC).exists()
+
+
+def test_drops_apply_in_order_with_the_queued_writes(store, held_writer):
+    store.save(1, 0, [5], b"first")
+    store.drop(1)
+    assert store.load(1) is None  # at once, though the write is still queued
+    store.save(1, 0, [5], b"second")
+    assert store.load(1) == b"second"
+    store.save(2, 0, [6], b"kept")
+    store.drop(2)
+    held_writer.set()
+    store.wait()
+    assert store.load(1) == b"second"  # save, drop, save again: the last save stands
+    assert store.load(2) is None and not store.path(2).exists()
+    assert store.pending == 0
+
+
+def test_a_dropped_file_no_longer_loads_before_the_writer_removes_it(store, held_writer):
+    held_writer.set()
+    path = saved(store, key=3)
+    held_writer.clear()
+    store.save(4, 0, [1], b"x")  # holds the writer: the drop below waits behind it
+    store.drop(3)
+    assert path.exists() and store.load(3) is None
+    held_writer.set()
+    store.wait()
+    assert not path.exists()
+
+
+def test_clear_skips_the_queued_writes(store, held_writer):
+    for key in range(3):
+        store.save(key, 0, [key], b"q")
+    clearing = threading.Thread(target=store.clear)  # waits for the write under way
+    clearing.start()
+    held_writer.set()
+    clearing.join(timeout=30)
+    assert store.index() == [] and store.pending == 0
+    assert all(store.load(key) is None for key in range(3))
+
+
+def test_a_stale_temporary_file_is_removed_when_the_tier_opens(tmp_path):
+    first = open_tier(tmp_path, FP)
+    assert first is not None
+    stale = first.directory / "0000000000000abc.tmp1234"
+    stale.write_bytes(b"torn")
+    first.close()
+    second = open_tier(tmp_path, FP)
+    assert second is not None
+    try:
+        assert not stale.exists()
+    finally:
+        second.close()

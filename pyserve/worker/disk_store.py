@@ -8,7 +8,10 @@ a truncated file, a full disk or a foreign fingerprint all fail the checks, and 
 None: the caller recomputes, it never uses bytes that did not verify.
 
 Writes run on one background thread (off the step loop): ``save`` copies nothing and returns at
-once; ``wait`` blocks until every queued write is on disk (tests, shutdown).
+once; ``wait`` blocks until every queued write is on disk (tests, shutdown). A block saved but
+not yet written loads from memory (the step after its save may need it back), and drops go
+through the same queue as writes, so that save, drop, save again of one key end as the last save.
+A queued write whose key was dropped or saved again since is skipped.
 
 ``open_tier`` makes ``<base>/kv-<fingerprint>/`` private (mode 0700) and holds an exclusive
 ``fcntl`` lock on its ``lock`` file for the store's lifetime: a second server on the same
@@ -43,6 +46,19 @@ class BlockHeader:
     payload_bytes: int
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: "is it still the pending write"
+class _Save:
+    key: int
+    parent_key: int
+    tokens: tuple[int, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class _Drop:
+    key: int
+
+
 def fingerprint_of(*parts: object) -> bytes:
     """32 bytes naming everything that determines a block's KV bytes (model, dtype, layout...)."""
     return hashlib.sha256(repr(parts).encode()).digest()
@@ -61,7 +77,12 @@ class DiskBlockStore:
         self.directory = directory
         self.fingerprint = fingerprint
         self._lock_file = lock_file  # kept open: closing it would release the lock
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[_Save | _Drop | None] = queue.Queue()
+        # key -> its latest queued save, until the writer has written it: loads read it here
+        self._pending: dict[int, _Save] = {}
+        # key -> its queued drops not yet done: its file, if any, is gone as far as loads go
+        self._dropping: dict[int, int] = {}
+        self._pending_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -72,7 +93,16 @@ class DiskBlockStore:
 
     def save(self, key: int, parent_key: int, tokens: list[int], payload: bytes) -> None:
         """Queues a block file; payload must not change afterwards (pass a fresh bytes)."""
-        self._queue.put((key, parent_key, tuple(tokens), payload))
+        item = _Save(key, parent_key, tuple(tokens), payload)
+        with self._pending_lock:
+            self._pending[key] = item
+        self._queue.put(item)
+
+    @property
+    def pending(self) -> int:
+        """Saves queued and not yet written."""
+        with self._pending_lock:
+            return len(self._pending)
 
     def wait(self) -> None:
         """Until every queued write is done (or failed: a failed write leaves no file)."""
@@ -84,11 +114,31 @@ class DiskBlockStore:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if isinstance(item, _Drop):
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path(item.key).unlink()
+                elif self._is_pending(item):  # else dropped or saved again since: skipped
+                    self._write(item.key, item.parent_key, item.tokens, item.payload)
             except OSError as e:  # a full disk costs a recompute later, nothing else
-                logger.warning("disk KV tier: could not write block %016x: %s", item[0], e)
+                logger.warning("disk KV tier: could not write block %016x: %s", item.key, e)
             finally:
+                if isinstance(item, _Save):
+                    with self._pending_lock:
+                        if self._pending.get(item.key) is item:
+                            del self._pending[item.key]
+                elif isinstance(item, _Drop):
+                    self._dropped(item.key)
                 self._queue.task_done()
+
+    def _dropped(self, key: int) -> None:
+        with self._pending_lock:
+            left = self._dropping.pop(key) - 1
+            if left:
+                self._dropping[key] = left
+
+    def _is_pending(self, item: _Save) -> bool:
+        with self._pending_lock:
+            return self._pending.get(item.key) is item
 
     def _write(self, key: int, parent_key: int, tokens: tuple, payload: bytes) -> None:
         head = _HEADER.pack(MAGIC, self.fingerprint, key, parent_key, len(tokens), len(payload))
@@ -130,7 +180,16 @@ class DiskBlockStore:
         return [h for h in headers if h is not None]
 
     def load(self, key: int, tokens: list[int] | None = None) -> bytes | None:
-        """The block's payload if its file is whole, ours and (given tokens) for these tokens."""
+        """The block's payload if its file is whole, ours and (given tokens) for these tokens;
+        a save still queued answers from memory."""
+        with self._pending_lock:
+            item = self._pending.get(key)
+            if item is None and key in self._dropping:
+                return None
+        if item is not None:
+            if tokens is not None and list(item.tokens) != list(tokens):
+                return None
+            return item.payload
         try:
             data = self.path(key).read_bytes()
         except OSError:
@@ -155,11 +214,17 @@ class DiskBlockStore:
     # -- removal ------------------------------------------------------------------------------
 
     def drop(self, key: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path(key).unlink()
+        """Removes the block: at once for loads, its file in order with the queued writes."""
+        with self._pending_lock:
+            self._pending.pop(key, None)
+            self._dropping[key] = self._dropping.get(key, 0) + 1
+        self._queue.put(_Drop(key))
 
     def clear(self) -> None:
-        """Deletes every block file (after the queued writes, which would recreate some)."""
+        """Deletes every block file (the queued writes are skipped, the one under way waited
+        for: it would recreate its file)."""
+        with self._pending_lock:
+            self._pending.clear()
         self.wait()
         for p in self.directory.glob("*.kv"):
             with contextlib.suppress(FileNotFoundError):
@@ -184,4 +249,8 @@ def open_tier(base: Path, fingerprint: bytes) -> DiskBlockStore | None:
         lock_file.close()
         logger.warning("disk KV tier: %s is held by another server; running without it", directory)
         return None
+    # a server that died mid-write left its temporary file; no writer is left to rename it
+    for stale in directory.glob("*.tmp*"):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
     return DiskBlockStore(directory, fingerprint, lock_file)
