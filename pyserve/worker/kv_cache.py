@@ -97,6 +97,11 @@ class PagedKVCache:
         )
         return (heads, blocks, dim, size), (heads, blocks, size, dim)
 
+    def block_views(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor of the cache (per layer K, then V, then an int8 cache's scales) with
+        the axis that indexes blocks: one index along it is one whole block."""
+        return [(t, 1) for t in (*self.k, *self.v, *self.k_scale, *self.v_scale)]
+
     @property
     def nbytes(self) -> int:
         tensors = self.k + self.v + self.k_scale + self.v_scale

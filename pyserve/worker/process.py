@@ -6,6 +6,11 @@ forwarded as a DetokRequest; Step → forward pass + sampling → StepTokens; Sh
 then exit. A step that raises yields a WorkerError naming its requests and an empty StepTokens
 (so that main can still report the step to the core in order); the worker keeps serving.
 
+With ``disk_cache_dir`` set the worker holds the disk tier under the prefix cache
+(pyserve/worker/disk_tier.py): a Step's disk operations run before its forward pass, and the
+loads that failed go back in StepTokens.failed_loads (main recomputes those blocks); a disk
+error never fails a step. Not with ``--tp``: each rank holds a shard of every block.
+
 With ``--tp N`` the worker is N processes, ranks of one torch.distributed group
 (pyserve/worker/tensor_parallel.py): rank 0 owns the ring's sockets and broadcasts every message
 it takes to the others; every rank runs them alike and only rank 0 replies. A failed collective
@@ -38,6 +43,7 @@ from pyserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from pyserve.testing.worker_hooks import WorkerTestHooks
+    from pyserve.worker.disk_tier import DiskTier
     from pyserve.worker.executor import StepExecutor
     from pyserve.worker.tensor_parallel import TensorParallel
 
@@ -80,6 +86,7 @@ def run(config: WorkerConfig) -> int:
         push = ctx.socket(zmq.PUSH)
         push.connect(config.out_addr)
     hooks = _test_hooks()
+    tier: DiskTier | None = None
     try:
         if hooks is not None:
             hooks.before_loading()
@@ -93,11 +100,12 @@ def run(config: WorkerConfig) -> int:
             if push is not None:
                 push.send(out.encoder.encode(out.WorkerError(message=error or "load failed")))
             return 1
+        tier = _open_disk_tier(config, executor)
         if push is not None:
             load_seconds = time.perf_counter() - started
             log.info("model loaded in %.1f s", load_seconds)
-            push.send(out.encoder.encode(_ready(config, executor, load_seconds)))
-        _serve(executor, pull, push, hooks, tp)
+            push.send(out.encoder.encode(_ready(config, executor, load_seconds, tier)))
+        _serve(executor, pull, push, hooks, tp, tier)
         return 0
     except TensorParallelError as e:
         log.error("%s; the worker stops", e)
@@ -105,6 +113,8 @@ def run(config: WorkerConfig) -> int:
             push.send(out.encoder.encode(out.WorkerError(message=f"{e}; the worker stops")))
         return 1
     finally:
+        if tier is not None:
+            tier.close()  # a no-op after a Shutdown, which closed it
         for sock in (pull, push):
             if sock is not None:
                 # let the last message (Shutdown, an error) reach the detokenizer
@@ -196,9 +206,45 @@ def _load(
     return executor, None
 
 
-def _ready(config: WorkerConfig, executor: StepExecutor, load_seconds: float) -> out.WorkerReady:
+def _open_disk_tier(config: WorkerConfig, executor: StepExecutor) -> DiskTier | None:
+    """The disk tier when ``disk_cache_dir`` asks for one and this worker can hold it."""
+    directory = config.settings.disk_cache_dir
+    if not directory:
+        return None
+    if config.tp_size > 1:
+        if config.tp_rank == 0:
+            log.info(
+                "disk KV tier off with --tp %d: each rank holds a shard of every block (not "
+                "supported yet)",
+                config.tp_size,
+            )
+        return None
+    from pyserve.worker.disk_tier import open_disk_tier
+
+    drafter = executor.drafter
+    try:
+        tier = open_disk_tier(
+            directory, executor.runner, drafter.runner if drafter is not None else None
+        )
+    except OSError as e:
+        log.warning("disk KV tier: cannot use %s (%s); running without it", directory, e)
+        return None
+    if tier is not None:
+        log.info("disk KV tier: %s, blocks of %d bytes", tier.directory, tier.block_bytes)
+    return tier
+
+
+def _ready(
+    config: WorkerConfig, executor: StepExecutor, load_seconds: float, tier: DiskTier | None
+) -> out.WorkerReady:
     runner = executor.runner
     backend = runner.backend.info()
+    disk_index = b""
+    if tier is not None:
+        try:
+            disk_index = tier.index()
+        except OSError as e:  # the files stay; main starts with an empty disk tier
+            log.warning("disk KV tier: could not list %s: %s", tier.directory, e)
     return out.WorkerReady(
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,
@@ -216,6 +262,9 @@ def _ready(config: WorkerConfig, executor: StepExecutor, load_seconds: float) ->
         backend_reason=backend.reason,
         kernels=backend.kernels,
         tp_size=config.tp_size,
+        disk_tier=str(tier.directory) if tier is not None else "",
+        disk_block_bytes=tier.block_bytes if tier is not None else 0,
+        disk_index=disk_index,
     )
 
 
@@ -233,6 +282,7 @@ def _serve(
     push: zmq.Socket | None,
     hooks: WorkerTestHooks | None,
     tp: TensorParallel | None,
+    tier: DiskTier | None = None,
 ) -> None:
     decode = inp.decoder.decode
     encode = out.encoder.encode
@@ -253,7 +303,7 @@ def _serve(
                 if isinstance(msg, inp.Step):
                     if hooks is not None:
                         hooks.before_step()
-                    replies = _run_step(executor, msg, fatal)
+                    replies = _run_step(executor, msg, fatal, tier)
                     steps += 1
                     tokens = replies[-1]  # the StepTokens comes last
                     tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
@@ -264,6 +314,12 @@ def _serve(
                     if push is not None:
                         push.send(encode(out.Shutdown()))
                     log.info("shutting down")
+                    if tier is not None:
+                        # after forwarding Shutdown: main then waits for this process to exit,
+                        # which leaves the queued writes time to finish
+                        if tier.store.pending:
+                            log.info("disk KV tier: writing %d queued blocks", tier.store.pending)
+                        tier.close()
                     return
             if push is not None:
                 for reply in replies:
@@ -328,14 +384,18 @@ def _reject(
     ]
 
 
-def _run_step(executor: StepExecutor, step: inp.Step, fatal: bool) -> list[msgspec.Struct]:
-    """The step's StepTokens; with ``fatal``, a failure past the request table's checks ends
-    the worker (TensorParallelError)."""
+def _run_step(
+    executor: StepExecutor, step: inp.Step, fatal: bool, tier: DiskTier | None = None
+) -> list[msgspec.Struct]:
+    """The step's StepTokens, after its disk operations; with ``fatal``, a failure past the
+    request table's checks ends the worker (TensorParallelError)."""
     from pyserve.worker.executor import MalformedStep
 
+    failed_loads = _disk_ops(tier, step)
     try:
         tokens = executor.execute(step)
         tokens.worker_requests = len(executor.requests)  # for main's idle accounting check
+        tokens.failed_loads = failed_loads
         return [tokens]
     except TensorParallelError:
         raise
@@ -355,8 +415,28 @@ def _run_step(executor: StepExecutor, step: inp.Step, fatal: bool) -> list[msgsp
             finish=b"",
             dropped=dropped,
             worker_requests=len(executor.requests),
+            failed_loads=failed_loads,  # the loads ran: main must still hear which failed
         )
         return [error, empty]
+
+
+def _disk_ops(tier: DiskTier | None, step: inp.Step) -> bytes:
+    """Does the step's disk operations; the int32 load block ids that failed. Never raises: a
+    disk error (or a malformed op) costs the step's loads, which main then recomputes."""
+    if not (step.save_blocks or step.load_blocks or step.drop_keys or step.clear_disk):
+        return b""
+    if tier is None:  # no tier here: nothing is saved, and nothing can load
+        return _whole_int32s(step.load_blocks)
+    try:
+        failed = tier.apply(step)
+    except Exception:
+        log.error("step %d: disk ops failed:\n%s", step.step_id, traceback.format_exc())
+        return _whole_int32s(step.load_blocks)
+    return np.asarray(failed, dtype="<i4").tobytes()
+
+
+def _whole_int32s(packed: bytes) -> bytes:
+    return packed[: len(packed) // 4 * 4]
 
 
 def _whole_int64s(packed: bytes) -> bytes:

@@ -87,6 +87,10 @@ class FlatKVCache(PagedKVCache):
         self.v[layer][slots] = v
         return k, v
 
+    def block_views(self) -> list[tuple[torch.Tensor, int]]:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [(t.view(shape), 0) for t in (*self.k, *self.v)]
+
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         flat = blocks.reshape(-1)
