@@ -390,6 +390,30 @@ def test_a_step_of_disk_ops_alone_runs_through_the_step_path(tmp_path, model_run
         tier.close()
 
 
+def test_the_worker_runs_without_a_tier_it_cannot_hold(tmp_path, model_runner, caplog):
+    from pyserve.worker.process import WorkerConfig, _open_disk_tier
+    from pyserve.worker.settings import WorkerSettings
+
+    def config(directory: Path, tp_size: int = 1) -> WorkerConfig:
+        settings = WorkerSettings(disk_cache_dir=str(directory))
+        return WorkerConfig(in_addr="", out_addr="", settings=settings, tp_size=tp_size)
+
+    executor = executor_of(model_runner)
+    caplog.set_level("INFO")
+    assert _open_disk_tier(config(tmp_path, tp_size=2), executor) is None
+    assert "off with --tp 2" in caplog.text and not list(tmp_path.iterdir())
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"")
+    assert _open_disk_tier(config(a_file), executor) is None  # an OSError: logged, not raised
+    assert "running without it" in caplog.text
+    held = _open_disk_tier(config(tmp_path / "disk"), executor)
+    assert held is not None
+    try:
+        assert _open_disk_tier(config(tmp_path / "disk"), executor) is None  # another server's
+    finally:
+        held.close()
+
+
 def test_a_worker_subprocess_saves_and_loads(tiny_model, tmp_path):
     from test_worker_process import Ring
 
@@ -434,3 +458,54 @@ def test_a_worker_subprocess_saves_and_loads(tiny_model, tmp_path):
         )
     finally:
         ring.close()
+
+
+# ------------------------------------------------------------------ the wire
+
+
+def test_step_from_plan_copies_the_disk_ops_the_core_step_has():
+    from types import SimpleNamespace
+
+    from pyserve.wire.main_to_worker import decoder, encoder, step_from_plan
+
+    packed = dict.fromkeys(
+        ("rids", "start_pos", "num_tokens", "is_decode", "sample", "input_ids", "block_offsets",
+         "block_counts", "block_ids", "dropped"),
+        b"",
+    )  # fmt: skip
+    older = SimpleNamespace(step_id=1, **packed)  # a core Step without disk ops
+    wire = decoder.decode(encoder.encode(step_from_plan(older)))
+    assert (wire.save_blocks, wire.load_keys, wire.clear_disk) == (b"", b"", False)
+    ops = {
+        "save_blocks": i32([3]),
+        "save_keys": u64(KEYS[:1]),
+        "save_parents": u64([5]),
+        "save_tokens": i32([1, 2, 3, 4]),
+        "load_blocks": i32([6]),
+        "load_keys": u64(KEYS[1:]),
+        "drop_keys": u64([9]),
+    }
+    wire = decoder.decode(
+        encoder.encode(step_from_plan(SimpleNamespace(step_id=2, clear_disk=True, **packed, **ops)))
+    )
+    assert {k: getattr(wire, k) for k in ops} == ops and wire.clear_disk is True
+
+
+def test_the_core_planners_saves_reach_the_wire():
+    from pyserve._core import Planner
+    from pyserve.wire.main_to_worker import decoder, encoder, step_from_plan
+
+    planner = Planner(6, 2, vocab_size=100, disk_budget_blocks=8)
+    saves = []
+    for rid, first in ((1, 5), (2, 15)):  # the second prompt evicts the first's blocks
+        planner.add_request(rid, i32(list(range(first, first + 7))), 1)
+        while (plan := planner.plan()) is not None:
+            wire = decoder.decode(encoder.encode(step_from_plan(plan)))
+            assert (wire.save_blocks, wire.save_keys) == (plan.save_blocks, plan.save_keys)
+            assert wire.drop_keys == plan.drop_keys
+            saves += np.frombuffer(wire.save_blocks, dtype="<i4").tolist()
+            rids = np.frombuffer(plan.rids, dtype="<i8").tolist()
+            planner.report(plan.step_id, plan.rids, i32([1] * len(rids)))
+            for r in rids:
+                planner.finish(r)
+    assert saves

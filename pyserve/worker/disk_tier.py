@@ -350,7 +350,8 @@ def open_disk_tier(
     """The tier under ``directory`` for these runners, or None when another server holds it."""
     from pyserve.worker.disk_store import open_tier
 
-    store = open_tier(Path(directory), tier_fingerprint(runner, draft))
+    # absolute: WorkerReady tells main where the files are
+    store = open_tier(Path(directory).expanduser().absolute(), tier_fingerprint(runner, draft))
     if store is None:
         return None
     caches = [runner.kv_cache] + ([draft.kv_cache] if draft is not None else [])
