@@ -199,6 +199,15 @@ def test_malformed_ops_are_refused_before_anything_moves(store):
                 step, save_blocks=i32([1]), save_keys=u64(KEYS[:1]), save_tokens=i32([1, 2])
             )
         )
+    out_of_range = msgspec.structs.replace(
+        step,
+        save_blocks=i32([1]),
+        save_keys=u64(KEYS[:1]),
+        load_blocks=i32([NUM_BLOCKS]),
+        load_keys=u64(KEYS[1:]),
+    )
+    with pytest.raises(ValueError, match="outside the pool"):
+        tier.apply(out_of_range)  # refused before the save ran
     assert store.pending == 0 and store.index() == []
 
 

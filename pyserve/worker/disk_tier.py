@@ -108,6 +108,8 @@ class DiskTier:
         """Does the step's saves, loads, drops and clear, in that order; the load block ids that
         failed. Raises ValueError on malformed arrays, before anything is done."""
         ops = DiskOps.of(step, self.block_size)
+        self._check_blocks(ops.save_blocks)
+        self._check_loads(ops.load_blocks)
         self.save(ops.save_blocks, ops.save_keys, ops.save_parents, ops.save_tokens)
         failed = self.load(ops.load_blocks, ops.load_keys)
         self.drop(ops.drop_keys)
@@ -143,9 +145,7 @@ class DiskTier:
             raise ValueError(f"disk loads: {len(blocks)} blocks, {len(keys)} keys")
         if not blocks:
             return []
-        self._check_blocks(blocks)
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"disk loads: a block loaded twice in one step: {list(blocks)}")
+        self._check_loads(blocks)
         if len(keys) == 1:
             payloads = [self._read(keys[0])]
         else:
@@ -195,6 +195,11 @@ class DiskTier:
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"disk ops: block ids {bad[:8]} outside the pool of {self.num_blocks}")
+
+    def _check_loads(self, blocks: Sequence[int]) -> None:
+        self._check_blocks(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"disk loads: a block loaded twice in one step: {list(blocks)}")
 
     def _gather(self, blocks: Sequence[int]) -> np.ndarray:
         """uint8 [len(blocks), block_bytes]: each block's payload, copied off the pool."""
