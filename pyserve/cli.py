@@ -27,6 +27,7 @@ from pyserve.chat.reasoning import REASONING_PARSERS
 from pyserve.chat.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from pyserve.engine import Engine, EngineConfig
 from pyserve.engine.config import SPECULATIVE_ALGORITHMS
+from pyserve.engine.state_dir import resolve_state_dir
 from pyserve.http.app import HTTP2PrefaceFilter, create_app, server_state
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.image_inputs import (
@@ -35,7 +36,6 @@ from pyserve.http.image_inputs import (
     DEFAULT_MAX_IMAGES_PER_REQUEST,
     ImageOptions,
 )
-from pyserve.http.responses_store import default_state_dir
 from pyserve.http.state import ServerState
 from pyserve.worker.dtypes import ACTIVATION_BITS, KV_CACHE_DTYPE_NAMES, QUANTIZATION_NAMES
 from pyserve.worker.settings import BACKEND_NAMES
@@ -45,6 +45,7 @@ log = logging.getLogger("pyserve")
 PROGRESS_EVERY_S = 5.0
 HANDLER_GRACE_S = 3.0  # after the engine stops: time for handlers to write their error events
 DEAD_LINGER_S = 1.0  # after the engine dies: /health answers 503 this long before the exit
+DEFAULT_DISK_CACHE_GIB = 4.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,9 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_image_args(add)
     add(
         "--state-dir",
-        default=str(default_state_dir()),
-        help="where stored Responses API responses are kept (a private directory, created "
-        "0700), so that previous_response_id works across restarts; default: %(default)s",
+        default=str(resolve_state_dir()),
+        help="what survives a restart, in a private directory (created 0700): stored Responses "
+        "API responses (previous_response_id) and the disk cache of prefix blocks "
+        "(kv-cache/); default: $PYSERVE_STATE_DIR, else $XDG_CACHE_HOME/pyserve, else "
+        "~/.cache/pyserve (here %(default)s)",
     )
     add(
         "--responses-store-mb",
@@ -261,7 +264,25 @@ def build_parser() -> argparse.ArgumentParser:
         "sets its own timeout; past it a request that produced nothing gets a 503 "
         '(request_timeout), one that did ends with finish_reason "timeout"; none: no limit',
     )
+    add(
+        "--disk-cache-gib",
+        type=float,
+        default=None,
+        help="GiB of disk under --state-dir for prefix-cache blocks evicted from the KV pool "
+        "(and, at a clean stop, all cached ones): a prompt reusing them loads them instead of "
+        "recomputing, after a restart too; 0: off; default: "
+        f"{DEFAULT_DISK_CACHE_GIB:g} (0 with --disable-radix-cache)",
+    )
     return parser
+
+
+def disk_cache_bytes(args: argparse.Namespace) -> int:
+    gib = args.disk_cache_gib
+    if gib is None:
+        gib = 0.0 if args.disable_radix_cache else DEFAULT_DISK_CACHE_GIB
+    if not gib >= 0:  # also NaN
+        raise ValueError(f"--disk-cache-gib must be >= 0, got {gib}")
+    return int(gib * 2**30)
 
 
 DEFAULT_MEM_FRACTION = 0.88  # SGLang's default for a large GPU
@@ -399,6 +420,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         log_level=args.log_level,
         step_timeout=args.step_timeout,
         request_timeout=args.request_timeout,
+        disk_cache_bytes=disk_cache_bytes(args),
+        state_dir=args.state_dir,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         pooling=args.pooling,

@@ -14,7 +14,17 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import atexit
+import shutil
+import tempfile
+
 import pytest
+
+# The servers and engines the tests start keep their disk cache here, never in the user's
+# cache directory (http_testlib.Server gives each of its servers a directory of its own).
+if "PYSERVE_STATE_DIR" not in os.environ:
+    os.environ["PYSERVE_STATE_DIR"] = tempfile.mkdtemp(prefix="pyserve-test-state-")
+    atexit.register(shutil.rmtree, os.environ["PYSERVE_STATE_DIR"], True)
 
 from pyserve.worker import quant
 

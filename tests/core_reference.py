@@ -806,9 +806,7 @@ class Planner:
         loads = self._step_loads.get(step_id, [])
         ids = _ints(blocks, "i")
         for b in ids:
-            if not any(b in r.loading for r in loads) and not any(
-                r.state == "done" for r in loads
-            ):
+            if not any(b in r.loading for r in loads) and not any(r.state == "done" for r in loads):
                 raise ValueError(f"fail_loads for step {step_id}: block {b} is not a load")
         self._failed_loads.extend(ids)
 
@@ -1051,7 +1049,7 @@ class Planner:
                     self.cache.unlock(req.load_handle)
                     req.load_handle = None
 
-    def _admit_until(self, entries: list, budget: int) -> _Request | None | bool:
+    def _admit_until(self, entries: list, budget: int) -> _Request | bool | None:
         """The request where admission stopped for lack of blocks (None: before any), or
         False when it did not."""
         if not self._waiting or budget <= 0 or len(self._running) >= self.max_running_requests:

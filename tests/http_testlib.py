@@ -13,16 +13,20 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tiny_models import build_tiny_smollm
+
+from pyserve.engine.state_dir import STATE_DIR_ENV
 
 REFERENCE_PROMPTS = [
     "The quick brown fox",
@@ -68,12 +72,20 @@ class Server:
 
     The constructor returns once the model is loaded, or with ``wait_ready=False`` as soon as
     the HTTP server listens (``url`` is then known and ``wait_ready()`` waits for the rest).
+
+    Unless the test names one (``--state-dir`` or PYSERVE_STATE_DIR in ``env``), each server
+    keeps its disk cache in a directory of its own, removed when it stops: no server finds
+    another's cached prefixes (a test counting cached tokens would see them).
     """
 
     def __init__(
         self, args: list[str], wait_ready: bool = True, env: dict[str, str] | None = None
     ) -> None:
         self.args = args
+        self.state_dir: str | None = None
+        if "--state-dir" not in args and STATE_DIR_ENV not in (env or {}):
+            self.state_dir = tempfile.mkdtemp(prefix="pyserve-state-")
+            env = {**(env or {}), STATE_DIR_ENV: self.state_dir}
         self.lines: list[str] = []
         self.url = ""
         self._listening = threading.Event()
@@ -124,6 +136,8 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(5)
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return self.proc.returncode
 
 

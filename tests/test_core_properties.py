@@ -1251,13 +1251,20 @@ class PlannerMachine(RuleBasedStateMachine):
                 )
         self.pending_reads = pending
 
+    def _loading(self, req: Tracked) -> bool:
+        """Whether a waiting request loads its prefix from disk in a step in flight (admission
+        passes over it until that step's report)."""
+        if req.state not in ("waiting", "retracted") or not self.cfg.get("disk_budget_blocks"):
+            return False
+        return self.planner.request(req.rid)["inflight_steps"] > req.inflight
+
     def _check_fcfs(self, sid: int, first: list[Tracked], planned: set[int]) -> None:
         """fcfs: nobody is admitted for the first time ahead of an earlier or retracted one."""
         if not first:
             return
         newest = max(r.arrival for r in first)
         for req in self.requests.values():
-            if req.rid in planned or req.state == "done":
+            if req.rid in planned or req.state == "done" or self._loading(req):
                 continue
             if req.state == "waiting" and req.arrival < newest:
                 self._fail(f"step {sid}: fcfs admitted a later request before rid {req.rid}")
@@ -1275,7 +1282,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 for other in self.requests.values():
                     if other.rid in planned or other.state not in ("waiting", "retracted"):
                         continue
-                    if other.inflight or other.output_len >= other.max_new:
+                    if other.inflight or other.output_len >= other.max_new or self._loading(other):
                         continue
                     if served[other.tenant] < served[req.tenant]:
                         self._fail(
@@ -1303,7 +1310,7 @@ class PlannerMachine(RuleBasedStateMachine):
             for req in self.requests.values():
                 if req.rid in planned or req.state not in ("waiting", "retracted"):
                     continue
-                if req.inflight or req.output_len >= req.max_new:
+                if req.inflight or req.output_len >= req.max_new or self._loading(req):
                     continue  # not admissible now: admission passes over it
                 ahead = req.priority < f.priority or (
                     req.priority == f.priority

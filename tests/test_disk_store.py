@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from pyserve.worker.disk_store import DiskBlockStore, fingerprint_of, open_tier
+from pyserve.worker.disk_store import MAX_SHARERS, DiskBlockStore, fingerprint_of, open_tier
 
 FP = fingerprint_of("tiny-model", "bf16", 16, (2, 4, 64))
 
@@ -82,12 +82,20 @@ def test_a_file_renamed_to_another_key_is_refused(store):
 
 def test_the_directory_is_private_and_held_by_one_server(tmp_path, store, caplog):
     assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
-    caplog.set_level(logging.WARNING, logger="pyserve.worker.disk_store")
-    assert open_tier(tmp_path, FP) is None  # the fixture's store holds the lock
+    caplog.set_level(logging.INFO, logger="pyserve.worker.disk_store")
+    second = open_tier(tmp_path, FP)  # the fixture's store holds the first directory
+    assert second is not None and second.directory != store.directory
+    assert second.directory.name == store.directory.name + ".1"
+    assert stat.S_IMODE(second.directory.stat().st_mode) == 0o700
     assert any("held by another server" in r.getMessage() for r in caplog.records)
+    more = [open_tier(tmp_path, FP) for _ in range(MAX_SHARERS - 2)]
+    assert all(s is not None for s in more)
+    assert open_tier(tmp_path, FP) is None  # every sibling is held: none for a ninth server
+    for s in [second, *more]:
+        s.close()
     store.close()
     again = open_tier(tmp_path, FP)
-    assert again is not None
+    assert again is not None and again.directory == store.directory
     again.close()
 
 

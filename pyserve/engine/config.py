@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+from pyserve.engine.state_dir import resolve_state_dir
 from pyserve.model_files import ModelInfo
 from pyserve.worker.dtypes import (  # torch-free
     KV_SCALE_BYTES,
@@ -79,6 +81,12 @@ class EngineConfig:
     # On a CUDA device: the KV pool takes what is left of this fraction of the device's memory
     # once the weights are loaded (SGLang's --mem-fraction-static); None: kv_cache_tokens/bytes.
     mem_fraction_static: float | None = None
+    # The disk tier under the prefix cache (pyserve/worker/disk_tier.py): evicted KV blocks,
+    # and at a clean stop all cached ones, are kept in block files under state_dir (None: the
+    # user's cache directory, engine/state_dir.py) up to this many bytes, and loaded back for a
+    # prompt that reuses them, after a restart too; 0: off (`pyserve run` turns it on).
+    disk_cache_bytes: int = 0
+    state_dir: str | None = None
     # How assistant output becomes tool calls: a pyserve.chat.tool_calls.PARSERS name, "harmony"
     # (gpt-oss), "auto" (the format the chat template writes, else "generic") or "none" (tools
     # are refused).
@@ -184,7 +192,14 @@ class EngineConfig:
             draft_model=self.speculative_draft_model_path,
             mmproj=self.mmproj,
             vision_dtype=self.vision_dtype,
+            disk_cache_dir=str(self.disk_tier_dir()) if self.disk_cache_bytes > 0 else "",
+            disk_cache_bytes=self.disk_cache_bytes,
         )
+
+    def disk_tier_dir(self) -> Path:
+        """The directory the disk tier keeps its block files under (one sub-directory per KV
+        layout: the worker names it)."""
+        return resolve_state_dir(self.state_dir) / "kv-cache"
 
     def validate(self) -> None:
         """Raises ValueError on settings that cannot work, before any process starts."""
@@ -227,6 +242,12 @@ class EngineConfig:
             raise ValueError(f"step_timeout must be >= 0 (0: never), got {self.step_timeout}")
         # what the worker checks too (quantization, activation bits, backend): checked here first
         self.worker_settings(self.model, 1).validate()
+        if self.disk_cache_bytes < 0:
+            raise ValueError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes}")
+        if self.disk_cache_bytes > 0 and not self.enable_radix_cache:
+            raise ValueError(
+                "the disk cache holds the prefix cache's blocks: it needs the radix cache"
+            )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
 

@@ -30,6 +30,7 @@ from pyserve.detokenizer.process import DetokenizerConfig
 from pyserve.engine import embeddings, idle_check
 from pyserve.engine.channels import RingAddresses, free_port
 from pyserve.engine.config import EngineConfig
+from pyserve.engine.disk_index import restore_disk_tier
 from pyserve.engine.errors import EngineDeadError, EngineError, KVCacheTooSmall
 from pyserve.engine.image_prompts import (
     MAX_TOKEN_ID,
@@ -244,10 +245,20 @@ class Engine:
             enable_radix_cache=config.enable_radix_cache,
             # a vision model's image positions hold ids above the vocabulary (image_prompts.py)
             vocab_size=self._info.vocab_size if not self.takes_images else MAX_TOKEN_ID,
+            disk_budget_blocks=self._disk_budget_blocks(ready),
             **config.planner_speculation(),
         )
+        if ready.disk_tier and ready.disk_index:
+            restore_disk_tier(planner, ready.disk_index, ready.block_size)
         idle_check.apply_test_hook(planner)
         return planner
+
+    def _disk_budget_blocks(self, ready: Ready) -> int:
+        """The disk tier's size in blocks: 0 unless the worker holds a tier (it runs without
+        one with --tp, or when another server holds the directory)."""
+        if not ready.disk_tier or ready.disk_block_bytes <= 0:
+            return 0
+        return self.config.disk_cache_bytes // ready.disk_block_bytes
 
     async def shutdown(self) -> None:
         """Stops the ring cleanly (Shutdown → worker → detokenizer → Stopped), waits for the
@@ -891,7 +902,8 @@ class Engine:
         return self._tokenizer_manager().template_reads(name)
 
     async def flush_cache(self) -> int:
-        """Drops every cached prefix not in use; returns the number of blocks released."""
+        """Drops every cached prefix not in use, and the disk tier's blocks (the worker deletes
+        their files before its next step's forward pass); returns the RAM blocks released."""
         self._check_serving()
         return await self._on_scheduler(lambda planner: planner.flush_cache())
 

@@ -346,6 +346,13 @@ class SchedulerLoop:
 
     def _on_step_done(self, msg: inp.StepDone) -> None:
         planner = self._planner
+        if msg.failed_loads:  # damaged or missing block files: recomputed instead
+            log.warning(
+                "disk cache: %d block(s) failed to load in step %d; recomputing them",
+                len(msg.failed_loads) // 4,
+                msg.step_id,
+            )
+            planner.fail_loads(msg.step_id, msg.failed_loads)
         planner.report(msg.step_id, msg.rids, msg.token_ids)
         if self._costs is not None:
             self._measure(msg)
@@ -463,6 +470,7 @@ class SchedulerLoop:
         for rid in list(self._live):
             self._planner.abort(rid)
             self._forget(rid)
+        self._spill_to_disk()
         self._send(out.Shutdown())
         deadline = time.monotonic() + self._shutdown_timeout
         while time.monotonic() < deadline:
@@ -475,6 +483,18 @@ class SchedulerLoop:
                 self._stopped_cleanly = True
                 return
         log.warning("the ring did not confirm its shutdown within %.0f s", self._shutdown_timeout)
+
+    def _spill_to_disk(self) -> None:
+        """With the disk tier: the prefix cache's RAM blocks go to disk, so that the next start
+        finds them (one last step of saves; the worker finishes writing before it exits)."""
+        planner = self._planner
+        if planner is None or not planner.spill_to_disk():
+            return
+        for _ in range(4):  # the saves, drops past the budget (every request has ended)
+            step = planner.plan()
+            if step is None:
+                return
+            self._send(out.step_from_plan(step))
 
     def _fail_pending_calls(self) -> None:
         """Fails the calls nobody will run; runs on either thread (deque pops are atomic)."""

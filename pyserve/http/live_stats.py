@@ -21,6 +21,7 @@ from aiohttp import web
 
 from pyserve.http.background import BackgroundTask
 from pyserve.http.errors import bad_request, json_response
+from pyserve.http.metrics import disk_hit_tokens
 from pyserve.http.state import ServerState
 
 INTERVAL_S = 1.0
@@ -38,6 +39,7 @@ class Reading:
     steps: int
     hit_tokens: int
     query_tokens: int
+    disk_hit_tokens: int  # of the hits, prompt tokens loaded from the disk tier
     spec_drafted: int  # speculative decoding: drafted tokens verified, and those accepted
     spec_accepted: int
     ttft: tuple[int, ...]
@@ -98,6 +100,7 @@ class LiveStats(BackgroundTask):
             steps=stats.get("worker_steps", 0),
             hit_tokens=stats.get("hit_tokens", 0),
             query_tokens=stats.get("query_tokens", 0),
+            disk_hit_tokens=disk_hit_tokens(stats),
             spec_drafted=stats.get("spec_draft_tokens", 0),
             spec_accepted=stats.get("spec_accepted_tokens", 0),
             ttft=tuple(metrics.ttft.counts),
@@ -136,6 +139,10 @@ class LiveStats(BackgroundTask):
             "prefix_cache_hit_rate": (
                 (reading.hit_tokens - first.hit_tokens) / queried if queried else None
             ),
+            "prefix_cache_disk_hit_rate": (
+                (reading.disk_hit_tokens - first.disk_hit_tokens) / queried if queried else None
+            ),
+            "disk_blocks": stats.get("disk_blocks", 0),
             "spec_acceptance_rate": (
                 (reading.spec_accepted - first.spec_accepted) / drafted if drafted else None
             ),
@@ -156,10 +163,14 @@ class LiveStats(BackgroundTask):
             "trailing_s": TRAILING_S * self.interval_s,
             "kv_blocks_total": stats.get("num_blocks", 0),
             "block_size": stats.get("block_size", 0),
+            "disk_budget_blocks": stats.get("disk_budget", 0),
             "totals": {
                 "generated_tokens": stats.get("handed_tokens", 0),
                 "steps": stats.get("worker_steps", 0),
                 "prefix_cache_hit_rate": stats.get("hit_tokens", 0) / queried if queried else None,
+                "prefix_cache_disk_hit_rate": (
+                    disk_hit_tokens(stats) / queried if queried else None
+                ),
                 "spec_acceptance_rate": (
                     stats.get("spec_accepted_tokens", 0) / drafted if drafted else None
                 ),

@@ -34,6 +34,11 @@ _LATENCY_BUCKETS = (
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+def disk_hit_tokens(stats: dict) -> int:
+    """Prompt tokens served from the disk tier (loaded, then matched) since the start."""
+    return stats.get("disk_loaded_blocks", 0) * stats.get("block_size", 0)
+
+
 class EngineCollector(Collector):
     """The KV pool and queue gauges, from ``engine.stats()`` at every scrape."""
 
@@ -51,6 +56,14 @@ class EngineCollector(Collector):
                 stats.get("cached_blocks", 0),
             ),
             "pyserve_kv_block_size": ("Tokens per KV block", stats.get("block_size", 0)),
+            "pyserve_disk_cache_blocks": (
+                "KV blocks the disk tier holds",
+                stats.get("disk_blocks", 0),
+            ),
+            "pyserve_disk_cache_budget_blocks": (
+                "KV blocks the disk tier may hold (0: off)",
+                stats.get("disk_budget", 0),
+            ),
             "pyserve_requests_running": ("Requests being computed", stats.get("num_running", 0)),
             "pyserve_requests_waiting": ("Requests waiting to start", stats.get("num_waiting", 0)),
             "pyserve_ready": (
@@ -90,6 +103,19 @@ class EngineCollector(Collector):
             "pyserve_prefix_cache_queried_tokens": ("Prompt tokens looked up", "query_tokens"),
             "pyserve_prefix_cache_hit_tokens": ("Prompt tokens found cached", "hit_tokens"),
             "pyserve_retractions": ("Running requests preempted for KV space", "retractions"),
+            # the disk tier (0 while it is off)
+            "pyserve_disk_cache_saved_blocks": (
+                "KV blocks written to the disk tier (evicted, or at a clean stop)",
+                "saved_blocks",
+            ),
+            "pyserve_disk_cache_loaded_blocks": (
+                "KV blocks loaded back from the disk tier for a prompt",
+                "disk_loaded_blocks",
+            ),
+            "pyserve_disk_cache_failed_loads": (
+                "Disk-tier blocks that failed to load (damaged or missing; recomputed)",
+                "disk_failed_blocks",
+            ),
             # utilisation = Δbusy / Δwall; busy = from a step's arrival to its tokens' sending
             "pyserve_worker_busy_seconds": (
                 "Seconds the worker spent handling steps and requests",
@@ -122,6 +148,11 @@ class EngineCollector(Collector):
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        yield CounterMetricFamily(
+            "pyserve_prefix_cache_disk_hit_tokens",
+            "Prompt tokens found cached on disk and loaded (part of the hit tokens)",
+            value=disk_hit_tokens(stats),
+        )
         histogram = stats.get("spec_accepted_histogram")
         if histogram and len(histogram) > 1:  # one bucket: no drafts are ever verified
             yield _accepted_histogram(histogram)

@@ -38,12 +38,6 @@ T = TypeVar("T")
 FILE_NAME = "responses.sqlite3"
 
 
-def default_state_dir() -> Path:
-    """``$XDG_CACHE_HOME/pyserve`` (``~/.cache/pyserve`` by default)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "pyserve"
-
-
 def owner_of(api_key: str | None) -> str:
     """What a record remembers of the key that made it (never the key itself)."""
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""

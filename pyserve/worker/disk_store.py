@@ -15,7 +15,7 @@ A queued write whose key was dropped or saved again since is skipped.
 
 ``open_tier`` makes ``<base>/kv-<fingerprint>/`` private (mode 0700) and holds an exclusive
 ``fcntl`` lock on its ``lock`` file for the store's lifetime: a second server on the same
-directory runs without the tier (one log line) instead of sharing files with the first.
+directory takes a sibling directory of its own instead of sharing files with the first.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -237,20 +240,57 @@ class DiskBlockStore:
             self._lock_file.close()
 
 
+MAX_SHARERS = 8  # servers of one layout on one state directory, each with its own tier
+
+
 def open_tier(base: Path, fingerprint: bytes) -> DiskBlockStore | None:
-    """The store for this fingerprint under base, or None if another server holds it."""
-    directory = base / f"kv-{fingerprint.hex()[:16]}"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)  # an existing directory is made private too
-    lock_file = open(directory / "lock", "a+b")  # noqa: SIM115 - held open for the lock
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.close()
-        logger.warning("disk KV tier: %s is held by another server; running without it", directory)
-        return None
-    # a server that died mid-write left its temporary file; no writer is left to rename it
-    for stale in directory.glob("*.tmp*"):
-        with contextlib.suppress(FileNotFoundError):
-            stale.unlink()
-    return DiskBlockStore(directory, fingerprint, lock_file)
+    """The store for this fingerprint under base: ``kv-<fingerprint>``, or while another server
+    holds that, ``kv-<fingerprint>.1``, ``.2``... (replicas of one model each get a tier); None
+    when MAX_SHARERS are held."""
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    name = f"kv-{fingerprint.hex()[:16]}"
+    for n in range(MAX_SHARERS):
+        directory = base / (name if n == 0 else f"{name}.{n}")
+        directory.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)  # an existing directory is made private too
+        lock_file = open(directory / "lock", "a+b")  # noqa: SIM115 - held open for the lock
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            continue
+        if n:
+            logger.info("disk KV tier: %s is held by another server; using %s", name, directory)
+        # a server that died mid-write left its temporary file; no writer is left to rename it
+        for stale in directory.glob("*.tmp*"):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        return DiskBlockStore(directory, fingerprint, lock_file)
+    logger.warning(
+        "disk KV tier: %d servers hold %s under %s; running without it", MAX_SHARERS, name, base
+    )
+    return None
+
+
+# The packed index (WorkerReady.disk_index), read by main (torch-free) and written by the worker.
+
+
+def index_dtype(block_size: int) -> np.dtype:
+    """One record of the packed index (WorkerReady.disk_index)."""
+    return np.dtype([("key", "<u8"), ("parent", "<u8"), ("tokens", "<i4", (block_size,))])
+
+
+def pack_index(headers: Sequence[BlockHeader], block_size: int, block_bytes: int) -> bytes:
+    """The headers of whole blocks of this layout, packed as WorkerReady.disk_index; a header
+    of another token count or payload size (a file that could never load here) is left out."""
+    whole = [h for h in headers if len(h.tokens) == block_size and h.payload_bytes == block_bytes]
+    records = np.zeros(len(whole), dtype=index_dtype(block_size))
+    for i, h in enumerate(whole):
+        records[i] = (h.key, h.parent_key, h.tokens)
+    return records.tobytes()
+
+
+def unpack_index(packed: bytes, block_size: int) -> list[tuple[int, int, list[int]]]:
+    """(key, parent key, tokens) of each record of a packed index."""
+    records = np.frombuffer(packed, dtype=index_dtype(block_size))
+    return [(int(r["key"]), int(r["parent"]), r["tokens"].tolist()) for r in records]

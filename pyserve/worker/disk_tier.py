@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pyserve.worker.disk_store import BlockHeader, DiskBlockStore, fingerprint_of
+from pyserve.worker.disk_store import DiskBlockStore, fingerprint_of, pack_index
 
 if TYPE_CHECKING:
     from pyserve.wire.main_to_worker import Step
@@ -43,27 +43,6 @@ FORMAT_VERSION = "pyserve-kv-blocks-1"
 _MODEL_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json")
 # a save gathers at most this many bytes at once (a long eviction goes in pieces)
 _SAVE_CHUNK_BYTES = 256 * 2**20
-
-
-def index_dtype(block_size: int) -> np.dtype:
-    """One record of the packed index (WorkerReady.disk_index)."""
-    return np.dtype([("key", "<u8"), ("parent", "<u8"), ("tokens", "<i4", (block_size,))])
-
-
-def pack_index(headers: Sequence[BlockHeader], block_size: int, block_bytes: int) -> bytes:
-    """The headers of whole blocks of this layout, packed as WorkerReady.disk_index; a header
-    of another token count or payload size (a file that could never load here) is left out."""
-    whole = [h for h in headers if len(h.tokens) == block_size and h.payload_bytes == block_bytes]
-    records = np.zeros(len(whole), dtype=index_dtype(block_size))
-    for i, h in enumerate(whole):
-        records[i] = (h.key, h.parent_key, h.tokens)
-    return records.tobytes()
-
-
-def unpack_index(packed: bytes, block_size: int) -> list[tuple[int, int, list[int]]]:
-    """(key, parent key, tokens) of each record of a packed index."""
-    records = np.frombuffer(packed, dtype=index_dtype(block_size))
-    return [(int(r["key"]), int(r["parent"]), r["tokens"].tolist()) for r in records]
 
 
 class DiskTier:

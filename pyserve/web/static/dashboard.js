@@ -8,6 +8,8 @@ import { drawChart } from "./charts.js";
 const POLL_MS = 1000;
 
 const percent = (v) => (v === null || v === undefined ? null : v * 100);
+// a - b, or a alone when b is unknown (a server without the disk tier reports no disk hits)
+const diff = (a, b) => (a === null || a === undefined ? null : a - (b ?? 0));
 const quantiles = (key) => ["p50", "p90", "p99"].map((q, k) => ({
   label: q,
   color: `--series-${k + 1}`,
@@ -51,7 +53,12 @@ const CHARTS = [
   {
     id: "hit",
     title: "Prefix-cache hit rate",
-    series: [{ label: "hit rate", color: "--series-3", value: (s) => percent(s.prefix_cache_hit_rate) }],
+    stacked: true,
+    // hits in RAM and hits loaded from the disk tier (which the hit rate includes)
+    series: [
+      { label: "RAM", color: "--series-3", value: (s) => percent(diff(s.prefix_cache_hit_rate, s.prefix_cache_disk_hit_rate)) },
+      { label: "disk", color: "--series-1", value: (s) => percent(s.prefix_cache_disk_hit_rate) },
+    ],
     format: (v) => `${Math.round(v)}%`,
     yMax: () => 100,
   },
@@ -95,6 +102,12 @@ const TILES = [
       return rate === null || rate === undefined ? "–" : `${Math.round(100 * rate)}%`;
     },
     unit: (s) => (s.prefix_cache_hit_rate === null ? "overall" : ""),
+  },
+  {
+    id: "now-disk",
+    label: "Disk cache",
+    value: (s, doc) => (doc.disk_budget_blocks ? `${formatNumber((100 * s.disk_blocks) / doc.disk_budget_blocks, 1)}%` : "off"),
+    unit: (s, doc) => (doc.disk_budget_blocks ? `of ${formatNumber(doc.disk_budget_blocks, 0)} blocks` : ""),
   },
   {
     id: "now-spec",
@@ -187,7 +200,7 @@ function render() {
     for (const tile of TILES) {
       const element = document.getElementById(tile.id);
       element.textContent = tile.value(latest, doc);
-      const unit = tile.unit ? tile.unit(latest) : "";
+      const unit = tile.unit ? tile.unit(latest, doc) : "";
       if (unit) {
         const small = document.createElement("span");
         small.className = "unit";
