@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="queue order: arrival, longest cached prefix first, or requests' priority field "
         "(lower first; a waiting request preempts less important running ones)",
     )
+    add(
+        "--fairness",
+        default="none",
+        choices=["none", "tenant"],
+        help="tenant: admit first the waiting request of the tenant served the fewest tokens "
+        "(a request's tenant: its user field, Anthropic's metadata.user_id; none given: one "
+        "anonymous tenant); needs --schedule-policy fcfs",
+    )
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
     add_speculative_args(add)
     add("--tokenizer-workers", type=int, default=2, help="threads for chat templates and encoding")
@@ -411,6 +419,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         schedule_policy=args.schedule_policy,
+        fairness=args.fairness,
         enable_radix_cache=not args.disable_radix_cache,
         max_model_len=args.context_length,
         tokenizer_workers=args.tokenizer_workers,
@@ -606,6 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     if args.dp != 1:  # N replicas and the router, supervised (pyserve/replicas.py)
+        try:  # one line here rather than one from each replica
+            engine_config(args).validate()
+        except ValueError as exc:
+            log.error("invalid settings: %s", exc)
+            return 2
         return replicas.run(args, parser)
     logging.getLogger("aiohttp.server").addFilter(HTTP2PrefaceFilter())
     try:

@@ -205,7 +205,8 @@ void bind_planner(py::module_& m) {
           py::arg("priority") = 0, py::arg("tenant") = 0,
           "whole_spans: [start, end) pairs of prompt positions (int32 bytes or ints), ascending "
           "and disjoint, that no prefill chunk ends strictly inside; priority: lower runs first "
-          "(the \"priority\" policy only)")
+          "(the \"priority\" policy only); tenant: whose request, >= 0, for tenant_fairness "
+          "(nonzero needs it)")
       .def(
           "plan",
           [](PyPlanner& p) -> std::shared_ptr<Step> {

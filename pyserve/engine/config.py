@@ -60,6 +60,9 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"  # or "lpm", "priority" (requests' priority field)
+    # "tenant": admission takes the waiting request of the tenant served the fewest tokens
+    # (cpp/core/planner.h, "Tenant fairness"; the fcfs policy only); "none": the policy alone
+    fairness: str = "none"
     enable_radix_cache: bool = True
     max_model_len: int | None = None  # None = the model's context length
     tokenizer_workers: int = 2
@@ -213,6 +216,13 @@ class EngineConfig:
         if self.schedule_policy not in ("fcfs", "lpm", "priority"):
             raise ValueError(
                 f"schedule_policy must be fcfs, lpm or priority, got {self.schedule_policy!r}"
+            )
+        if self.fairness not in ("none", "tenant"):
+            raise ValueError(f"fairness must be none or tenant, got {self.fairness!r}")
+        if self.fairness == "tenant" and self.schedule_policy != "fcfs":
+            raise ValueError(
+                "fairness tenant orders admission by itself: it needs schedule policy fcfs, "
+                f"got {self.schedule_policy}"
             )
         from pyserve.chat.harmony import HARMONY
         from pyserve.chat.reasoning import REASONING_PARSERS

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import heapq
 import importlib.metadata
 import itertools
 import logging
@@ -43,6 +44,7 @@ from pyserve.engine.requests import RequestRegistry, RequestState
 from pyserve.engine.scheduler_loop import SchedulerLoop
 from pyserve.engine.step_watch import Stall
 from pyserve.engine.subprocesses import Children
+from pyserve.engine.tenants import ANONYMOUS, MAX_NAME_CHARS, TenantIds
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.mmproj import Mmproj, MmprojError, check_pairing, read_mmproj
 from pyserve.outputs import Embedding, GenerationChunk, RerankResult
@@ -60,6 +62,8 @@ from pyserve.worker.process import WorkerConfig  # light: no torch
 from pyserve.worker.settings import tp_split_problem
 
 log = logging.getLogger("pyserve.engine")
+
+TOP_TENANTS = 16  # tenants that stats() names: /metrics' labels and the dashboard's rows
 
 
 class _StartMethod:
@@ -103,6 +107,8 @@ class Engine:
         self._stall: Stall | None = None  # a step the worker has not answered in time
         self._embedding: embeddings.EmbeddingModel | None = None
         self._mmproj: Mmproj | None = None  # llama.cpp's --mmproj file, read at start
+        self._tenants = TenantIds(served=self._tenant_tokens)  # names under fairness="tenant"
+        self._tenant_of: dict[int, int] = {}  # core rid → its tenant id, while in the registry
 
     # ------------------------------------------------------------------ life cycle
 
@@ -246,6 +252,7 @@ class Engine:
             # a vision model's image positions hold ids above the vocabulary (image_prompts.py)
             vocab_size=self._info.vocab_size if not self.takes_images else MAX_TOKEN_ID,
             disk_budget_blocks=self._disk_budget_blocks(ready),
+            tenant_fairness=config.fairness == "tenant",
             **config.planner_speculation(),
         )
         if ready.disk_tier and ready.disk_index:
@@ -425,7 +432,35 @@ class Engine:
             "ready": self.ready,
             "healthy": self.healthy,
             "worker_stalled": self._stall is not None,
+            "tenants": self.tenant_stats(),
         }
+
+    def tenant_stats(self, limit: int = TOP_TENANTS) -> dict | None:
+        """Under ``fairness="tenant"``: ``active``, the tenants with a request in the engine;
+        ``tracked``, the named tenants the table holds (at most ``capacity``); ``top``, the
+        ``limit`` tenants of the largest counts, largest first, each with its ``name`` (None:
+        the anonymous tenant), ``tokens`` (the planner's count: the prompt and output positions
+        planned for its requests, raised to the least-served live tenant's count when it comes
+        back from idle) and ``requests`` (in the engine now). None without fairness."""
+        if self.config.fairness != "tenant":
+            return None
+        tenants = self._tenants
+        counts = self._tenant_tokens()
+        top = heapq.nlargest(limit, counts.items(), key=lambda item: item[1])
+        return {
+            "active": tenants.active,
+            "tracked": len(tenants),
+            "capacity": tenants.capacity,
+            "top": [
+                {"name": tenants.name(t), "tokens": n, "requests": tenants.live_requests(t)}
+                for t, n in top
+            ],
+        }
+
+    def _tenant_tokens(self) -> dict[int, int]:
+        """The planner's tokens by tenant id, as of its latest snapshot."""
+        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
+        return snapshot.get("tenant_tokens", {})
 
     async def core_stats(self) -> dict:
         """The core's numbers read now (on the scheduler thread), for exact accounting checks."""
@@ -471,6 +506,8 @@ class Engine:
             "weight_bytes": ready.weight_bytes if ready is not None else None,
             "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
             "speculative": self._speculative_info(),
+            # how admission shares the server: "none" (the schedule policy alone) or "tenant"
+            "fairness": self.config.fairness,
             "capabilities": self.capabilities,
             "embedding": self._embedding.info() if self._embedding is not None else None,
             "mmproj": self._mmproj_info(),
@@ -518,12 +555,15 @@ class Engine:
         images: Sequence[ImageInput] = (),
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Streams one request's output; the last chunk has ``finish_reason``.
 
         ``images``: the prompt's images (``apply_chat_template_with_images`` makes the prompt
         and them); their positions in ``prompt`` hold the model's image token. ``priority``:
         lower runs first, under ``schedule_policy="priority"`` only (ValueError otherwise).
+        ``tenant``: whose request it is, under ``fairness="tenant"`` only (ValueError otherwise;
+        None or "": the one anonymous tenant).
         ``timeout``: seconds from now, queue and generation together (None: the config's
         ``request_timeout``); past it the request is aborted and ends with finish_reason
         "timeout", or raises RequestTimedOut if it produced nothing.
@@ -539,7 +579,13 @@ class Engine:
         if sampling.grammar is not None:
             await self.check_grammar(sampling.grammar)
         state = self._submit(
-            prompt_ids, sampling, detok or DetokParams(), rid, images=images, priority=priority
+            prompt_ids,
+            sampling,
+            detok or DetokParams(),
+            rid,
+            images=images,
+            priority=priority,
+            tenant=tenant,
         )
         if timeout is None:
             timeout = self.config.request_timeout
@@ -556,7 +602,7 @@ class Engine:
         finally:
             if timer is not None:
                 timer.cancel()
-            self._registry.remove(state)
+            self._remove(state)
             if not state.finished or state.error is not None:
                 self._scheduler_loop().abort(state.core_rid)  # the consumer went away
 
@@ -572,6 +618,7 @@ class Engine:
         tools: list[dict] | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """``generate`` over the model's chat template applied to ``messages`` (and ``tools``,
         OpenAI tool definitions; the output is not parsed here: ``pyserve.chat.policy`` does)."""
@@ -582,7 +629,9 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        stream = self.generate(prompt_ids, sampling, detok, rid, priority=priority, timeout=timeout)
+        stream = self.generate(
+            prompt_ids, sampling, detok, rid, priority=priority, timeout=timeout, tenant=tenant
+        )
         async with contextlib.aclosing(stream) as stream:
             async for chunk in stream:
                 yield chunk
@@ -603,7 +652,7 @@ class Engine:
         state = self._registry.get(rid)
         if state is None:
             return False
-        self._registry.remove(state)
+        self._remove(state)
         self._scheduler_loop().abort(state.core_rid)
         state.end_aborted()
         return True
@@ -612,9 +661,16 @@ class Engine:
         """A request's deadline passed: aborted like ``abort`` (its blocks come back)."""
         if state.finished:
             return
-        self._registry.remove(state)
+        self._remove(state)
         self._scheduler_loop().abort(state.core_rid)
         state.end_timed_out(timeout)
+
+    def _remove(self, state: RequestState) -> None:
+        """Takes ``state`` out of the registry, and its request out of its tenant's count."""
+        self._registry.remove(state)
+        tenant = self._tenant_of.pop(state.core_rid, None)
+        if tenant is not None:
+            self._tenants.release(tenant)
 
     def _submit(
         self,
@@ -625,11 +681,17 @@ class Engine:
         pooling: Pooling | None = None,
         images: Sequence[ImageInput] = (),
         priority: int = 0,
+        tenant: str | None = None,
     ) -> RequestState:
         self._check_serving()
         sampling = check_sampling(sampling)
         if priority and self.config.schedule_policy != "priority":
             raise ValueError("a priority needs schedule_policy='priority'")
+        fair = self.config.fairness == "tenant"
+        if tenant and not fair:
+            raise ValueError("a tenant needs fairness='tenant'")
+        if tenant and len(tenant) > MAX_NAME_CHARS:
+            raise ValueError(f"a tenant name has at most {MAX_NAME_CHARS} characters")
         if images and not self.takes_images:
             raise ValueError("this model takes no images")
         tokenizers = self._tokenizer_manager()
@@ -667,7 +729,11 @@ class Engine:
             pooling=pooling,
             images=list(images),
         )
-        self._scheduler_loop().submit(state.core_rid, request, priority)
+        tenant_id = ANONYMOUS
+        if fair:
+            tenant_id = self._tenants.acquire(tenant)
+            self._tenant_of[state.core_rid] = tenant_id
+        self._scheduler_loop().submit(state.core_rid, request, priority, tenant_id)
         return state
 
     # ------------------------------------------------------------------ embeddings and rerank
@@ -695,6 +761,7 @@ class Engine:
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
         rid: str | None = None,
+        tenant: str | None = None,
     ) -> Embedding:
         """The embedding of a text or of token ids: the model's final-norm hidden states pooled
         (``pooling``: last, mean or cls; default: the model's), cut to ``dimensions`` where the
@@ -702,7 +769,8 @@ class Engine:
 
         An input longer than the context is a ValueError (ContextLengthExceeded), unless
         ``truncate_prompt_tokens`` keeps its last that many tokens (-1: the context's worth).
-        It runs through the scheduler as a prefill-only request, batched with everything else.
+        It runs through the scheduler as a prefill-only request, batched with everything else
+        (``tenant``: whose request it is, as in ``generate``).
         """
         self._check_serving()
         model = self.embedding_model
@@ -717,7 +785,7 @@ class Engine:
         else:
             prompt_ids = list(input)
         prompt_ids = self._truncated(prompt_ids, truncate_prompt_tokens)
-        raw, chunk = await self._pool(prompt_ids, Pooling(kind=kind), rid)
+        raw, chunk = await self._pool(prompt_ids, Pooling(kind=kind), rid, tenant)
         vector = embeddings.finish_vector(
             raw, dimensions, model.normalize if normalize is None else normalize
         )
@@ -786,15 +854,15 @@ class Engine:
         return prompt_ids[-keep:]
 
     async def _pool(
-        self, prompt_ids: list[int], pooling: Pooling, rid: str | None
+        self, prompt_ids: list[int], pooling: Pooling, rid: str | None, tenant: str | None = None
     ) -> tuple[bytes, GenerationChunk]:
         """Runs one prefill-only request: (its pooled float32 vector, its last chunk)."""
-        state = self._submit(prompt_ids, _POOL_SAMPLING, _POOL_DETOK, rid, pooling)
+        state = self._submit(prompt_ids, _POOL_SAMPLING, _POOL_DETOK, rid, pooling, tenant=tenant)
         assert isinstance(state, embeddings.PooledRequestState)
         try:
             chunk = await embeddings.last_chunk(state)
         finally:
-            self._registry.remove(state)
+            self._remove(state)
             if not state.finished or state.error is not None:
                 self._scheduler_loop().abort(state.core_rid)  # the consumer went away
         if not state.pooled:

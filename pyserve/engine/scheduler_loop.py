@@ -138,8 +138,8 @@ class SchedulerLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, rid: int, request: out.NewRequest, priority: int = 0) -> None:
-        self._command(("add", rid, request, priority))
+    def submit(self, rid: int, request: out.NewRequest, priority: int = 0, tenant: int = 0) -> None:
+        self._command(("add", rid, request, priority, tenant))
 
     def abort(self, rid: int) -> None:
         self._command(("abort", rid))
@@ -281,7 +281,7 @@ class SchedulerLoop:
     def _run_command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, rid, request, priority = command
+            _, rid, request, priority, tenant = command
             try:
                 pooling = request.pooling
                 self._planner.add_request(
@@ -291,6 +291,7 @@ class SchedulerLoop:
                     match_prefix=pooling is None or not pooling.needs_every_position,
                     whole_spans=whole_spans(request.images) if request.images else b"",
                     priority=priority,
+                    tenant=tenant,
                 )
             except (ValueError, KeyError) as e:
                 self._post(self._sink.on_request_error, [rid], ValueError(str(e)))
