@@ -125,9 +125,11 @@ class ScriptedEngine:
         images: Sequence = (),  # always none: it takes no images
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        # a script has no queue: the tests that send a priority or a deadline use a real engine
-        assert priority == 0 and timeout is None, (priority, timeout)
+        # a script has no queue: the tests that send a priority, a deadline or a tenant use a
+        # real engine
+        assert priority == 0 and timeout is None and tenant is None, (priority, timeout, tenant)
         detok = detok or DetokParams()
         self.requests.append((list(prompt), sampling, detok))
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)

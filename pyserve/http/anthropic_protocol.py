@@ -142,7 +142,7 @@ ThinkingConfig = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
 
 
 class MessagesMetadata(msgspec.Struct, kw_only=True):
-    user_id: str | None = None  # accepted: changes nothing about the output
+    user_id: str | None = None  # names the tenant under --fairness tenant; never the output
 
 
 class JsonOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema", kw_only=True):

@@ -65,6 +65,7 @@ class EmbeddingRoutes:
         req = await read_request(request, EmbeddingRequest, state.options.max_body_bytes)
         state.check_model(req.model)
         inputs = _inputs(req.input)
+        tenant = state.tenant(req.user, "user")
         # refused before any input is tokenized or submitted
         await state.call(_checked(self.engine.embedding_model.check_dimensions, req.dimensions))
         base = f"embd-{uuid.uuid4().hex}"
@@ -81,6 +82,7 @@ class EmbeddingRoutes:
                                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                                 normalize=req.normalize,
                                 rid=rid,
+                                tenant=tenant,
                             )
                             for item, rid in zip(inputs, rids, strict=True)
                         ]

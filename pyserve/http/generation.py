@@ -100,3 +100,4 @@ class GenerationRequest:
     stream: bool = False
     priority: int = 0  # lower runs first (--schedule-policy priority)
     timeout: float | None = None  # seconds, queue and generation (None: --request-timeout)
+    tenant: str | None = None  # whose request (--fairness tenant; None: the anonymous tenant)

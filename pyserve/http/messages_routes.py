@@ -86,6 +86,7 @@ class MessagesRoutes:
             stream=req.stream,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=state.tenant(req.metadata and req.metadata.user_id, "metadata.user_id"),
         )
         _constrain(generation, req)
         id = f"msg_{uuid.uuid4().hex}"

@@ -125,6 +125,8 @@ class NativeRoutes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         req = await read_request(request, GenerateRequest, self.state.options.max_body_bytes)
+        if req.user is not None and self.engine.config.fairness != "tenant":
+            raise params.unsupported("user", "it names a tenant: start with --fairness tenant")
         images: list[ImageInput] = []
         if req.image_data is not None:
             prompt = await self._image_prompt(req)
@@ -145,6 +147,7 @@ class NativeRoutes:
             stream=req.stream,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=self.state.tenant(req.user, "user"),
         )
         base = req.rid or uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(prompts))] if batched else [base]

@@ -89,6 +89,7 @@ class OpenAIRoutes:
             stream=req.stream,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=state.tenant(req.user, "user"),
         )
         meta = self._meta("chatcmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)
@@ -127,6 +128,7 @@ class OpenAIRoutes:
             stream=req.stream,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=state.tenant(req.user, "user"),
         )
         meta = self._meta("cmpl", req.stream, req.stream_options)
         job = await self.pipeline.prepare(generation, meta.id)

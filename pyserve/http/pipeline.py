@@ -146,6 +146,7 @@ class Job:
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images
     priority: int = 0  # lower runs first (--schedule-policy priority)
     timeout: float | None = None  # seconds, queue and generation (None: --request-timeout)
+    tenant: str | None = None  # whose request (--fairness tenant; None: the anonymous tenant)
 
     def __post_init__(self) -> None:
         if not self.rids:
@@ -252,6 +253,7 @@ class Pipeline:
             images=images,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=req.tenant,
         )
 
     async def _loose_tools(self, spec: ChatSpec) -> set[str]:
@@ -302,6 +304,7 @@ class Pipeline:
                         images=job.images,
                         priority=job.priority,
                         timeout=job.timeout,
+                        tenant=job.tenant,
                     )
                     for (prompt, sampling), rid in zip(job.choices, job.rids, strict=True)
                 ]

@@ -63,7 +63,8 @@ class SamplingFields(GrammarFields, kw_only=True):
 
     Fields OpenAI defines that pyserve does not implement are declared too, as ``Unsupported``,
     so that setting one gets a 400 naming it (``params.refuse_unsupported``) instead of being
-    ignored. ``user`` changes nothing about the output, as OpenAI documents it.
+    ignored. ``user`` changes nothing about the output, as OpenAI documents it (under
+    --fairness tenant it names the request's tenant).
     """
 
     model: str | None = None
@@ -86,7 +87,7 @@ class SamplingFields(GrammarFields, kw_only=True):
     min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    user: str | None = None  # accepted: changes nothing about the output
+    user: str | None = None  # names the tenant under --fairness tenant; never the output
     priority: Priority = 0
     timeout: Timeout | None = None
 
@@ -341,6 +342,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     top_logprobs_num: TopLogprobs = 0
     priority: Priority = 0
     timeout: Timeout | None = None
+    user: str | None = None  # the request's tenant under --fairness tenant (refused otherwise)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -379,7 +381,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None  # a Matryoshka size the model declares
-    user: str | None = None  # accepted: changes nothing about the output
+    user: str | None = None  # names the tenant under --fairness tenant; never the output
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     normalize: bool | None = None  # None: the server's --embedding-normalize
 

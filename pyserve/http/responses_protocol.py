@@ -101,7 +101,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     timeout: Timeout | None = None
     background: bool | None = None
     stream_options: dict | None = None  # include_obfuscation: nothing to obfuscate here
-    # accepted, and change nothing about the output (README, "Responses API")
+    # accepted, and change nothing about the output (README, "Responses API"); user names
+    # the tenant under --fairness tenant
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None

@@ -109,6 +109,7 @@ class ResponsesRoutes:
             stream=req.stream,
             priority=req.priority,
             timeout=req.timeout,
+            tenant=self.state.tenant(req.user, "user"),
         )
         meta = ResponseMeta(
             id=new_id("resp"),

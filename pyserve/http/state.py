@@ -21,6 +21,7 @@ from pyserve.engine.errors import (
     RequestTimedOut,
 )
 from pyserve.engine.image_prompts import PromptImage
+from pyserve.engine.tenants import MAX_NAME_CHARS
 from pyserve.http.bodies import DEFAULT_MAX_BODY_BYTES
 from pyserve.http.chat_images import ImageRef
 from pyserve.http.disconnect import DisconnectWatcher
@@ -146,6 +147,19 @@ class ServerState:
                 type="server_error",
                 code="engine_dead",
             )
+
+    def tenant(self, name: str | None, param: str) -> str | None:
+        """The tenant a request names in field ``param`` (its ``user``), under --fairness
+        tenant; None without fairness, where the field changes nothing."""
+        if not name or self.engine.config.fairness != "tenant":
+            return None
+        if len(name) > MAX_NAME_CHARS:
+            raise bad_request(
+                f"{param} names a tenant: at most {MAX_NAME_CHARS} characters, got {len(name)}",
+                param=param,
+                code="invalid_value",
+            )
+        return name
 
     def max_new_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``requested``, or when absent all the room the context and the KV pool leave."""
