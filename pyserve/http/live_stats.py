@@ -176,6 +176,8 @@ class LiveStats(BackgroundTask):
                 ),
                 "requests_in_flight": self.state.in_flight,
             },
+            # --fairness tenant: the tenants of the largest token counts (None without it)
+            "tenants": stats.get("tenants"),
             "samples": [s for s in self.samples if since is None or s["t"] > since],
         }
 

@@ -153,9 +153,30 @@ class EngineCollector(Collector):
             "Prompt tokens found cached on disk and loaded (part of the hit tokens)",
             value=disk_hit_tokens(stats),
         )
+        tenants = stats.get("tenants")
+        if tenants is not None:  # --fairness tenant
+            yield from _tenant_metrics(tenants)
         histogram = stats.get("spec_accepted_histogram")
         if histogram and len(histogram) > 1:  # one bucket: no drafts are ever verified
             yield _accepted_histogram(histogram)
+
+
+def _tenant_metrics(tenants: dict) -> Iterator[Any]:
+    """Tenants are named by requests: labelled by the few of the largest counts only, so that
+    distinct ``user`` values cannot grow the scrape without bound."""
+    yield GaugeMetricFamily(
+        "pyserve_tenants_active", "Tenants with a request in the server", value=tenants["active"]
+    )
+    tokens = GaugeMetricFamily(
+        "pyserve_tenant_tokens",
+        "The fair scheduler's count of prompt and output tokens planned for a tenant's "
+        'requests, for the few tenants of the largest counts (tenant="": requests that name '
+        "none)",
+        labels=["tenant"],
+    )
+    for row in tenants["top"]:
+        tokens.add_metric([row["name"] or ""], row["tokens"])
+    yield tokens
 
 
 def _accepted_histogram(counts: list[int]) -> HistogramMetricFamily:

@@ -189,9 +189,36 @@ function legendEntry(series, latest, chart) {
   return entry;
 }
 
+// --fairness tenant: the tenants of the largest token counts (doc.tenants is null without it).
+function renderTenants(tenants) {
+  const section = document.getElementById("tenants");
+  section.hidden = !tenants;
+  if (!tenants) return;
+  document.getElementById("tenants-subtitle").textContent =
+    `${tenants.active} active, ${tenants.tracked} named of at most ${formatNumber(tenants.capacity, 0)}`;
+  const rows = tenants.top.map((t) => {
+    const row = document.createElement("tr");
+    const name = document.createElement("td");
+    if (t.name === null) {
+      name.className = "anonymous";
+      name.textContent = "(no user)";
+    } else {
+      name.textContent = t.name;
+    }
+    const tokens = document.createElement("td");
+    tokens.textContent = formatNumber(t.tokens, 0);
+    const requests = document.createElement("td");
+    requests.textContent = String(t.requests);
+    row.append(name, tokens, requests);
+    return row;
+  });
+  document.getElementById("tenant-rows").replaceChildren(...rows);
+}
+
 function render() {
   const { doc, samples } = state;
   if (!doc) return;
+  renderTenants(doc.tenants);
   for (const button of document.querySelectorAll(".range button")) {
     button.classList.toggle("primary", Number(button.dataset.seconds) === state.windowS);
   }

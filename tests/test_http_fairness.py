@@ -1,0 +1,194 @@
+"""Tenant fairness through a real `pyserve run --fairness tenant --max-running-requests 1`, and
+the same server without the flag as the control. Tenant alice sends one request, which starts,
+then a backlog of five; then bob sends one. With fairness bob's request starts as soon as
+alice's first ends, ahead of her whole backlog (bob has been served fewer tokens); without it,
+bob waits behind the backlog. The worker's steps are held (a test hook) until all the requests
+have reached the core, and one running slot makes the order of completion the order of
+admission, so the order never depends on how the machine schedules the client. Every dialect
+names a tenant (and refuses a bad name with a 400 naming the field); /metrics, /stats and
+/server_info show the tenants and the setting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import aiohttp
+import pytest
+from http_testlib import (
+    GENERATION_PATHS,
+    HANG_GUARD_S,
+    held_tiny_server,
+    kv_idle,
+    request,
+    short_generation_body,
+    wait_for_metrics,
+)
+
+NEW_TOKENS = 24
+BACKLOG = 5
+
+
+@pytest.fixture(scope="module")
+def fair(tmp_path_factory, hold):
+    args = ["--fairness", "tenant", "--max-running-requests", "1"]
+    with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def unfair(tmp_path_factory, hold):
+    args = ["--max-running-requests", "1"]
+    with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
+        yield server
+
+
+def completion_order(url: str, hold) -> list[str]:
+    """alice's first request, then her backlog, then bob's, all queued behind held steps;
+    the names in the order their responses came."""
+    done: list[str] = []
+
+    async def complete(http: aiohttp.ClientSession, name: str, user: str) -> None:
+        body = {
+            "prompt": f"{name} says",
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "user": user,
+        }
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            result = await resp.json()
+        assert result["usage"]["completion_tokens"] == NEW_TOKENS
+        done.append(name)
+
+    def in_core(n: int):
+        return lambda m: m["pyserve_requests_running"] + m["pyserve_requests_waiting"] == n
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            hold.touch()
+            try:
+                tasks = [asyncio.create_task(complete(http, "alice-0", "alice"))]
+                await asyncio.to_thread(wait_for_metrics, url, in_core(1))
+                for i in range(1, BACKLOG + 1):
+                    tasks.append(asyncio.create_task(complete(http, f"alice-{i}", "alice")))
+                await asyncio.to_thread(wait_for_metrics, url, in_core(1 + BACKLOG))
+                tasks.append(asyncio.create_task(complete(http, "bob", "bob")))
+                await asyncio.to_thread(wait_for_metrics, url, in_core(2 + BACKLOG))
+            finally:
+                hold.unlink()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    wait_for_metrics(url, kv_idle)
+    return done
+
+
+def stats(url: str) -> dict:
+    status, _, body = request(url + "/stats")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def wait_for_tenant(url: str, name: str | None) -> dict:
+    """The tenant's row in /stats once it shows (the planner's numbers are a snapshot taken
+    every 0.1 s, which a response may outrun)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        rows = [t for t in stats(url)["tenants"]["top"] if t["name"] == name]
+        if rows and rows[0]["tokens"] > 0:
+            return rows[0]
+        assert time.monotonic() < deadline, f"no tenant {name!r} in {stats(url)['tenants']}"
+        time.sleep(0.05)
+
+
+def tenant_tokens(url: str) -> dict[str, float]:
+    """/metrics' pyserve_tenant_tokens by tenant label."""
+    _, _, text = request(url + "/metrics")
+    found = re.findall(r'^pyserve_tenant_tokens\{tenant="([^"]*)"\} (\S+)$', text.decode(), re.M)
+    return {name: float(value) for name, value in found}
+
+
+def test_a_tenants_request_starts_ahead_of_another_tenants_backlog(fair, hold):
+    order = completion_order(fair.url, hold)
+    assert order[0] == "alice-0"  # admitted before bob came: nothing preempts it
+    assert order[1] == "bob", order
+    assert sorted(order[2:]) == [f"alice-{i}" for i in range(1, BACKLOG + 1)]
+    # alice was planned her prompts and 6 x 24 tokens, bob one prompt and 24 tokens, from
+    # alice's count when he came (she had a request in the server: no credit for idle time)
+    served = {t["name"]: t for t in stats(fair.url)["tenants"]["top"]}
+    assert served["alice"]["tokens"] > served["bob"]["tokens"] > NEW_TOKENS
+    assert served["alice"]["requests"] == served["bob"]["requests"] == 0
+    tokens = tenant_tokens(fair.url)
+    assert tokens["alice"] == served["alice"]["tokens"]
+    assert tokens["bob"] == served["bob"]["tokens"]
+
+
+def test_without_fairness_the_same_request_waits_behind_the_backlog(unfair, hold):
+    order = completion_order(unfair.url, hold)
+    assert order[0] == "alice-0" and order[-1] == "bob", order
+    assert stats(unfair.url)["tenants"] is None
+    assert tenant_tokens(unfair.url) == {}
+
+
+def body_with_user(url: str, path: str, user: object) -> dict:
+    body = short_generation_body(url, path)
+    if path == "/v1/messages":
+        return dict(body, metadata={"user_id": user})
+    return dict(body, user=user)
+
+
+USER_PARAM = {"/v1/messages": "metadata.user_id"}
+
+
+@pytest.mark.parametrize("path", GENERATION_PATHS)
+def test_every_dialect_names_a_tenant_and_refuses_a_bad_name(fair, path):
+    name = f"tenant of {path}"
+    status, _, text = request(fair.url + path, body_with_user(fair.url, path, name))
+    assert status == 200, text
+    wait_for_tenant(fair.url, name)
+    param = USER_PARAM.get(path, "user")
+    for bad in (7, ["alice"], "x" * 257):
+        status, _, text = request(fair.url + path, body_with_user(fair.url, path, bad))
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert param in error["message"] or error.get("param") == param, error
+        if path == "/v1/messages":
+            assert json.loads(text)["type"] == "error"  # Anthropic's shape
+        else:
+            assert error["param"] == param
+
+
+def test_requests_without_a_user_share_the_anonymous_tenant(fair):
+    status, _, text = request(fair.url + "/generate", short_generation_body(fair.url, "/generate"))
+    assert status == 200, text
+    wait_for_tenant(fair.url, None)
+    assert "" in tenant_tokens(fair.url)
+
+
+@pytest.mark.parametrize("path", GENERATION_PATHS)
+def test_without_fairness_only_generate_refuses_user(unfair, path):
+    status, _, text = request(unfair.url + path, body_with_user(unfair.url, path, "x" * 300))
+    if path == "/generate":  # pyserve's own field: it would change nothing, so it is refused
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert (error["param"], error["code"]) == ("user", "unsupported_parameter")
+        assert "--fairness tenant" in error["message"]
+    else:  # OpenAI's and Anthropic's: accepted, changing nothing
+        assert status == 200, text
+
+
+def test_server_info_says_the_setting(fair, unfair):
+    for server, setting in ((fair, "tenant"), (unfair, "none")):
+        info = json.loads(request(server.url + "/server_info")[2])
+        assert info["fairness"] == info["config"]["fairness"] == setting
+
+
+def test_embeddings_name_their_tenant_too(fair):
+    body = {"input": ["hi", "there"], "user": "embedder"}
+    status, _, text = request(fair.url + "/v1/embeddings", body)
+    assert status == 200, text
+    wait_for_tenant(fair.url, "embedder")
