@@ -52,6 +52,7 @@ API_KEY = "web-ui-test-key"
 LONG_ANSWER = 4000  # tokens: the tiny model streams for a while, and rarely says EOS
 SERVER_ARGS = ["--torch-threads", "1", "--tokenizer-workers", "1"]
 SERVER_ARGS += ["--kv-cache-tokens", str(KV_TOKENS)]
+SERVER_ARGS += ["--fairness", "tenant"]  # the dashboard's table of tenants
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -793,12 +794,15 @@ def tiles(page) -> dict[str, str]:
     )
 
 
-def load(url: str, count: int, headers: dict | None = None) -> list[threading.Thread]:
+def load(
+    url: str, count: int, headers: dict | None = None, user: str | None = None
+) -> list[threading.Thread]:
     """``count`` concurrent chat requests, each some thousand tokens long, on threads."""
     body = {
         "messages": [{"role": "user", "content": "Keep talking."}],
         "max_tokens": 1500,
         "ignore_eos": True,
+        "user": user,
     }
     threads = [
         threading.Thread(
@@ -842,7 +846,7 @@ def test_dashboard_figures_change_under_load(server, watched):
     before = canvas_fingerprints(page)
     assert all(inked > 0 for inked, _ in before.values())  # axes and grid at least
 
-    threads = load(server.url, 6)
+    threads = load(server.url, 6, user="dashboard <b>load</b>")  # shown as text, not markup
     wait_until(
         page,
         "Number(document.getElementById('now-running').textContent) > 0"
@@ -851,6 +855,9 @@ def test_dashboard_figures_change_under_load(server, watched):
     time.sleep(2.5)  # a few more samples, so that the lines have some length in the screenshot
     busy = tiles(page)
     during = canvas_fingerprints(page)
+    wait_until(page, "document.getElementById('tenant-rows').textContent.includes('<b>load</b>')")
+    cells = page.locator("#tenant-rows tr", has_text="dashboard <b>load</b>").locator("td")
+    assert int(cells.nth(1).inner_text().replace(",", "")) > 0  # tokens served
     w.shot("dashboard-under-load", full_page=True)
     for thread in threads:
         thread.join(HANG_GUARD_S)
@@ -897,6 +904,7 @@ def test_under_a_prefix_with_an_api_key_the_page_asks_for_the_key_then_works(mou
     for thread in threads:
         thread.join(HANG_GUARD_S)
     wait_until(page, "document.getElementById('now-running').textContent === '0'")
+    assert page.locator("#tenants").is_hidden()  # no --fairness tenant
     w.shot("dashboard-under-prefix", full_page=True)
     page.set_viewport_size({"width": 390, "height": 844})
     assert overflowing(page) == []
