@@ -350,6 +350,8 @@ def test_requests_that_cannot_run_are_refused_before_any_work(engine, loop):
         run(first_chunk([5, 49152], greedy()))
     with pytest.raises(ValueError, match="max_new_tokens"):
         run(first_chunk([5], greedy(0)))
+    with pytest.raises(ValueError, match="a tenant needs fairness='tenant'"):
+        run(anext(engine.generate([5], greedy(), tenant="alice")))
 
     async def duplicate_rid():
         running = engine.generate([5, 6, 7], greedy(50), rid="same")
