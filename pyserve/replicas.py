@@ -455,6 +455,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ReplicaError as exc:
         log.error("invalid settings: %s", exc)
         return 2
+    if args.fairness == "tenant":  # as sglang-router 0.3.2 was seen to forward requests
+        log.warning(
+            "--fairness tenant with --dp: each replica is fair on its own, and the router "
+            "passes the user field on for /v1/completions only (chat completions and /generate "
+            "reach the replicas as the anonymous tenant)"
+        )
 
     async def supervise() -> int:
         return await Supervisor(args, parser).run()

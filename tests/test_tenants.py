@@ -98,6 +98,23 @@ def test_fairness_with_another_policy_fails_at_start_with_one_line(dp, caplog):
     ]
 
 
+def test_with_replicas_a_warning_says_what_the_router_forwards(monkeypatch, caplog):
+    class Supervisor:  # stands in for the replicas and the router
+        def __init__(self, args, parser) -> None:
+            pass
+
+        async def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(replicas, "router_installed", lambda: True)
+    monkeypatch.setattr(replicas, "Supervisor", Supervisor)
+    assert cli.main(["run", "--dp", "2", "--fairness", "tenant"]) == 0
+    assert "passes the user field on for /v1/completions only" in caplog.text
+    caplog.clear()
+    assert cli.main(["run", "--dp", "2"]) == 0
+    assert "user field" not in caplog.text
+
+
 def test_the_flag_reaches_the_engine_config_and_the_replicas():
     parser = cli.build_parser()
     assert cli.engine_config(parser.parse_args(["run"])).fairness == "none"
