@@ -192,3 +192,23 @@ def test_embeddings_name_their_tenant_too(fair):
     status, _, text = request(fair.url + "/v1/embeddings", body)
     assert status == 200, text
     wait_for_tenant(fair.url, "embedder")
+
+
+def test_odd_names_are_tenants_and_every_view_still_renders(fair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    odd = ['line\nbreak "quoted" back\\slash', "😀" * 256, "\x00", "<script>x</script>"]
+    for name in odd:
+        body = {"prompt": "hi", "max_tokens": 2, "user": name}
+        status, _, text = request(fair.url + "/v1/completions", body)
+        assert status == 200, text
+        wait_for_tenant(fair.url, name)
+    status, _, text = request(fair.url + "/metrics")
+    assert status == 200
+    labels = {
+        sample.labels.get("tenant")
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+        if sample.name == "pyserve_tenant_tokens"
+    }
+    assert set(odd) <= labels
