@@ -572,11 +572,12 @@ def quant_matmul_check(ctx: Ctx) -> dict:
     runs, lines = [], []
     for name, (k, n) in shapes.items():
         groups = k // 32
-        d = (torch.rand(n, groups, device=device, generator=gen) * 0.01).half()
+        # quant_matmul's layout: outputs contiguous (u [k·bits/8, n], d and m [groups, n])
+        d = (torch.rand(groups, n, device=device, generator=gen) * 0.01).half()
         m = (-d.float() * 8).half()
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         for bits in (4, 8):
-            u = torch.randint(0, 256, (n, k * bits // 8), device=device, generator=gen)
+            u = torch.randint(0, 256, (k * bits // 8, n), device=device, generator=gen)
             u = u.to(torch.uint8)
             weight_bytes = u.numel() + 4 * n * groups
             for rows in rows_list:
