@@ -6,6 +6,7 @@ the same prompt computed from scratch (greedy, float32 model)."""
 
 from __future__ import annotations
 
+import json
 import stat
 import time
 from pathlib import Path
@@ -39,8 +40,6 @@ def generate(url: str, ids: list[int]) -> dict:
     }
     status, _, raw = request(url + "/generate", body)
     assert status == 200, raw
-    import json
-
     return json.loads(raw)
 
 
@@ -107,6 +106,10 @@ def test_evicted_blocks_are_saved_and_loaded_back_with_the_same_output(model, sc
         assert m["pyserve_disk_cache_failed_loads_total"] == 0
         (tier,) = tmp_path.glob("kv-cache/kv-*")
         assert stat.S_IMODE(tier.stat().st_mode) == 0o700  # what prompts computed is private
+        status, _, raw = request(url + "/server_info")
+        info = json.loads(raw)["disk_cache"]
+        assert info["directory"] == str(tier) and info["max_bytes"] == int(0.05 * 2**30)
+        assert info["budget_blocks"] == info["max_bytes"] // info["block_bytes"] > 0
 
 
 def test_a_restart_serves_the_prompt_from_disk_and_flush_empties_it(model, scratch, tmp_path):

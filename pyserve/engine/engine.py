@@ -505,6 +505,7 @@ class Engine:
             # bytes of weights a decode step reads, as loaded (packed), embeddings aside
             "weight_bytes": ready.weight_bytes if ready is not None else None,
             "tp_size": ready.tp_size if ready is not None else self.config.tp_size,
+            "disk_cache": self._disk_cache_info(),
             "speculative": self._speculative_info(),
             # how admission shares the server: "none" (the schedule policy alone) or "tenant"
             "fairness": self.config.fairness,
@@ -512,6 +513,19 @@ class Engine:
             "embedding": self._embedding.info() if self._embedding is not None else None,
             "mmproj": self._mmproj_info(),
             "versions": _versions(),
+        }
+
+    def _disk_cache_info(self) -> dict:
+        """The prefix cache's disk tier: where its files are and its size (0: off)."""
+        ready = self._ready
+        on = ready is not None and bool(ready.disk_tier)
+        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
+        return {
+            "directory": ready.disk_tier if on else None,
+            "max_bytes": self.config.disk_cache_bytes if on else 0,
+            "block_bytes": ready.disk_block_bytes if on else 0,
+            "budget_blocks": snapshot.get("disk_budget", 0),
+            "blocks": snapshot.get("disk_blocks", 0),
         }
 
     def _mmproj_info(self) -> dict | None:
