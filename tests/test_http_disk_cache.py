@@ -107,6 +107,7 @@ def test_evicted_blocks_are_saved_and_loaded_back_with_the_same_output(model, sc
         (tier,) = tmp_path.glob("kv-cache/kv-*")
         assert stat.S_IMODE(tier.stat().st_mode) == 0o700  # what prompts computed is private
         status, _, raw = request(url + "/server_info")
+        assert status == 200, raw
         info = json.loads(raw)["disk_cache"]
         assert info["directory"] == str(tier) and info["max_bytes"] == int(0.05 * 2**30)
         assert info["budget_blocks"] == info["max_bytes"] // info["block_bytes"] > 0
