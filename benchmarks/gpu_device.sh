@@ -10,6 +10,9 @@
 #           parity, serving and serving_quantized. On a fresh machine (the first went back) it
 #           stages first, and with no whole model parity uses a random SmolLM2-shaped one
 #           (gpu_check says so).
+#   spec    (in place of finish, carrying model-b) the same whole model, then
+#           benchmarks/speculative.py's one-stream loads with and without n-gram drafts on the
+#           Triton backend (no llama-server there)
 #
 # Each call leaves setup.log, summary.txt, results.json and logs.tar.gz in $OUT (what comes back).
 # BUDGET_S (default 330) is the call's seconds, set-up included: a session's device time is 15
@@ -88,8 +91,20 @@ finish)
 	[ "${PIPESTATUS[0]}" = 0 ] || echo "parity will run on a random SmolLM2-shaped model" | tee -a "$LOG"
 	check environment,parity,serving,serving_quantized finish "${@:2}"
 	;;
+spec)  # speculative decoding at one stream (benchmarks/speculative.py) on the default model
+	if [ ! -f "$STATE/staged" ]; then
+		stage 2>&1 | tee "$LOG"
+		[ "${PIPESTATUS[0]}" = 0 ] || { echo "stage FAILED" | tee -a "$LOG"; exit 1; }
+	fi
+	assemble_model 2>&1 | tee -a "$LOG"
+	[ "${PIPESTATUS[0]}" = 0 ] || { echo "no whole default model" | tee -a "$LOG"; exit 1; }
+	left=$((BUDGET_S - ($(date +%s) - STARTED) - 15))
+	timeout "$left" "$PY" benchmarks/speculative.py --no-llama --out-dir "$OUT/spec" \
+		--pyserve-args "--device cuda --backend triton --quantization none" "${@:2}" 2>&1 |
+		tee "$OUT/spec.log"
+	;;
 *)
-	echo "usage: $0 stage|finish [gpu_check options]" >&2
+	echo "usage: $0 stage|finish|spec [options]" >&2
 	exit 2
 	;;
 esac

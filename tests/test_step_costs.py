@@ -8,11 +8,14 @@ import math
 import pytest
 
 from pyserve._core import Planner
-from pyserve.engine.step_costs import ALPHA, StepCosts
+from pyserve.engine.step_costs import ALPHA, STALE_S, WARMUP_STEPS, StepCosts
 
 
 def test_costs_are_running_means_by_token_count():
     costs = StepCosts(max_tokens=8)
+    assert costs.table() == [0.0] * 9 and not costs.changed
+    for t in (1, 3):  # each size's first step may compile kernels: not counted
+        costs.observe(t, 500.0)
     assert costs.table() == [0.0] * 9 and not costs.changed
     costs.observe(1, 4.0)
     costs.observe(1, 6.0)
@@ -23,6 +26,19 @@ def test_costs_are_running_means_by_token_count():
     for bad in ((0, 1.0), (9, 1.0), (2, math.nan)):
         costs.observe(*bad)  # outside the table, or not a number: ignored
     assert costs.table() == table
+
+
+def test_a_verify_size_not_measured_for_a_while_is_forgotten_and_tried_again():
+    costs = StepCosts(max_tokens=4)
+    for t, ms in ((1, 1.0), (1, 1.0), (3, 9.0), (3, 9.0)):
+        costs.observe(t, ms, now=100.0)
+    costs.changed = False
+    costs.expire(100.0 + STALE_S)
+    assert costs.table()[3] == 9.0 and not costs.changed
+    costs.expire(100.0 + STALE_S + 0.1)  # the planner stopped planning 3-token steps
+    assert costs.table() == [0.0, 1.0, 0.0, 0.0, 0.0] and costs.changed
+    costs.observe(3, 2.0, now=120.0)  # tried again: counted at once (warmed up before)
+    assert costs.table()[3] == 2.0 and WARMUP_STEPS == 1
 
 
 def test_the_wait_after_a_verify_is_the_gap_less_the_work():

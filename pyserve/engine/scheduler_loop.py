@@ -390,7 +390,7 @@ class SchedulerLoop:
         now = time.monotonic()
         tokens, verifies = self._costed.pop(msg.step_id, (0, False))
         if tokens:
-            self._costs.observe(tokens, msg.forward_ms)
+            self._costs.observe(tokens, msg.forward_ms, now)
             if self._last_done is not None and self._last_done[1]:
                 self._costs.observe_overhead((now - self._last_done[0]) * 1e3, msg.forward_ms)
         self._last_done = (now, verifies)
@@ -433,6 +433,8 @@ class SchedulerLoop:
 
     def _refresh_stats(self, now: float) -> None:
         costs = self._costs
+        if costs is not None:
+            costs.expire(now)
         if costs is not None and costs.changed:
             self._planner.set_decode_costs(costs.table(), costs.verify_overhead_ms)
             if log.isEnabledFor(logging.DEBUG):
