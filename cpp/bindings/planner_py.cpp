@@ -65,8 +65,7 @@ void bind_step(py::module_& m) {
       .def_property_readonly("retracted", [](const Step& s) { return to_bytes(s.retracted); })
       .def_property_readonly("save_blocks", [](const Step& s) { return to_bytes(s.save_blocks); })
       .def_property_readonly("save_keys", [](const Step& s) { return to_bytes(s.save_keys); })
-      .def_property_readonly("save_parents",
-                             [](const Step& s) { return to_bytes(s.save_parents); })
+      .def_property_readonly("save_parents", [](const Step& s) { return to_bytes(s.save_parents); })
       .def_property_readonly("save_tokens", [](const Step& s) { return to_bytes(s.save_tokens); })
       .def_property_readonly("load_blocks", [](const Step& s) { return to_bytes(s.load_blocks); })
       .def_property_readonly("load_keys", [](const Step& s) { return to_bytes(s.load_keys); })

@@ -399,7 +399,7 @@ void Planner::cache_computed_blocks(Request& r) {
 std::optional<Step> Planner::plan() {
   Step step;
   step.step_id = next_step_id_;
-  InflightStep record{next_step_id_, {}};
+  InflightStep record{next_step_id_, {}, {}, {}};
   const size_t expected = running_.size() + 8;
   for (auto* v : {&step.start_pos, &step.num_tokens, &step.block_offsets, &step.block_counts}) {
     v->reserve(expected);
@@ -485,9 +485,8 @@ void Planner::finish_loads(InflightStep& s) {
     --r.inflight_steps;
     if (r.state == RequestState::kDone) continue;  // its blocks went back when it ended
     size_t good = 0;
-    while (good < r.loading.size() &&
-           std::find(s.failed_loads.begin(), s.failed_loads.end(), r.loading[good]) ==
-               s.failed_loads.end()) {
+    while (good < r.loading.size() && std::find(s.failed_loads.begin(), s.failed_loads.end(),
+                                                r.loading[good]) == s.failed_loads.end()) {
       ++good;
     }
     const std::vector<int32_t>& seq = sequence(r);

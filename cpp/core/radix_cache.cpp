@@ -530,7 +530,8 @@ void RadixCache::to_disk(NodeId node) {
     key = next_key(key, hash_tokens(&n.tokens[i * block_size_]));
     n.keys[i] = key;
     const auto first = n.tokens.begin() + i * block_size_;
-    pending_saves_.push_back(DiskOp{b, key, parent, std::vector<int32_t>(first, first + block_size_)});
+    pending_saves_.push_back(
+        DiskOp{b, key, parent, std::vector<int32_t>(first, first + block_size_)});
     block_node_[b] = -1;
     allocator_.decref(b);
   }
@@ -551,7 +552,7 @@ void RadixCache::to_disk(NodeId node) {
 void RadixCache::to_ram(NodeId node, const BlockId* ids, std::vector<DiskOp>& loads) {
   Node& n = nodes_[node];
   const int64_t count = edge_blocks(n);
-  for (int64_t i = 0; i < count; ++i) loads.push_back(DiskOp{ids[i], n.keys[i]});
+  for (int64_t i = 0; i < count; ++i) loads.push_back(DiskOp{ids[i], n.keys[i], 0, {}});
   disk_unlist(node);
   n.keys.clear();
   n.on_disk = false;
