@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.worker.backends.triton import attention, fused
+from pyserve.worker.kv_cache import dequantize_int8, quantize_int8
 from pyserve.worker.rope import apply_rope
 
 torch.manual_seed(0)
@@ -95,8 +96,9 @@ def paged_cache(contexts: list[int], block_size: int, kv_heads: int, dim: int, s
     return k_cache, v_cache, tables, per_request
 
 
-def reference(q, keys, values, query_pos, scale, softcap, window):
-    """q [heads, dim] at position query_pos over keys/values [ctx, kv_heads, dim], in float64."""
+def reference(q, keys, values, query_pos, scale, softcap, window, sinks=None):
+    """q [heads, dim] at position query_pos over keys/values [ctx, kv_heads, dim], in float64;
+    ``sinks`` [heads]: a column of each head's softmax with that logit and no value."""
     group = q.shape[0] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -108,6 +110,9 @@ def reference(q, keys, values, query_pos, scale, softcap, window):
     if window is not None:
         seen &= positions > query_pos - window
     scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.double()[:, None]), dim=1)
+        v = torch.cat((v, v.new_zeros(v.shape[0], 1, v.shape[2])), dim=1)
     return torch.einsum("hn,hnd->hd", scores.softmax(dim=-1), v).float()
 
 
@@ -209,4 +214,189 @@ def test_the_flat_cache_stores_and_gathers_what_the_paged_one_does() -> None:
     blocks = torch.tensor([[1, 4], [0, 2]])
     for got, expected in zip(flat.gather(1, blocks), paged.gather(1, blocks), strict=True):
         torch.testing.assert_close(got, expected)
+    assert flat.nbytes == paged.nbytes
+
+
+# ---------------------------------------------------------------------------- int8 K/V
+
+
+def rope_store(qkv, cos, signed_sin, slots, caches, heads, kv_heads, dim):
+    """rope_kv_store into ``caches`` (k, v, and for an int8 cache k_scale, v_scale)."""
+    k, v, *scales = caches
+    return fused.rope_kv_store(
+        qkv, cos, signed_sin, slots, k, v, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        **dict(zip(("k_scale", "v_scale"), scales, strict=False)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_kv_store_quantizes_each_head_as_quantize_int8(dtype) -> None:
+    """The int8 store's values and scales are kv_cache.quantize_int8's of the K/V that a cache
+    in the activations' dtype stores, bit for bit: ties round to even, an all-zero head has
+    scale 0, and q is the float store's."""
+    heads, kv_heads, dim, tokens, total = 4, 2, 16, 7, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * torch.rand(tokens, 1) * 4
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    v[0, 0] = 0.0  # scale 0
+    # max |v| = 127 gives scale 1 and inverse 1: every half-integer is a tie
+    v[1, 1] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 2)
+    v[2, 0] = torch.tensor([-127.0, 126.5, -125.5, 64.5] * 4)
+    qkv = qkv.to(dtype)
+    cos, signed_sin = cos_sin(tokens, dim)
+    slots = torch.tensor(random.Random(2).sample(range(total), tokens))
+    float_caches = [torch.zeros(total, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    q_float = rope_store(qkv, cos, signed_sin, slots, float_caches, heads, kv_heads, dim)
+    int8_caches = [torch.zeros(total, kv_heads, dim, dtype=torch.int8) for _ in range(2)]
+    int8_caches += [torch.full((total, kv_heads), -1.0) for _ in range(2)]
+    q = rope_store(qkv, cos, signed_sin, slots, int8_caches, heads, kv_heads, dim)
+    assert torch.equal(q, q_float)
+    k_int8, v_int8, k_scale, v_scale = int8_caches
+    for stored, values, scales in zip(float_caches, int8_caches[:2], int8_caches[2:], strict=True):
+        want, want_scale = quantize_int8(stored[slots])
+        assert torch.equal(values[slots], want)
+        assert torch.equal(scales[slots], want_scale)
+    assert v_scale[slots[0], 0] == 0 and not v_int8[slots[0], 0].any()
+    if dtype != torch.float16:  # 127 and the half-integers are exact in each dtype but float16's
+        assert v_int8[slots[1], 1, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]
+    untouched = torch.ones(total, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_int8[untouched].any() and (k_scale[untouched] == -1).all()
+
+
+def int8_paged_cache(contexts: list[int], block_size: int, kv_heads: int, dim: int, seed: int):
+    """paged_cache's random K/V, each token of its own magnitude, quantized as
+    kv_cache.quantize_int8 does it: (int8 k, v caches, float32 k, v scales [slots, kv_heads],
+    tables, each request's keys and values dequantized: what the kernels must attend over)."""
+    k_cache, v_cache, tables, _ = paged_cache(contexts, block_size, kv_heads, dim, seed)
+    gen = torch.Generator().manual_seed(seed)
+    k_cache *= torch.exp(torch.randn(k_cache.shape[0], kv_heads, 1, generator=gen))
+    v_cache *= torch.exp(torch.randn(v_cache.shape[0], kv_heads, 1, generator=gen))
+    k_cache[tables[0, 0] * block_size] = 0.0  # a token whose K has scale 0
+    (k_int8, k_scale), (v_int8, v_scale) = quantize_int8(k_cache), quantize_int8(v_cache)
+    keys, values = dequantize_int8(k_int8, k_scale), dequantize_int8(v_int8, v_scale)
+    per_request = []
+    for r, context in enumerate(contexts):
+        positions = torch.arange(context)
+        slots = tables[r, positions // block_size].long() * block_size + positions % block_size
+        per_request.append((keys[slots], values[slots]))
+    return k_int8, v_int8, k_scale, v_scale, tables, per_request
+
+
+# attention over int8 K/V against a float64 softmax over them dequantized: float32 as the float
+# cache's tests; float16 rounds q, the weights and the output to its 11 bits
+INT8_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads, kv_heads, block_size, num_splits, softcap, window",
+    [
+        (4, 4, 16, 1, None, None),
+        (8, 2, 16, 3, None, None),  # GQA, split-K
+        (6, 2, 4, 4, 30.0, None),  # a group of 3, soft-capping, small blocks
+        (4, 1, 8, 2, None, 20),  # a sliding window
+    ],
+)
+def test_paged_decode_reads_int8_kv_with_each_tokens_scales(
+    heads, kv_heads, block_size, num_splits, softcap, window, dtype
+):
+    dim, contexts = 16, [1, 37, 90, 64]  # partial last blocks, and whole ones
+    k_int8, v_int8, k_scale, v_scale, tables, per_request = int8_paged_cache(
+        contexts, block_size, kv_heads, dim, 3
+    )
+    rows = torch.tensor([3, 0, 5, 2], dtype=torch.int32)
+    q = torch.randn(6, heads, dim).to(dtype)
+    out = torch.full_like(q, 7.0)
+    scale = 1 / math.sqrt(dim)
+    attention.paged_decode_attention(
+        q, k_int8, v_int8, out, tables, torch.tensor(contexts, dtype=torch.int32), rows,
+        max_context=max(contexts), block_size=block_size, num_kv_heads=kv_heads, scale=scale,
+        softcap=softcap, window=window, num_splits=num_splits, block_n=16, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+    rtol, atol = INT8_TOLERANCE[dtype]
+    for i, row in enumerate(rows.tolist()):
+        keys, values = per_request[i]
+        expected = reference(q[row], keys, values, contexts[i] - 1, scale, softcap, window)
+        torch.testing.assert_close(out[row].float(), expected, rtol=rtol, atol=atol)
+    assert (out[[1, 4]] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads, kv_heads, block_size, softcap, window",
+    [(4, 2, 8, None, None), (4, 4, 16, 50.0, None), (6, 2, 4, None, 9), (2, 1, 8, None, None)],
+)
+def test_extend_reads_int8_kv_with_each_tokens_scales(
+    heads, kv_heads, block_size, softcap, window, dtype
+):
+    dim = 16
+    entries = [(0, 5), (11, 7), (3, 40)]  # a fresh prompt, a chunk after a prefix, a long one
+    contexts = [p + n for p, n in entries]
+    k_int8, v_int8, k_scale, v_scale, tables, per_request = int8_paged_cache(
+        contexts, block_size, kv_heads, dim, 5
+    )
+    starts = [0, 5, 12]
+    q = torch.randn(52, heads, dim).to(dtype)
+    out = torch.zeros_like(q)
+    scale = 1 / math.sqrt(dim)
+    sinks = torch.randn(heads) if window is not None else None  # gpt-oss: sinks with windows
+    attention.paged_extend_attention(
+        q, k_int8, v_int8, out, tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([n for _, n in entries], dtype=torch.int32),
+        torch.tensor([p for p, _ in entries], dtype=torch.int32),
+        max_q_len=40, block_size=block_size, num_kv_heads=kv_heads, scale=scale,
+        softcap=softcap, window=window, block_m=16, block_n=16, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+    rtol, atol = INT8_TOLERANCE[dtype]
+    for (prefix, count), start, (keys, values) in zip(entries, starts, per_request, strict=True):
+        for i in range(count):
+            row = q[start + i]
+            expected = reference(row, keys, values, prefix + i, scale, softcap, window, sinks)
+            torch.testing.assert_close(out[start + i].float(), expected, rtol=rtol, atol=atol)
+
+
+def test_the_attention_kernels_refuse_int8_kv_without_scales() -> None:
+    k = torch.zeros(8, 1, 16, dtype=torch.int8)
+    q, ints = torch.zeros(1, 2, 16), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale"):
+        attention.paged_decode_attention(
+            q, k, k.clone(), q.clone(), ints, ints[0] + 1, ints[0], max_context=1,
+            block_size=8, num_kv_heads=1, scale=1.0, softcap=None, window=None, num_splits=1,
+        )  # fmt: skip
+
+
+def test_the_int8_store_writes_the_bytes_the_flat_cache_writes() -> None:
+    """The kernel's int8 store (RoPE as the identity) and FlatKVCache.write give the same bytes
+    in every tensor of ``block_views`` (what the disk tier saves), and the flat cache gathers
+    what the paged one does."""
+    from pyserve.worker.backends.triton.backend import FlatKVCache
+    from pyserve.worker.kv_cache import PagedKVCache
+
+    heads, kv_heads, dim, layer = 4, 3, 8, 1
+    shape = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=kv_heads, head_dim=dim)
+    paged = PagedKVCache(**shape, dtype=torch.int8)
+    flat = FlatKVCache(**shape, dtype=torch.int8)
+    stored = FlatKVCache(**shape, dtype=torch.int8)
+    slots = torch.tensor([0, 7, 9, 19, 4])
+    k, v = torch.randn(5, kv_heads, dim) * 30, torch.randn(5, kv_heads, dim)
+    k[2, 1] = 0.0
+    for cache in (paged, flat):
+        cache.write(layer, slots, k, v)
+    q = torch.randn(5, heads * dim)
+    qkv = torch.cat((q, k.flatten(1), v.flatten(1)), dim=1)
+    ones, zeros = torch.ones(5, 1, dim), torch.zeros(5, 1, dim)
+    caches = (stored.k[layer], stored.v[layer], stored.k_scale[layer], stored.v_scale[layer])
+    rope_store(qkv, ones, zeros, slots, caches, heads, kv_heads, dim)
+    views = flat.block_views()
+    assert len(views) == 8  # K, V, and both scales, of each layer
+    for (got, dim_got), (want, dim_want) in zip(stored.block_views(), views, strict=True):
+        assert dim_got == dim_want == 0 and torch.equal(got, want)
+    # a block's scales: its tokens' of every kv head, as many bytes as the paged cache's
+    assert views[-1][0][0].numel() == paged.block_views()[-1][0].select(1, 0).numel()
+    blocks = torch.tensor([[1, 4], [0, 2]])
+    for got, expected in zip(flat.gather(layer, blocks), paged.gather(layer, blocks), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert flat.nbytes == paged.nbytes

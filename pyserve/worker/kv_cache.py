@@ -79,7 +79,7 @@ class PagedKVCache:
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
-            scale_shape = (num_kv_heads, num_blocks, block_size)
+            scale_shape = self.scale_shape()
             self.k_scale = [zeroed(scale_shape, torch.float32, device) for _ in range(num_layers)]
             self.v_scale = [zeroed(scale_shape, torch.float32, device) for _ in range(num_layers)]
 
@@ -96,6 +96,10 @@ class PagedKVCache:
             self.head_dim,
         )
         return (heads, blocks, dim, size), (heads, blocks, size, dim)
+
+    def scale_shape(self) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) scales in an int8 cache."""
+        return (self.num_kv_heads, self.num_blocks, self.block_size)
 
     def block_views(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor of the cache (per layer K, then V, then an int8 cache's scales) with

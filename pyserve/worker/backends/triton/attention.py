@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 # jit code reads module globals only when they are constexprs (the interpreter reads any)
 _NEG_INF = tl.constexpr(float("-inf"))
+_INT8_MAX = tl.constexpr(127.0)
 
 
 @triton.jit
@@ -39,55 +40,109 @@ def _softcapped(scores, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(
-    cache_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
-    """The [len(positions), BLOCK_D] tile of one kv head at these positions of a request."""
+def _slots(table_row_ptr, positions, valid, BLOCK_SIZE: tl.constexpr):
+    """The cache slots (int64) of these positions of a request."""
     block = tl.load(table_row_ptr + positions // BLOCK_SIZE, mask=valid, other=0)
-    slots = block.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    return block.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+@triton.jit
+def _kv_tile(
+    cache_ptr, slots, valid, kv_head, dims, dim_ok,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The [len(slots), BLOCK_D] tile of one kv head at these slots, as the cache holds it."""
     offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
     return tl.load(cache_ptr + offsets, mask=valid[:, None] & dim_ok[None, :], other=0.0)
 
 
 @triton.jit
+def _token_scales(scale_ptr, slots, valid, kv_head, NUM_KV_HEADS: tl.constexpr):
+    """An int8 cache's scale of one kv head at each of these slots (0 where not valid)."""
+    return tl.load(scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=valid, other=0.0)
+
+
+@triton.jit
+def _in_dtype(tile, dtype: tl.constexpr, QUANTIZED: tl.constexpr):
+    """A cache tile in the dot's dtype; int8 (exact in any of them) by way of float32, as
+    Triton's interpreter casts int8 to bfloat16 wrongly."""
+    if QUANTIZED:
+        tile = tile.to(tl.float32)
+    return tile.to(dtype)
+
+
+@triton.jit
 def _scores(
-    q, k_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok, scale, softcap,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Scaled (and soft-capped) scores [rows of q, len(positions)] against these keys."""
-    k = _kv_tile(
-        k_ptr, table_row_ptr, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
-        BLOCK_SIZE,
-    ).to(q.dtype)  # fmt: skip
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    """Scaled (and soft-capped) scores [rows of q, len(slots)] against the keys at these slots;
+    int8 keys are multiplied as integers (exact in q's dtype), their scales applied per column."""
+    k = _kv_tile(k_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
+    k = _in_dtype(k, q.dtype, QUANTIZED)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if QUANTIZED:
+        column_scale = _token_scales(k_scale_ptr, slots, valid, kv_head, NUM_KV_HEADS) * scale
+        scores = scores * column_scale[None, :]
+    else:
+        scores = scores * scale
     return _softcapped(scores, softcap, HAS_SOFTCAP)
 
 
 @triton.jit
-def _accumulate(scores, v, best, total, acc, PRECISION: tl.constexpr):
-    """One tile of the online softmax: scores [R, N] (-inf where unseen), v [N, D]; returns
-    the running (max, sum of weights, weighted sum of values) of each row."""
+def _values(
+    v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, dtype: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+):  # fmt: skip
+    """The value tile at these slots in ``dtype`` and what each token's weight is multiplied by:
+    for int8 values, the token's scale times 127 (its largest |v|), so that float16 weights stay
+    out of float16's subnormal range; ``_finished`` divides the 127 out. 1 for float values."""
+    v = _kv_tile(v_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
+    v = _in_dtype(v, dtype, QUANTIZED)
+    if QUANTIZED:
+        factor = _token_scales(v_scale_ptr, slots, valid, kv_head, NUM_KV_HEADS) * _INT8_MAX
+    else:
+        factor = tl.full([1], 1.0, dtype=tl.float32)
+    return v, factor
+
+
+@triton.jit
+def _accumulate(
+    scores, v, factor, best, total, acc, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr
+):
+    """One tile of the online softmax: scores [R, N] (-inf where unseen), v [N, D] with each
+    token's factor [N] (``_values``); returns the running (max, sum of weights, weighted sum of
+    values) of each row."""
     new_best = tl.maximum(best, tl.max(scores, axis=1))
     # a row that has seen nothing yet keeps -inf: shift it by 0 so that exp gives 0, not NaN
     shift = tl.where(new_best == _NEG_INF, 0.0, new_best)
     weights = tl.exp(scores - shift[:, None])
     rescale = tl.exp(best - shift)
     total = total * rescale + tl.sum(weights, axis=1)
+    if QUANTIZED:
+        weights = weights * factor[None, :]
     acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
     return new_best, total, acc
 
 
 @triton.jit
+def _finished(acc, total, QUANTIZED: tl.constexpr):
+    """The weighted mean of the values (0 for a row that saw none)."""
+    if QUANTIZED:
+        acc = acc / _INT8_MAX
+    return acc / tl.maximum(total, 1e-30)[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, rows_ptr, out_ptr, lse_ptr,
-    q_row_stride, table_stride, scale, softcap, window, split_tokens_ptr, positions_ptr,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, context_ptr, rows_ptr, out_ptr,
+    lse_ptr, q_row_stride, table_stride, scale, softcap, window, split_tokens_ptr, positions_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,18 +178,19 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < hi
+        slots = _slots(table, positions, valid, BLOCK_SIZE)
         scores = _scores(
-            q, k_ptr, table, positions, valid, kv_head, dims, dim_ok, scale, softcap,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_SOFTCAP, PRECISION,
+            q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
+            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, PRECISION,
         )  # fmt: skip
         scores = tl.where(valid[None, :], scores, _NEG_INF)
-        v = _kv_tile(
-            v_ptr, table, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_SIZE,
-        ).to(q.dtype)  # fmt: skip
-        best, total, acc = _accumulate(scores, v, best, total, acc, PRECISION)
+        v, factor = _values(
+            v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, q.dtype, NUM_KV_HEADS,
+            HEAD_DIM, QUANTIZED,
+        )  # fmt: skip
+        best, total, acc = _accumulate(scores, v, factor, best, total, acc, QUANTIZED, PRECISION)
     # a split with no positions (past the context, or before the window) has total 0
-    out = acc / tl.maximum(total, 1e-30)[:, None]
+    out = _finished(acc, total, QUANTIZED)
     lse = tl.where(total > 0, best + tl.log(tl.maximum(total, 1e-30)), _NEG_INF)
     part = (entry.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(
@@ -179,12 +235,12 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, q_start_ptr, q_len_ptr, prefix_ptr,
-    q_row_stride, o_row_stride, table_stride, scale, softcap, window, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, o_ptr, tables_ptr, q_start_ptr, q_len_ptr,
+    prefix_ptr, q_row_stride, o_row_stride, table_stride, scale, softcap, window, sinks_ptr,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     head = tl.program_id(1)
@@ -220,20 +276,21 @@ def _extend_kernel(
     for start in range(lo, hi, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < hi
+        slots = _slots(table, positions, valid, BLOCK_SIZE)
         scores = _scores(
-            q, k_ptr, table, positions, valid, kv_head, dims, dim_ok, scale, softcap,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_SOFTCAP, PRECISION,
+            q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
+            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, PRECISION,
         )  # fmt: skip
         seen = valid[None, :] & (positions[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
             seen = seen & (positions[None, :] > query_pos[:, None] - window)
         scores = tl.where(seen, scores, _NEG_INF)
-        v = _kv_tile(
-            v_ptr, table, positions, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_SIZE,
-        ).to(q.dtype)  # fmt: skip
-        best, total, acc = _accumulate(scores, v, best, total, acc, PRECISION)
-    out = acc / tl.maximum(total, 1e-30)[:, None]
+        v, factor = _values(
+            v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, q.dtype, NUM_KV_HEADS,
+            HEAD_DIM, QUANTIZED,
+        )  # fmt: skip
+        best, total, acc = _accumulate(scores, v, factor, best, total, acc, QUANTIZED, PRECISION)
+    out = _finished(acc, total, QUANTIZED)
     tl.store(
         o_ptr + (q_start + rows)[:, None] * o_row_stride + head * HEAD_DIM + dims[None, :],
         out,
@@ -273,11 +330,30 @@ def _split_tokens(max_context: int, num_splits: int, block_n: int) -> int:
     return -(-per_split // block_n) * block_n
 
 
+def _int8_cache(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the cache holds int8 K/V (then with a float32 scale per slot and kv head)."""
+    import torch
+
+    quantized = k_cache.dtype == torch.int8
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"K is {k_cache.dtype} and V {v_cache.dtype}")
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("scales come with an int8 cache only")
+        return False
+    expected = k_cache.shape[:2]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.dtype != torch.float32 or t.shape != expected or not t.is_contiguous():
+            raise ValueError(f"an int8 cache needs {name}: contiguous float32 {tuple(expected)}")
+    return True
+
+
 def paged_decode_attention(
     q, k_cache, v_cache, out, tables, context, rows, *, max_context: int, block_size: int,
     num_kv_heads: int, scale: float, softcap: float | None, window: int | None,
     num_splits: int, block_n: int | None = None, split_tokens: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Decode attention of the rows ``rows`` of q [T, heads, dim] into the same rows of out.
 
@@ -286,9 +362,12 @@ def paged_decode_attention(
     computed apart and merged. ``split_tokens``: int32 [1] on the device, the positions a
     split covers (None: decode_split_tokens of ``max_context``; a multiple of ``block_n``).
     ``sinks``: float32 [heads], each head's sink logit (None: no sinks). ``positions``: int32
-    [D], each query's own position, where its window ends (None: context - 1).
+    [D], each query's own position, where its window ends (None: context - 1). An int8 cache
+    comes with its float32 scales ``k_scale``, ``v_scale`` [slots, kv_heads].
     """
     import torch
+
+    quantized = _int8_cache(k_cache, v_cache, k_scale, v_scale)
 
     num_rows, num_heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -303,14 +382,15 @@ def paged_decode_attention(
     lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(head_dim)
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, context, rows, parts, lse,
+        q, k_cache, v_cache, k_scale if quantized else k_cache,
+        v_scale if quantized else v_cache, tables, context, rows, parts, lse,
         q.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0, split_tokens,
         context if positions is None else positions,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_POSITIONS=positions is not None, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
+        HAS_POSITIONS=positions is not None, QUANTIZED=quantized,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0), lse if sinks is None else sinks,
@@ -323,21 +403,25 @@ def paged_extend_attention(
     q, k_cache, v_cache, out, tables, q_start, q_len, prefix, *, max_q_len: int,
     block_size: int, num_kv_heads: int, scale: float, softcap: float | None,
     window: int | None, block_m: int = 32, block_n: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Causal attention of each prefill entry's rows (``q_start``/``q_len`` [E]) over its cached
     prefix (``prefix`` positions) and itself, every key read from the cache via ``tables``;
-    ``sinks`` as paged_decode_attention's."""
+    ``sinks`` and an int8 cache's ``k_scale``, ``v_scale`` as paged_decode_attention's."""
+    quantized = _int8_cache(k_cache, v_cache, k_scale, v_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     chosen, num_warps = extend_tiles(head_dim, exact=dot_precision(q.dtype) == "ieee")
     block_n = block_n or chosen
     grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, tables, q_start, q_len, prefix,
+        q, k_cache, v_cache, k_scale if quantized else k_cache,
+        v_scale if quantized else v_cache, out, tables, q_start, q_len, prefix,
         q.stride(0), out.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0,
         q if sinks is None else sinks,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        HAS_SINKS=sinks is not None, QUANTIZED=quantized, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
     )  # fmt: skip

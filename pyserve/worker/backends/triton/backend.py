@@ -35,7 +35,7 @@ from pyserve.worker.backends.base import (
 from pyserve.worker.backends.common import EntrySplit, check_batch, table_rows_and_slots
 from pyserve.worker.backends.torch.activations import gated_activation as reference_activation
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache
+from pyserve.worker.kv_cache import FLOAT16_MAX, PagedKVCache, dequantize_int8, quantize_int8
 
 if TYPE_CHECKING:
     from torch import nn
@@ -74,13 +74,23 @@ def triton_usable(device: torch.device) -> str | None:
 
 class FlatKVCache(PagedKVCache):
     """Per layer, K and V as ``[num_blocks * block_size, kv_heads, head_dim]``: slot-major, so
-    a token's heads are contiguous and a block of tokens is one strided tile per head."""
+    a token's heads are contiguous and a block of tokens is one strided tile per head. An int8
+    cache's scales are ``[num_blocks * block_size, kv_heads]`` float32 per layer, slot-major
+    too, with kv_cache.quantize_int8's numerics (the store kernel quantizes as it does)."""
 
     def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         return shape, shape
 
+    def scale_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks * self.block_size, self.num_kv_heads)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.quantized:
+            (qk, k_scale), (qv, v_scale) = quantize_int8(k), quantize_int8(v)
+            self.k[layer][slots], self.v[layer][slots] = qk, qv
+            self.k_scale[layer][slots], self.v_scale[layer][slots] = k_scale, v_scale
+            return dequantize_int8(qk, k_scale), dequantize_int8(qv, v_scale)
         if k.dtype != self.dtype:
             k, v = self._stored(k), self._stored(v)
         self.k[layer][slots] = k
@@ -89,14 +99,23 @@ class FlatKVCache(PagedKVCache):
 
     def block_views(self) -> list[tuple[torch.Tensor, int]]:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [(t.view(shape), 0) for t in (*self.k, *self.v)]
+        views = [(t.view(shape), 0) for t in (*self.k, *self.v)]
+        scales = (self.num_blocks, self.block_size, self.num_kv_heads)
+        return views + [(t.view(scales), 0) for t in (*self.k_scale, *self.v_scale)]
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         flat = blocks.reshape(-1)
         out = (self.num_kv_heads, *blocks.shape, self.block_size, self.head_dim)
-        k = self.k[layer].view(shape).index_select(0, flat).movedim(2, 0).reshape(out)
-        v = self.v[layer].view(shape).index_select(0, flat).movedim(2, 0).reshape(out)
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            by_block = t.view(self.num_blocks, self.block_size, self.num_kv_heads, -1)
+            return by_block.index_select(0, flat).movedim(2, 0).reshape(*out[:-1], -1)
+
+        k, v = gathered(self.k[layer]), gathered(self.v[layer])
+        if self.quantized:
+            k_scale = gathered(self.k_scale[layer]).squeeze(-1)
+            v_scale = gathered(self.v_scale[layer]).squeeze(-1)
+            return dequantize_int8(k, k_scale), dequantize_int8(v, v_scale)
         return k, v
 
 
@@ -165,6 +184,9 @@ class TritonBackend(Backend):
 
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
+        if self.kv_cache is not None and self.kv_cache.quantized:
+            kernels["attention"] = "triton, int8 K/V read in the kernels (per-token scales)"
+            kernels["rope_kv"] = "triton, quantizing K/V to int8"
         kernels["linear"] = "torch"
         if self.quantized_linears:
             kernels["linear"] = f"triton 8-/4-bit on {self.quantized_linears} layers, else torch"
@@ -187,11 +209,6 @@ class TritonBackend(Backend):
         return dataclasses.replace(layers, linear=counted)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype):
-        if dtype == torch.int8:
-            raise ValueError(
-                "--kv-cache-dtype int8 runs on the torch and cpu-kernels backends; the Triton "
-                "attention reads float K/V"
-            )
         # one extra block that no request owns: decode graphs pad their batches with rows that
         # write into it, and the warm-up writes its K/V there
         self._scratch_block = num_blocks
@@ -335,9 +352,12 @@ class TritonBackend(Backend):
             # as PagedKVCache stores it: an outlier saturates instead of becoming inf
             qkv = qkv.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
+        scales: dict[str, torch.Tensor] = {}
+        if cache.quantized:  # read in place by the kernels, each token's scale applied there
+            scales = dict(k_scale=cache.k_scale[layer.index], v_scale=cache.v_scale[layer.index])
         q = self._fused.rope_kv_store(
             qkv, cos, signed_sin, meta.slots, k_cache, v_cache,
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, **scales,
         )  # fmt: skip
         out = torch.empty_like(q)
         common = dict(
@@ -347,6 +367,7 @@ class TritonBackend(Backend):
             softcap=layer.softcap,
             window=layer.sliding_window,
             sinks=layer.sinks,
+            **scales,
         )
         if meta.decode_rows is not None:
             self._attention.paged_decode_attention(

@@ -12,6 +12,7 @@ import triton.language as tl
 
 # jit code reads module globals only when they are constexprs (the interpreter reads any)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INT8_MAX = tl.constexpr(127.0)
 
 
 @triton.jit
@@ -103,10 +104,51 @@ def _rotated(row_ptr, heads, head_ok, dims, cos, sin, HEAD_DIM: tl.constexpr, RO
 
 
 @triton.jit
+def _rounded_half_even(y):
+    """round(y), ties to even, as torch.round: tl has no rint that the interpreter runs too."""
+    lower = tl.floor(y)
+    above = y - lower  # exact: lower is y's floor
+    odd = lower * 0.5 != tl.floor(lower * 0.5)
+    up = (above > 0.5) | ((above == 0.5) & odd)
+    return lower + up.to(tl.float32)
+
+
+@triton.jit
+def _quantized(x):
+    """Each row of x [R, D] (float32, zeros where masked) as kv_cache.quantize_int8 gives it:
+    int8 values round(x · (1 / s)) and the float32 scales s = max|x| / 127 [R] (0 and zeros
+    for an all-zero row). Both divisions are correctly rounded, as torch's are; ``/`` on a GPU
+    is not."""
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _INT8_MAX)
+    nonzero = scale > 0
+    inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, scale, 1.0)), 0.0)
+    q = _rounded_half_even(x * inverse[:, None])
+    q = tl.minimum(tl.maximum(q, -_INT8_MAX), _INT8_MAX)
+    return q.to(tl.int8), scale
+
+
+@triton.jit
+def _store_kv(
+    cache_ptr, scale_ptr, x, slot, kv_heads, ok, dims,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+):  # fmt: skip
+    """One token's kv heads x [BLOCK_KV, BLOCK_D] (float32) into its slot of the cache."""
+    at = (slot * NUM_KV_HEADS + kv_heads[:, None]) * HEAD_DIM + dims[None, :]
+    if QUANTIZED:
+        values, scale = _quantized(x)
+        tl.store(cache_ptr + at, values, mask=ok)
+        tl.store(scale_ptr + slot * NUM_KV_HEADS + kv_heads, scale, mask=kv_heads < NUM_KV_HEADS)
+    else:
+        tl.store(cache_ptr + at, x.to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _rope_kv_store_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qkv_row_stride,
+    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+    v_scale_ptr, qkv_row_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
@@ -124,12 +166,16 @@ def _rope_kv_store_kernel(
     kv_ok = kv_heads < NUM_KV_HEADS
     k_row = row_ptr + NUM_HEADS * HEAD_DIM
     k, k_ok = _rotated(k_row, kv_heads, kv_ok, dims, cos, sin, HEAD_DIM, ROTARY)
+    if QUANTIZED:
+        # the rotated k as the activations' dtype holds it, as the reference path quantizes it
+        k = k.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     slot = tl.load(slots_ptr + token)
-    cache_at = (slot * NUM_KV_HEADS + kv_heads[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    _store_kv(k_cache_ptr, k_scale_ptr, k, slot, kv_heads, k_ok, dims, NUM_KV_HEADS, HEAD_DIM,
+              QUANTIZED)  # fmt: skip
     v_row = row_ptr + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
     v = tl.load(v_row + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=k_ok, other=0.0)
-    tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=k_ok)
+    _store_kv(v_cache_ptr, v_scale_ptr, v.to(tl.float32), slot, kv_heads, k_ok, dims,
+              NUM_KV_HEADS, HEAD_DIM, QUANTIZED)  # fmt: skip
 
 
 def rope_kv_store(
@@ -143,18 +189,28 @@ def rope_kv_store(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """From qkv [T, (heads + 2·kv_heads)·dim]: RoPE on q and k (cos, signed_sin [T, 1, rotary]
     as rope.RotaryTable.cos_sin gives them), k and v into the cache at ``slots`` (int64 [T]);
-    returns q [T, heads, dim], rotated."""
+    returns q [T, heads, dim], rotated. An int8 cache (``k_scale``, ``v_scale``: float32
+    [slots, kv_heads]) takes each head quantized as kv_cache.quantize_int8 does it."""
     tokens = qkv.shape[0]
     rotary = cos.shape[-1]
+    quantized = k_cache.dtype == torch.int8
+    if quantized and (k_scale is None or v_scale is None):
+        raise ValueError("an int8 cache needs its k_scale and v_scale")
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    # an int8 store unfused (no multiply-adds): its rounding decisions are then torch's
+    options = {"enable_fp_fusion": False} if quantized else {}
     _rope_kv_store_kernel[(tokens,)](
         qkv, cos.reshape(tokens, rotary).contiguous(),
         signed_sin.reshape(tokens, rotary).contiguous(), slots, q, k_cache, v_cache,
+        k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         ROTARY=rotary, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANTIZED=quantized, **options,
     )  # fmt: skip
     return q
