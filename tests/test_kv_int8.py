@@ -1,16 +1,19 @@
 """int8 K/V (``--kv-cache-dtype int8``): the paged cache's quantized storage, its pool sizing,
-the flag, a served tiny model, and the Triton backend refusing it at start. The attention
-backends over an int8 cache: tests/test_model_correctness.py; the CPU kernels:
-tests/test_kv_int8_kernels.py.
+the flag, a served tiny model, and the Triton backend over it against the torch backend. The
+attention backends over an int8 cache: tests/test_model_correctness.py; the CPU kernels:
+tests/test_kv_int8_kernels.py; the Triton kernels: tests/test_triton_kernels.py.
 More of the worker's end to end: tests/test_worker_offline.py (``int8``)."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import BLOCK_SIZE as PARITY_BLOCK
+from hf_parity import Driver, Seq, make_prompts, make_tiny_model
 from http_testlib import (
     generate,
     kv_idle,
@@ -22,13 +25,13 @@ from http_testlib import (
 from http_testlib import tiny_model as http_tiny_model
 from worker_testlib import (  # noqa: F401 (one_torch_thread: an autouse fixture)
     load_runner,
-    make_tiny_llama,
     one_torch_thread,
 )
 
 from pyserve.cli import build_parser, engine_config
 from pyserve.worker.dtypes import kv_bytes_per_token_head
 from pyserve.worker.kv_cache import PagedKVCache, dequantize_int8, quantize_int8
+from pyserve.worker.model_runner import ModelRunner
 
 
 def test_quantize_int8_rounds_each_row_to_its_own_scale() -> None:
@@ -72,13 +75,64 @@ def test_cli_takes_int8() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def parity_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """hf_parity's tiny Llama: decisive logits, GQA, 3 layers."""
+    directory = tmp_path_factory.mktemp("parity-llama")
+    make_tiny_model(directory, "llama")
+    return directory
 
 
-def test_the_triton_backend_refuses_int8_at_start(tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match="int8 runs on the torch and cpu-kernels backends"):
-        load_runner(str(tiny_model), backend="triton", kv_cache_dtype="int8", num_blocks=8)
+# the Triton backend over int8 K/V against the torch backend's: the same quantization, the same
+# attention up to float32 rounding (a rounding that flips one int8 value moves a logprob by less)
+TRITON_LOGPROB_TOLERANCE = 0.05
+
+
+def int8_run(model: Path, backend: str, **options) -> tuple[list[Seq], ModelRunner]:
+    """Greedy continuations of six prompts over int8 K/V: the first three prefilled whole, the
+    others in chunks beside their decodes, then every request decodes together."""
+    runner = load_runner(
+        str(model), num_blocks=256, block_size=PARITY_BLOCK, kv_cache_dtype="int8",
+        dtype="float32", backend=backend, backend_options=options,
+    )  # fmt: skip
+    driver = Driver(runner)
+    seqs = [driver.new_seq(p) for p in make_prompts(seed=1, count=6)]
+    driver.step([(s, s.pending) for s in seqs[:3]])
+    rng = random.Random(4)
+    while any(s.computed < s.prompt_len for s in seqs[3:]):
+        entries = [(s, 1) for s in seqs[:3]]
+        entries += [(s, rng.randint(1, s.pending)) for s in seqs[3:] if s.computed < s.prompt_len]
+        driver.step(entries)
+    for _ in range(12):
+        driver.step([(s, 1) for s in seqs])
+    return seqs, runner
+
+
+@pytest.mark.parametrize("decode_graphs", ["off", "eager"])
+def test_the_triton_backend_over_int8_kv_follows_the_torch_backend(
+    parity_model: Path, decode_graphs: str
+) -> None:
+    """Greedy tokens equal, every step's logprobs within TRITON_LOGPROB_TOLERANCE; "eager" runs
+    the decodes through the decode graphs' static buffers (padded batches, the scratch block)."""
+    want, _ = int8_run(parity_model, "torch")
+    got, runner = int8_run(parity_model, "triton", decode_graphs=decode_graphs, graph_max_batch=8)
+    if decode_graphs == "eager":
+        assert runner.backend.graphs.steps == 12  # 6 rows: padded to a graph of 8
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        assert a.tokens == b.tokens
+        for row_a, row_b in zip(a.logprobs, b.logprobs, strict=True):
+            worst = max(worst, (row_a - row_b).abs().max().item())
+    assert worst < TRITON_LOGPROB_TOLERANCE, worst
+
+
+def test_the_triton_backend_says_it_reads_int8_kv_in_its_kernels(parity_model: Path) -> None:
+    runner = load_runner(
+        str(parity_model), num_blocks=8, block_size=PARITY_BLOCK, kv_cache_dtype="int8",
+        backend="triton",
+    )  # fmt: skip
+    kernels = runner.backend.info().kernels
+    assert kernels["attention"] == "triton, int8 K/V read in the kernels (per-token scales)"
+    assert runner.kv_cache.k_scale[0].shape == (9 * PARITY_BLOCK, 2)  # the pool and scratch
 
 
 # this tiny model's greedy logprobs over int8 K/V (torch backend) moved by up to 0.151 from HF's

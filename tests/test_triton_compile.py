@@ -67,17 +67,26 @@ DTYPES = {
     "llama3-8b": (torch.bfloat16, torch.float16, torch.float32),
     "smollm2-135m": (torch.bfloat16, torch.float32),
 }
+# the activations' dtypes each shape runs in over int8 K/V (--kv-cache-dtype int8)
+INT8_KV_DTYPES = {
+    "llama3-8b": (torch.bfloat16, torch.float16, torch.float32),
+    "smollm2-135m": (torch.bfloat16, torch.float16),
+}
 BLOCK_SIZE = 16
 
 
-def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
+def launches_of(shape: Shape, dtype: torch.dtype, int8_kv: bool = False) -> list[dict]:
     """The launches one layer's kernels make for a step with a decode row and a prefill entry
-    (over a cached prefix), at 1 and MAX_SPLITS decode splits."""
+    (over a cached prefix), at 1 and MAX_SPLITS decode splits; ``int8_kv``: over an int8 cache
+    with its scales."""
     tokens, slots = 3, 4 * BLOCK_SIZE
     qkv = torch.zeros(tokens, (shape.heads + 2 * shape.kv_heads) * shape.head_dim, dtype=dtype)
     rotary = shape.rotary or shape.head_dim
     cos = torch.zeros(tokens, 1, rotary, dtype=torch.float32)
-    cache = torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=dtype)
+    kv_dtype = torch.int8 if int8_kv else dtype
+    cache = torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=kv_dtype)
+    scale = torch.zeros(slots, shape.kv_heads)
+    scales = dict(k_scale=scale, v_scale=scale.clone()) if int8_kv else {}
     ints = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     common = dict(
         block_size=BLOCK_SIZE,
@@ -86,6 +95,7 @@ def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
         softcap=shape.softcap,
         window=shape.window,
         sinks=torch.zeros(shape.heads) if shape.sinks else None,
+        **scales,
     )
     x = torch.zeros(tokens, shape.hidden, dtype=dtype)
     with record_launches() as launches:
@@ -97,7 +107,7 @@ def launches_of(shape: Shape, dtype: torch.dtype) -> list[dict]:
         slot_ids = torch.arange(tokens, dtype=torch.int64)
         q = fused.rope_kv_store(
             qkv, cos, cos, slot_ids, cache, cache.clone(),
-            num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, **scales,
         )  # fmt: skip
         out = torch.empty_like(q)
         tables = ints(0, 1, 2, 3).view(1, 4)
@@ -171,6 +181,8 @@ def all_launches() -> list[dict]:
     for name, shape in SHAPES.items():
         for dtype in DTYPES.get(name, (torch.bfloat16,)):
             launches += launches_of(shape, dtype)
+        for dtype in INT8_KV_DTYPES.get(name, (torch.bfloat16,)):
+            launches += launches_of(shape, dtype, int8_kv=True)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         launches += quantized_launches(dtype)
         launches += expert_launches(dtype)
@@ -212,6 +224,17 @@ def test_the_recorder_sees_every_kernel_with_its_constexprs() -> None:
     )
     assert launches[6]["constexprs"]["NUM_SPLITS"] == MAX_SPLITS
     assert decode["options"] == {"num_warps": 4} and launches[8]["options"] == {"num_warps": 8}
+
+
+def test_the_recorder_sees_the_int8_kv_launches() -> None:
+    launches = launches_of(SHAPES["gpt-oss-20b"], torch.float16, int8_kv=True)
+    store, decode, extend = launches[3], launches[4], launches[8]
+    assert store["signature"]["k_cache_ptr"] == "*i8" and store["constexprs"]["QUANTIZED"]
+    assert store["options"] == {"enable_fp_fusion": False}
+    for launch in (decode, extend):
+        assert launch["signature"]["k_ptr"] == launch["signature"]["v_ptr"] == "*i8"
+        assert launch["signature"]["k_scale_ptr"] == "*fp32" and launch["constexprs"]["QUANTIZED"]
+        assert launch["signature"]["q_ptr"] == "*fp16"
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80_within_shared_memory(compiled) -> None:

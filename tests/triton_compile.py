@@ -20,7 +20,8 @@ import os
 import sys
 from collections.abc import Iterator
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages")  # what a launch may set beside the arguments
+# what a launch may set beside the arguments
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # what each target allows a block to use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SHARED_LIMITS = {90: 232448, 80: 166912}
 _POINTER_TYPES = {

@@ -309,14 +309,25 @@ def decode_tiles(head_dim: int) -> tuple[int, int]:
     return (64 if block_d <= 64 else 32 if block_d <= 128 else 16), 4
 
 
-def extend_tiles(head_dim: int, exact: bool = False) -> tuple[int, int]:
+def extend_tiles(head_dim: int, exact: bool = False, int8_kv: bool = False) -> tuple[int, int]:
     """(keys a step, warps) of the extend kernel, likewise: 8 warps from 128 dims on, and in
-    float32 (``exact``) half the keys and always 8 warps."""
+    float32 (``exact``) half the keys and always 8 warps; over int8 K/V (in int8_kv_options)
+    twice the keys at 256 dims, where fewer spill."""
     block_d = _pow2(head_dim)
-    block_n = 64 if block_d <= 128 else 16
+    block_n = 64 if block_d <= 128 else (32 if int8_kv else 16)
     if exact:
         return block_n // 2, 8
     return block_n, (8 if block_d >= 128 else 4)
+
+
+def int8_kv_options(exact: bool, decode: bool) -> dict[str, int]:
+    """The launch options (software-pipeline stages) of an attention kernel over int8 K/V: its
+    tiles are converted before the dot, so the pipeline prefetches them into registers rather
+    than shared memory, and Triton's default stages spill on sm_90 in the extend kernel and in
+    float32 (``exact``), whose converted tiles are twice the size (tests/test_triton_compile.py)."""
+    if exact:
+        return {"num_stages": 1}
+    return {} if decode else {"num_stages": 2}
 
 
 def decode_split_tokens(max_context: int, num_splits: int, head_dim: int) -> int:
@@ -381,6 +392,8 @@ def paged_decode_attention(
     )
     lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(head_dim)
+    precision = dot_precision(q.dtype)
+    options = int8_kv_options(precision == "ieee", decode=True) if quantized else {}
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quantized else k_cache,
         v_scale if quantized else v_cache, tables, context, rows, parts, lse,
@@ -389,8 +402,8 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_POSITIONS=positions is not None, QUANTIZED=quantized,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        HAS_POSITIONS=positions is not None, QUANTIZED=quantized, PRECISION=precision,
+        num_warps=num_warps, **options,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0), lse if sinks is None else sinks,
@@ -411,7 +424,9 @@ def paged_extend_attention(
     ``sinks`` and an int8 cache's ``k_scale``, ``v_scale`` as paged_decode_attention's."""
     quantized = _int8_cache(k_cache, v_cache, k_scale, v_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    chosen, num_warps = extend_tiles(head_dim, exact=dot_precision(q.dtype) == "ieee")
+    exact = dot_precision(q.dtype) == "ieee"
+    chosen, num_warps = extend_tiles(head_dim, exact=exact, int8_kv=quantized)
+    options = int8_kv_options(exact, decode=False) if quantized else {}
     block_n = block_n or chosen
     grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
@@ -423,5 +438,5 @@ def paged_extend_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, QUANTIZED=quantized, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps, **options,
     )  # fmt: skip
