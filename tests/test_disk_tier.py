@@ -96,18 +96,16 @@ def save_two(tier: DiskTier, blocks=(3, 7)) -> None:
 
 @pytest.mark.parametrize(
     "kind",
-    ["float32", "float16", "bfloat16", "int8", "flat", "with-draft"],
+    ["float32", "float16", "bfloat16", "int8", "flat", "flat-int8", "with-draft"],
 )
 def test_saved_blocks_load_back_bit_for_bit_into_other_blocks(store, kind):
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
-    caches = [
-        random_cache(
-            dtype.get(kind, torch.float32), FlatKVCache if kind == "flat" else PagedKVCache
-        )
-    ]
+    dtype["flat-int8"] = torch.int8
+    cls = FlatKVCache if kind.startswith("flat") else PagedKVCache
+    caches = [random_cache(dtype.get(kind, torch.float32), cls)]
     if kind == "with-draft":  # the draft model's pool rides in the same payload
         caches.append(random_cache(torch.float16, seed=1))
-    if kind == "int8":
+    if kind.endswith("int8"):
         assert len(caches[0].block_views()) == 8  # K, V and both scales of each layer
     tier = tier_over(store, caches)
     assert tier.block_bytes == sum(

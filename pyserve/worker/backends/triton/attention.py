@@ -7,6 +7,11 @@ tokens is a strided tile that ``tl.load`` reads directly. Both kernels read ever
 cache: the new tokens' K/V are stored first (``rope_kv_store``), so a prompt gives the same
 result however it is split into chunks. Scores, the softmax and the sums run in float32.
 
+An int8 cache (``--kv-cache-dtype int8``) is read in place, never dequantized to a float copy:
+each tile's int8 values enter the dots as integers (exact in q's dtype), and each token's float32
+scale (``[slots, kv_heads]`` beside the cache) is applied where it costs one multiply per score:
+a key's scale to its column of scores, a value's to its column of softmax weights.
+
 Decode: a program takes one request, one kv head and one split of its context; it scores all
 the query heads of that kv head's group at once (padded to 16 rows, what ``tl.dot`` needs), and
 writes its partial output with the log-sum-exp of its weights; a second kernel merges the splits.

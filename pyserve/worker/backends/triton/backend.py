@@ -6,7 +6,9 @@ Its KV cache is ``FlatKVCache`` (the layout the Triton kernels read: attention.p
 the new tokens, each entry's block table, and, split by kind, the decode rows (one token each,
 split-K attention) and the prefill entries (several tokens over a cached prefix). Every layer
 then runs rope + K/V store, attention, RMSNorm and the gated activation as Triton kernels. What
-the kernels do not cover (q/k norms) is computed with the reference ops first.
+the kernels do not cover (q/k norms) is computed with the reference ops first. An int8 cache
+(``--kv-cache-dtype int8``) is quantized by the store kernel and read in place by the attention
+kernels, each token's scale applied there.
 
 Without a GPU the same kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
 tensors: slowly, but exactly what the tests need.

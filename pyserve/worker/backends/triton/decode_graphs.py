@@ -12,7 +12,8 @@ positions each split covers are read from a device buffer that every step sets f
 context, so that a short context is still spread over all the splits.
 
 Without CUDA (``capture=False``) the same static buffers run eagerly: that is how the tests
-check the padding on the CPU.
+check the padding on the CPU. An int8 cache's scales are per-layer tensors allocated once with
+the cache, like K and V, so a graph captures their addresses as it does theirs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Fused element-wise ops in Triton: RMSNorm (with the residual add), gated activations, and
-RoPE with the K/V store into the paged cache (``attention.py`` has the cache's layout).
+RoPE with the K/V store into the paged cache (``attention.py`` has the cache's layout), which
+quantizes each token's heads for an int8 cache as kv_cache.quantize_int8 does.
 
 Each computes in float32 and stores in its output's dtype, as the torch reference does.
 """
