@@ -316,8 +316,8 @@ def decode_tiles(head_dim: int) -> tuple[int, int]:
 
 def extend_tiles(head_dim: int, exact: bool = False, int8_kv: bool = False) -> tuple[int, int]:
     """(keys a step, warps) of the extend kernel, likewise: 8 warps from 128 dims on, and in
-    float32 (``exact``) half the keys and always 8 warps; over int8 K/V (in int8_kv_options)
-    twice the keys at 256 dims, where fewer spill."""
+    float32 (``exact``) half the keys and always 8 warps; over int8 K/V (with int8_kv_options'
+    stages) twice the keys at 256 dims, which spill less there."""
     block_d = _pow2(head_dim)
     block_n = 64 if block_d <= 128 else (32 if int8_kv else 16)
     if exact:
@@ -384,7 +384,6 @@ def paged_decode_attention(
     import torch
 
     quantized = _int8_cache(k_cache, v_cache, k_scale, v_scale)
-
     num_rows, num_heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     chosen, num_warps = decode_tiles(head_dim)
