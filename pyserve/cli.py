@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(KV_CACHE_DTYPE_NAMES),
         help="what K and V are stored in; auto: float16 for a float32 model on the CPU "
         "(as llama.cpp), the model's dtype otherwise; int8: symmetric int8 with a float32 "
-        "scale per token and kv head (about half float16's bytes; not on the triton backend)",
+        "scale per token and kv head (about half float16's bytes)",
     )
     add("--device", default="cpu", help="torch device of the model worker")
     add(
