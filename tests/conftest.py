@@ -60,3 +60,21 @@ def client(server):
 def hold(tmp_path_factory):
     """While this file exists, a held server's worker holds each step before running it."""
     return tmp_path_factory.mktemp("hold") / "hold-steps"
+
+
+@pytest.fixture
+def held_writer(store, monkeypatch):
+    """The disk tier's writer (the module's ``store``) blocked before each file until the
+    Event is set."""
+    import threading
+
+    release = threading.Event()
+    write = store._write
+
+    def held(*args):
+        release.wait(timeout=30)
+        write(*args)
+
+    monkeypatch.setattr(store, "_write", held)
+    yield release
+    release.set()

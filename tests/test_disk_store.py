@@ -121,21 +121,6 @@ def test_a_failed_write_leaves_no_file(store, monkeypatch, caplog):
     assert any("could not write block" in r.getMessage() for r in caplog.records)
 
 
-@pytest.fixture
-def held_writer(store, monkeypatch):
-    """The store's writer blocked before each file until the Event is set."""
-    release = threading.Event()
-    write = store._write
-
-    def held(*args):
-        release.wait(timeout=30)
-        write(*args)
-
-    monkeypatch.setattr(store, "_write", held)
-    yield release
-    release.set()
-
-
 def test_a_queued_save_loads_before_its_file_exists(store, held_writer):
     store.save(0xABC, 7, [1, 2, 3], b"pending")
     assert not store.path(0xABC).exists()

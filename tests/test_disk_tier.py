@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from pathlib import Path
 
 import msgspec
@@ -154,15 +153,7 @@ def test_a_block_that_does_not_verify_is_reported_and_left_alone(store, damage):
     assert same_bits(block_of(cache, 2), sentinel)
 
 
-def test_a_save_still_queued_loads(store, monkeypatch):
-    release = threading.Event()
-    write = store._write
-
-    def held(*args):
-        release.wait(timeout=30)
-        write(*args)
-
-    monkeypatch.setattr(store, "_write", held)
+def test_a_save_still_queued_loads(store, held_writer):
     cache = random_cache(torch.float16)
     tier = tier_over(store, [cache])
     saved = [block_of(cache, 3), block_of(cache, 7)]
@@ -174,7 +165,7 @@ def test_a_save_still_queued_loads(store, monkeypatch):
         assert same_bits(block_of(cache, 8), saved[0])
         assert same_bits(block_of(cache, 9), saved[1])
     finally:
-        release.set()
+        held_writer.set()
     store.wait()
     assert store.path(KEYS[0]).exists() and store.pending == 0
 

@@ -44,16 +44,22 @@ void with_prefix_on_disk(Planner& p, const Tokens& prompt) {
   CHECK_EQ(p.stats().cache.disk_blocks, int64_t{4});
 }
 
+// Request 3 of `prompt`, whose four whole blocks are on disk: the step that loads them.
+Step loading(Planner& p, const Tokens& prompt) {
+  with_prefix_on_disk(p, prompt);
+  add(p, 3, prompt, 2);
+  Step load = plan(p);
+  CHECK_EQ(load.num_entries(), size_t{0});  // it waits for its loads
+  CHECK_EQ(load.load_blocks.size(), size_t{4});
+  return load;
+}
+
 }  // namespace
 
 TEST(a_prefix_on_disk_is_loaded_in_a_step_then_admitted_as_a_hit) {
   Planner p(disk_config());
   const Tokens prompt = range(10, 17);  // four whole blocks before its last token
-  with_prefix_on_disk(p, prompt);
-  add(p, 3, prompt, 2);
-  const Step load = plan(p);
-  CHECK_EQ(load.num_entries(), size_t{0});  // it waits for its loads
-  CHECK_EQ(load.load_blocks.size(), size_t{4});
+  const Step load = loading(p, prompt);
   const std::vector<uint64_t> keys = p.cache().block_keys(prompt.data(), 16);
   CHECK(load.load_keys == keys);
   CHECK_EQ(p.request(3).inflight_steps, 1);
@@ -70,10 +76,7 @@ TEST(a_prefix_on_disk_is_loaded_in_a_step_then_admitted_as_a_hit) {
 TEST(a_failed_load_is_recomputed_and_its_files_dropped) {
   Planner p(disk_config());
   const Tokens prompt = range(10, 17);
-  with_prefix_on_disk(p, prompt);
-  add(p, 3, prompt, 2);
-  const Step load = plan(p);
-  CHECK_EQ(load.load_blocks.size(), size_t{4});
+  const Step load = loading(p, prompt);
   CHECK_THROWS(p.fail_loads(load.step_id + 1, {load.load_blocks[0]}), ProtocolError);
   CHECK_THROWS(p.fail_loads(load.step_id, {9999}), ValueError);
   p.fail_loads(load.step_id, {load.load_blocks[2]});  // the third of four is damaged
@@ -93,10 +96,7 @@ TEST(a_failed_load_is_recomputed_and_its_files_dropped) {
 TEST(an_abort_while_loading_gives_the_blocks_and_the_lock_back) {
   Planner p(disk_config());
   const Tokens prompt = range(10, 17);
-  with_prefix_on_disk(p, prompt);
-  add(p, 3, prompt, 2);
-  const Step load = plan(p);
-  CHECK_EQ(load.load_blocks.size(), size_t{4});
+  const Step load = loading(p, prompt);
   const int64_t free_before = p.num_free_blocks();
   CHECK(p.abort(3));
   p.check_invariants();
