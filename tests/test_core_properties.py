@@ -805,10 +805,11 @@ class PlannerMachine(RuleBasedStateMachine):
         return step
 
     def _check_disk_ops(self, step) -> None:
-        """The worker's disk ops, in its order: each save names a block that holds one
-        request's whole block of computed positions, under the key of the tokens up to that
-        block's end, with the key before it and its tokens; each load names a saved key and a
-        block nobody else holds, which then holds what was saved; drops name saved keys."""
+        """The worker's disk ops, in its order (a clear first): each save names a block that
+        holds one request's whole block of computed positions, under the key of the tokens up
+        to that block's end, with the key before it and its tokens; each load names a saved key
+        and a block nobody else holds, which then holds what was saved; drops name saved
+        keys."""
         core_keys = isinstance(step.save_keys, bytes)  # the reference's keys are token tuples
 
         def unpacked(keys) -> list:
@@ -824,6 +825,9 @@ class PlannerMachine(RuleBasedStateMachine):
             self._fail(f"step {step.step_id}: {len(loads)} load blocks, {len(load_keys)} keys")
         if (blocks or drops or loads or step.clear_disk) and not self.cfg.get("disk_budget_blocks"):
             self._fail(f"step {step.step_id}: disk ops without a disk tier")
+        if step.clear_disk:  # first: the step's saves are of blocks evicted after the flush
+            self.disk.clear()
+            event("disk tier: cleared")
         for i, (b, key) in enumerate(zip(blocks, keys, strict=True)):
             slots = self.kv[b]
             if slots[0] is None:
@@ -847,7 +851,13 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"step {step.step_id}: block {b} saved with other tokens")
             self.disk[key] = list(slots)
             event("disk tier: block saved")
-        held = {b for r in self.requests.values() if r.state == "running" for b in r.table}
+        retracted = set(_i64(step.retracted))  # their blocks went back while planning
+        held = {
+            b
+            for r in self.requests.values()
+            if r.state == "running" and r.rid not in retracted
+            for b in r.table
+        }
         states = bytes(self.planner.block_states())
         for b, key in zip(loads, load_keys, strict=True):
             if key not in self.disk:
@@ -862,9 +872,6 @@ class PlannerMachine(RuleBasedStateMachine):
             if self.disk.pop(key, None) is None:
                 self._fail(f"step {step.step_id}: drops key {key}, which is not on disk")
             event("disk tier: file dropped")
-        if step.clear_disk:
-            self.disk.clear()
-            event("disk tier: cleared")
 
     def _samples(self, step_id: int, rids: list[int], accepted, token) -> tuple[list, list]:
         """The report of a step's sampling rids: a verify entry of k drafts names its rid

@@ -221,6 +221,25 @@ def test_apply_saves_then_loads_then_drops(store):
     assert store.index() == []
 
 
+def test_a_flush_clears_before_the_saves_of_its_step(store):
+    """A step's saves are of blocks evicted after the flush that cleared the tier: they stay."""
+    cache = random_cache(torch.float32)
+    tier = tier_over(store, [cache])
+    save_two(tier)  # before the flush
+    store.wait()
+    step = msgspec.structs.replace(
+        make_step(0, []),
+        clear_disk=True,
+        save_blocks=i32([5]),
+        save_keys=u64([0xABCD]),
+        save_parents=u64([42]),
+        save_tokens=i32([1, 2, 3, 4]),
+    )
+    assert tier.apply(step) == []
+    store.wait()
+    assert [h.key for h in store.index()] == [0xABCD]
+
+
 def test_the_packed_index_round_trips(store):
     headers = [
         BlockHeader(KEYS[0], 7, (1, 2, 3, 4), 64),

@@ -27,11 +27,12 @@ struct Step {
   std::vector<int64_t> dropped;    // finished or aborted since the previous step
   std::vector<int64_t> retracted;  // retracted while planning this step
   // The disk tier (PlannerConfig::disk_budget_blocks), done before this step's forward pass, in
-  // this order: save block save_blocks[i]'s K/V as save_keys[i] (evicted while planning this
-  // step: the step may write into the block, so the copy comes first), its parent key and
-  // block_size tokens beside it; fill block load_blocks[i] from the file of load_keys[i] (the
-  // report names the blocks whose load failed: Planner::fail_loads); delete the files of
-  // drop_keys; with clear_disk, delete every block file (the cache was flushed).
+  // this order: with clear_disk, delete every block file (the cache was flushed since the last
+  // step: this step's saves are of blocks evicted after it); save block save_blocks[i]'s K/V as
+  // save_keys[i] (evicted while planning this step: the step may write into the block, so the
+  // copy comes first), its parent key and block_size tokens beside it; fill block
+  // load_blocks[i] from the file of load_keys[i] (the report names the blocks whose load failed:
+  // Planner::fail_loads); delete the files of drop_keys.
   std::vector<int32_t> save_blocks;
   std::vector<uint64_t> save_keys;
   std::vector<uint64_t> save_parents;

@@ -180,12 +180,12 @@ class Step(msgspec.Struct, tag=True):
     block_counts: bytes  # int32 per entry
     block_ids: bytes  # int32, concatenated
     dropped: bytes  # int64: requests whose state the worker and detokenizer drop
-    # The disk tier's operations, done before the forward pass in this order: saves, loads,
-    # drops, then clear. A save writes block ``save_blocks[i]`` under ``save_keys[i]``; its
-    # parent is the key of the block before it on its path (the root's chain seed for a first
-    # block); ``save_tokens`` holds block_size token ids per save. A load fills
-    # ``load_blocks[i]`` from the file of ``load_keys[i]``; StepTokens.failed_loads names the
-    # blocks that could not be (main recomputes them).
+    # The disk tier's operations, done before the forward pass in this order: clear (a flush
+    # since the last step), saves, loads, drops. A save writes block ``save_blocks[i]`` under
+    # ``save_keys[i]``; its parent is the key of the block before it on its path (the root's
+    # chain seed for a first block); ``save_tokens`` holds block_size token ids per save. A
+    # load fills ``load_blocks[i]`` from the file of ``load_keys[i]``; StepTokens.failed_loads
+    # names the blocks that could not be (main recomputes them).
     save_blocks: bytes = b""  # int32
     save_keys: bytes = b""  # uint64
     save_parents: bytes = b""  # uint64

@@ -5,7 +5,7 @@ pool (per layer K, then V, then an int8 cache's scales; ``PagedKVCache.block_vie
 draft model's pool when one runs (it is indexed by the same block ids). Each tensor contributes
 the block's slice with the block axis taken out, in C order.
 
-The core plans the operations (``Step.save_*``, ``load_*``, ``drop_keys``, ``clear_disk``); the
+The core plans the operations (``Step.clear_disk``, ``save_*``, ``load_*``, ``drop_keys``); the
 worker does them before the step's forward pass, in that order. A save copies the blocks out
 before it returns (the forward pass may then overwrite them) and leaves the file writing to the
 store's thread; a load verifies every file before anything is written into the pool, and a block
@@ -84,16 +84,17 @@ class DiskTier:
     # -- the step's operations -------------------------------------------------------------------
 
     def apply(self, step: Step) -> list[int]:
-        """Does the step's saves, loads, drops and clear, in that order; the load block ids that
-        failed. Raises ValueError on malformed arrays, before anything is done."""
+        """Does the step's clear, saves, loads and drops, in that order; the load block ids that
+        failed. Raises ValueError on malformed arrays, before anything is done. The clear goes
+        first: the step's saves are of blocks evicted after the flush that asked for it."""
         ops = DiskOps.of(step, self.block_size)
         self._check_blocks(ops.save_blocks)
         self._check_loads(ops.load_blocks)
+        if ops.clear:
+            self.clear()
         self.save(ops.save_blocks, ops.save_keys, ops.save_parents, ops.save_tokens)
         failed = self.load(ops.load_blocks, ops.load_keys)
         self.drop(ops.drop_keys)
-        if ops.clear:
-            self.clear()
         return failed
 
     def save(
