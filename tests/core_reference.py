@@ -696,6 +696,7 @@ class Planner:
         self.spec_verify_entries = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_histogram = [0] * (max_draft_tokens + 1)
         self._step_loads: dict[int, list[_Request]] = {}  # step id -> requests loading in it
+        self._step_load_blocks: dict[int, set[int]] = {}  # step id -> the blocks they fill
         self._failed_loads: list[int] = []  # fail_loads for the oldest step
         self._pending_loads: tuple[list[int], list[tuple]] = ([], [])  # the plan's
         self._clear_disk = False
@@ -803,10 +804,10 @@ class Planner:
     def fail_loads(self, step_id: int, blocks: Sequence[int] | bytes) -> None:
         if not self._inflight or self._inflight[0][0] != step_id:
             raise RuntimeError(f"fail_loads for step {step_id}, not the oldest unreported")
-        loads = self._step_loads.get(step_id, [])
+        loaded = self._step_load_blocks.get(step_id, set())
         ids = _ints(blocks, "i")
         for b in ids:
-            if not any(b in r.loading for r in loads) and not any(r.state == "done" for r in loads):
+            if b not in loaded:
                 raise ValueError(f"fail_loads for step {step_id}: block {b} is not a load")
         self._failed_loads.extend(ids)
 
@@ -970,6 +971,7 @@ class Planner:
         step.clear_disk = clear
         if self._loading_now:
             self._step_loads[step.step_id] = self._loading_now
+            self._step_load_blocks[step.step_id] = set(load_blocks)
         return step
 
     def _decode_eligible(self, req: _Request) -> bool:
@@ -1327,6 +1329,7 @@ class Planner:
             if req.state != "done":
                 req.output.append(token)
         loads = self._step_loads.pop(step_id, [])
+        self._step_load_blocks.pop(step_id, None)
         failed, self._failed_loads = set(self._failed_loads), []
         for req, _, _, _ in members:
             if req.state == "running" and self.enable_radix_cache and req.match_prefix:
@@ -1393,7 +1396,7 @@ class Planner:
             ngram_corpus_tokens=0,  # the reference drafts nothing by itself
             disk_loaded_blocks=self.disk_loaded_blocks,
             disk_failed_blocks=self.disk_failed_blocks,
-            num_loading=sum(1 for r in self._waiting if r.inflight and r.loading),
+            num_loading=sum(1 for r in self._waiting if r.loading),
             **self.cache.stats(),
         )
 

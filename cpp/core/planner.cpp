@@ -275,12 +275,7 @@ void Planner::fail_loads(int64_t step_id, const std::vector<BlockId>& blocks) {
   }
   InflightStep& s = inflight_.front();
   for (BlockId b : blocks) {
-    const bool loaded = std::any_of(s.loads.begin(), s.loads.end(), [b](const Request* r) {
-      return std::find(r->loading.begin(), r->loading.end(), b) != r->loading.end();
-    });
-    // a load of an aborted request has given its blocks back: any id of the step's is fine
-    if (!loaded && std::none_of(s.loads.begin(), s.loads.end(),
-                                [](const Request* r) { return r->state == RequestState::kDone; })) {
+    if (std::find(s.load_blocks.begin(), s.load_blocks.end(), b) == s.load_blocks.end()) {
       throw ValueError("fail_loads for step " + std::to_string(step_id) + ": block " +
                        std::to_string(b) + " is not one of its loads");
     }
@@ -399,7 +394,7 @@ void Planner::cache_computed_blocks(Request& r) {
 std::optional<Step> Planner::plan() {
   Step step;
   step.step_id = next_step_id_;
-  InflightStep record{next_step_id_, {}, {}, {}};
+  InflightStep record{next_step_id_, {}, {}, {}, {}};
   const size_t expected = running_.size() + 8;
   for (auto* v : {&step.start_pos, &step.num_tokens, &step.block_offsets, &step.block_counts}) {
     v->reserve(expected);
@@ -464,6 +459,7 @@ void Planner::start_load(Request& c, Step& step, InflightStep& record) {
   }
   step.load_blocks.insert(step.load_blocks.end(), c.loading.begin(), c.loading.end());
   step.load_keys.insert(step.load_keys.end(), keys.begin() + first, keys.end());
+  record.load_blocks.insert(record.load_blocks.end(), c.loading.begin(), c.loading.end());
   record.loads.push_back(&c);
   ++c.inflight_steps;
 }
@@ -1118,7 +1114,7 @@ PlannerStats Planner::stats() const {
   s.ngram_corpus_tokens = drafter_ && drafter_->corpus() ? drafter_->corpus()->num_tokens() : 0;
   s.disk_loaded_blocks = disk_loaded_blocks_;
   s.disk_failed_blocks = disk_failed_blocks_;
-  for (const Request* r : waiting_) s.num_loading += r->inflight_steps > 0 && !r->loading.empty();
+  for (const Request* r : waiting_) s.num_loading += !r->loading.empty();
   s.cache = cache_.stats();
   return s;
 }

@@ -245,6 +245,7 @@ class Planner {
     int64_t step_id;
     std::vector<InflightEntry> entries;
     std::vector<Request*> loads;        // waiting requests whose loads the step carries
+    std::vector<BlockId> load_blocks;   // the blocks those loads fill (Step::load_blocks)
     std::vector<BlockId> failed_loads;  // fail_loads
   };
 
