@@ -101,6 +101,13 @@ class PagedKVCache:
         """The shape of one layer's K (and V) scales in an int8 cache."""
         return (self.num_kv_heads, self.num_blocks, self.block_size)
 
+    def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """An int8 cache's K and V scales of ``layer``, as the attention and store kernels'
+        ``k_scale`` / ``v_scale`` keywords (none for a float cache)."""
+        if not self.quantized:
+            return {}
+        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
+
     def block_views(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor of the cache (per layer K, then V, then an int8 cache's scales) with
         the axis that indexes blocks: one index along it is one whole block."""

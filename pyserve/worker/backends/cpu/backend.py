@@ -408,17 +408,8 @@ class CpuKernelsBackend(Backend):
             q_norm=None if qk_norm is None else qk_norm.q_weight,
             k_norm=None if qk_norm is None else qk_norm.k_weight,
             eps=1e-6 if qk_norm is None else qk_norm.eps,
-            **self._scales(layer.index),
+            **cache.layer_scales(layer.index),
         )
-
-    def _scales(self, layer: int) -> dict[str, torch.Tensor]:
-        """An int8 cache's K and V scales of ``layer``, as the kernels' keywords (none for a
-        float cache)."""
-        cache = self.kv_cache
-        assert cache is not None
-        if not cache.quantized:
-            return {}
-        return {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
 
     def _attend_kernels(
         self,
@@ -439,7 +430,7 @@ class CpuKernelsBackend(Backend):
             "window": layer.sliding_window or 0,
             "softcap": layer.softcap or 0.0,
             "sinks": layer.sinks,
-            **self._scales(layer.index),
+            **cache.layer_scales(layer.index),
         }
         decode = meta.decode
         if meta.all_decode and decode is not None:

@@ -238,14 +238,6 @@ class CpuDecoderStack:
             swiglu_limit=cfg.swiglu_limit,
         )
 
-        def scales(i: int) -> dict[str, int]:  # an int8 cache's, per layer
-            if not kv_cache.quantized:
-                return {}
-            return {
-                "k_scale": kv_cache.k_scale[i].data_ptr(),
-                "v_scale": kv_cache.v_scale[i].data_ptr(),
-            }
-
         for i, layer in enumerate(model.layers):
             moe = None
             if layer.moe is not None:
@@ -271,7 +263,7 @@ class CpuDecoderStack:
                 full_width_qk_norm=layer.full_width_qk_norm,
                 moe=moe,
                 sinks=0 if layer.attn.sinks is None else layer.attn.sinks.data_ptr(),
-                **scales(i),
+                **{name: t.data_ptr() for name, t in kv_cache.layer_scales(i).items()},
             )
         return cls(stack, [table.rotary_dim for table in model.rotary], keep), ""
 

@@ -354,9 +354,7 @@ class TritonBackend(Backend):
             # as PagedKVCache stores it: an outlier saturates instead of becoming inf
             qkv = qkv.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
-        scales: dict[str, torch.Tensor] = {}
-        if cache.quantized:  # read in place by the kernels, each token's scale applied there
-            scales = dict(k_scale=cache.k_scale[layer.index], v_scale=cache.v_scale[layer.index])
+        scales = cache.layer_scales(layer.index)  # int8: read in place, applied per token
         q = self._fused.rope_kv_store(
             qkv, cos, signed_sin, meta.slots, k_cache, v_cache,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, **scales,
