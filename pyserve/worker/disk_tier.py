@@ -132,13 +132,8 @@ class DiskTier:
             payloads = list(self._readers.map(self._read, keys))
         ok = [p is not None and len(p) == self.block_bytes for p in payloads]
         good = [i for i, whole in enumerate(ok) if whole]
+        # main logs the failures (scheduler_loop.py) and recomputes those blocks
         failed = [int(b) for b, whole in zip(blocks, ok, strict=True) if not whole]
-        if failed:
-            log.warning(
-                "disk KV tier: %d of %d blocks did not load (missing or damaged); recomputed",
-                len(failed),
-                len(blocks),
-            )
         if good:
             rows = np.empty((len(good), self.block_bytes), dtype=np.uint8)
             for row, i in enumerate(good):

@@ -404,7 +404,7 @@ def _run_step(
             log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
             raise TensorParallelError(f"step {step.step_id} failed on this rank: {e!r}") from e
         log.error("step %d failed:\n%s", step.step_id, traceback.format_exc())
-        rids, dropped = _whole_int64s(step.rids), _whole_int64s(step.dropped)
+        rids, dropped = _whole(step.rids, 8), _whole(step.dropped, 8)
         executor.requests.fail(rids)
         error = out.WorkerError(message=f"step {step.step_id} failed: {e!r}", rids=rids)
         # an empty result keeps main's in-order step accounting going
@@ -426,19 +426,16 @@ def _disk_ops(tier: DiskTier | None, step: inp.Step) -> bytes:
     if not (step.save_blocks or step.load_blocks or step.drop_keys or step.clear_disk):
         return b""
     if tier is None:  # no tier here: nothing is saved, and nothing can load
-        return _whole_int32s(step.load_blocks)
+        return _whole(step.load_blocks, 4)
     try:
         failed = tier.apply(step)
     except Exception:
         log.error("step %d: disk ops failed:\n%s", step.step_id, traceback.format_exc())
-        return _whole_int32s(step.load_blocks)
+        return _whole(step.load_blocks, 4)
     return np.asarray(failed, dtype="<i4").tobytes()
 
 
-def _whole_int32s(packed: bytes) -> bytes:
-    return packed[: len(packed) // 4 * 4]
-
-
-def _whole_int64s(packed: bytes) -> bytes:
-    """``packed`` cut to whole int64s: a garbled Step must not break the error path too."""
-    return packed[: len(packed) // 8 * 8]
+def _whole(packed: bytes, size: int) -> bytes:
+    """``packed`` cut to whole ``size``-byte ints: a garbled Step must not break the error
+    path too."""
+    return packed[: len(packed) // size * size]
