@@ -420,7 +420,7 @@ class Engine:
 
     def stats(self) -> dict:
         """The core's latest numbers (refreshed every 0.1 s) plus the engine's own."""
-        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
+        snapshot = self._snapshot()
         return {
             **snapshot,
             "core_requests": snapshot.get("num_requests", 0),
@@ -459,8 +459,11 @@ class Engine:
 
     def _tenant_tokens(self) -> dict[int, int]:
         """The planner's tokens by tenant id, as of its latest snapshot."""
-        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
-        return snapshot.get("tenant_tokens", {})
+        return self._snapshot().get("tenant_tokens", {})
+
+    def _snapshot(self) -> dict:
+        """The planner's latest numbers (refreshed by the scheduler thread); {} before it runs."""
+        return self._scheduler.snapshot if self._scheduler is not None else {}
 
     async def core_stats(self) -> dict:
         """The core's numbers read now (on the scheduler thread), for exact accounting checks."""
@@ -519,7 +522,7 @@ class Engine:
         """The prefix cache's disk tier: where its files are and its size (0: off)."""
         ready = self._ready
         on = ready is not None and bool(ready.disk_tier)
-        snapshot = self._scheduler.snapshot if self._scheduler is not None else {}
+        snapshot = self._snapshot()
         return {
             "directory": ready.disk_tier if on else None,
             "max_bytes": self.config.disk_cache_bytes if on else 0,
@@ -543,7 +546,7 @@ class Engine:
         config = self.config
         if config.speculative_algorithm is None:
             return None
-        stats = self._scheduler.snapshot if self._scheduler is not None else {}
+        stats = self._snapshot()
         drafted = stats.get("spec_draft_tokens", 0)
         return {
             "algorithm": config.speculative_algorithm,

@@ -493,10 +493,10 @@ class SchedulerLoop:
         planner = self._planner
         if planner is None or not planner.spill_to_disk():
             return
-        for _ in range(4):  # the saves, drops past the budget (every request has ended)
-            step = planner.plan()
-            if step is None:
-                return
+        # every request has ended: one step carries the drops, the saves and the files past
+        # the budget to delete
+        step = planner.plan()
+        if step is not None:
             self._send(out.step_from_plan(step))
 
     def _fail_pending_calls(self) -> None:
