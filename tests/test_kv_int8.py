@@ -34,37 +34,75 @@ from pyserve.worker.kv_cache import PagedKVCache, dequantize_int8, quantize_int8
 from pyserve.worker.model_runner import ModelRunner
 
 
-def test_quantize_int8_rounds_each_row_to_its_own_scale() -> None:
-    x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
-    x[0, 0] = 0.0  # an all-zero row: scale 0, values 0, no NaN
+def test_quantize_int8_rounds_each_group_of_32_to_its_own_scale() -> None:
+    # three groups of 32 per row, each of its own magnitude: a group's scale follows its own
+    # range, not the head's
+    x = torch.randn(5, 3, 96) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(32)
+    x[0, 0, :32] = 0.0  # an all-zero group: scale 0, values 0, no NaN
     q, scale = quantize_int8(x)
-    assert q.dtype == torch.int8 and scale.shape == (5, 3)
-    assert scale[0, 0] == 0 and (q[0, 0] == 0).all()
-    assert (q.abs().amax(dim=-1)[scale > 0] == 127).all()  # the largest value uses the range
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (5, 3, 3)
+    assert scale[0, 0, 0] == 0 and (q[0, 0, :32] == 0).all()
+    live = scale > 0
+    assert (q.unflatten(-1, (3, 32)).abs().amax(dim=-1)[live] >= 126).all()  # each uses the range
+    assert (scale[..., 2].float() > 100 * scale[..., 1].float()).all()
     back = dequantize_int8(q, scale)
     assert torch.isfinite(back).all()
-    assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
+    half_step = scale.float().repeat_interleave(32, dim=-1) / 2
+    assert ((back - x).abs() <= half_step * (1 + 1e-3) + 1e-6).all()
+
+
+def test_quantize_int8_takes_a_head_dim_that_is_not_a_multiple_of_32() -> None:
+    x = torch.randn(4, 2, 80)
+    x[..., 64:] *= 1000.0  # the short last group (16 values) has a scale of its own
+    q, scale = quantize_int8(x)
+    assert q.shape == x.shape and scale.shape == (4, 2, 3)
+    whole = torch.nn.functional.pad(x, (0, 16))
+    q_whole, scale_whole = quantize_int8(whole)  # as if zero-padded to 96
+    assert torch.equal(q, q_whole[..., :80]) and torch.equal(scale, scale_whole)
+    assert (dequantize_int8(q, scale) - x).abs().max() <= scale.float().max() / 2 * (1 + 1e-3)
+
+
+def test_quantize_int8_keeps_float16_range_and_underflow() -> None:
+    x = torch.zeros(3, 32)
+    x[0, 0] = 1e9  # its scale saturates at float16's largest: values clamp at ±127, no inf
+    x[1, 0] = 1e-9  # its scale underflows float16: values 0, as a float16 cache loses them
+    x[2] = torch.linspace(-1, 1, 32)
+    q, scale = quantize_int8(x)
+    assert scale[0, 0] == 65504.0 and q[0, 0] == 127
+    assert scale[1, 0] == 0 and (q[1] == 0).all()
+    # the values are divided by the scale as stored (float16), not by max|x| / 127
+    stored = scale[2, 0].float()
+    expected = torch.round(x[2] * (1.0 / stored)).clamp(-127, 127)
+    assert torch.equal(q[2].float(), expected)
 
 
 def test_int8_cache_reads_back_what_write_returns() -> None:
     torch.manual_seed(0)
     cache = PagedKVCache(
-        num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.int8
+        num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=40, dtype=torch.int8
     )
-    assert cache.k_scale[1].shape == cache.v_scale[1].shape == (2, 6, 4)
+    # laid out as K and V are, a group (of up to 32 values) in place of 32 dimensions
+    assert cache.k_scale[1].shape == (2, 6, 2, 4) and cache.v_scale[1].shape == (2, 6, 4, 2)
+    assert cache.k_scale[1].dtype == cache.v_scale[1].dtype == torch.float16
     slots = torch.tensor([5, 6, 7, 8, 21, 0])  # across blocks, out of order
-    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8) * 10
+    k, v = torch.randn(6, 2, 40), torch.randn(6, 2, 40) * 10
     k_stored, v_stored = cache.write(1, slots, k, v)
     assert (k_stored - k).abs().max() < k.abs().max() / 127
-    keys, values = cache.gather(1, torch.tensor([1, 2, 5, 0]))  # [heads, 4 blocks, 4, 8]
+    keys, values = cache.gather(1, torch.tensor([1, 2, 5, 0]))  # [heads, 4 blocks, 4, 40]
     blocks = {1: 0, 2: 1, 5: 2, 0: 3}
     for t, slot in enumerate(slots.tolist()):
         b, off = blocks[slot // 4], slot % 4
         torch.testing.assert_close(keys[:, b, off], k_stored[t], rtol=0, atol=0)
         torch.testing.assert_close(values[:, b, off], v_stored[t], rtol=0, atol=0)
+        # the scales sit where the layout says: K's group-major, V's token-major
+        _, k_scale = quantize_int8(k[t])
+        _, v_scale = quantize_int8(v[t])
+        assert torch.equal(cache.k_scale[1][:, slot // 4, :, off], k_scale)
+        assert torch.equal(cache.v_scale[1][:, slot // 4, off, :], v_scale)
     assert (cache.k[0] == 0).all() and (cache.k_scale[0] == 0).all()  # other layers untouched
-    # values and scales: (8 + 4) bytes a (token, head) of K and of V
-    assert cache.nbytes == 2 * 2 * 2 * 6 * 4 * kv_bytes_per_token_head("int8", 8)
+    # values and scales: (40 + 2 · 2) bytes a (token, head) of K and of V
+    assert kv_bytes_per_token_head("int8", 40) == 44
+    assert cache.nbytes == 2 * 2 * 2 * 6 * 4 * kv_bytes_per_token_head("int8", 40)
 
 
 def test_cli_takes_int8() -> None:

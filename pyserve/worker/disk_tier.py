@@ -284,7 +284,7 @@ def runner_identity(runner: ModelRunner) -> tuple:
     settings = runner.settings
     cache = runner.kv_cache
     shapes = tuple(
-        tuple(s for d, s in enumerate(tensor.shape) if d != dim)
+        (tuple(s for d, s in enumerate(tensor.shape) if d != dim), str(tensor.dtype))
         for tensor, dim in cache.block_views()
     )
     mmproj = None

@@ -49,18 +49,26 @@ def default_dtype(device: str, quantization: str = "none") -> str:
 
 # ---------------------------------------------------------------------------- KV cache
 
-# int8: symmetric int8 values with one float32 scale per (token, kv head) of K and of V
-# (pyserve/worker/kv_cache.py); the others store K and V as they are, rounded to the dtype
+# int8: symmetric int8 values with a float16 scale per 32 values of a (token, kv head) of K and
+# of V (llama.cpp's q8_0; pyserve/worker/kv_cache.py); the others store K and V as they are,
+# rounded to the dtype
 KV_STORED_DTYPES = (*DTYPE_NAMES, "int8")
 KV_CACHE_DTYPE_NAMES = ("auto", *KV_STORED_DTYPES)
-# bytes per stored value, and per (token, kv head) scale of K or of V
+# bytes per stored value, and per scale (of a group of 32 values) of K or of V
 KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-KV_SCALE_BYTES = {"int8": 4}
+KV_SCALE_BYTES = {"int8": 2}
+KV_INT8_GROUP = 32  # values per scale in an int8 cache (llama.cpp's q8_0 block)
+
+
+def kv_int8_groups(head_dim: int) -> int:
+    """The scales per (token, head) of an int8 cache: one per KV_INT8_GROUP values, rounded up."""
+    return -(-head_dim // KV_INT8_GROUP)
 
 
 def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:
     """Bytes one token's K (or V) takes in one kv head, its scale included."""
-    return head_dim * KV_VALUE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    scales = kv_int8_groups(head_dim) * KV_SCALE_BYTES.get(kv_dtype, 0)
+    return head_dim * KV_VALUE_BYTES[kv_dtype] + scales
 
 
 def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:

@@ -8,13 +8,16 @@ decode kernel scores a block's tokens against every query head of the group with
 (one broadcast query element times one K vector), with no per-token horizontal sums; V stays
 token-major, as the weighted sum over tokens reads it (cpp/kernels/attention.h).
 
-An int8 cache (dtype torch.int8) stores each token's K and V per kv head as symmetric int8
-(round(x / s), s = max|x| / 127) with the float32 scale s beside it: per layer, ``k_scale`` and
-``v_scale`` of ``[num_kv_heads, num_blocks, block_size]``, addressed by the same block ids. One
-scale per (token, head) rather than per group of 32 (llama.cpp's q8_0): a head's 64-128 values
-share one range well enough (benchmarks/RESULTS.md measures the drift), and the kernels read one
-scale per token and head. A (token, head) takes ``head_dim + 4`` bytes against float16's
-``2 * head_dim``.
+An int8 cache (dtype torch.int8) stores K and V as llama.cpp's q8_0 does: each run of
+``INT8_GROUP`` (32) values of a token's head (the last run of a head_dim that is not a multiple of
+32 shorter) as symmetric int8, ``round(x / s)``, with its float16 scale ``s = max|x| / 127``
+beside it. The scales are laid out as their values are, a group in place of 32 dimensions: per
+layer ``k_scale`` is ``[num_kv_heads, num_blocks, groups, block_size]`` (dimension-major, as K: a
+group's scales of a block's tokens are one vector) and ``v_scale`` is ``[num_kv_heads,
+num_blocks, block_size, groups]`` (token-major, as V), addressed by the same block ids. A scale
+per 32 values rather than per head follows outlier dimensions (benchmarks/RESULTS.md measures the
+drift of both) at the same bytes as a float32 scale per 64-value head: a (token, head) takes
+``head_dim + 2 * groups`` bytes against float16's ``2 * head_dim``.
 """
 
 from __future__ import annotations
@@ -22,23 +25,37 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyserve.worker.dtypes import KV_INT8_GROUP as INT8_GROUP
+from pyserve.worker.dtypes import kv_int8_groups as int8_groups
+
 FLOAT16_MAX = 65504.0
 INT8_MAX = 127.0
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] → (int8 values of x's shape, float32 scales [...]): symmetric, one
-    scale per row, max|x| / 127 (0 for an all-zero row, whose values are all 0)."""
+    """x [..., head_dim] → (int8 values of x's shape, float16 scales [..., groups]): each group
+    of INT8_GROUP values symmetric, its scale max|x| / 127 computed in float32 and rounded to
+    float16 (within its range); the values divided by that stored scale (multiplied by its
+    float32 reciprocal), rounded to nearest even and clamped to ±127. A group of zeros (or one
+    whose scale underflows float16) has scale 0 and values 0."""
+    dim = x.shape[-1]
+    groups = int8_groups(dim)
     x = x.float()
-    scale = x.abs().amax(dim=-1) / INT8_MAX
-    inverse = torch.where(scale > 0, 1.0 / scale, 0.0)
-    q = torch.round(x * inverse[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    if groups * INT8_GROUP != dim:
+        x = torch.nn.functional.pad(x, (0, groups * INT8_GROUP - dim))
+    grouped = x.unflatten(-1, (groups, INT8_GROUP))
+    scale = (grouped.abs().amax(dim=-1) / INT8_MAX).clamp_(max=FLOAT16_MAX).to(torch.float16)
+    wide = scale.float()
+    inverse = torch.where(wide > 0, 1.0 / wide, 0.0)
+    q = torch.round(grouped * inverse[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.flatten(-2)[..., :dim], scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 values [..., head_dim] and their scales [...] → float32."""
-    return q.float() * scale[..., None]
+    """int8 values [..., head_dim] and their float16 scales [..., groups] → float32."""
+    dim = q.shape[-1]
+    per_value = scale.float().repeat_interleave(INT8_GROUP, dim=-1)[..., :dim]
+    return q.float() * per_value
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -75,13 +92,13 @@ class PagedKVCache:
         # uninitialised memory could hold NaN/inf, which 0 * inf would spread.
         self.k = [zeroed(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [zeroed(v_shape, dtype, device) for _ in range(num_layers)]
-        # an int8 cache's scales, per (token, head): [heads, blocks, block_size]; empty otherwise
+        # an int8 cache's float16 scales, a group of a (token, head) each; empty otherwise
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
-            scale_shape = self.scale_shape()
-            self.k_scale = [zeroed(scale_shape, torch.float32, device) for _ in range(num_layers)]
-            self.v_scale = [zeroed(scale_shape, torch.float32, device) for _ in range(num_layers)]
+            k_scales, v_scales = self.scale_shapes()
+            self.k_scale = [zeroed(k_scales, torch.float16, device) for _ in range(num_layers)]
+            self.v_scale = [zeroed(v_scales, torch.float16, device) for _ in range(num_layers)]
 
     @property
     def quantized(self) -> bool:
@@ -97,9 +114,17 @@ class PagedKVCache:
         )
         return (heads, blocks, dim, size), (heads, blocks, size, dim)
 
-    def scale_shape(self) -> tuple[int, ...]:
-        """The shape of one layer's K (and V) scales in an int8 cache."""
-        return (self.num_kv_heads, self.num_blocks, self.block_size)
+    @property
+    def scale_groups(self) -> int:
+        """An int8 cache's scales per (token, head)."""
+        return int8_groups(self.head_dim)
+
+    def scale_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's K and V scales in an int8 cache, laid out as K and V are
+        with a group in place of INT8_GROUP dimensions."""
+        heads, blocks, size = self.num_kv_heads, self.num_blocks, self.block_size
+        groups = self.scale_groups
+        return (heads, blocks, groups, size), (heads, blocks, size, groups)
 
     def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
         """An int8 cache's K and V scales of ``layer``, as the attention and store kernels'
@@ -145,8 +170,9 @@ class PagedKVCache:
         blocks, offsets = slots // bs, slots % bs
         self.k[layer][:, blocks, :, offsets] = qk
         self.v[layer].view(heads, -1, self.head_dim).index_copy_(1, slots, qv.transpose(0, 1))
-        self.k_scale[layer].view(heads, -1).index_copy_(1, slots, k_scale.transpose(0, 1))
-        self.v_scale[layer].view(heads, -1).index_copy_(1, slots, v_scale.transpose(0, 1))
+        self.k_scale[layer][:, blocks, :, offsets] = k_scale
+        v_scales = self.v_scale[layer].view(heads, -1, self.scale_groups)
+        v_scales.index_copy_(1, slots, v_scale.transpose(0, 1))
         return dequantize_int8(qk, k_scale), dequantize_int8(qv, v_scale)
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,9 +193,10 @@ class PagedKVCache:
         k = self.k[layer].index_select(1, flat).transpose(-1, -2).reshape(shape)
         v = self.v[layer].index_select(1, flat).view(shape)
         if self.quantized:
-            scale_shape = shape[:-1]
-            k_scale = self.k_scale[layer].index_select(1, flat).view(scale_shape)
-            v_scale = self.v_scale[layer].index_select(1, flat).view(scale_shape)
+            scale_shape = (*shape[:-1], self.scale_groups)
+            k_scale = self.k_scale[layer].index_select(1, flat).transpose(-1, -2)
+            v_scale = self.v_scale[layer].index_select(1, flat)
+            k_scale, v_scale = k_scale.reshape(scale_shape), v_scale.view(scale_shape)
             return dequantize_int8(k, k_scale), dequantize_int8(v, v_scale)
         return k, v
 
