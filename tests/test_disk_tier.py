@@ -288,6 +288,10 @@ def test_the_fingerprint_follows_what_determines_the_bytes(tiny_model):
     assert len({base, *others}) == 1 + len(others)
     runner = load_runner(str(tiny_model), num_blocks=8, block_size=BLOCK)
     assert tier_fingerprint(runner, runner) != base  # a draft model's pool is in the payload
+    # under --tp each rank's shard is its own, and no group size reads another's
+    ranks = {tier_fingerprint(runner, tp_rank=r, tp_size=n) for r, n in ((0, 2), (1, 2), (0, 4))}
+    assert len(ranks) == 3 and base not in ranks
+    assert tier_fingerprint(runner, tp_rank=0, tp_size=1) == base
     weights = next(tiny_model.glob("*.safetensors"))
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
@@ -410,14 +414,12 @@ def test_the_worker_runs_without_a_tier_it_cannot_hold(tmp_path, model_runner, c
     from pyserve.worker.process import WorkerConfig, _open_disk_tier
     from pyserve.worker.settings import WorkerSettings
 
-    def config(directory: Path, tp_size: int = 1) -> WorkerConfig:
+    def config(directory: Path) -> WorkerConfig:
         settings = WorkerSettings(disk_cache_dir=str(directory))
-        return WorkerConfig(in_addr="", out_addr="", settings=settings, tp_size=tp_size)
+        return WorkerConfig(in_addr="", out_addr="", settings=settings)
 
     executor = executor_of(model_runner)
     caplog.set_level("INFO")
-    assert _open_disk_tier(config(tmp_path, tp_size=2), executor) is None
-    assert "off with --tp 2" in caplog.text and not list(tmp_path.iterdir())
     a_file = tmp_path / "a-file"
     a_file.write_bytes(b"")
     assert _open_disk_tier(config(a_file), executor) is None  # an OSError: logged, not raised

@@ -250,26 +250,35 @@ def open_tier(base: Path, fingerprint: bytes) -> DiskBlockStore | None:
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = f"kv-{fingerprint.hex()[:16]}"
     for n in range(MAX_SHARERS):
-        directory = base / (name if n == 0 else f"{name}.{n}")
-        directory.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)  # an existing directory is made private too
-        lock_file = open(directory / "lock", "a+b")  # noqa: SIM115 - held open for the lock
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock_file.close()
+        store = open_store(base / (name if n == 0 else f"{name}.{n}"), fingerprint)
+        if store is None:
             continue
         if n:
-            logger.info("disk KV tier: %s is held by another server; using %s", name, directory)
-        # a server that died mid-write left its temporary file; no writer is left to rename it
-        for stale in directory.glob("*.tmp*"):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
-        return DiskBlockStore(directory, fingerprint, lock_file)
+            logger.info(
+                "disk KV tier: %s is held by another server; using %s", name, store.directory
+            )
+        return store
     logger.warning(
         "disk KV tier: %d servers hold %s under %s; running without it", MAX_SHARERS, name, base
     )
     return None
+
+
+def open_store(directory: Path, fingerprint: bytes) -> DiskBlockStore | None:
+    """The store in ``directory`` (made private), or None while another process holds it."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)  # an existing directory is made private too
+    lock_file = open(directory / "lock", "a+b")  # noqa: SIM115 - held open for the lock
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        return None
+    # a server that died mid-write left its temporary file; no writer is left to rename it
+    for stale in directory.glob("*.tmp*"):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
+    return DiskBlockStore(directory, fingerprint, lock_file)
 
 
 # The packed index (WorkerReady.disk_index), read by main (torch-free) and written by the worker.

@@ -14,7 +14,9 @@ recomputes it. A disk error never fails the step.
 
 ``tier_fingerprint`` names everything that determines a block's bytes (the files the model was
 loaded from, by size and modification time, the dtypes, the quantization, the backend, the pool's
-shapes), so that a block file is only ever loaded into the layout that wrote it.
+shapes, the tensor-parallel rank and group size), so that a block file is only ever loaded into
+the layout that wrote it. Under ``--tp`` each rank holds a tier of its own shard
+(disk_ranks.py).
 """
 
 from __future__ import annotations
@@ -154,6 +156,15 @@ class DiskTier:
     def index(self) -> bytes:
         """The block files found now, packed as WorkerReady.disk_index."""
         return pack_index(self.store.index(), self.block_size, self.block_bytes)
+
+    def listed_index(self) -> bytes | None:
+        """``index()``, or None when the directory cannot be listed (logged: the files stay,
+        and main starts with an empty disk tier)."""
+        try:
+            return self.index()
+        except OSError as e:
+            log.warning("disk KV tier: could not list %s: %s", self.directory, e)
+            return None
 
     def close(self) -> None:
         """Waits for the queued writes, then lets the directory go."""
@@ -311,8 +322,15 @@ def runner_identity(runner: ModelRunner) -> tuple:
     )
 
 
-def tier_fingerprint(runner: ModelRunner, draft: ModelRunner | None = None) -> bytes:
-    """The fingerprint of the blocks ``runner`` (and the draft model's runner) write."""
+def tier_fingerprint(
+    runner: ModelRunner,
+    draft: ModelRunner | None = None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> bytes:
+    """The fingerprint of the blocks ``runner`` (and the draft model's runner) write; under
+    ``--tp`` each rank's shard of a block is its own (disk_ranks.py)."""
     import pyserve
 
     return fingerprint_of(
@@ -321,6 +339,7 @@ def tier_fingerprint(runner: ModelRunner, draft: ModelRunner | None = None) -> b
         torch.__version__,
         runner_identity(runner),
         runner_identity(draft) if draft is not None else None,
+        ("tensor parallel rank", tp_rank, "of", tp_size),
     )
 
 
@@ -332,7 +351,12 @@ def open_disk_tier(
 
     # absolute: WorkerReady tells main where the files are
     store = open_tier(Path(directory).expanduser().absolute(), tier_fingerprint(runner, draft))
-    if store is None:
-        return None
+    return tier_over(store, runner, draft) if store is not None else None
+
+
+def tier_over(
+    store: DiskBlockStore, runner: ModelRunner, draft: ModelRunner | None = None
+) -> DiskTier:
+    """The tier moving these runners' blocks to and from ``store``."""
     caches = [runner.kv_cache] + ([draft.kv_cache] if draft is not None else [])
     return DiskTier(store, caches, num_blocks=runner.num_blocks, block_size=runner.block_size)

@@ -9,7 +9,8 @@ then exit. A step that raises yields a WorkerError naming its requests and an em
 With ``disk_cache_dir`` set the worker holds the disk tier under the prefix cache
 (pyserve/worker/disk_tier.py): a Step's disk operations run before its forward pass, and the
 loads that failed go back in StepTokens.failed_loads (main recomputes those blocks); a disk
-error never fails a step. Not with ``--tp``: each rank holds a shard of every block.
+error never fails a step. With ``--tp`` every rank holds a tier of its own shard of each block
+and the ranks agree on the failed loads and the index at start (pyserve/worker/disk_ranks.py).
 
 With ``--tp N`` the worker is N processes, ranks of one torch.distributed group
 (pyserve/worker/tensor_parallel.py): rank 0 owns the ring's sockets and broadcasts every message
@@ -100,11 +101,14 @@ def run(config: WorkerConfig) -> int:
             if push is not None:
                 push.send(out.encoder.encode(out.WorkerError(message=error or "load failed")))
             return 1
-        tier = _open_disk_tier(config, executor)
+        tier = _open_disk_tier(config, executor, tp)
+        disk = _disk_index(tier, tp)
         if push is not None:
             load_seconds = time.perf_counter() - started
             log.info("model loaded in %.1f s", load_seconds)
-            push.send(out.encoder.encode(_ready(config, executor, load_seconds, tier)))
+            if tier is not None:
+                log.info("disk KV tier: %s, blocks of %d bytes", tier.directory, disk[1])
+            push.send(out.encoder.encode(_ready(config, executor, load_seconds, tier, disk)))
         _serve(executor, pull, push, hooks, tp, tier)
         return 0
     except TensorParallelError as e:
@@ -206,45 +210,52 @@ def _load(
     return executor, None
 
 
-def _open_disk_tier(config: WorkerConfig, executor: StepExecutor) -> DiskTier | None:
-    """The disk tier when ``disk_cache_dir`` asks for one and this worker can hold it."""
+def _open_disk_tier(
+    config: WorkerConfig, executor: StepExecutor, tp: TensorParallel | None = None
+) -> DiskTier | None:
+    """The disk tier when ``disk_cache_dir`` asks for one and this worker can hold it (with
+    ``tp``, this rank's, on every rank or none)."""
     directory = config.settings.disk_cache_dir
     if not directory:
         return None
-    if config.tp_size > 1:
-        if config.tp_rank == 0:
-            log.info(
-                "disk KV tier off with --tp %d: each rank holds a shard of every block (not "
-                "supported yet)",
-                config.tp_size,
-            )
-        return None
+    if tp is not None:
+        from pyserve.worker.disk_ranks import open_rank_tier
+
+        return open_rank_tier(directory, executor.runner, tp)
     from pyserve.worker.disk_tier import open_disk_tier
 
     drafter = executor.drafter
     try:
-        tier = open_disk_tier(
+        return open_disk_tier(
             directory, executor.runner, drafter.runner if drafter is not None else None
         )
     except OSError as e:
         log.warning("disk KV tier: cannot use %s (%s); running without it", directory, e)
         return None
-    if tier is not None:
-        log.info("disk KV tier: %s, blocks of %d bytes", tier.directory, tier.block_bytes)
-    return tier
+
+
+def _disk_index(tier: DiskTier | None, tp: TensorParallel | None) -> tuple[bytes, int]:
+    """(WorkerReady.disk_index, .disk_block_bytes); with ``tp``, the group's (every rank calls
+    this)."""
+    if tier is None:
+        return b"", 0
+    if tp is not None:
+        from pyserve.worker.disk_ranks import agree_index
+
+        return agree_index(tp, tier)
+    return tier.listed_index() or b"", tier.block_bytes
 
 
 def _ready(
-    config: WorkerConfig, executor: StepExecutor, load_seconds: float, tier: DiskTier | None
+    config: WorkerConfig,
+    executor: StepExecutor,
+    load_seconds: float,
+    tier: DiskTier | None,
+    disk: tuple[bytes, int] = (b"", 0),
 ) -> out.WorkerReady:
+    """``disk``: ``_disk_index``'s answer."""
     runner = executor.runner
     backend = runner.backend.info()
-    disk_index = b""
-    if tier is not None:
-        try:
-            disk_index = tier.index()
-        except OSError as e:  # the files stay; main starts with an empty disk tier
-            log.warning("disk KV tier: could not list %s: %s", tier.directory, e)
     return out.WorkerReady(
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,
@@ -263,8 +274,8 @@ def _ready(
         kernels=backend.kernels,
         tp_size=config.tp_size,
         disk_tier=str(tier.directory) if tier is not None else "",
-        disk_block_bytes=tier.block_bytes if tier is not None else 0,
-        disk_index=disk_index,
+        disk_block_bytes=disk[1] if tier is not None else 0,
+        disk_index=disk[0],
     )
 
 
@@ -303,7 +314,7 @@ def _serve(
                 if isinstance(msg, inp.Step):
                     if hooks is not None:
                         hooks.before_step()
-                    replies = _run_step(executor, msg, fatal, tier)
+                    replies = _run_step(executor, msg, fatal, tier, tp)
                     steps += 1
                     tokens = replies[-1]  # the StepTokens comes last
                     tokens.busy_seconds = busy_seconds + (time.perf_counter() - started)
@@ -385,13 +396,17 @@ def _reject(
 
 
 def _run_step(
-    executor: StepExecutor, step: inp.Step, fatal: bool, tier: DiskTier | None = None
+    executor: StepExecutor,
+    step: inp.Step,
+    fatal: bool,
+    tier: DiskTier | None = None,
+    tp: TensorParallel | None = None,
 ) -> list[msgspec.Struct]:
     """The step's StepTokens, after its disk operations; with ``fatal``, a failure past the
     request table's checks ends the worker (TensorParallelError)."""
     from pyserve.worker.executor import MalformedStep
 
-    failed_loads = _disk_ops(tier, step)
+    failed_loads = _disk_ops(tier, step, tp)
     try:
         tokens = executor.execute(step)
         tokens.worker_requests = len(executor.requests)  # for main's idle accounting check
@@ -420,18 +435,25 @@ def _run_step(
         return [error, empty]
 
 
-def _disk_ops(tier: DiskTier | None, step: inp.Step) -> bytes:
-    """Does the step's disk operations; the int32 load block ids that failed. Never raises: a
-    disk error (or a malformed op) costs the step's loads, which main then recomputes."""
+def _disk_ops(tier: DiskTier | None, step: inp.Step, tp: TensorParallel | None = None) -> bytes:
+    """Does the step's disk operations; the int32 load block ids that failed (with ``tp``, on
+    any rank). Never raises but for a failed collective: a disk error (or a malformed op) costs
+    the step's loads, which main then recomputes."""
     if not (step.save_blocks or step.load_blocks or step.drop_keys or step.clear_disk):
         return b""
-    if tier is None:  # no tier here: nothing is saved, and nothing can load
-        return _whole(step.load_blocks, 4)
+    loads = _whole(step.load_blocks, 4)
+    if tier is None:  # no tier here (nor on any rank): nothing is saved, and nothing can load
+        return loads
+    blocks = np.frombuffer(loads, dtype="<i4").tolist()
     try:
         failed = tier.apply(step)
     except Exception:
         log.error("step %d: disk ops failed:\n%s", step.step_id, traceback.format_exc())
-        return _whole(step.load_blocks, 4)
+        failed = blocks
+    if tp is not None:  # every rank holds the step's blocks: a failure anywhere is everyone's
+        from pyserve.worker.disk_ranks import agree_failed_loads
+
+        failed = agree_failed_loads(tp, blocks, failed)
     return np.asarray(failed, dtype="<i4").tobytes()
 
 

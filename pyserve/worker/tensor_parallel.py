@@ -196,10 +196,44 @@ class TensorParallel:
                 return text
         return None
 
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass None)."""
+        return self.broadcast_frames([data] if self.rank == 0 else None)[0]
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order (of any lengths)."""
+        mine = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(mine) for _ in range(self.size)]
+        _checked(dist.all_gather, sizes, mine, group=self.control)
+        lengths = [int(n) for n in sizes]
+        if not max(lengths):
+            return [b""] * self.size
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        _checked(dist.all_gather, parts, padded, group=self.control)
+        return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
+
+    def any_flags(self, flags: list[bool]) -> list[bool]:
+        """Each flag or-ed over the ranks (every rank passes as many)."""
+        if not flags:
+            return []
+        t = torch.tensor(flags, dtype=torch.int32)
+        _checked(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.control)
+        return [bool(v) for v in t.tolist()]
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a KV pool every rank can hold)."""
+        return self._reduce_int(value, dist.ReduceOp.MIN)
+
+    def sum_int(self, value: int) -> int:
+        """The sum of ``value`` over the ranks."""
+        return self._reduce_int(value, dist.ReduceOp.SUM)
+
+    def _reduce_int(self, value: int, op: dist.ReduceOp) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        _checked(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.control)
+        _checked(dist.all_reduce, t, op=op, group=self.control)
         return int(t[0])
 
 
