@@ -262,7 +262,8 @@ class Engine:
 
     def _disk_budget_blocks(self, ready: Ready) -> int:
         """The disk tier's size in blocks: 0 unless the worker holds a tier (it runs without
-        one with --tp, or when another server holds the directory)."""
+        one when other servers hold the directories). Under --tp a block's bytes are every
+        rank's shards together: --disk-cache-gib is the server's."""
         if not ready.disk_tier or ready.disk_block_bytes <= 0:
             return 0
         return self.config.disk_cache_bytes // ready.disk_block_bytes

@@ -62,8 +62,8 @@ class Ready(msgspec.Struct, tag=True):
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
     tp_size: int = 1  # tensor-parallel ranks the model is split over
-    disk_tier: str = ""  # the disk tier's directory in use ("": none)
-    disk_block_bytes: int = 0  # payload bytes of one block on disk
+    disk_tier: str = ""  # the disk tier's directory in use (rank 0's; "": none)
+    disk_block_bytes: int = 0  # payload bytes of one block on disk (under --tp, every rank's)
     disk_index: bytes = b""  # WorkerReady.disk_index: the block files found at start
 
 

@@ -86,8 +86,8 @@ class WorkerReady(msgspec.Struct, tag=True, omit_defaults=True):
     backend_reason: str = ""
     kernels: dict[str, str] = {}  # op → what computes it
     tp_size: int = 1  # tensor-parallel ranks the model is split over
-    disk_tier: str = ""  # the disk tier's directory in use ("": none)
-    disk_block_bytes: int = 0  # payload bytes of one block on disk
+    disk_tier: str = ""  # the disk tier's directory in use (rank 0's; "": none)
+    disk_block_bytes: int = 0  # payload bytes of one block on disk (under --tp, every rank's)
     # every block file's header at start: per block, key '<u8', parent key '<u8', then
     # block_size int32 token ids
     disk_index: bytes = b""

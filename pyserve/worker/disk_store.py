@@ -16,6 +16,7 @@ A queued write whose key was dropped or saved again since is skipped.
 ``open_tier`` makes ``<base>/kv-<fingerprint>/`` private (mode 0700) and holds an exclusive
 ``fcntl`` lock on its ``lock`` file for the store's lifetime: a second server on the same
 directory takes a sibling directory of its own instead of sharing files with the first.
+``open_store`` takes one given directory alike (a tensor-parallel rank's: disk_ranks.py).
 """
 
 from __future__ import annotations
