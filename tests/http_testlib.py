@@ -63,6 +63,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(script: str, rank_args: list[list[str]], timeout: float) -> None:
+    """``python -c script *args`` for each rank's args, all at once (the ranks of one
+    torch.distributed group); asserts that every rank exits 0, and leaves none running."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args], env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        for args in rank_args
+    ]
+    try:
+        assert [proc.wait(timeout) for proc in procs] == [0] * len(procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 _READY = re.compile(r"pyserve is ready at (http://\S+)")
 _LISTENING = re.compile(r"\((http://\S+)/health answers 503")
 

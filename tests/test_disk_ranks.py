@@ -6,9 +6,6 @@ its own. The collectives run in a real 2-rank gloo group."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,23 +114,14 @@ tp.close()
 
 
 def test_two_ranks_agree_on_the_index_and_the_failed_loads(tmp_path):
-    from http_testlib import free_port
+    from http_testlib import free_port, run_ranks
 
     init = f"tcp://127.0.0.1:{free_port()}"
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     base = tmp_path / "kv-cache"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), init, str(base), str(outs[rank])],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(2)
-    ]
-    try:
-        assert [proc.wait(HANG_GUARD_S) for proc in ranks] == [0, 0]
-    finally:
-        for proc in ranks:
-            proc.kill()
+    run_ranks(
+        RANK_SCRIPT, [[str(r), init, str(base), str(outs[r])] for r in range(2)], HANG_GUARD_S
+    )
     zero, one = (json.loads(out.read_text()) for out in outs)
     group = Path(zero["directory"])
     assert group.parent == base and group.name.startswith("kv-")

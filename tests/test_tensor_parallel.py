@@ -379,7 +379,7 @@ def test_quantized_ranks_pack_their_slices_and_generate_as_one_model(quantized_g
     """Q8_0 projections split over 2 ranks (their blocks repacked as they are) give the whole
     model's greedy tokens; logprobs move only by the activations' rounding, which each rank
     does over its own columns."""
-    from http_testlib import free_port
+    from http_testlib import free_port, run_ranks
 
     from pyserve.wire.main_to_worker import SamplingParams
     from pyserve.worker.model_runner import ModelRunner
@@ -389,18 +389,7 @@ def test_quantized_ranks_pack_their_slices_and_generate_as_one_model(quantized_g
     out = tmp_path / "rank0.json"
     init = f"tcp://127.0.0.1:{free_port()}"
     rest = [str(quantized_gguf), str(out), json.dumps(RANK_PROMPTS)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), "2", init, *rest],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(2)
-    ]
-    try:
-        assert [proc.wait(HANG_GUARD_S) for proc in ranks] == [0, 0]
-    finally:
-        for proc in ranks:
-            proc.kill()
+    run_ranks(RANK_SCRIPT, [[str(rank), "2", init, *rest] for rank in range(2)], HANG_GUARD_S)
     split = json.loads(out.read_text())
     runner = ModelRunner(
         WorkerSettings(model=str(quantized_gguf), num_blocks=64, quantization="auto")
