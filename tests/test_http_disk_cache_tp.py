@@ -74,7 +74,8 @@ def state_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def first_run(model, state_dir) -> dict:
-    """A first server: each prompt from scratch, prompt 0 evicted and loaded back."""
+    """A first server: three prompts from scratch, prompt 0 evicted and loaded back, a fourth
+    prompt last."""
     seen: dict = {}
     with running_server(tp_args(model, state_dir)) as server:
         url = server.url
@@ -82,6 +83,7 @@ def first_run(model, state_dir) -> dict:
         seen["saved"] = wait_for_metrics(url, kv_idle)
         seen["again"] = generate(url, prompt(0))
         seen["loaded"] = wait_for_metrics(url, kv_idle)
+        seen["last"] = generate(url, prompt(3))  # in RAM alone until the stop spills it
         status, _, raw = request(url + "/server_info")
         assert status == 200, raw
         seen["info"] = json.loads(raw)["disk_cache"]
@@ -99,10 +101,11 @@ def test_both_ranks_shards_of_evicted_blocks_load_back_with_the_same_output(firs
     assert m["pyserve_disk_cache_loaded_blocks_total"] > 0
     assert m["pyserve_prefix_cache_disk_hit_tokens_total"] > 0
     assert m["pyserve_disk_cache_failed_loads_total"] == 0
-    # the clean stop spilled on both ranks: the same blocks, every prompt's whole
+    # the clean stop spilled on both ranks: the same blocks, every prompt's whole, the last
+    # one's included
     zero, one = rank_files(state_dir, 0), rank_files(state_dir, 1)
     assert set(zero) == set(one)
-    assert {b for seed in (0, 1, 2) for b in blocks_of(seed)} <= set(zero)
+    assert {b for seed in (0, 1, 2, 3) for b in blocks_of(seed)} <= set(zero)
     assert {p.name for p in zero.values()} == {p.name for p in one.values()}
     # the server's budget counts a block's bytes on every rank
     info = first_run["info"]
