@@ -1,7 +1,8 @@
 """The disk tier under ``--tp``: the index main gets names only the blocks every rank holds (each
 rank drops its files outside it), a load that fails on one rank fails on all, each rank's shards
-sit in a directory of its own inside rank 0's, and the tier is on only where every rank opened
-its own. The collectives run in a real 2-rank gloo group."""
+sit in a directory of its own inside rank 0's (a second server's inside its own rank 0's), and
+the tier is on only where every rank opened its own. The collectives run in a real 2-rank gloo
+group."""
 
 from __future__ import annotations
 
@@ -77,11 +78,17 @@ seen["directory"] = str(tier.directory)
 own = [(5, 0, [5] * 4)] if rank == 0 else [(4, 0, [4] * 4)]
 blocks = [(1, 0, [1, 2, 3, 4]), (2, 1, [5, 6, 7, 8]), (3, 2, [9] * 4)] + own
 tier.save([0, 1, 2, 3], [b[0] for b in blocks], [b[1] for b in blocks], [b[2] for b in blocks])
+# a second server on the same directory: its ranks sit under its own rank 0's directory
+second = open_rank_store(base, fp, tp)
+seen["second"] = str(second.directory)
+second.close()
 tier.close()
 
 # a rank whose directory another process holds: the tier is off on both
 held = open_store(Path(seen["directory"]), fp) if rank == 1 else None
 seen["one_held"] = open_rank_store(base, fp, tp) is None
+# a rank that cannot fingerprint its layout: off on both
+seen["one_unnamed"] = open_rank_store(base, None if rank else fp, tp) is None
 if held is not None:
     held.close()
 
@@ -126,7 +133,10 @@ def test_two_ranks_agree_on_the_index_and_the_failed_loads(tmp_path):
     group = Path(zero["directory"])
     assert group.parent == base and group.name.startswith("kv-")
     assert Path(one["directory"]) == group / "rank1"
+    assert Path(zero["second"]) == base / f"{group.name}.1"
+    assert Path(one["second"]) == base / f"{group.name}.1" / "rank1"
     assert zero["one_held"] and one["one_held"]
+    assert zero["one_unnamed"] and one["one_unnamed"]
     assert zero["same_directory"] and one["same_directory"]
     chain = [[1, 0, [1, 2, 3, 4]], [2, 1, [5, 6, 7, 8]], [3, 2, [9] * 4]]
     for seen in (zero, one):

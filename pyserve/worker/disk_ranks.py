@@ -52,22 +52,29 @@ def rank_directory(group: Path, rank: int) -> Path:
 def open_rank_tier(directory: str, runner: ModelRunner, tp: TensorParallel) -> DiskTier | None:
     """This rank's tier, or None on every rank unless every rank opened its own (a collective:
     every rank calls it)."""
-    fingerprint = tier_fingerprint(runner, tp_rank=tp.rank, tp_size=tp.size)
+    try:
+        fingerprint = tier_fingerprint(runner, tp_rank=tp.rank, tp_size=tp.size)
+    except OSError as e:  # a model file gone: this rank cannot name its layout
+        log.warning("disk KV tier: cannot fingerprint the model (%s); running without it", e)
+        fingerprint = None
     store = open_rank_store(Path(directory).expanduser().absolute(), fingerprint, tp)
     return tier_over(store, runner) if store is not None else None
 
 
-def open_rank_store(base: Path, fingerprint: bytes, tp: TensorParallel) -> DiskBlockStore | None:
+def open_rank_store(
+    base: Path, fingerprint: bytes | None, tp: TensorParallel
+) -> DiskBlockStore | None:
     """This rank's store (rank 0's under ``base``, the others' inside rank 0's), or None on
-    every rank unless every rank opened its own (a collective: every rank calls it)."""
+    every rank unless every rank opened its own (a collective: every rank calls it, a rank
+    without a ``fingerprint`` too)."""
     store = None
-    if tp.rank == 0:
+    if tp.rank == 0 and fingerprint is not None:
         try:
             store = open_tier(base, fingerprint)
         except Exception as e:  # logged; the other ranks still hear (an empty directory)
             log.warning("disk KV tier: cannot use %s (%s); running without it", base, e)
     where = tp.broadcast_bytes(str(store.directory).encode() if store is not None else b"")
-    if tp.rank != 0 and where:
+    if tp.rank != 0 and where and fingerprint is not None:
         directory = rank_directory(Path(where.decode()), tp.rank)
         try:
             store = open_store(directory, fingerprint)
