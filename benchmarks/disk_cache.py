@@ -16,6 +16,7 @@ cold / RAM) are the figures; each row is one prompt.
 
     .venv/bin/python benchmarks/disk_cache.py                          # the default model
     .venv/bin/python benchmarks/disk_cache.py --model DIR --prompts 2  # a ~0.5B model
+    .venv/bin/python benchmarks/disk_cache.py --model DIR --extra "--tp 2"  # every rank's shards
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> None:
             ram.append(ttft(a.url, ids))
     finally:
         stop_s = a.stop()
-    files = list(state.glob("kv-cache/kv-*/*.kv"))
+    files = list(state.glob("kv-cache/kv-*/**/*.kv"))  # under --tp, rank r's in rank<r>/
     disk_bytes = sum(f.stat().st_size for f in files)
 
     b = Server(base)
