@@ -41,12 +41,15 @@ def group_dir(state_dir: Path) -> Path:
 
 
 def rank_files(state_dir: Path, rank: int) -> dict[tuple[int, ...], Path]:
-    """A rank's block files by their tokens."""
+    """A rank's block files by their tokens (those the worker deletes meanwhile left out)."""
     group = group_dir(state_dir)
     directory = group if rank == 0 else group / f"rank{rank}"
     found = {}
     for path in directory.glob("*.kv"):
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
         count = _HEADER.unpack_from(data)[4]
         found[struct.unpack_from(f"<{count}i", data, _HEADER.size)] = path
     return found
