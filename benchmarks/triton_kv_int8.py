@@ -5,9 +5,10 @@ nor its fused multiply-adds.
 - store: the rope + K/V store kernel's int8 values and scales against kv_cache.quantize_int8 of
   what a float cache in the activations' dtype stores (values and scales that differ, and by how
   many units), with ties and an all-zero head among them;
-- attention: decode (split-K) and extend over an int8 cache against a float64 softmax over it
-  dequantized, at Llama 3's, Gemma 2's and gpt-oss's head shapes, beside the error of the same
-  kernels over a float cache of the dequantized values in the activations' dtype;
+- attention: decode (split-K) and extend over an int8 cache (a float16 scale per 32 values)
+  against a float64 softmax over it dequantized, at Llama 3's, Gemma 2's, gpt-oss's and a
+  head_dim of 80's shapes, beside the error of the same kernels over a float cache of the
+  dequantized values in the activations' dtype;
 - timing: decode attention over int8 and over bfloat16 K/V at Llama 3 8B's heads (triton's
   do_bench), with the bytes each reads per second.
 
@@ -27,6 +28,7 @@ from functools import partial
 import torch
 
 from pyserve.worker.backends.triton import attention, fused
+from pyserve.worker.dtypes import kv_bytes_per_token_head, kv_int8_groups
 from pyserve.worker.kv_cache import dequantize_int8, quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,6 +38,7 @@ SHAPES = {
     "llama3": (32, 8, 128, None, None, False),
     "gemma2": (16, 8, 256, 50.0, 300, False),
     "gpt-oss": (64, 8, 64, None, 128, True),
+    "head80": (32, 32, 80, None, None, False),  # Phi-2's: two groups of 32 and one of 16
 }
 
 
@@ -57,7 +60,8 @@ def store(device: str, dtypes: list[str], tokens: int) -> dict:
         shape = (slots_total, kv_heads, dim)
         floats = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
         ints = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
-        scales = [torch.zeros(slots_total, kv_heads, device=device) for _ in range(2)]
+        scale_shape = (slots_total, kv_heads, kv_int8_groups(dim))
+        scales = [torch.zeros(scale_shape, dtype=torch.float16, device=device) for _ in range(2)]
         heads_of = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
         q_float = fused.rope_kv_store(qkv, cos, sin, slots, *floats, **heads_of)
         q_int8 = fused.rope_kv_store(
@@ -76,13 +80,20 @@ def store(device: str, dtypes: list[str], tokens: int) -> dict:
 
 
 def int8_cache(slots: int, kv_heads: int, dim: int, device: str):
-    """Random K/V, each token of its own magnitude, quantized: (int8 k, v, scales k, v, k and v
-    dequantized)."""
-    magnitude = lambda: torch.exp(torch.randn(slots, kv_heads, 1, device=device))  # noqa: E731
+    """Random K/V, each group of 32 values of a token's head of its own magnitude, quantized:
+    (int8 k, v, float16 scales k, v [slots, kv_heads, groups], k and v dequantized)."""
+    groups = kv_int8_groups(dim)
+
+    def magnitude() -> torch.Tensor:
+        per_group = torch.exp(torch.randn(slots, kv_heads, groups, device=device))
+        return per_group.repeat_interleave(32, dim=-1)[..., :dim]
+
     k = torch.randn(slots, kv_heads, dim, device=device) * magnitude()
     v = torch.randn(slots, kv_heads, dim, device=device) * magnitude()
     (k8, k_scale), (v8, v_scale) = quantize_int8(k), quantize_int8(v)
-    return k8, v8, k_scale, v_scale, dequantize_int8(k8, k_scale), dequantize_int8(v8, v_scale)
+    k_deq, v_deq = dequantize_int8(k8, k_scale), dequantize_int8(v8, v_scale)
+    # the kernels read the cache's memory: quantize_int8's values can be a view of wider ones
+    return k8.contiguous(), v8.contiguous(), k_scale, v_scale, k_deq, v_deq
 
 
 def softmax_reference(q, keys, values, pos: int, scale: float, softcap, window, sinks):
@@ -222,8 +233,8 @@ def timing(device: str) -> dict:
         results[f"batch{batch}-context{context}"] = {
             "int8_ms": int8_ms,
             "bf16_ms": bf16_ms,
-            "int8_gb_per_s": tokens * (dim + 4) / int8_ms / 1e6,
-            "bf16_gb_per_s": tokens * dim * 2 / bf16_ms / 1e6,
+            "int8_gb_per_s": tokens * kv_bytes_per_token_head("int8", dim) / int8_ms / 1e6,
+            "bf16_gb_per_s": tokens * kv_bytes_per_token_head("bfloat16", dim) / bf16_ms / 1e6,
         }
         del k8, v8, k16, v16
         torch.cuda.empty_cache()

@@ -120,6 +120,14 @@ def parity_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def parity_model_head80(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with heads of 80 dims: int8 groups of 32, 32 and 16, in kernel tiles of 128."""
+    directory = tmp_path_factory.mktemp("parity-llama-head80")
+    make_tiny_model(directory, "llama", head_dim=80)
+    return directory
+
+
 # the Triton backend over int8 K/V against the torch backend's: the same quantization, the same
 # attention up to float32 rounding (a rounding that flips one int8 value moves a logprob by less)
 TRITON_LOGPROB_TOLERANCE = 0.05
@@ -145,16 +153,22 @@ def int8_run(model: Path, backend: str, **options) -> tuple[list[Seq], ModelRunn
     return seqs, runner
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "eager"])
+@pytest.mark.parametrize(
+    "model, decode_graphs",
+    [("parity_model", "off"), ("parity_model", "eager"), ("parity_model_head80", "off")],
+)
 def test_the_triton_backend_over_int8_kv_follows_the_torch_backend(
-    parity_model: Path, decode_graphs: str
+    model: str, decode_graphs: str, request: pytest.FixtureRequest
 ) -> None:
     """Greedy tokens equal, every step's logprobs within TRITON_LOGPROB_TOLERANCE; "eager" runs
     the decodes through the decode graphs' static buffers (padded batches, the scratch block)."""
-    want, _ = int8_run(parity_model, "torch")
-    got, runner = int8_run(parity_model, "triton", decode_graphs=decode_graphs, graph_max_batch=8)
+    directory: Path = request.getfixturevalue(model)
+    want, _ = int8_run(directory, "torch")
+    got, runner = int8_run(directory, "triton", decode_graphs=decode_graphs, graph_max_batch=8)
     if decode_graphs == "eager":
         assert runner.backend.graphs.steps == 12  # 6 rows: padded to a graph of 8
+    if model == "parity_model_head80":
+        assert runner.kv_cache.k_scale[0].shape[-1] == 3
     worst = 0.0
     for a, b in zip(got, want, strict=True):
         assert a.tokens == b.tokens
@@ -169,8 +183,11 @@ def test_the_triton_backend_says_it_reads_int8_kv_in_its_kernels(parity_model: P
         backend="triton",
     )  # fmt: skip
     kernels = runner.backend.info().kernels
-    assert kernels["attention"] == "triton, int8 K/V read in the kernels (per-token scales)"
-    assert runner.kv_cache.k_scale[0].shape == (9 * PARITY_BLOCK, 2)  # the pool and scratch
+    assert kernels["attention"] == "triton, int8 K/V read in the kernels (a scale per 32 values)"
+    # the pool and scratch, a float16 scale per 32 values of each kv head
+    groups = -(-runner.config.head_dim // 32)
+    for scales in (runner.kv_cache.k_scale[0], runner.kv_cache.v_scale[0]):
+        assert scales.shape == (9 * PARITY_BLOCK, 2, groups) and scales.dtype == torch.float16
 
 
 # this tiny model's greedy logprobs over int8 K/V (torch backend) moved by up to 0.151 from HF's

@@ -31,6 +31,7 @@ from pyserve.worker.backends.triton.experts import (
     tile_rows,
 )
 from pyserve.worker.backends.triton.quant_matmul import device_layout, quant_matmul
+from pyserve.worker.dtypes import kv_int8_groups
 from pyserve.worker.quant import quantize_weight
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +60,8 @@ SHAPES = {
     "gemma2-9b": Shape(16, 8, 256, 3584, 14336, softcap=50.0, window=4096,
                        activation="gelu_tanh"),
     "phi3-partial-rotary": Shape(32, 32, 96, 3072, 8192, rotary=48),
+    # head_dim 80 (Phi-2's, StableLM's): int8 K/V's short last group, in a tile of 128 dims
+    "head80-partial-rotary": Shape(32, 32, 80, 2560, 10240, rotary=32),
     # its clamped SwiGLU runs in torch; the experts' grouped kernel is compiled below
     "gpt-oss-20b": Shape(64, 8, 64, 2880, 2880, window=128, sinks=True),
 }
@@ -71,6 +74,7 @@ DTYPES = {
 INT8_KV_DTYPES = {
     "llama3-8b": (torch.bfloat16, torch.float16, torch.float32),
     "smollm2-135m": (torch.bfloat16, torch.float16),
+    "head80-partial-rotary": (torch.bfloat16, torch.float16),
 }
 BLOCK_SIZE = 16
 
@@ -85,7 +89,7 @@ def launches_of(shape: Shape, dtype: torch.dtype, int8_kv: bool = False) -> list
     cos = torch.zeros(tokens, 1, rotary, dtype=torch.float32)
     kv_dtype = torch.int8 if int8_kv else dtype
     cache = torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=kv_dtype)
-    scale = torch.zeros(slots, shape.kv_heads)
+    scale = torch.zeros(slots, shape.kv_heads, kv_int8_groups(shape.head_dim), dtype=torch.float16)
     scales = dict(k_scale=scale, v_scale=scale.clone()) if int8_kv else {}
     ints = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     common = dict(
@@ -230,10 +234,12 @@ def test_the_recorder_sees_the_int8_kv_launches() -> None:
     launches = launches_of(SHAPES["gpt-oss-20b"], torch.float16, int8_kv=True)
     store, decode, extend = launches[3], launches[4], launches[8]
     assert store["signature"]["k_cache_ptr"] == "*i8" and store["constexprs"]["QUANTIZED"]
+    assert store["signature"]["k_scale_ptr"] == "*fp16" and store["constexprs"]["BLOCK_G"] == 2
     assert store["options"] == {"enable_fp_fusion": False}
     for launch in (decode, extend):
         assert launch["signature"]["k_ptr"] == launch["signature"]["v_ptr"] == "*i8"
-        assert launch["signature"]["k_scale_ptr"] == "*fp32" and launch["constexprs"]["QUANTIZED"]
+        assert launch["signature"]["k_scale_ptr"] == "*fp16" and launch["constexprs"]["QUANTIZED"]
+        assert launch["constexprs"]["GROUPS"] == 2 and launch["constexprs"]["BLOCK_G"] == 2
         assert launch["signature"]["q_ptr"] == "*fp16"
 
 

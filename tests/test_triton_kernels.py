@@ -229,25 +229,40 @@ def rope_store(qkv, cos, signed_sin, slots, caches, heads, kv_heads, dim):
     )  # fmt: skip
 
 
+def int8_scales(slots: int, kv_heads: int, dim: int, fill: float = 0.0) -> torch.Tensor:
+    """A FlatKVCache layer's int8 scales: float16 [slots, kv_heads, groups of 32]."""
+    return torch.full((slots, kv_heads, -(-dim // 32)), fill, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 80])  # one group; two; two and a short one of 16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_rope_kv_store_quantizes_each_head_as_quantize_int8(dtype) -> None:
-    """The int8 store's values and scales are kv_cache.quantize_int8's of the K/V that a cache
-    in the activations' dtype stores, bit for bit: ties round to even, an all-zero head has
-    scale 0, and q is the float store's."""
-    heads, kv_heads, dim, tokens, total = 4, 2, 16, 7, 40
+def test_rope_kv_store_quantizes_each_group_as_quantize_int8(dtype, dim) -> None:
+    """The int8 store's values and float16 scales (one per 32 values of a head) are
+    kv_cache.quantize_int8's of the K/V that a cache in the activations' dtype stores, bit for
+    bit: ties round to even, a group of zeros has scale 0, a scale past float16's range
+    saturates, one below it underflows to 0 or a subnormal, and q is the float store's."""
+    heads, kv_heads, tokens, total = 4, 2, 9, 40
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * torch.rand(tokens, 1) * 4
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-    v[0, 0] = 0.0  # scale 0
+    last = (dim - 1) // 32 * 32  # the last group's first dim
+    v[0, 0, last:] = 0.0  # scale 0
     # max |v| = 127 gives scale 1 and inverse 1: every half-integer is a tie
-    v[1, 1] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 2)
-    v[2, 0] = torch.tensor([-127.0, 126.5, -125.5, 64.5] * 4)
+    v[1, 1] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * (dim // 8))
+    v[2, 0] = torch.tensor([-127.0, 126.5, -125.5, 64.5] * (dim // 4))
+    first = min(32, dim)  # the first group
+    v[3, 1, :first] = 1e-9  # a scale under float16's subnormals: 0, values 0
+    v[3, 0, :first] = torch.linspace(-3e-4, 3e-4, first)  # a float16 subnormal scale
+    if dtype != torch.float16:  # past float16's range: the scale saturates at 65504
+        v[4, 0, last] = 3e7
+        k[5, 1] = 1e9  # a rotated key past it too
     qkv = qkv.to(dtype)
     cos, signed_sin = cos_sin(tokens, dim)
     slots = torch.tensor(random.Random(2).sample(range(total), tokens))
     float_caches = [torch.zeros(total, kv_heads, dim, dtype=dtype) for _ in range(2)]
     q_float = rope_store(qkv, cos, signed_sin, slots, float_caches, heads, kv_heads, dim)
     int8_caches = [torch.zeros(total, kv_heads, dim, dtype=torch.int8) for _ in range(2)]
-    int8_caches += [torch.full((total, kv_heads), -1.0) for _ in range(2)]
+    int8_caches += [int8_scales(total, kv_heads, dim, fill=-1.0) for _ in range(2)]
     q = rope_store(qkv, cos, signed_sin, slots, int8_caches, heads, kv_heads, dim)
     assert torch.equal(q, q_float)
     k_int8, v_int8, k_scale, v_scale = int8_caches
@@ -255,25 +270,44 @@ def test_rope_kv_store_quantizes_each_head_as_quantize_int8(dtype) -> None:
         want, want_scale = quantize_int8(stored[slots])
         assert torch.equal(values[slots], want)
         assert torch.equal(scales[slots], want_scale)
-    assert v_scale[slots[0], 0] == 0 and not v_int8[slots[0], 0].any()
+    groups = v_scale.shape[-1]
+    assert v_scale[slots[0], 0, -1] == 0 and not v_int8[slots[0], 0, last:].any()
+    assert v_scale[slots[3], 1, 0] == 0 and not v_int8[slots[3], 1, :first].any()
+    assert 0 < v_scale[slots[3], 0, 0] < 2**-14  # a float16 subnormal
+    if dtype != torch.float16:
+        assert v_scale[slots[4], 0, -1] == 65504.0 and v_int8[slots[4], 0, last] == 127
+        assert (k_scale[slots[5], 1] == 65504.0).all()
     if dtype != torch.float16:  # 127 and the half-integers are exact in each dtype but float16's
-        assert v_int8[slots[1], 1, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 4]
+        ties = [127, 0, 2, 2, 0, -2, -2, 4] * min(4, dim // 8)
+        assert v_int8[slots[1], 1, : len(ties)].tolist() == ties
+        assert (v_scale[slots[1], 1] == 1.0).all() and groups == -(-dim // 32)
     untouched = torch.ones(total, dtype=torch.bool)
     untouched[slots] = False
     assert not k_int8[untouched].any() and (k_scale[untouched] == -1).all()
 
 
 def int8_paged_cache(contexts: list[int], block_size: int, kv_heads: int, dim: int, seed: int):
-    """paged_cache's random K/V, each token of its own magnitude, quantized as
-    kv_cache.quantize_int8 does it: (int8 k, v caches, float32 k, v scales [slots, kv_heads],
-    tables, each request's keys and values dequantized: what the kernels must attend over)."""
+    """paged_cache's random K/V, each group of 32 values of a token's head of its own magnitude,
+    quantized as kv_cache.quantize_int8 does it: (int8 k, v caches, their float16 scales
+    [slots, kv_heads, groups], tables, each request's keys and values dequantized: what the
+    kernels must attend over)."""
     k_cache, v_cache, tables, _ = paged_cache(contexts, block_size, kv_heads, dim, seed)
     gen = torch.Generator().manual_seed(seed)
-    k_cache *= torch.exp(torch.randn(k_cache.shape[0], kv_heads, 1, generator=gen))
-    v_cache *= torch.exp(torch.randn(v_cache.shape[0], kv_heads, 1, generator=gen))
+    groups = -(-dim // 32)
+
+    def magnitudes() -> torch.Tensor:
+        per_group = torch.exp(torch.randn(k_cache.shape[0], kv_heads, groups, generator=gen))
+        return per_group.repeat_interleave(32, dim=-1)[..., :dim]
+
+    k_cache *= magnitudes()
+    v_cache *= magnitudes()
     k_cache[tables[0, 0] * block_size] = 0.0  # a token whose K has scale 0
+    k_cache[tables[1, 0] * block_size + 1, :, 32:] = 0.0  # groups of zeros beside live ones
+    v_cache[tables[1, 0] * block_size + 2, :, :32] = 0.0
     (k_int8, k_scale), (v_int8, v_scale) = quantize_int8(k_cache), quantize_int8(v_cache)
     keys, values = dequantize_int8(k_int8, k_scale), dequantize_int8(v_int8, v_scale)
+    # quantize_int8's values of a head_dim that is not a multiple of 32 are a view of wider ones
+    k_int8, v_int8 = k_int8.contiguous(), v_int8.contiguous()
     per_request = []
     for r, context in enumerate(contexts):
         positions = torch.arange(context)
@@ -283,24 +317,27 @@ def int8_paged_cache(contexts: list[int], block_size: int, kv_heads: int, dim: i
 
 
 # attention over int8 K/V against a float64 softmax over them dequantized: float32 as the float
-# cache's tests; float16 rounds q, the weights and the output to its 11 bits
-INT8_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 2e-3)}
+# cache's tests; float16 rounds q, the weights, the output and, in a head of several groups, the
+# values relative to their token's largest scale (as a float16 cache of them would) to its 11 bits
+INT8_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 4e-3)}
 
 
+# head dims: one group (16); 80, two groups and a short one of 16, in a tile of 128 dims (its
+# last, padded group has no scale); 64, two groups filling the tile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "heads, kv_heads, block_size, num_splits, softcap, window",
+    "heads, kv_heads, block_size, num_splits, softcap, window, dim",
     [
-        (4, 4, 16, 1, None, None),
-        (8, 2, 16, 3, None, None),  # GQA, split-K
-        (6, 2, 4, 4, 30.0, None),  # a group of 3, soft-capping, small blocks
-        (4, 1, 8, 2, None, 20),  # a sliding window
+        (4, 4, 16, 1, None, None, 16),
+        (8, 2, 16, 3, None, None, 80),  # GQA, split-K
+        (6, 2, 4, 4, 30.0, None, 64),  # a group of 3, soft-capping, small blocks
+        (4, 1, 8, 2, None, 20, 80),  # a sliding window
     ],
 )
-def test_paged_decode_reads_int8_kv_with_each_tokens_scales(
-    heads, kv_heads, block_size, num_splits, softcap, window, dtype
+def test_paged_decode_reads_int8_kv_with_each_groups_scales(
+    heads, kv_heads, block_size, num_splits, softcap, window, dim, dtype
 ):
-    dim, contexts = 16, [1, 37, 90, 64]  # partial last blocks, and whole ones
+    contexts = [1, 37, 90, 64]  # partial last blocks, and whole ones
     k_int8, v_int8, k_scale, v_scale, tables, per_request = int8_paged_cache(
         contexts, block_size, kv_heads, dim, 3
     )
@@ -324,13 +361,17 @@ def test_paged_decode_reads_int8_kv_with_each_tokens_scales(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "heads, kv_heads, block_size, softcap, window",
-    [(4, 2, 8, None, None), (4, 4, 16, 50.0, None), (6, 2, 4, None, 9), (2, 1, 8, None, None)],
+    "heads, kv_heads, block_size, softcap, window, dim",
+    [
+        (4, 2, 8, None, None, 80),
+        (4, 4, 16, 50.0, None, 64),
+        (6, 2, 4, None, 9, 80),
+        (2, 1, 8, None, None, 16),
+    ],
 )
-def test_extend_reads_int8_kv_with_each_tokens_scales(
-    heads, kv_heads, block_size, softcap, window, dtype
+def test_extend_reads_int8_kv_with_each_groups_scales(
+    heads, kv_heads, block_size, softcap, window, dim, dtype
 ):
-    dim = 16
     entries = [(0, 5), (11, 7), (3, 40)]  # a fresh prompt, a chunk after a prefix, a long one
     contexts = [p + n for p, n in entries]
     k_int8, v_int8, k_scale, v_scale, tables, per_request = int8_paged_cache(
@@ -358,13 +399,30 @@ def test_extend_reads_int8_kv_with_each_tokens_scales(
             torch.testing.assert_close(out[start + i].float(), expected, rtol=rtol, atol=atol)
 
 
-def test_the_attention_kernels_refuse_int8_kv_without_scales() -> None:
-    k = torch.zeros(8, 1, 16, dtype=torch.int8)
-    q, ints = torch.zeros(1, 2, 16), torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="an int8 cache needs k_scale"):
+@pytest.mark.parametrize(
+    "scales",
+    [
+        {},
+        # a float32 scale per (slot, head), or a float32 one per group: not the cache's
+        {"k_scale": torch.ones(8, 1), "v_scale": torch.ones(8, 1)},
+        {"k_scale": torch.ones(8, 1, 2), "v_scale": torch.ones(8, 1, 2)},
+    ],
+)
+def test_the_kernels_refuse_int8_kv_without_its_float16_group_scales(scales) -> None:
+    k = torch.zeros(8, 1, 40, dtype=torch.int8)
+    q, ints = torch.zeros(1, 2, 40), torch.zeros(1, 1, dtype=torch.int32)
+    wanted = r"an int8 cache needs k_scale: contiguous float16 \(8, 1, 2\)"
+    with pytest.raises(ValueError, match=wanted):
         attention.paged_decode_attention(
             q, k, k.clone(), q.clone(), ints, ints[0] + 1, ints[0], max_context=1,
             block_size=8, num_kv_heads=1, scale=1.0, softcap=None, window=None, num_splits=1,
+            **scales,
+        )  # fmt: skip
+    qkv = torch.zeros(1, 4 * 40)
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale"):
+        fused.rope_kv_store(
+            qkv, torch.ones(1, 1, 40), torch.zeros(1, 1, 40), torch.zeros(1, dtype=torch.int64),
+            k, k.clone(), num_heads=2, num_kv_heads=1, head_dim=40, **scales,
         )  # fmt: skip
 
 
@@ -375,7 +433,7 @@ def test_the_int8_store_writes_the_bytes_the_flat_cache_writes() -> None:
     from pyserve.worker.backends.triton.backend import FlatKVCache
     from pyserve.worker.kv_cache import PagedKVCache
 
-    heads, kv_heads, dim, layer = 4, 3, 8, 1
+    heads, kv_heads, dim, layer = 4, 3, 40, 1  # a group of 32 and a short one of 8
     shape = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=kv_heads, head_dim=dim)
     paged = PagedKVCache(**shape, dtype=torch.int8)
     flat = FlatKVCache(**shape, dtype=torch.int8)
@@ -383,6 +441,7 @@ def test_the_int8_store_writes_the_bytes_the_flat_cache_writes() -> None:
     slots = torch.tensor([0, 7, 9, 19, 4])
     k, v = torch.randn(5, kv_heads, dim) * 30, torch.randn(5, kv_heads, dim)
     k[2, 1] = 0.0
+    v[3, 0, 32:] *= 1e4  # the short group of its own magnitude
     for cache in (paged, flat):
         cache.write(layer, slots, k, v)
     q = torch.randn(5, heads * dim)
@@ -392,6 +451,7 @@ def test_the_int8_store_writes_the_bytes_the_flat_cache_writes() -> None:
     rope_store(qkv, ones, zeros, slots, caches, heads, kv_heads, dim)
     views = flat.block_views()
     assert len(views) == 8  # K, V, and both scales, of each layer
+    assert flat.k_scale[layer].shape == (20, kv_heads, 2) and flat.v_scale[0].dtype == torch.float16
     for (got, dim_got), (want, dim_want) in zip(stored.block_views(), views, strict=True):
         assert dim_got == dim_want == 0 and torch.equal(got, want)
     # a block's scales: its tokens' of every kv head, as many bytes as the paged cache's

@@ -7,10 +7,13 @@ tokens is a strided tile that ``tl.load`` reads directly. Both kernels read ever
 cache: the new tokens' K/V are stored first (``rope_kv_store``), so a prompt gives the same
 result however it is split into chunks. Scores, the softmax and the sums run in float32.
 
-An int8 cache (``--kv-cache-dtype int8``) is read in place, never dequantized to a float copy:
-each tile's int8 values enter the dots as integers (exact in q's dtype), and each token's float32
-scale (``[slots, kv_heads]`` beside the cache) is applied where it costs one multiply per score:
-a key's scale to its column of scores, a value's to its column of softmax weights.
+An int8 cache (``--kv-cache-dtype int8``) is read in place, never dequantized to a float copy.
+Its float16 scales (``[slots, kv_heads, groups]`` beside the cache, a scale per 32 values of a
+head: kv_int8.py) are applied in two parts: in registers, each group's values times its scale
+over the token's largest one (within ±127 in the dot's dtype, so float16 neither overflows nor
+drops small groups to subnormals; integers, exact, where a head is one group), and that largest
+scale where it costs one multiply per score: a key's to its column of scores, a value's to its
+column of softmax weights.
 
 Decode: a program takes one request, one kv head and one split of its context; it scores all
 the query heads of that kv head's group at once (padded to 16 rows, what ``tl.dot`` needs), and
@@ -27,6 +30,8 @@ import triton
 import triton.language as tl
 
 from pyserve.worker.backends.triton import dot_precision
+from pyserve.worker.backends.triton.kv_int8 import check_int8_scales, int8_block_groups
+from pyserve.worker.dtypes import kv_int8_groups
 
 if TYPE_CHECKING:
     import torch
@@ -62,36 +67,57 @@ def _kv_tile(
 
 
 @triton.jit
-def _token_scales(scale_ptr, slots, valid, kv_head, NUM_KV_HEADS: tl.constexpr):
-    """An int8 cache's scale of one kv head at each of these slots (0 where not valid)."""
-    return tl.load(scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=valid, other=0.0)
-
-
-@triton.jit
-def _in_dtype(tile, dtype: tl.constexpr, QUANTIZED: tl.constexpr):
-    """A cache tile in the dot's dtype; int8 (exact in any of them) by way of float32, as
-    Triton's interpreter casts int8 to bfloat16 wrongly."""
-    if QUANTIZED:
-        tile = tile.to(tl.float32)
-    return tile.to(dtype)
+def _int8_tile(
+    cache_ptr, scale_ptr, slots, valid, kv_head, dims, dtype: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """An int8 cache's tile [len(slots), len(dims)] of one kv head at these slots (dims: the
+    tile's, 0 to BLOCK_D), in ``dtype``, with each token's
+    largest group scale s_max [len(slots)] (0 for an all-zero token or where not valid): each
+    group's values times its scale over s_max, so that the tile times s_max is the dequantized
+    one. Relative to s_max the values stay within ±127, where no dtype overflows or loses a
+    small group's values to subnormals; a token whose groups share one scale (a head of up to
+    32 dims) stays integer, exact in any dtype."""
+    rows: tl.constexpr = slots.shape[0]
+    width: tl.constexpr = dims.shape[0] // BLOCK_G
+    groups = tl.arange(0, BLOCK_G)
+    row_at = slots * NUM_KV_HEADS + kv_head
+    ok = valid[:, None] & (groups[None, :] < GROUPS)
+    scales = tl.load(scale_ptr + row_at[:, None] * GROUPS + groups[None, :], mask=ok, other=0.0)
+    scales = scales.to(tl.float32)
+    largest = tl.max(scales, axis=1)
+    relative = tl.math.div_rn(scales, tl.where(largest > 0, largest, 1.0)[:, None])
+    # the tile as [N, BLOCK_G, width]: each group's ratio broadcasts over its dims in place
+    in_group = tl.arange(0, width)
+    group_dims = groups[:, None] * width + in_group[None, :]
+    at = row_at[:, None, None] * HEAD_DIM + group_dims[None, :, :]
+    ok3 = valid[:, None, None] & (group_dims < HEAD_DIM)[None, :, :]
+    tile = tl.load(cache_ptr + at, mask=ok3, other=0.0)
+    # int8 by way of float32, as Triton's interpreter casts int8 to bfloat16 wrongly
+    tile = tl.reshape(tile.to(tl.float32) * relative[:, :, None], (rows, BLOCK_G * width))
+    return tile.to(dtype), largest
 
 
 @triton.jit
 def _scores(
     q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Scaled (and soft-capped) scores [rows of q, len(slots)] against the keys at these slots;
-    int8 keys are multiplied as integers (exact in q's dtype), their scales applied per column."""
-    k = _kv_tile(k_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
-    k = _in_dtype(k, q.dtype, QUANTIZED)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    int8 keys relative to each key's largest group scale (``_int8_tile``), which multiplies its
+    column of scores."""
     if QUANTIZED:
-        column_scale = _token_scales(k_scale_ptr, slots, valid, kv_head, NUM_KV_HEADS) * scale
-        scores = scores * column_scale[None, :]
+        k, largest = _int8_tile(
+            k_ptr, k_scale_ptr, slots, valid, kv_head, dims, q.dtype, NUM_KV_HEADS, HEAD_DIM,
+            GROUPS, BLOCK_G,
+        )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (largest * scale)[None, :]
     else:
-        scores = scores * scale
+        k = _kv_tile(k_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
     return _softcapped(scores, softcap, HAS_SOFTCAP)
 
 
@@ -99,15 +125,21 @@ def _scores(
 def _values(
     v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, dtype: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """The value tile at these slots in ``dtype`` and what each token's weight is multiplied by:
-    for int8 values, the token's scale times 127 (its largest |v|), so that float16 weights stay
-    out of float16's subnormal range; ``_finished`` divides the 127 out. 1 for float values."""
-    v = _kv_tile(v_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
-    v = _in_dtype(v, dtype, QUANTIZED)
+    for int8 values (relative to the token's largest group scale s_max: ``_int8_tile``), s_max
+    times 127 (about its largest |v|), so that float16 weights stay out of float16's subnormal
+    range; ``_finished`` divides the 127 out. 1 for float values."""
     if QUANTIZED:
-        factor = _token_scales(v_scale_ptr, slots, valid, kv_head, NUM_KV_HEADS) * _INT8_MAX
+        v, largest = _int8_tile(
+            v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dtype, NUM_KV_HEADS, HEAD_DIM,
+            GROUPS, BLOCK_G,
+        )  # fmt: skip
+        factor = largest * _INT8_MAX
     else:
+        v = _kv_tile(v_ptr, slots, valid, kv_head, dims, dim_ok, NUM_KV_HEADS, HEAD_DIM)
+        v = v.to(dtype)
         factor = tl.full([1], 1.0, dtype=tl.float32)
     return v, factor
 
@@ -147,7 +179,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,12 +219,12 @@ def _decode_split_kernel(
         slots = _slots(table, positions, valid, BLOCK_SIZE)
         scores = _scores(
             q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
-            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, PRECISION,
+            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, GROUPS, BLOCK_G, PRECISION,
         )  # fmt: skip
         scores = tl.where(valid[None, :], scores, _NEG_INF)
         v, factor = _values(
             v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, q.dtype, NUM_KV_HEADS,
-            HEAD_DIM, QUANTIZED,
+            HEAD_DIM, QUANTIZED, GROUPS, BLOCK_G,
         )  # fmt: skip
         best, total, acc = _accumulate(scores, v, factor, best, total, acc, QUANTIZED, PRECISION)
     # a split with no positions (past the context, or before the window) has total 0
@@ -245,7 +278,8 @@ def _extend_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, QUANTIZED: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, QUANTIZED: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(0)
     head = tl.program_id(1)
@@ -284,7 +318,7 @@ def _extend_kernel(
         slots = _slots(table, positions, valid, BLOCK_SIZE)
         scores = _scores(
             q, k_ptr, k_scale_ptr, slots, valid, kv_head, dims, dim_ok, scale, softcap,
-            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, PRECISION,
+            NUM_KV_HEADS, HEAD_DIM, HAS_SOFTCAP, QUANTIZED, GROUPS, BLOCK_G, PRECISION,
         )  # fmt: skip
         seen = valid[None, :] & (positions[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
@@ -292,7 +326,7 @@ def _extend_kernel(
         scores = tl.where(seen, scores, _NEG_INF)
         v, factor = _values(
             v_ptr, v_scale_ptr, slots, valid, kv_head, dims, dim_ok, q.dtype, NUM_KV_HEADS,
-            HEAD_DIM, QUANTIZED,
+            HEAD_DIM, QUANTIZED, GROUPS, BLOCK_G,
         )  # fmt: skip
         best, total, acc = _accumulate(scores, v, factor, best, total, acc, QUANTIZED, PRECISION)
     out = _finished(acc, total, QUANTIZED)
@@ -307,20 +341,36 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def decode_tiles(head_dim: int) -> tuple[int, int]:
+def decode_tiles(head_dim: int, int8_exact: bool = False) -> tuple[int, int]:
     """(keys a step, warps) of the decode kernel: no register spills at sm_90 for head dims up
-    to 256 (tests/test_triton_compile.py checks; 64 keys of 128 dims spilled)."""
+    to 256 (tests/test_triton_compile.py checks; 64 keys of 128 dims spilled); over int8 K/V in
+    float32 (``int8_exact``) fewer keys: int8_exact_keys."""
     block_d = _pow2(head_dim)
-    return (64 if block_d <= 64 else 32 if block_d <= 128 else 16), 4
+    block_n = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
+    if int8_exact:
+        block_n = min(block_n, int8_exact_keys(block_d))
+    return block_n, 4
+
+
+def int8_exact_keys(block_d: int) -> int:
+    """Keys a step of an attention kernel over int8 K/V in float32: its tiles, scaled in
+    registers, feed a float32 dot (FMA, no tensor cores) in whose operand layout each value is
+    held by many threads, so a tile of more than 1024 values spills on sm_90 (16 keys of 128
+    dims did; 8 use 72 registers; at 256 dims even 8 keys spill). A power of two that divides
+    the float tiles' key counts, so that decode splits (multiples of those) stay whole steps."""
+    return max(8, 1024 // block_d)
 
 
 def extend_tiles(head_dim: int, exact: bool = False, int8_kv: bool = False) -> tuple[int, int]:
     """(keys a step, warps) of the extend kernel, likewise: 8 warps from 128 dims on, and in
     float32 (``exact``) half the keys and always 8 warps; over int8 K/V (with int8_kv_options'
-    stages) twice the keys at 256 dims, which spill less there."""
+    stages) twice the keys at 256 dims, which spill less there, and in float32 int8_exact_keys
+    with 4 warps."""
     block_d = _pow2(head_dim)
     block_n = 64 if block_d <= 128 else (32 if int8_kv else 16)
     if exact:
+        if int8_kv:  # 4 warps: 8 at 8 keys of 80 dims spilled
+            return min(block_n // 2, int8_exact_keys(block_d)), 4
         return block_n // 2, 8
     return block_n, (8 if block_d >= 128 else 4)
 
@@ -347,7 +397,7 @@ def _split_tokens(max_context: int, num_splits: int, block_n: int) -> int:
 
 
 def _int8_cache(k_cache, v_cache, k_scale, v_scale) -> bool:
-    """Whether the cache holds int8 K/V (then with a float32 scale per slot and kv head)."""
+    """Whether the cache holds int8 K/V (then with float16 scales [slots, kv_heads, groups])."""
     import torch
 
     quantized = k_cache.dtype == torch.int8
@@ -357,11 +407,13 @@ def _int8_cache(k_cache, v_cache, k_scale, v_scale) -> bool:
         if k_scale is not None or v_scale is not None:
             raise ValueError("scales come with an int8 cache only")
         return False
-    expected = k_cache.shape[:2]
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None or t.dtype != torch.float32 or t.shape != expected or not t.is_contiguous():
-            raise ValueError(f"an int8 cache needs {name}: contiguous float32 {tuple(expected)}")
+    check_int8_scales(k_cache, k_scale, v_scale)
     return True
+
+
+def _int8_constexprs(head_dim: int, block_d: int) -> dict[str, int]:
+    """The kernels' GROUPS (a head's scales) and BLOCK_G (a BLOCK_D tile's)."""
+    return {"GROUPS": kv_int8_groups(head_dim), "BLOCK_G": int8_block_groups(block_d)}
 
 
 def paged_decode_attention(
@@ -379,14 +431,15 @@ def paged_decode_attention(
     split covers (None: decode_split_tokens of ``max_context``; a multiple of ``block_n``).
     ``sinks``: float32 [heads], each head's sink logit (None: no sinks). ``positions``: int32
     [D], each query's own position, where its window ends (None: context - 1). An int8 cache
-    comes with its float32 scales ``k_scale``, ``v_scale`` [slots, kv_heads].
+    comes with its float16 scales ``k_scale``, ``v_scale`` [slots, kv_heads, groups].
     """
     import torch
 
     quantized = _int8_cache(k_cache, v_cache, k_scale, v_scale)
     num_rows, num_heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
-    chosen, num_warps = decode_tiles(head_dim)
+    precision = dot_precision(q.dtype)
+    chosen, num_warps = decode_tiles(head_dim, int8_exact=quantized and precision == "ieee")
     block_n = block_n or chosen
     if split_tokens is None:
         split = _split_tokens(max_context, num_splits, block_n)
@@ -396,7 +449,6 @@ def paged_decode_attention(
     )
     lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(head_dim)
-    precision = dot_precision(q.dtype)
     options = int8_kv_options(precision == "ieee", decode=True) if quantized else {}
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quantized else k_cache,
@@ -407,7 +459,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, BLOCK_H=_pow2(group), BLOCK_D=block_d,
         BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         HAS_POSITIONS=positions is not None, QUANTIZED=quantized, PRECISION=precision,
-        num_warps=num_warps, **options,
+        num_warps=num_warps, **_int8_constexprs(head_dim, block_d), **options,
     )  # fmt: skip
     _decode_merge_kernel[(num_rows, num_heads)](
         parts, lse, rows, out, out.stride(0), lse if sinks is None else sinks,
@@ -432,6 +484,7 @@ def paged_extend_attention(
     chosen, num_warps = extend_tiles(head_dim, exact=exact, int8_kv=quantized)
     options = int8_kv_options(exact, decode=False) if quantized else {}
     block_n = block_n or chosen
+    block_d = _pow2(head_dim)
     grid = (q_len.shape[0], num_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, k_scale if quantized else k_cache,
@@ -439,8 +492,8 @@ def paged_extend_attention(
         q.stride(0), out.stride(0), tables.stride(0), scale, softcap or 1.0, window or 0,
         q if sinks is None else sinks,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, QUANTIZED=quantized, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, **options,
+        num_warps=num_warps, **_int8_constexprs(head_dim, block_d), **options,
     )  # fmt: skip

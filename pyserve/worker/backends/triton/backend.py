@@ -8,7 +8,7 @@ split-K attention) and the prefill entries (several tokens over a cached prefix)
 then runs rope + K/V store, attention, RMSNorm and the gated activation as Triton kernels. What
 the kernels do not cover (q/k norms) is computed with the reference ops first. An int8 cache
 (``--kv-cache-dtype int8``) is quantized by the store kernel and read in place by the attention
-kernels, each token's scale applied there.
+kernels, each group's scale applied there.
 
 Without a GPU the same kernels run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
 tensors: slowly, but exactly what the tests need.
@@ -77,15 +77,17 @@ def triton_usable(device: torch.device) -> str | None:
 class FlatKVCache(PagedKVCache):
     """Per layer, K and V as ``[num_blocks * block_size, kv_heads, head_dim]``: slot-major, so
     a token's heads are contiguous and a block of tokens is one strided tile per head. An int8
-    cache's scales are ``[num_blocks * block_size, kv_heads]`` float32 per layer, slot-major
-    too, with kv_cache.quantize_int8's numerics (the store kernel quantizes as it does)."""
+    cache's scales are ``[num_blocks * block_size, kv_heads, groups]`` float16 per layer (a
+    scale per 32 values of a head), slot-major too, with kv_cache.quantize_int8's numerics (the
+    store kernel quantizes as it does)."""
 
     def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         return shape, shape
 
-    def scale_shape(self) -> tuple[int, ...]:
-        return (self.num_blocks * self.block_size, self.num_kv_heads)
+    def scale_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.scale_groups)
+        return shape, shape
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         if self.quantized:
@@ -100,23 +102,24 @@ class FlatKVCache(PagedKVCache):
         return k, v
 
     def block_views(self) -> list[tuple[torch.Tensor, int]]:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        views = [(t.view(shape), 0) for t in (*self.k, *self.v)]
-        scales = (self.num_blocks, self.block_size, self.num_kv_heads)
-        return views + [(t.view(scales), 0) for t in (*self.k_scale, *self.v_scale)]
+        # a block's slots are contiguous in every tensor: a view per block along dim 0
+        def by_block(t: torch.Tensor) -> torch.Tensor:
+            return t.view(self.num_blocks, self.block_size, *t.shape[1:])
+
+        return [(by_block(t), 0) for t in (*self.k, *self.v, *self.k_scale, *self.v_scale)]
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = blocks.reshape(-1)
-        out = (self.num_kv_heads, *blocks.shape, self.block_size, self.head_dim)
+        out = (self.num_kv_heads, *blocks.shape, self.block_size)
 
         def gathered(t: torch.Tensor) -> torch.Tensor:
+            # [kv_heads, *S, block_size, last dim]: head_dim for K/V, the groups for scales
             by_block = t.view(self.num_blocks, self.block_size, self.num_kv_heads, -1)
-            return by_block.index_select(0, flat).movedim(2, 0).reshape(*out[:-1], -1)
+            return by_block.index_select(0, flat).movedim(2, 0).reshape(*out, -1)
 
         k, v = gathered(self.k[layer]), gathered(self.v[layer])
         if self.quantized:
-            k_scale = gathered(self.k_scale[layer]).squeeze(-1)
-            v_scale = gathered(self.v_scale[layer]).squeeze(-1)
+            k_scale, v_scale = gathered(self.k_scale[layer]), gathered(self.v_scale[layer])
             return dequantize_int8(k, k_scale), dequantize_int8(v, v_scale)
         return k, v
 
@@ -187,7 +190,7 @@ class TritonBackend(Backend):
     def info(self) -> BackendInfo:
         kernels = dict.fromkeys(("attention", "rms_norm", "gated_activation", "rope_kv"), "triton")
         if self.kv_cache is not None and self.kv_cache.quantized:
-            kernels["attention"] = "triton, int8 K/V read in the kernels (per-token scales)"
+            kernels["attention"] = "triton, int8 K/V read in the kernels (a scale per 32 values)"
             kernels["rope_kv"] = "triton, quantizing K/V to int8"
         kernels["linear"] = "torch"
         if self.quantized_linears:
@@ -354,7 +357,7 @@ class TritonBackend(Backend):
             # as PagedKVCache stores it: an outlier saturates instead of becoming inf
             qkv = qkv.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         k_cache, v_cache = cache.k[layer.index], cache.v[layer.index]
-        scales = cache.layer_scales(layer.index)  # int8: read in place, applied per token
+        scales = cache.layer_scales(layer.index)  # int8: read in place, a scale per 32 values
         q = self._fused.rope_kv_store(
             qkv, cos, signed_sin, meta.slots, k_cache, v_cache,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, **scales,

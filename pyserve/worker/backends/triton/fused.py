@@ -11,9 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pyserve.worker.backends.triton.kv_int8 import check_int8_scales, int8_block_groups
+from pyserve.worker.dtypes import kv_int8_groups
+
 # jit code reads module globals only when they are constexprs (the interpreter reads any)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _INT8_MAX = tl.constexpr(127.0)
+_FLOAT16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -115,30 +119,41 @@ def _rounded_half_even(y):
 
 
 @triton.jit
-def _quantized(x):
-    """Each row of x [R, D] (float32, zeros where masked) as kv_cache.quantize_int8 gives it:
-    int8 values round(x · (1 / s)) and the float32 scales s = max|x| / 127 [R] (0 and zeros
-    for an all-zero row). Both divisions are correctly rounded, as torch's are; ``/`` on a GPU
-    is not."""
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _INT8_MAX)
-    nonzero = scale > 0
-    inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, scale, 1.0)), 0.0)
-    q = _rounded_half_even(x * inverse[:, None])
+def _quantized(x, BLOCK_G: tl.constexpr):
+    """Each row of x [R, D] (float32, zeros where masked) as kv_cache.quantize_int8 gives it,
+    in BLOCK_G groups of D / BLOCK_G values: int8 values round(x · (1 / s)) [R, D] and the
+    float16 scales s = max|x| / 127 [R, BLOCK_G], clamped to float16's range and rounded to
+    nearest even (0, and values 0, for a group of zeros or one whose scale underflows). Both
+    divisions are correctly rounded, as torch's are; ``/`` on a GPU is not."""
+    rows: tl.constexpr = x.shape[0]
+    width: tl.constexpr = x.shape[1] // BLOCK_G
+    grouped = tl.reshape(x, (rows, BLOCK_G, width))
+    wide = tl.math.div_rn(tl.max(tl.abs(grouped), axis=2), _INT8_MAX)
+    scale = tl.minimum(wide, _FLOAT16_MAX).to(tl.float16)  # round to nearest even
+    stored = scale.to(tl.float32)
+    nonzero = stored > 0
+    inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, stored, 1.0)), 0.0)
+    q = _rounded_half_even(grouped * inverse[:, :, None])
     q = tl.minimum(tl.maximum(q, -_INT8_MAX), _INT8_MAX)
-    return q.to(tl.int8), scale
+    return tl.reshape(q, (rows, BLOCK_G * width)).to(tl.int8), scale
 
 
 @triton.jit
 def _store_kv(
     cache_ptr, scale_ptr, x, slot, kv_heads, ok, dims,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
-    """One token's kv heads x [BLOCK_KV, BLOCK_D] (float32) into its slot of the cache."""
+    """One token's kv heads x [BLOCK_KV, BLOCK_D] (float32) into its slot of the cache; an int8
+    cache's scales [slots, kv_heads, GROUPS] beside it (BLOCK_G: GROUPS padded to BLOCK_D's)."""
     at = (slot * NUM_KV_HEADS + kv_heads[:, None]) * HEAD_DIM + dims[None, :]
     if QUANTIZED:
-        values, scale = _quantized(x)
+        values, scale = _quantized(x, BLOCK_G)
         tl.store(cache_ptr + at, values, mask=ok)
-        tl.store(scale_ptr + slot * NUM_KV_HEADS + kv_heads, scale, mask=kv_heads < NUM_KV_HEADS)
+        groups = tl.arange(0, BLOCK_G)
+        scale_at = (slot * NUM_KV_HEADS + kv_heads[:, None]) * GROUPS + groups[None, :]
+        scale_ok = (kv_heads[:, None] < NUM_KV_HEADS) & (groups[None, :] < GROUPS)
+        tl.store(scale_ptr + scale_at, scale, mask=scale_ok)
     else:
         tl.store(cache_ptr + at, x.to(cache_ptr.dtype.element_ty), mask=ok)
 
@@ -149,7 +164,7 @@ def _rope_kv_store_kernel(
     v_scale_ptr, qkv_row_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
@@ -172,11 +187,11 @@ def _rope_kv_store_kernel(
         k = k.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     slot = tl.load(slots_ptr + token)
     _store_kv(k_cache_ptr, k_scale_ptr, k, slot, kv_heads, k_ok, dims, NUM_KV_HEADS, HEAD_DIM,
-              QUANTIZED)  # fmt: skip
+              GROUPS, BLOCK_G, QUANTIZED)  # fmt: skip
     v_row = row_ptr + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
     v = tl.load(v_row + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=k_ok, other=0.0)
     _store_kv(v_cache_ptr, v_scale_ptr, v.to(tl.float32), slot, kv_heads, k_ok, dims,
-              NUM_KV_HEADS, HEAD_DIM, QUANTIZED)  # fmt: skip
+              NUM_KV_HEADS, HEAD_DIM, GROUPS, BLOCK_G, QUANTIZED)  # fmt: skip
 
 
 def rope_kv_store(
@@ -195,14 +210,16 @@ def rope_kv_store(
 ) -> torch.Tensor:
     """From qkv [T, (heads + 2·kv_heads)·dim]: RoPE on q and k (cos, signed_sin [T, 1, rotary]
     as rope.RotaryTable.cos_sin gives them), k and v into the cache at ``slots`` (int64 [T]);
-    returns q [T, heads, dim], rotated. An int8 cache (``k_scale``, ``v_scale``: float32
-    [slots, kv_heads]) takes each head quantized as kv_cache.quantize_int8 does it."""
+    returns q [T, heads, dim], rotated. An int8 cache (``k_scale``, ``v_scale``: float16
+    [slots, kv_heads, groups], a scale per 32 values of a head) takes each head quantized as
+    kv_cache.quantize_int8 does it."""
     tokens = qkv.shape[0]
     rotary = cos.shape[-1]
     quantized = k_cache.dtype == torch.int8
-    if quantized and (k_scale is None or v_scale is None):
-        raise ValueError("an int8 cache needs its k_scale and v_scale")
+    if quantized:
+        check_int8_scales(k_cache, k_scale, v_scale)
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    block_d = triton.next_power_of_2(head_dim)
     # an int8 store unfused (no multiply-adds): its rounding decisions are then torch's
     options = {"enable_fp_fusion": False} if quantized else {}
     _rope_kv_store_kernel[(tokens,)](
@@ -211,7 +228,8 @@ def rope_kv_store(
         k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         ROTARY=rotary, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANTIZED=quantized, **options,
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
+        GROUPS=kv_int8_groups(head_dim), BLOCK_G=int8_block_groups(block_d), QUANTIZED=quantized,
+        **options,
     )  # fmt: skip
     return q
