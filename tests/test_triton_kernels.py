@@ -256,6 +256,9 @@ def test_rope_kv_store_quantizes_each_group_as_quantize_int8(dtype, dim) -> None
     if dtype != torch.float16:  # past float16's range: the scale saturates at 65504
         v[4, 0, last] = 3e7
         k[5, 1] = 1e9  # a rotated key past it too
+    if dtype == torch.float32:  # max / 127 halfway between two float16s: to the even one
+        v[6, 0, 0] = 127 * (1 + 2**-11)  # 1 + 2^-11: down to 1
+        v[6, 1, 0] = 127 * (1 + 3 * 2**-11)  # 1 + 3·2^-11: up to 1 + 2^-9
     qkv = qkv.to(dtype)
     cos, signed_sin = cos_sin(tokens, dim)
     slots = torch.tensor(random.Random(2).sample(range(total), tokens))
@@ -277,6 +280,8 @@ def test_rope_kv_store_quantizes_each_group_as_quantize_int8(dtype, dim) -> None
     if dtype != torch.float16:
         assert v_scale[slots[4], 0, -1] == 65504.0 and v_int8[slots[4], 0, last] == 127
         assert (k_scale[slots[5], 1] == 65504.0).all()
+    if dtype == torch.float32:
+        assert v_scale[slots[6], 0, 0] == 1.0 and v_scale[slots[6], 1, 0] == 1 + 2**-9
     if dtype != torch.float16:  # 127 and the half-integers are exact in each dtype but float16's
         ties = [127, 0, 2, 2, 0, -2, -2, 4] * min(4, dim // 8)
         assert v_int8[slots[1], 1, : len(ties)].tolist() == ties
