@@ -1,8 +1,8 @@
 """The Triton backend (backend.py) and its kernels: attention.py, fused.py, quant_matmul.py (its
 quantized layers), experts.py (a mixture's experts as grouped matmuls) and its fast path, CUDA
-graphs of decode steps (decode_graphs.py). On a CPU the kernels run under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is how the tests check them. Nothing here imports triton until a
-kernel module is imported."""
+graphs of decode steps (decode_graphs.py); kv_int8.py has an int8 cache's scale layout. On a
+CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
+check them. Nothing here imports triton until a kernel module is imported."""
 
 from __future__ import annotations
 
