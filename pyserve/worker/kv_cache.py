@@ -48,7 +48,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wide = scale.float()
     inverse = torch.where(wide > 0, 1.0 / wide, 0.0)
     q = torch.round(grouped * inverse[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q.flatten(-2)[..., :dim], scale
+    return q.flatten(-2)[..., :dim].contiguous(), scale  # contiguous: kernels read it whole
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
