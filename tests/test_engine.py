@@ -450,9 +450,9 @@ def test_kv_pool_is_sized_from_the_model_and_the_budget():
     assert EngineConfig(device="cuda", dtype="float32").resolved_kv_cache_dtype() == "float32"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4").validate()
-    # int8 K/V: 64 one-byte values and a float32 scale per (token, head), scales counted
+    # int8 K/V: 64 one-byte values and a float16 scale per 32 of them, scales counted
     int8 = EngineConfig(kv_cache_dtype="int8")
-    assert int8.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * (64 + 4))) // 16)
+    assert int8.num_kv_blocks(info) == -(-((1 << 30) // (2 * 30 * 3 * (64 + 2 * 2))) // 16)
     assert int8.worker_settings(None, 1).kv_cache_dtype == "int8"
     assert EngineConfig(kv_cache_tokens=1000, block_size=32).num_kv_blocks(info) == 32
     with pytest.raises(ValueError, match="schedule_policy"):
