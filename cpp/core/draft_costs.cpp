@@ -51,6 +51,10 @@ double DraftCosts::cost(int64_t tokens) const {
 int64_t DraftCosts::length(int64_t decodes, int64_t drafts, double gain, double acceptance,
                            int64_t k) const {
   if (!known() || k <= 0 || decodes <= 0) return k;
+  // The step without these drafts must have been measured: below every measurement cost() can
+  // only say "no cheaper", which would price the plain step at a verify's cost and make any
+  // draft look free (a draft model that drafts every step would never let one be measured).
+  if (points_.front().first > decodes + drafts) return 0;
   const double tokens = static_cast<double>(decodes) + gain;
   const double base_rate = tokens / (cost(decodes + drafts) + (drafts > 0 ? overhead_ms_ : 0.0));
   auto rate = [&](int64_t n) {

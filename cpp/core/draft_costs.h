@@ -13,6 +13,8 @@
 // Costs of unmeasured token counts are interpolated between measured ones; past the largest
 // one they grow with the slope between the two largest (kPriorSlope of the cost a token when
 // only one is known), so that a longer verify is tried, measured, and kept only if it pays.
+// Below the smallest one nothing is known: a step whose cost without the drafts is unmeasured
+// gets none, so that the plain step is measured before drafts are weighed against it.
 #pragma once
 
 #include <cstdint>

@@ -152,6 +152,12 @@ TEST(drafts_are_as_many_as_the_measured_costs_say_pay) {
   pyserve::DraftCosts knee;  // cheap up to 4 tokens, then dear: the drafts stop at the knee
   knee.set(rising, 0.0);
   CHECK_EQ(knee.length(1, 0, 0.0, 0.9, 8), 3);
+  // only verify sizes measured (a draft model drafting every step): no drafts until a plain
+  // step is measured, however well they are accepted
+  pyserve::DraftCosts verifies_only;
+  verifies_only.set({0.0, 0.0, 0.0, 0.0, 0.0, 120.0, 0.0, 90.0, 0.0, 110.0}, 2.0);
+  CHECK_EQ(verifies_only.length(1, 0, 0.0, 1.0, 8), 0);
+  CHECK_EQ(verifies_only.length(5, 0, 0.0, 1.0, 4), 4);  // its own size measured: weighed
 
   Planner p(config());
   p.set_decode_costs(steep, 0.0);
