@@ -20,28 +20,36 @@ from pyserve.worker.backends.cpu.attention_kernel import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pyserve.worker.kv_cache import dequantize_int8
+from pyserve.worker.kv_cache import dequantize_int8, int8_groups
 from pyserve.worker.offline import OfflineEngine
 
 KERNELS = quant.kernels()
 
 
+# the attention kernels' shapes, and a head_dim of two whole groups of 32 and a half one
+INT8_SHAPES = [*SHAPES, (80, 6, 2)]
+
+
 def int8_cache(kv_heads: int, dim: int, blocks: int, block: int, seed: int):
-    """int8 K (dimension-major within a block) and V with their float32 scales, and the same
-    values dequantized as float32 caches."""
+    """int8 K (dimension-major within a block) and V with their float16 scales, a scale per 32
+    values laid out as kv_cache.py's (K's [heads, blocks, groups, block], V's [heads, blocks,
+    block, groups]), and the same values dequantized as float32 caches."""
     g = torch.Generator().manual_seed(seed)
     shape = (kv_heads, blocks, block, dim)
+    groups = int8_groups(dim)
     k = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
     v = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-    # K's scales large enough for peaked softmaxes, V's spread over two decades
-    k_scale = torch.rand(shape[:3], generator=g) / 20 + 1e-3
-    v_scale = torch.rand(shape[:3], generator=g).exp() / 100
-    k_float, v_float = dequantize_int8(k, k_scale), dequantize_int8(v, v_scale)
+    # K's scales large enough for peaked softmaxes, V's spread over two decades, each group of
+    # its own so that a group read with another's scale shows
+    k_scale = (torch.rand(*shape[:2], groups, block, generator=g) / 20 + 1e-3).half()
+    v_scale = (torch.rand(*shape[:3], groups, generator=g).exp() / 100).half()
+    k_float = dequantize_int8(k, k_scale.transpose(2, 3))
+    v_float = dequantize_int8(v, v_scale)
     k, k_float = k.transpose(2, 3).contiguous(), k_float.transpose(2, 3).contiguous()
     return (k, v, k_scale, v_scale), (k_float, v_float)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
 def test_decode_reads_int8_on_every_isa(isa, threads, shape):
     dim, heads, kv_heads = shape
     (k, v, k_scale, v_scale), (k_float, v_float) = int8_cache(kv_heads, dim, NUM_BLOCKS, BLOCK, dim)
@@ -61,7 +69,7 @@ def test_decode_reads_int8_on_every_isa(isa, threads, shape):
 
 
 @pytest.mark.parametrize("block", [16, 5])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: f"dim{s[0]}-h{s[1]}-kv{s[2]}")
 def test_prefill_reads_int8_as_the_dequantized_values(isa, threads, shape, block):
     from test_prefill_attention_kernel import CHUNKS, layout
 
@@ -90,6 +98,16 @@ def test_the_kernels_refuse_an_int8_cache_without_its_scales():
     with pytest.raises(ValueError, match="k_scale must be"):
         paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=k_scale[:, :2],
                                v_scale=v_scale)  # fmt: skip
+    # float16 scales, in their own layouts: K's group-major, V's token-major
+    with pytest.raises(ValueError, match=r"k_scale must be a contiguous float16 \[1, 4, 2, 16\]"):
+        paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=k_scale.float(),
+                               v_scale=v_scale)  # fmt: skip
+    with pytest.raises(ValueError, match=r"v_scale must be a contiguous float16 \[1, 4, 16, 2\]"):
+        paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=k_scale,
+                               v_scale=k_scale)  # fmt: skip
+    strided = v_scale.transpose(2, 3).contiguous().transpose(2, 3)  # V's shape, not contiguous
+    with pytest.raises(ValueError, match="v_scale must be"):
+        paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=k_scale, v_scale=strided)
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,11 @@ def rope_case(rows: int, heads: int, kv_heads: int, dim: int, cache_dtype, seed:
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * 3
     qkv[0, :dim] = 1e6  # float16 caches saturate this row's k... (q: any value)
     qkv[0, heads * dim : (heads + 1) * dim] = 1e6
+    if cache_dtype == torch.int8 and rows > 1:  # float16 scales: subnormal, and saturated
+        qkv[1, heads * dim : (heads + 1) * dim] *= 1e-4  # the whole head, as rope mixes it
+        v_head = (heads + kv_heads) * dim
+        qkv[1, v_head : v_head + 32] *= 3e-4
+        qkv[1, v_head + 32 : v_head + 64] *= 1e9
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.randint(0, 4000, (rows,), generator=g).float()[:, None] * inv_freq
     cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :]
@@ -120,13 +125,14 @@ def scales(cache) -> dict:
     "cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str
 )
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 128), (3, 1, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 128), (3, 1, 40), (4, 2, 80)], ids=str)
 def test_rope_write_kv_is_torch_rope_then_cache_write_bit_for_bit(
     isa, threads, cache_dtype, rows, shape
 ):
     """q rotated in place and the cache written exactly as rope.apply_rope followed by
     PagedKVCache.write do it (HF's float32 rotation; torch's conversion and float16 clamp; an
-    int8 cache's values and per-(token, head) scales as kv_cache.quantize_int8's)."""
+    int8 cache's values and float16 scales per 32 values as kv_cache.quantize_int8's, in their
+    layouts, subnormal and saturated scales included)."""
     from pyserve.worker.rope import apply_rope
 
     heads, kv_heads, dim = shape
@@ -145,7 +151,13 @@ def test_rope_write_kv_is_torch_rope_then_cache_write_bit_for_bit(
     if cache.quantized:
         assert torch.equal(cache.k_scale[0], expected.k_scale[0])
         assert torch.equal(cache.v_scale[0], expected.v_scale[0])
-        assert (cache.k_scale[0] > 0).sum() == rows * kv_heads  # every written token's
+        groups = cache.scale_groups  # every written token's, in every group (row 1's tiny K
+        # group included: its scale is a float16 subnormal)
+        assert (cache.k_scale[0] > 0).sum() == rows * kv_heads * groups
+        if rows > 1:
+            k_scales = expected.k_scale[0]
+            assert ((k_scales > 0) & (k_scales < 2**-14)).any()
+            assert (expected.v_scale[0] == 65504).any()
 
 
 def test_rope_write_kv_checks_its_arguments():

@@ -105,36 +105,50 @@ void attend(void* context, int chunk) {
   const int64_t table_row = item.query * a.table_stride;
   const int64_t block_bytes = static_cast<int64_t>(bs) * dim * element;
   const bool quantized = a.cache_dtype == DType::kInt8;
-  const int64_t head_tokens = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs;
+  // an int8 cache's scales: a block's are bs·groups in both layouts, token t's (and group 0's) at
+  // t in K's, at t·groups in V's
+  const int groups = int8_groups(dim);
+  const int64_t block_scales = static_cast<int64_t>(bs) * groups;
+  const int64_t head_scales = static_cast<int64_t>(item.kv_head) * a.num_blocks * block_scales;
 
   // The item's tiles, a chunk at a time: a tile never crosses a block; a block is bs·dim
   // elements in both caches, its token t at t in K (dimension-major), at t·dim in V. Each
-  // chunk's cache lines (K's whole blocks, V's rows) are prefetched while the chunk before it
-  // is computed; the first chunk's at once.
+  // chunk's cache lines (K's whole blocks, V's rows, and their scales) are prefetched while the
+  // chunk before it is computed; the first chunk's at once.
   struct Chunk {
     Tile tiles[kChunkTiles];
-    PrefetchSpan k_lines[kChunkTiles];
-    PrefetchSpan v_lines[kChunkTiles];
+    PrefetchSpan k_lines[kChunkSpans];
+    PrefetchSpan v_lines[kChunkSpans];
     int count = 0;
+    int spans = 0;
     int tokens = 0;
   };
   int pos = item.begin;
   const auto next_chunk = [&](Chunk& chunk) {
-    chunk.count = chunk.tokens = 0;
+    chunk.count = chunk.spans = chunk.tokens = 0;
     while (chunk.count < kChunkTiles && pos < item.end) {
       const int64_t block = index_at(a.block_tables, a.table_index_bytes, table_row + pos / bs);
       const int offset = pos % bs;
       const int tokens = std::min({item.end - pos, bs - offset, kTileTokens});
       const char* k = k_head + block * block_bytes;
       const char* v = v_head + block * block_bytes + offset * dim * element;
-      chunk.tiles[chunk.count] = {k + offset * element, v, tokens};
+      Tile& tile = chunk.tiles[chunk.count];
+      tile = {k + offset * element, v, tokens};
+      chunk.k_lines[chunk.spans] = {k, block_bytes};
+      chunk.v_lines[chunk.spans] = {v, tokens * dim * element};
+      ++chunk.spans;
       if (quantized) {
-        const int64_t at = head_tokens + block * bs + offset;
-        chunk.tiles[chunk.count].k_scale = a.k_scale + at;
-        chunk.tiles[chunk.count].v_scale = a.v_scale + at;
+        const uint16_t* k_scales = a.k_scale + head_scales + block * block_scales;
+        const uint16_t* v_scales = a.v_scale + head_scales + block * block_scales;
+        tile.k_scale = k_scales + offset;
+        tile.v_scale = v_scales + static_cast<int64_t>(offset) * groups;
+        constexpr int64_t kHalf = sizeof(uint16_t);
+        chunk.k_lines[chunk.spans] = {reinterpret_cast<const char*>(k_scales),
+                                      block_scales * kHalf};
+        chunk.v_lines[chunk.spans] = {reinterpret_cast<const char*>(tile.v_scale),
+                                      static_cast<int64_t>(tokens) * groups * kHalf};
+        ++chunk.spans;
       }
-      chunk.k_lines[chunk.count] = {k, block_bytes};
-      chunk.v_lines[chunk.count] = {v, tokens * dim * element};
       ++chunk.count;
       chunk.tokens += tokens;
       pos += tokens;
@@ -142,14 +156,14 @@ void attend(void* context, int chunk) {
   };
   Chunk chunks[2];
   next_chunk(chunks[0]);
-  prefetch_spans(chunks[0].k_lines, chunks[0].count);
-  prefetch_spans(chunks[0].v_lines, chunks[0].count);
+  prefetch_spans(chunks[0].k_lines, chunks[0].spans);
+  prefetch_spans(chunks[0].v_lines, chunks[0].spans);
   for (int c = 0; chunks[c].count > 0; c ^= 1) {
     const Chunk& now = chunks[c];
     Chunk& ahead = chunks[c ^ 1];
     next_chunk(ahead);
     kernels.score(a.cache_dtype, q.data(), group, dim, bs, now.tiles, now.count, ahead.k_lines,
-                  ahead.count, scores.data(), kChunkTokens, top.data());
+                  ahead.spans, scores.data(), kChunkTokens, top.data());
     if (a.softcap > 0.0f)
       for (int h = 0; h < group; ++h)
         top[h] = kernels.softcap(scores.data() + h * kChunkTokens, now.tokens, a.softcap);
@@ -164,7 +178,7 @@ void attend(void* context, int chunk) {
       l[h] += kernels.exp_sum(s, now.tokens, m[h]);
     }
     kernels.accumulate(a.cache_dtype, scores.data(), kChunkTokens, group, dim, now.tiles, now.count,
-                       ahead.v_lines, ahead.count, acc.data());
+                       ahead.v_lines, ahead.spans, acc.data());
   }
 
   if (item.partial < 0) {

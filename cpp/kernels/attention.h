@@ -16,9 +16,14 @@
 namespace pyserve_kernels {
 
 // Element types of q, the cache and the output (the codes cross the Python boundary). kInt8: a
-// cache of symmetric int8 values, each (token, kv head) with a float32 scale beside it
-// (pyserve/worker/kv_cache.py): element i of a token's head is value[i] · scale.
+// cache of symmetric int8 values as llama.cpp's q8_0 (pyserve/worker/kv_cache.py): each run of
+// kInt8Group values of a token's head (the last one shorter where head_dim is not a multiple)
+// has a float16 scale beside it, element i of a token's head is value[i] · scale[i / kInt8Group].
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
+
+constexpr int kInt8Group = 32;
+// An int8 cache's scales per (token, kv head).
+constexpr int int8_groups(int head_dim) { return (head_dim + kInt8Group - 1) / kInt8Group; }
 
 struct DecodeAttentionArgs {
   const void* q;           // [num_queries][num_heads][head_dim], rows num_heads·head_dim apart…
@@ -54,9 +59,11 @@ struct DecodeAttentionArgs {
   // (it sees [max(0, p − window + 1), context)); null: p = context − 1. A query of a run of
   // positions that attend to each other both ways (Gemma 3's images) reads past itself.
   const void* positions = nullptr;
-  // An int8 cache's scales, [num_kv_heads][num_blocks][block_size] float32 each; null otherwise.
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
+  // An int8 cache's float16 scales (their bits), laid out as K and V are with a group in place of
+  // kInt8Group dimensions: K's [num_kv_heads][num_blocks][groups][block_size], V's
+  // [num_kv_heads][num_blocks][block_size][groups]; null otherwise.
+  const uint16_t* k_scale = nullptr;
+  const uint16_t* v_scale = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the output.
@@ -77,18 +84,22 @@ int auto_partition_tokens(int64_t total_context_tokens, int num_kv_heads, int th
 constexpr int kTileTokens = 32;
 constexpr int kChunkTiles = 4;
 constexpr int kChunkTokens = kTileTokens * kChunkTiles;
+constexpr int kChunkSpans = 2 * kChunkTiles;
 
 struct Tile {
   const void* k;  // its first token's element 0 in K: element i of token t at k[i·k_stride + t]
   const void* v;  // its first token's row in V: element i of token t at v[t·dim + i]
   int tokens;
-  // an int8 cache's scales of the tile's tokens: the ISA loops multiply each token's dot product
-  // of raw int8 values by its k_scale, and its softmax weight by its v_scale; null otherwise
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
+  // An int8 cache's float16 scales of the tile's tokens, null otherwise: group g of token t at
+  // k_scale[g·k_stride + t] (dimension-major as K) and at v_scale[t·groups + g] (token-major as
+  // V). The ISA loops multiply each group's dot product of raw int8 values by its K scale and add
+  // it to the token's score; and add each group of a V row times its softmax weight · V scale.
+  const uint16_t* k_scale = nullptr;
+  const uint16_t* v_scale = nullptr;
 };
 
-// Cache bytes to prefetch: [begin, begin + bytes).
+// Cache bytes to prefetch: [begin, begin + bytes). A chunk's spans: a tile's K block (or V rows)
+// and, in an int8 cache, its scales.
 struct PrefetchSpan {
   const char* begin;
   int64_t bytes;

@@ -48,22 +48,35 @@ PYSERVE_AVX2 inline float horizontal_sum(__m256 v) {
 }
 
 // HN query heads against 8 tokens of dimension-major K: two FMA chains a head (a broadcast
-// query element times one K vector each).
+// query element times one K vector each). int8: each group of kInt8Group dimensions summed so on
+// its own, then added times its scales (group g's of the 8 tokens at scale + g·k_stride).
 template <DType T, int HN>
 PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int64_t k_stride,
                                      float* s, int stride, float* top, bool first,
-                                     const float* scale) {
-  __m256 acc[HN][2];
-  for (int h = 0; h < HN; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-  for (int i = 0; i < dim; ++i) {
-    const __m256 key = load8<T>(element<T>(k, i * k_stride));
-    for (int h = 0; h < HN; ++h)
-      acc[h][i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(q[h * dim + i]), key, acc[h][i % 2]);
+                                     const uint16_t* scale) {
+  const int step = T == DType::kInt8 ? kInt8Group : dim;
+  __m256 total[HN];
+  for (int h = 0; h < HN; ++h) total[h] = _mm256_setzero_ps();
+  for (int start = 0; start < dim; start += step) {
+    const int end = start + step < dim ? start + step : dim;
+    __m256 acc[HN][2];
+    for (int h = 0; h < HN; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+    for (int i = start; i < end; ++i) {
+      const __m256 key = load8<T>(element<T>(k, i * k_stride));
+      for (int h = 0; h < HN; ++h)
+        acc[h][i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(q[h * dim + i]), key, acc[h][i % 2]);
+    }
+    if constexpr (T == DType::kInt8) {  // the raw values' dot products times the group's scales
+      const __m256 factor = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + start / step * k_stride)));
+      for (int h = 0; h < HN; ++h)
+        total[h] = _mm256_fmadd_ps(_mm256_add_ps(acc[h][0], acc[h][1]), factor, total[h]);
+    } else {
+      for (int h = 0; h < HN; ++h) total[h] = _mm256_add_ps(acc[h][0], acc[h][1]);
+    }
   }
   for (int h = 0; h < HN; ++h) {
-    __m256 sum = _mm256_add_ps(acc[h][0], acc[h][1]);
-    // int8: the raw values' dot products times each token's scale
-    if constexpr (T == DType::kInt8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(scale));
+    const __m256 sum = total[h];
     _mm256_storeu_ps(s + h * stride, sum);
     __m128 most = _mm_max_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     most = _mm_max_ps(most, _mm_movehl_ps(most, most));
@@ -75,11 +88,11 @@ PYSERVE_AVX2 inline void score_heads(const float* q, int dim, const void* k, int
 
 template <DType T>
 PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, int64_t k_stride,
-                           int tokens, float* s, int stride, float* top, const float* scale) {
+                           int tokens, float* s, int stride, float* top, const uint16_t* scale) {
   int t0 = 0;
   for (; t0 + 8 <= tokens; t0 += 8) {  // whole vectors of 8 tokens
     const void* tile = element<T>(k, t0);
-    const float* tile_scale = T == DType::kInt8 ? scale + t0 : nullptr;
+    const uint16_t* tile_scale = T == DType::kInt8 ? scale + t0 : nullptr;
     for (int h = 0; h < group; h += 3) {
       const float* qh = q + h * dim;
       float* sh = s + h * stride + t0;
@@ -98,8 +111,13 @@ PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, in
   for (int t = t0; t < tokens; ++t) {  // the last < 8 tokens: scalar
     for (int h = 0; h < group; ++h) {
       float sum = 0.0f;
-      for (int i = 0; i < dim; ++i) sum += q[h * dim + i] * load_element(T, k, i * k_stride + t);
-      if constexpr (T == DType::kInt8) sum *= scale[t];
+      const int step = T == DType::kInt8 ? kInt8Group : dim;
+      for (int start = 0; start < dim; start += step) {
+        float part = 0.0f;
+        for (int i = start; i < start + step && i < dim; ++i)
+          part += q[h * dim + i] * load_element(T, k, i * k_stride + t);
+        sum += T == DType::kInt8 ? part * _cvtsh_ss(scale[start / step * k_stride + t]) : part;
+      }
       s[h * stride + t] = sum;
       top[h] = t == 0 || sum > top[h] ? sum : top[h];
     }
@@ -108,7 +126,7 @@ PYSERVE_AVX2 void score_as(const float* q, int group, int dim, const void* k, in
 
 PYSERVE_AVX2 void score_tile(DType cache, const float* q, int group, int dim, const void* k,
                              int64_t k_stride, int tokens, float* s, int stride, float* top,
-                             const float* scale) {
+                             const uint16_t* scale) {
   switch (cache) {
     case DType::kFloat32:
       return score_as<DType::kFloat32>(q, group, dim, k, k_stride, tokens, s, stride, top, scale);
@@ -195,22 +213,31 @@ PYSERVE_AVX2 float softcap(float* s, int n, float cap) {
   return top;
 }
 
+// A softmax weight as the V loops apply it; int8: times the scale of its group of the V row (the
+// raw values follow).
+template <DType T>
+PYSERVE_AVX2 inline float weight_of(float p, const uint16_t* scale, int64_t at) {
+  if constexpr (T == DType::kInt8) return p * _cvtsh_ss(scale[at]);
+  return p;
+}
+
 template <DType T, int DIM>
 PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, const void* v,
-                                int tokens, float* acc, const float* scale) {
-  // int8: each weight times its token's scale, then the raw values
-  const auto weight_at = [&](int h, int t) {
-    return T == DType::kInt8 ? p[h * stride + t] * scale[t] : p[h * stride + t];
-  };
+                                int tokens, float* acc, const uint16_t* scale) {
+  const int groups = int8_groups(dim);
   if constexpr (DIM > 0) {
     constexpr int chunks = DIM / 8;
+    constexpr int per_group = T == DType::kInt8 ? kInt8Group / 8 : chunks;
     for (int h = 0; h < group; ++h) {
       __m256 sum[chunks];
       for (int c = 0; c < chunks; ++c) sum[c] = _mm256_loadu_ps(acc + h * DIM + 8 * c);
       for (int t = 0; t < tokens; ++t) {
-        const __m256 weight = _mm256_set1_ps(weight_at(h, t));
-        for (int c = 0; c < chunks; ++c)
-          sum[c] = _mm256_fmadd_ps(weight, load8<T>(element<T>(v, t * DIM + 8 * c)), sum[c]);
+        for (int c0 = 0; c0 < chunks; c0 += per_group) {
+          const __m256 weight = _mm256_set1_ps(
+              weight_of<T>(p[h * stride + t], scale, t * groups + 8 * c0 / kInt8Group));
+          for (int c = c0; c < c0 + per_group; ++c)
+            sum[c] = _mm256_fmadd_ps(weight, load8<T>(element<T>(v, t * DIM + 8 * c)), sum[c]);
+        }
       }
       for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + h * DIM + 8 * c, sum[c]);
     }
@@ -220,27 +247,29 @@ PYSERVE_AVX2 void accumulate_as(const float* p, int stride, int group, int dim, 
       for (int i = 0; i < vector_end; i += 8) {
         __m256 sum = _mm256_loadu_ps(acc + h * dim + i);
         for (int t = 0; t < tokens; ++t)
-          sum = _mm256_fmadd_ps(_mm256_set1_ps(weight_at(h, t)),
-                                load8<T>(element<T>(v, int64_t{t} * dim + i)), sum);
+          sum = _mm256_fmadd_ps(
+              _mm256_set1_ps(weight_of<T>(p[h * stride + t], scale, t * groups + i / kInt8Group)),
+              load8<T>(element<T>(v, int64_t{t} * dim + i)), sum);
         _mm256_storeu_ps(acc + h * dim + i, sum);
       }
       for (int i = vector_end; i < dim; ++i)
         for (int t = 0; t < tokens; ++t)
-          acc[h * dim + i] += weight_at(h, t) * load_element(T, v, int64_t{t} * dim + i);
+          acc[h * dim + i] += weight_of<T>(p[h * stride + t], scale, t * groups + i / kInt8Group) *
+                              load_element(T, v, int64_t{t} * dim + i);
     }
   }
 }
 
 template <DType T>
 PYSERVE_AVX2 void accumulate_for(const float* p, int stride, int group, int dim, const void* v,
-                                 int tokens, float* acc, const float* scale) {
+                                 int tokens, float* acc, const uint16_t* scale) {
   if (dim == 64) return accumulate_as<T, 64>(p, stride, group, dim, v, tokens, acc, scale);
   if (dim == 128) return accumulate_as<T, 128>(p, stride, group, dim, v, tokens, acc, scale);
   return accumulate_as<T, 0>(p, stride, group, dim, v, tokens, acc, scale);
 }
 
 PYSERVE_AVX2 void accumulate_tile(DType cache, const float* p, int stride, int group, int dim,
-                                  const void* v, int tokens, float* acc, const float* scale) {
+                                  const void* v, int tokens, float* acc, const uint16_t* scale) {
   switch (cache) {
     case DType::kFloat32:
       return accumulate_for<DType::kFloat32>(p, stride, group, dim, v, tokens, acc, scale);

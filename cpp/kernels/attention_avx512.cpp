@@ -63,42 +63,52 @@ class Prefetcher {
 
 // HN query heads against ≤ 16 tokens (`live` lanes) of dimension-major K: four independent FMA
 // chains a head (a broadcast query element times one K vector each), summed at the end; the
-// running maxima `most` take the live lanes. DIM > 0: head_dim known at compile time (with a
-// loop of unknown trip count GCC kept the accumulators in memory, stored every iteration);
-// DIM == 0: any head_dim.
+// running maxima `most` take the live lanes. int8: each group of kInt8Group dimensions is summed
+// so on its own and added times its scales (group g's of the 16 tokens at scale + g·k_stride).
+// DIM > 0: head_dim known at compile time (with a loop of unknown trip count GCC kept the
+// accumulators in memory, stored every iteration); DIM == 0: any head_dim.
 template <DType T, int HN, int DIM>
 PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const void* k,
                                        int64_t k_stride, __mmask16 live, float* s, int stride,
                                        __m512 (&most)[HN], Prefetcher& prefetch,
-                                       const float* scale) {
+                                       const uint16_t* scale) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
-  const int whole = dim / 4 * 4;
-  __m512 acc[HN][4];
-  for (int h = 0; h < HN; ++h)
-    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
-  for (int i = 0; i < whole; i += 4) {
-    __m512 key[4];
-    for (int c = 0; c < 4; ++c) {
-      const void* row = element<T>(k, (i + c) * k_stride);
-      key[c] = live == 0xffff ? load<T>(row) : load<T>(row, live);
-    }
-    for (int h = 0; h < HN; ++h)
-      for (int c = 0; c < 4; ++c)
-        acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i + c]), key[c], acc[h][c]);
-    prefetch.step();
-  }
+  const int step = T == DType::kInt8 ? kInt8Group : dim;
   __m512 sum[HN];
-  for (int h = 0; h < HN; ++h)
-    sum[h] =
-        _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
-  for (int i = whole; i < dim; ++i) {
-    const __m512 key = load<T>(element<T>(k, i * k_stride), live);
+  for (int h = 0; h < HN; ++h) sum[h] = _mm512_setzero_ps();
+  for (int start = 0; start < dim; start += step) {
+    const int end = std::min(dim, start + step);
+    const int whole = start + (end - start) / 4 * 4;
+    __m512 acc[HN][4];
     for (int h = 0; h < HN; ++h)
-      sum[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), key, sum[h]);
-  }
-  if constexpr (T == DType::kInt8) {  // the raw values' dot products times each token's scale
-    const __m512 factor = _mm512_maskz_loadu_ps(live, scale);
-    for (int h = 0; h < HN; ++h) sum[h] = _mm512_mul_ps(sum[h], factor);
+      for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int i = start; i < whole; i += 4) {
+      __m512 key[4];
+      for (int c = 0; c < 4; ++c) {
+        const void* row = element<T>(k, (i + c) * k_stride);
+        key[c] = live == 0xffff ? load<T>(row) : load<T>(row, live);
+      }
+      for (int h = 0; h < HN; ++h)
+        for (int c = 0; c < 4; ++c)
+          acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i + c]), key[c], acc[h][c]);
+      prefetch.step();
+    }
+    __m512 part[HN];
+    for (int h = 0; h < HN; ++h)
+      part[h] =
+          _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
+    for (int i = whole; i < end; ++i) {
+      const __m512 key = load<T>(element<T>(k, i * k_stride), live);
+      for (int h = 0; h < HN; ++h)
+        part[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), key, part[h]);
+    }
+    if constexpr (T == DType::kInt8) {  // the raw values' dot products times the group's scales
+      const __m512 factor =
+          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scale + start / step * k_stride));
+      for (int h = 0; h < HN; ++h) sum[h] = _mm512_fmadd_ps(part[h], factor, sum[h]);
+    } else {
+      for (int h = 0; h < HN; ++h) sum[h] = part[h];
+    }
   }
   for (int h = 0; h < HN; ++h) {
     _mm512_mask_storeu_ps(s + h * stride, live, sum[h]);
@@ -221,10 +231,17 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* til
     for (int t = 0; t < tiles[j].tokens; ++t) {
       __m512 row[chunks];
       for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
-      // int8: the weight times the token's scale, then the raw values
-      const float factor = T == DType::kInt8 ? tiles[j].v_scale[t] : 1.0f;
+      if constexpr (T == DType::kInt8) {  // each group of the row times its scale
+        static_assert(DIM % kInt8Group == 0, "whole groups, two vectors each");
+        const uint16_t* scale = tiles[j].v_scale + t * (DIM / kInt8Group);
+        for (int c = 0; c < chunks; c += 2) {
+          const __m512 factor = _mm512_set1_ps(_cvtsh_ss(scale[c / 2]));
+          row[c] = _mm512_mul_ps(row[c], factor);
+          row[c + 1] = _mm512_mul_ps(row[c + 1], factor);
+        }
+      }
       for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(pj[g * stride + t] * factor);
+        const __m512 weight = _mm512_set1_ps(pj[g * stride + t]);
         for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
       }
       prefetch.step();
@@ -267,6 +284,7 @@ PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim
       }
     }
   } else {
+    const int groups = int8_groups(dim);
     for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
       const void* v = tiles[j].v;
       for (int h = 0; h < group; ++h) {
@@ -275,7 +293,9 @@ PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim
           const __mmask16 live = lanes(dim - i);
           __m512 sum = _mm512_maskz_loadu_ps(live, acc + h * dim + i);
           for (int t = 0; t < tiles[j].tokens; ++t) {
-            const float factor = T == DType::kInt8 ? tiles[j].v_scale[t] : 1.0f;
+            // int8: the weight times the group's scale, then the raw values
+            const float factor =
+                T == DType::kInt8 ? _cvtsh_ss(tiles[j].v_scale[t * groups + i / kInt8Group]) : 1.0f;
             const __m512 weight = _mm512_set1_ps(ph[t] * factor);
             sum = _mm512_fmadd_ps(weight, load<T>(element<T>(v, int64_t{t} * dim + i), live), sum);
           }

@@ -86,7 +86,7 @@ inline int element_bytes(DType type) {
 }
 
 // The checks of a cache's dtype code, and that its scales come with it exactly when it is int8.
-inline void check_cache_dtype(DType cache, const float* k_scale, const float* v_scale) {
+inline void check_cache_dtype(DType cache, const void* k_scale, const void* v_scale) {
   check(cache == DType::kFloat32 || cache == DType::kBFloat16 || cache == DType::kFloat16 ||
             cache == DType::kInt8,
         "cache dtype codes: 0 float32, 1 bfloat16, 2 float16, 3 int8");
@@ -94,19 +94,27 @@ inline void check_cache_dtype(DType cache, const float* k_scale, const float* v_
         "an int8 cache comes with its K and V scales, and only an int8 cache");
 }
 
-// One head's values x[0..dim) as symmetric int8 at out[i·stride], their scale max|x| / 127
-// returned (0 for all zeros): as pyserve/worker/kv_cache.py's quantize_int8, bit for bit
-// (float32 division, reciprocal and product, rounded to nearest even).
-inline float quantize_int8_head(const float* x, int dim, int8_t* out, int64_t stride) {
-  float top = 0.0f;
-  for (int i = 0; i < dim; ++i) top = std::max(top, std::fabs(x[i]));
-  const float scale = top / 127.0f;
-  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-  for (int i = 0; i < dim; ++i) {
-    const float q = std::nearbyint(x[i] * inverse);
-    out[i * stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+// One head's values x[0..dim) as llama.cpp's q8_0, as pyserve/worker/kv_cache.py's
+// quantize_int8 bit for bit: value i at out[i·stride], each group of kInt8Group values (the last
+// one shorter) symmetric int8 with its float16 scale at scales[g·scale_stride]. The scale is
+// max|x| / 127 in float32, clamped to float16's largest and rounded to nearest even; the values
+// are x times the float32 reciprocal of the scale as stored, rounded to nearest even, clamped to
+// ±127 (a scale of 0, all zeros or an underflow, gives values 0).
+inline void quantize_int8_head(const float* x, int dim, int8_t* out, int64_t stride,
+                               uint16_t* scales, int64_t scale_stride) {
+  for (int g = 0, start = 0; start < dim; ++g, start += kInt8Group) {
+    const int end = std::min(dim, start + kInt8Group);
+    float top = 0.0f;
+    for (int i = start; i < end; ++i) top = std::max(top, std::fabs(x[i]));
+    const uint16_t scale = float_to_half(std::min(top / 127.0f, 65504.0f));
+    scales[g * scale_stride] = scale;
+    const float wide = half_to_float(scale);
+    const float inverse = wide > 0.0f ? 1.0f / wide : 0.0f;
+    for (int i = start; i < end; ++i) {
+      const float q = std::nearbyint(x[i] * inverse);
+      out[i * stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+    }
   }
-  return scale;
 }
 
 // tanh rounded from double: the float tanhf of glibc is off by up to ~2 ulp, more than the

@@ -91,9 +91,9 @@ struct StackLayer {
   int rope_table = 0;            // which of the forward's cos/sin tables this layer rotates with
   int window = 0;                // attends to the last `window` positions (itself included); 0: all
   const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or none
-  // an int8 cache's scales, [num_kv_heads][num_blocks][block_size] each (attention.h); or none
-  float* k_scale = nullptr;
-  float* v_scale = nullptr;
+  // an int8 cache's float16 scales, laid out as attention.h's DecodeAttentionArgs says; or none
+  uint16_t* k_scale = nullptr;
+  uint16_t* v_scale = nullptr;
   StackMoE moe = {};  // router set: this layer's MLP is a mixture of experts
   bool is_moe() const { return moe.router != nullptr; }
 };

@@ -122,6 +122,7 @@ void norm_head(const float* x, const float* w, int dim, float eps, float* out) {
 
 void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
   const int dim = a.head_dim, rotary = rotary_dims(a), half = rotary / 2, bs = a.block_size;
+  const int64_t groups = int8_groups(dim);
   std::vector<float> rotated(dim), normed(dim);
   for (int r = row0; r < row1; ++r) {
     float* x = a.qkv + r * a.qkv_stride;
@@ -145,10 +146,10 @@ void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
         continue;
       }
       const int64_t base = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs * dim;
-      if (a.cache_dtype == DType::kInt8) {
+      if (a.cache_dtype == DType::kInt8) {  // group g's scale at g·bs + offset of the block's
         const int64_t token = ((h - a.num_heads) * int64_t{a.num_blocks} + block) * bs + offset;
-        a.k_scale[token] = quantize_int8_head(rotated.data(), dim,
-                                              static_cast<int8_t*>(a.k_cache) + base + offset, bs);
+        quantize_int8_head(rotated.data(), dim, static_cast<int8_t*>(a.k_cache) + base + offset, bs,
+                           a.k_scale + (token - offset) * groups + offset, bs);
         continue;
       }
       for (int i = 0; i < dim; ++i)
@@ -159,8 +160,8 @@ void rope_kv_rows_scalar(const RopeKvArgs& a, int row0, int row1) {
     for (int h = 0; h < a.num_kv_heads; ++h) {
       const int64_t base = ((h * int64_t{a.num_blocks} + block) * bs + offset) * dim;
       if (a.cache_dtype == DType::kInt8) {
-        a.v_scale[base / dim] =
-            quantize_int8_head(v + h * dim, dim, static_cast<int8_t*>(a.v_cache) + base, 1);
+        quantize_int8_head(v + h * dim, dim, static_cast<int8_t*>(a.v_cache) + base, 1,
+                           a.v_scale + base / dim * groups, 1);
         continue;
       }
       for (int i = 0; i < dim; ++i)

@@ -101,10 +101,10 @@ struct RopeKvArgs {
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
   float norm_eps = 1e-6f;
-  // An int8 cache's scales, [num_kv_heads][num_blocks][block_size] float32 each (each token's K
-  // and V per kv head quantized with its own, attention.h); null otherwise.
-  float* k_scale = nullptr;
-  float* v_scale = nullptr;
+  // An int8 cache's float16 scales (each token's K and V per kv head quantized in groups of 32,
+  // laid out as attention.h's DecodeAttentionArgs says); null otherwise.
+  uint16_t* k_scale = nullptr;
+  uint16_t* v_scale = nullptr;
 };
 
 inline int rotary_dims(const RopeKvArgs& a) { return a.rotary_dim > 0 ? a.rotary_dim : a.head_dim; }

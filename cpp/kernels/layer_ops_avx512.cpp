@@ -279,13 +279,14 @@ PYSERVE_AVX512_MATH void rope_kv_rows_as(const RopeKvArgs& a, int row0, int row1
       }
       rotate_head(from, c, sn, rotary, rotated);
       if constexpr (EXTRAS) copy_dims(from, rotary, dim, rotated);
-      if constexpr (C == DType::kInt8) {  // each head quantized whole: the scalar loop's
+      if constexpr (C == DType::kInt8) {  // the scalar loop's quantization, group by group
         const int64_t token = (h * int64_t{a.num_blocks} + block) * bs + offset;
+        const int64_t groups = int8_groups(dim);
         int8_t* k = static_cast<int8_t*>(a.k_cache) + (token - offset) * dim + offset;
-        a.k_scale[token] = quantize_int8_head(rotated, dim, k, bs);
+        quantize_int8_head(rotated, dim, k, bs, a.k_scale + (token - offset) * groups + offset, bs);
         const float* v = x + static_cast<int64_t>(a.num_heads + a.num_kv_heads + h) * dim;
-        a.v_scale[token] =
-            quantize_int8_head(v, dim, static_cast<int8_t*>(a.v_cache) + token * dim, 1);
+        quantize_int8_head(v, dim, static_cast<int8_t*>(a.v_cache) + token * dim, 1,
+                           a.v_scale + token * groups, 1);
         continue;
       } else {
         // converted as a vector, then element by element into the block: K is dimension-major,

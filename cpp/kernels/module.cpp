@@ -144,8 +144,8 @@ void paged_decode_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, in
                                      softcap,
                                      address<const float>(sinks),
                                      address<const void>(positions),
-                                     address<const float>(k_scale),
-                                     address<const float>(v_scale)};
+                                     address<const uint16_t>(k_scale),
+                                     address<const uint16_t>(v_scale)};
   py::gil_scoped_release released;
   pk::paged_decode_attention(args);
 }
@@ -180,8 +180,8 @@ void paged_prefill_attention(uintptr_t q, int64_t q_token_stride, int q_dtype, i
                                       window,
                                       softcap,
                                       address<const float>(sinks),
-                                      address<const float>(k_scale),
-                                      address<const float>(v_scale)};
+                                      address<const uint16_t>(k_scale),
+                                      address<const uint16_t>(v_scale)};
   py::gil_scoped_release released;
   pk::paged_prefill_attention(args);
 }
@@ -270,8 +270,8 @@ void rope_write_kv(uintptr_t qkv, int64_t qkv_stride, int rows, int num_heads, i
                             address<const float>(q_norm),
                             address<const float>(k_norm),
                             eps,
-                            address<float>(k_scale),
-                            address<float>(v_scale)};
+                            address<uint16_t>(k_scale),
+                            address<uint16_t>(v_scale)};
   py::gil_scoped_release released;
   pk::rope_write_kv(args);
 }
@@ -406,8 +406,8 @@ void stack_add_layer(pk::DecoderStack& stack, uintptr_t input_norm, uintptr_t po
   layer.rope_table = rope_table;
   layer.window = window;
   layer.sinks = address<const float>(sinks);
-  layer.k_scale = address<float>(k_scale);
-  layer.v_scale = address<float>(v_scale);
+  layer.k_scale = address<uint16_t>(k_scale);
+  layer.v_scale = address<uint16_t>(v_scale);
   stack.add_layer(layer);
 }
 
@@ -485,8 +485,10 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("softcap") = 0.0f, py::arg("sinks") = 0, py::arg("positions") = 0,
         py::arg("k_scale") = 0, py::arg("v_scale") = 0,
         "decode attention over the paged KV cache, read in place (dtype codes: 0 float32, "
-        "1 bfloat16, 2 float16, 3 int8 with k_scale and v_scale: the addresses of float32 "
-        "[kv_heads, blocks, block_size] scales); partition_tokens 0 chooses the split itself; "
+        "1 bfloat16, 2 float16, 3 int8 with k_scale and v_scale: the addresses of float16 "
+        "scales, one per 32 values, K's [kv_heads, blocks, groups, block_size] and V's "
+        "[kv_heads, blocks, block_size, groups], groups = ceil(head_dim / 32)); "
+        "partition_tokens 0 chooses the split itself; "
         "window > 0: the "
         "last `window` positions only; softcap > 0: scores -> softcap * tanh(score / softcap); "
         "sinks: the address of a float32 logit per head, one more softmax column (0: none); "
@@ -537,8 +539,9 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("rotary_dim") = 0, py::arg("q_norm") = 0, py::arg("k_norm") = 0,
         py::arg("eps") = 1e-6f, py::arg("k_scale") = 0, py::arg("v_scale") = 0,
         "RoPE on the q and k heads of float32 qkv rows (q in place), k and v stored at the rows' "
-        "cache slots (an int8 cache: each head quantized, its scale written at k_scale / v_scale, "
-        "addresses of float32 [kv_heads, blocks, block_size]); rotary_dim > 0 rotates each head's "
+        "cache slots (an int8 cache: each head quantized in groups of 32, their float16 scales "
+        "written at k_scale / v_scale, laid out as paged_decode_attention's); rotary_dim > 0 "
+        "rotates each head's "
         "first rotary_dim dims only (cos and sin "
         "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
         "none) RMS-normalize each q / k head with eps first");

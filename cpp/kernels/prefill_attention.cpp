@@ -63,7 +63,7 @@ void attend(void* context, int index) {
   const int rows = std::min(kPrefillRows, span.rows - item.row0);
   const int64_t per_head = static_cast<int64_t>(dim) * kPrefillRows;
 
-  thread_local std::vector<float> qt, ot, m, l, k, v;
+  thread_local std::vector<float> qt, ot, m, l, k, v, k_factors, v_factors;
   qt.resize(group * per_head);
   ot.assign(group * per_head, 0.0f);
   m.assign(group * kPrefillRows, -std::numeric_limits<float>::infinity());
@@ -86,7 +86,13 @@ void attend(void* context, int index) {
   const char* k_head = static_cast<const char*>(a.k_cache) + head_offset * element;
   const char* v_head = static_cast<const char*>(a.v_cache) + head_offset * element;
   const int64_t table_row = item.span * a.table_stride;
-  const int64_t head_tokens = static_cast<int64_t>(item.kv_head) * a.num_blocks * bs;
+  // an int8 cache's scales: bs·groups a block, group g of token t at g·bs + t in K's, at
+  // t·groups + g in V's
+  const int groups = int8_groups(dim);
+  const int64_t block_scales = static_cast<int64_t>(bs) * groups;
+  const int64_t head_scales = static_cast<int64_t>(item.kv_head) * a.num_blocks * block_scales;
+  k_factors.resize(static_cast<size_t>(groups) * kPrefillRows);
+  v_factors.resize(static_cast<size_t>(groups) * kPrefillRows);
   const int first_query = span.start + item.row0;  // the first row's own position
   const int end = first_query + rows;              // keys [begin, end) are visible to some row
   const int begin = first_key(a, first_query);
@@ -99,12 +105,20 @@ void attend(void* context, int index) {
                           k.data());
     kernels.to_float(a.cache_dtype, v_head + block_at + offset * dim * element,
                      static_cast<int64_t>(n) * dim, v.data());
-    if (a.cache_dtype == DType::kInt8) {  // the raw values times each token's scale
-      const int64_t at = head_tokens + block * bs + offset;
+    if (a.cache_dtype == DType::kInt8) {  // the raw values times their group's scale
+      const int64_t at = head_scales + block * block_scales;
+      const uint16_t* k_scales = a.k_scale + at + offset;
+      const uint16_t* v_scales = a.v_scale + at + static_cast<int64_t>(offset) * groups;
+      for (int g = 0; g < groups; ++g)  // as floats, K's [groups][16] and V's [16][groups]
+        for (int t = 0; t < n; ++t) {
+          k_factors[g * kPrefillRows + t] = half_to_float(k_scales[g * bs + t]);
+          v_factors[t * groups + g] = half_to_float(v_scales[t * groups + g]);
+        }
       for (int i = 0; i < dim; ++i)
-        for (int t = 0; t < n; ++t) k[i * kPrefillRows + t] *= a.k_scale[at + t];
+        for (int t = 0; t < n; ++t)
+          k[i * kPrefillRows + t] *= k_factors[i / kInt8Group * kPrefillRows + t];
       for (int t = 0; t < n; ++t)
-        for (int i = 0; i < dim; ++i) v[t * dim + i] *= a.v_scale[at + t];
+        for (int i = 0; i < dim; ++i) v[t * dim + i] *= v_factors[t * groups + i / kInt8Group];
     }
     for (int h = 0; h < group; ++h)
       kernels.tile(qt.data() + h * per_head, k.data(), v.data(), n, dim, first_query - pos,

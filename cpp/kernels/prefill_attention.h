@@ -48,9 +48,9 @@ struct PrefillAttentionArgs {
   // [num_heads] float32: each head's sink logit, one more softmax column with no value
   // (gpt-oss); null: none.
   const float* sinks = nullptr;
-  // An int8 cache's scales, [num_kv_heads][num_blocks][block_size] float32 each; null otherwise.
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
+  // An int8 cache's float16 scales, laid out as DecodeAttentionArgs' (attention.h); null otherwise.
+  const uint16_t* k_scale = nullptr;
+  const uint16_t* v_scale = nullptr;
 };
 
 // Checks the arguments (std::invalid_argument, block ids included) and computes the spans' rows.

@@ -30,9 +30,10 @@ import math
 import torch
 
 from pyserve.worker import quant
+from pyserve.worker.dtypes import kv_int8_groups as int8_groups
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# what the cache may hold besides: int8 values with a float32 scale per (token, kv head)
+# what the cache may hold besides: int8 values with a float16 scale per 32 (kv_cache.py)
 CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}
 INDEX_BYTES = {torch.int32: 4, torch.int64: 8}
 
@@ -88,17 +89,21 @@ def scale_addresses(
     k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> tuple[int, int]:
     """The addresses of an int8 cache's K and V scales (0, 0 for a float cache), once checked:
-    float32 [kv_heads, num_blocks, block_size], contiguous, as kv_cache.py allocates them."""
+    float16, contiguous, as kv_cache.py allocates them: K's [kv_heads, num_blocks, groups,
+    block_size], V's [kv_heads, num_blocks, block_size, groups], a group per 32 values."""
     if k_cache.dtype != torch.int8:
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"a {k_cache.dtype} cache has no scales")
         return 0, 0
-    shape = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3])
+    heads, blocks, dim, size = k_cache.shape
+    groups = int8_groups(dim)
+    shapes = {"k_scale": (heads, blocks, groups, size), "v_scale": (heads, blocks, size, groups)}
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is None:
             raise ValueError(f"an int8 cache needs its {name}")
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 {list(shape)} tensor")
+        shape = shapes[name]
+        if t.dtype != torch.float16 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float16 {list(shape)} tensor")
     return k_scale.data_ptr(), v_scale.data_ptr()  # type: ignore[union-attr]
 
 
@@ -397,7 +402,7 @@ def paged_decode_attention(
     forces the context split (0: the kernel picks it from the load and its thread count).
     ``positions`` (context_lens' dtype, [D]): each query's own position, where its window ends
     (None: context - 1). An int8 cache (K and V values as int8) comes with ``k_scale`` and
-    ``v_scale``, float32 [kv_heads, num_blocks, block_size] (kv_cache.py).
+    ``v_scale``, float16, a scale per 32 values laid out as K and V are (kv_cache.py).
     """
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:

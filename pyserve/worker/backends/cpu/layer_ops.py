@@ -193,8 +193,8 @@ def rope_write_kv(
     RotaryTable.cos_sin; with rotary_dim < head_dim only each head's first rotary_dim dims
     rotate (rope.apply_rope's partial rotary). q_norm, k_norm: float32 [head_dim] weights of a
     per-head RMSNorm (eps) of every q and k head before the rotation (Qwen3's), each optional.
-    An int8 cache takes each head quantized (kv_cache.quantize_int8's numerics) and its scale
-    into ``k_scale`` / ``v_scale``.
+    An int8 cache takes each head quantized in groups of 32 (kv_cache.quantize_int8's numerics)
+    and their float16 scales into ``k_scale`` / ``v_scale`` (kv_cache.py's layouts).
     Returns False, touching nothing, where the kernel does not apply (then normalize with
     F.rms_norm, rotate with rope.apply_rope and write with PagedKVCache.write)."""
     kernels = fused_kernels()
