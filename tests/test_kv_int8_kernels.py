@@ -121,11 +121,15 @@ def test_cpu_kernels_backend_over_int8_matches_the_torch_backend(tiny_model: Pat
     stack equals the layer loop; both follow the torch backend over int8 K/V. Here the two
     backends' logprobs differed by up to 1.4e-3 over float32 K/V (their int8 linears' paths)
     and 2.8e-3 over int8 K/V (where that order moves a value across an int8 rounding
-    boundary, one stored value moves by a step of max|x| / 127)."""
+    boundary, one stored value moves by a step of its group's max|x| / 127). A greedy token may
+    differ only at a near-tie of the torch backend's (prompt 3's token 22, its top two 0.018
+    apart), the logprobs compared up to there; the two backends drift from float32 K/V alike
+    (a mean 0.020 both on prompt 0)."""
     from worker_testlib import random_prompts
 
     prompts = random_prompts(5, [3, 9, 17, 30, 41], 0, shuffle=False)
-    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2)  # fmt: skip
     outputs = {}
     for backend, stack in (("cpu-kernels", True), ("cpu-kernels", False), ("torch", False)):
         options = {"use_stack": stack} if backend == "cpu-kernels" else {}
@@ -145,8 +149,16 @@ def test_cpu_kernels_backend_over_int8_matches_the_torch_backend(tiny_model: Pat
         outputs["cpu-kernels", False],
         outputs["torch", False],
     )
+    near_ties = 0
     for i, (a, b, c) in enumerate(zip(stacked, looped, ref, strict=True)):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, f"prompt {i}"
-        assert a.token_ids == c.token_ids, f"prompt {i}: tokens differ from the torch backend's"
-        diff = np.abs(np.subtract(a.logprobs, c.logprobs)).max()
+        pairs = enumerate(zip(a.token_ids, c.token_ids, strict=True))
+        same = next((t for t, (x, y) in pairs if x != y), None)
+        if same is not None:
+            (_, first), (_, second) = c.top_logprobs[same][:2]
+            assert first - second < 0.025, f"prompt {i}: token {same} differs, no near-tie"
+            near_ties += 1
+        n = len(a.token_ids) if same is None else same
+        diff = np.abs(np.subtract(a.logprobs[:n], c.logprobs[:n])).max(initial=0.0)
         assert diff < 5e-3, f"prompt {i}: logprobs moved by {diff:.2e}"
+    assert near_ties <= 1
