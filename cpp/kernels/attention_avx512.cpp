@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "avx512_math.h"
 
@@ -217,11 +218,16 @@ PYSERVE_AVX512 float softcap(float* s, int n, float cap) {
 }
 
 // G heads of the group over a chunk's tiles, their sums in registers throughout, each V row
-// loaded and converted once for all of them.
+// loaded and converted once for all of them. The weight of head g's token o (over the chunk) at
+// p[g·stride + o]; int8: one per group of the row, already times its V scale, group r's at
+// p[(g·groups + r)·stride + o].
 template <DType T, int DIM, int G>
 PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* tiles, int count,
                                      float* acc, Prefetcher& prefetch) {
   constexpr int chunks = DIM / 16;
+  constexpr int groups = T == DType::kInt8 ? DIM / kInt8Group : 1;
+  static_assert(DIM % (16 * groups) == 0, "whole groups, two vectors each");
+  constexpr int per_group = chunks / groups;
   __m512 sum[G][chunks];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
@@ -231,24 +237,48 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* til
     for (int t = 0; t < tiles[j].tokens; ++t) {
       __m512 row[chunks];
       for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
-      if constexpr (T == DType::kInt8) {  // each group of the row times its scale
-        static_assert(DIM % kInt8Group == 0, "whole groups, two vectors each");
-        const uint16_t* scale = tiles[j].v_scale + t * (DIM / kInt8Group);
-        for (int c = 0; c < chunks; c += 2) {
-          const __m512 factor = _mm512_set1_ps(_cvtsh_ss(scale[c / 2]));
-          row[c] = _mm512_mul_ps(row[c], factor);
-          row[c + 1] = _mm512_mul_ps(row[c + 1], factor);
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < groups; ++r) {
+          const __m512 weight = _mm512_set1_ps(pj[(g * groups + r) * stride + t]);
+          for (int c = r * per_group; c < (r + 1) * per_group; ++c)
+            sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
         }
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(pj[g * stride + t]);
-        for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
-      }
       prefetch.step();
     }
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, sum[g][c]);
+}
+
+// int8: w[(h·groups + r)·kChunkTokens + o] = p[h·stride + o] · the V scale of group r of the
+// chunk's token o, for every head: vectors over the tokens, once a chunk, so that the loop over
+// V rows multiplies no more than a float cache's.
+template <int DIM>
+PYSERVE_AVX512 void scale_weights(const float* p, int stride, int group, const Tile* tiles,
+                                  int count, float* w) {
+  constexpr int groups = DIM / kInt8Group;
+  alignas(64) float rows[kChunkTokens * groups];  // the scales as floats, token-major
+  alignas(64) float column[kChunkTokens];         // one group's, token by token
+  int total = 0;
+  for (int j = 0; j < count; total += tiles[j++].tokens) {
+    const int n = tiles[j].tokens * groups;
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 live = lanes(n - i);
+      const __m256i half = _mm256_maskz_loadu_epi16(live, tiles[j].v_scale + i);
+      _mm512_mask_storeu_ps(rows + total * groups + i, live, _mm512_cvtph_ps(half));
+    }
+  }
+  for (int r = 0; r < groups; ++r) {
+    for (int o = 0; o < total; ++o) column[o] = rows[o * groups + r];
+    for (int h = 0; h < group; ++h)
+      for (int o = 0; o < total; o += 16) {
+        const __mmask16 live = lanes(total - o);
+        const __m512 weight = _mm512_maskz_loadu_ps(live, p + h * stride + o);
+        const __m512 scale = _mm512_maskz_loadu_ps(live, column + o);
+        _mm512_mask_storeu_ps(w + (h * groups + r) * kChunkTokens + o, live,
+                              _mm512_mul_ps(weight, scale));
+      }
+  }
 }
 
 template <DType T, int DIM>
@@ -259,10 +289,18 @@ PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim
   for (int j = 0; j < count; ++j) steps += tiles[j].tokens;
   Prefetcher prefetch(ahead, ahead_count, steps);
   if constexpr (DIM > 0) {
+    constexpr int groups = T == DType::kInt8 ? DIM / kInt8Group : 1;
+    thread_local std::vector<float> scaled;  // int8's weights, per head and group
+    if constexpr (T == DType::kInt8) {
+      scaled.resize(static_cast<size_t>(group) * groups * kChunkTokens);
+      scale_weights<DIM>(p, stride, group, tiles, count, scaled.data());
+      p = scaled.data();
+      stride = kChunkTokens;
+    }
     Prefetcher idle = Prefetcher::none();
     constexpr int most = DIM <= 64 ? 4 : 2;  // sums + a row within the 32 registers
     for (int h = 0; h < group;) {            // the first pass over the chunk prefetches
-      const float* ph = p + h * stride;
+      const float* ph = p + h * groups * stride;
       float* acc_h = acc + h * DIM;
       Prefetcher& pf = h == 0 ? prefetch : idle;
       switch (std::min(most, group - h)) {
