@@ -7,13 +7,17 @@ speed, side by side.
   top token, KL(float32 K/V ‖ stored). Prefill logits see the stored K/V: each chunk attends
   to its own K/V as the cache holds them.
 - grouping: the same drift with K/V rounded on the torch backend as int8 with a scale per head
-  (what the cache stores) and with a scale per 32 values (llama.cpp's q8_0), both simulated
-  (rounded, then held in a float32 cache).
+  (the cache's former format) and with a scale per 32 values (llama.cpp's q8_0, as the cache
+  stores it but with float32 scales), both simulated (rounded, then held in a float32 cache).
 - decode: tokens/s of greedy decode steps at each concurrency, every request at a
   ``--context``-token position. The contexts' K/V are random values written straight into the
   cache (the step's time does not depend on them; prefilling 32 × 4k tokens would take minutes
   here); each step reads all of them. The median step of ``--steps`` (the machine may be
   shared).
+- kernel: the decode attention kernel alone over one layer (9 / 3 heads, head_dim 64 and 128,
+  ``--kernel-queries`` requests at ``--context`` tokens, random values and scales), float16 and
+  int8 calls alternating; the fastest of ``--kernel-calls`` each (the least disturbed on a
+  shared machine).
 
     .venv/bin/python benchmarks/kv_int8.py                      # the default model
     .venv/bin/python benchmarks/kv_int8.py --model path/to/model --parts drift
@@ -33,7 +37,7 @@ from pyserve.worker.model_runner import ModelRunner
 from pyserve.worker.settings import WorkerSettings
 
 BLOCK = 16
-PARTS = ("drift", "grouping", "decode")
+PARTS = ("drift", "grouping", "decode")  # and "kernel", on request
 
 
 def runner(model: str | None, kv: str, tokens: int, backend: str = "auto") -> ModelRunner:
@@ -59,9 +63,9 @@ def fake_int8(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def grouping(model: str | None, prompts: int, length: int) -> list[str]:
-    """int8 K/V with a scale per head (what the cache stores) against llama.cpp's q8_0 grouping
-    (a scale per 32 values), simulated on the torch backend: a float32 cache written with each
-    token's K/V rounded so, against the plain float32 cache."""
+    """int8 K/V with a scale per head (the cache's former format) against llama.cpp's q8_0
+    grouping (a scale per 32 values, as the cache stores), simulated on the torch backend: a
+    float32 cache written with each token's K/V rounded so, against the plain float32 cache."""
     from pyserve.worker.kv_cache import PagedKVCache
 
     gen = torch.Generator().manual_seed(0)
@@ -153,6 +157,33 @@ def decode_rate(model: str | None, kv: str, batch: int, context: int, steps: int
     return batch / statistics.median(durations)
 
 
+def kernel_times(queries: int, context: int, dim: int, calls: int) -> dict[str, float]:
+    """ms of the fastest decode attention call over a float16 and an int8 cache."""
+    from pyserve.worker.backends.cpu.attention_kernel import paged_decode_attention
+    from pyserve.worker.kv_cache import PagedKVCache
+
+    heads, kv_heads, per_request = 9, 3, -(-context // BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(queries, heads, dim, generator=gen)
+    tables = torch.randperm(queries * per_request, generator=gen).view(queries, per_request)
+    lens = torch.full((queries,), context)
+    caches = {}
+    for kv in ("float16", "int8"):
+        cache = PagedKVCache(num_layers=1, num_blocks=queries * per_request, block_size=BLOCK,
+                             num_kv_heads=kv_heads, head_dim=dim,
+                             dtype=getattr(torch, kv))  # fmt: skip
+        fill_random(cache, gen)
+        caches[kv] = cache
+    times: dict[str, list[float]] = {kv: [] for kv in caches}
+    for _ in range(calls):
+        for kv, cache in caches.items():
+            start = time.perf_counter()
+            paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, dim**-0.5,
+                                   **cache.layer_scales(0))  # fmt: skip
+            times[kv].append(time.perf_counter() - start)
+    return {kv: min(t) * 1e3 for kv, t in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model path (default: the bundled SmolLM2)")
@@ -162,6 +193,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--kernel-queries", type=int, default=32)
+    p.add_argument("--kernel-calls", type=int, default=100)
     args = p.parse_args()
     parts = set(args.parts.split(","))
     if "drift" in parts:
@@ -186,6 +219,20 @@ def main() -> int:
             print(
                 f"| {batch} | {args.context} | {rates['float16']:.1f} | {rates['int8']:.1f} | "
                 f"{rates['int8'] / rates['float16']:.2f} |",
+                flush=True,
+            )
+    if "kernel" in parts:
+        from pyserve.worker import quant
+
+        kernels = quant.kernels()
+        print(f"kernel: {kernels.isa()}, {kernels.num_threads()} threads")
+        print("| requests | context | head_dim | float16 ms | int8 ms | int8 / float16 |")
+        print("|---|---|---|---|---|---|")
+        for dim in (64, 128):
+            ms = kernel_times(args.kernel_queries, args.context, dim, args.kernel_calls)
+            print(
+                f"| {args.kernel_queries} | {args.context} | {dim} | {ms['float16']:.2f} | "
+                f"{ms['int8']:.2f} | {ms['int8'] / ms['float16']:.2f} |",
                 flush=True,
             )
     return 0
