@@ -195,6 +195,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kernel-queries", type=int, default=32)
     p.add_argument("--kernel-calls", type=int, default=100)
+    p.add_argument("--kernel-threads", type=int, default=0, help="0: the kernels' default")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     if "drift" in parts:
@@ -225,6 +226,8 @@ def main() -> int:
         from pyserve.worker import quant
 
         kernels = quant.kernels()
+        if args.kernel_threads:
+            kernels.set_num_threads(args.kernel_threads)
         print(f"kernel: {kernels.isa()}, {kernels.num_threads()} threads")
         print("| requests | context | head_dim | float16 ms | int8 ms | int8 / float16 |")
         print("|---|---|---|---|---|---|")
