@@ -220,7 +220,7 @@ PYSERVE_AVX512 float softcap(float* s, int n, float cap) {
 // G heads of the group over a chunk's tiles, their sums in registers throughout, each V row
 // loaded and converted once for all of them. The weight of head g's token o (over the chunk) at
 // p[g·stride + o]; int8: one per group of the row, already times its V scale, group r's at
-// p[(g·groups + r)·stride + o].
+// p[g·stride + o·groups + r].
 template <DType T, int DIM, int G>
 PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* tiles, int count,
                                      float* acc, Prefetcher& prefetch) {
@@ -233,13 +233,13 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* til
     for (int c = 0; c < chunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
   for (int j = 0, offset = 0; j < count; offset += tiles[j++].tokens) {
     const void* v = tiles[j].v;
-    const float* pj = p + offset;
+    const float* pj = p + offset * groups;
     for (int t = 0; t < tiles[j].tokens; ++t) {
       __m512 row[chunks];
       for (int c = 0; c < chunks; ++c) row[c] = load<T>(element<T>(v, t * DIM + 16 * c));
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < groups; ++r) {
-          const __m512 weight = _mm512_set1_ps(pj[(g * groups + r) * stride + t]);
+          const __m512 weight = _mm512_set1_ps(pj[g * stride + t * groups + r]);
           for (int c = r * per_group; c < (r + 1) * per_group; ++c)
             sum[g][c] = _mm512_fmadd_ps(weight, row[c], sum[g][c]);
         }
@@ -250,35 +250,38 @@ PYSERVE_AVX512 void accumulate_heads(const float* p, int stride, const Tile* til
     for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, sum[g][c]);
 }
 
-// int8: w[(h·groups + r)·kChunkTokens + o] = p[h·stride + o] · the V scale of group r of the
-// chunk's token o, for every head: vectors over the tokens, once a chunk, so that the loop over
-// V rows multiplies no more than a float cache's.
+// int8: w[h·kChunkTokens·groups + o·groups + r] = p[h·stride + o] · the V scale of group r of
+// the chunk's token o, for every head: token-major as the cache's scales, 16 products at a time
+// (each weight spread over its groups' lanes by one permute), once a chunk, so that the loop
+// over V rows multiplies no more than a float cache's.
 template <int DIM>
 PYSERVE_AVX512 void scale_weights(const float* p, int stride, int group, const Tile* tiles,
                                   int count, float* w) {
   constexpr int groups = DIM / kInt8Group;
-  alignas(64) float rows[kChunkTokens * groups];  // the scales as floats, token-major
-  alignas(64) float column[kChunkTokens];         // one group's, token by token
+  static_assert(16 % groups == 0, "a vector holds whole tokens' groups");
+  alignas(64) float scales[kChunkTokens * groups];  // the chunk's V scales as floats
   int total = 0;
   for (int j = 0; j < count; total += tiles[j++].tokens) {
     const int n = tiles[j].tokens * groups;
     for (int i = 0; i < n; i += 16) {
       const __mmask16 live = lanes(n - i);
       const __m256i half = _mm256_maskz_loadu_epi16(live, tiles[j].v_scale + i);
-      _mm512_mask_storeu_ps(rows + total * groups + i, live, _mm512_cvtph_ps(half));
+      _mm512_mask_storeu_ps(scales + total * groups + i, live, _mm512_cvtph_ps(half));
     }
   }
-  for (int r = 0; r < groups; ++r) {
-    for (int o = 0; o < total; ++o) column[o] = rows[o * groups + r];
-    for (int h = 0; h < group; ++h)
-      for (int o = 0; o < total; o += 16) {
-        const __mmask16 live = lanes(total - o);
-        const __m512 weight = _mm512_maskz_loadu_ps(live, p + h * stride + o);
-        const __m512 scale = _mm512_maskz_loadu_ps(live, column + o);
-        _mm512_mask_storeu_ps(w + (h * groups + r) * kChunkTokens + o, live,
-                              _mm512_mul_ps(weight, scale));
-      }
-  }
+  alignas(64) int32_t spread[16];  // lane l takes the weight of the vector's token l / groups
+  for (int l = 0; l < 16; ++l) spread[l] = l / groups;
+  const __m512i index = _mm512_load_si512(spread);
+  const int n = total * groups;
+  for (int h = 0; h < group; ++h)
+    for (int i = 0; i < n; i += 16) {
+      const int first = i / groups;
+      const __m512 weights = _mm512_maskz_loadu_ps(lanes(total - first), p + h * stride + first);
+      const __mmask16 live = lanes(n - i);
+      const __m512 scale = _mm512_maskz_loadu_ps(live, scales + i);
+      _mm512_mask_storeu_ps(w + h * kChunkTokens * groups + i, live,
+                            _mm512_mul_ps(_mm512_permutexvar_ps(index, weights), scale));
+    }
 }
 
 template <DType T, int DIM>
@@ -295,12 +298,12 @@ PYSERVE_AVX512 void accumulate_as(const float* p, int stride, int group, int dim
       scaled.resize(static_cast<size_t>(group) * groups * kChunkTokens);
       scale_weights<DIM>(p, stride, group, tiles, count, scaled.data());
       p = scaled.data();
-      stride = kChunkTokens;
+      stride = kChunkTokens * groups;
     }
     Prefetcher idle = Prefetcher::none();
     constexpr int most = DIM <= 64 ? 4 : 2;  // sums + a row within the 32 registers
     for (int h = 0; h < group;) {            // the first pass over the chunk prefetches
-      const float* ph = p + h * groups * stride;
+      const float* ph = p + h * stride;
       float* acc_h = acc + h * DIM;
       Prefetcher& pf = h == 0 ? prefetch : idle;
       switch (std::min(most, group - h)) {
