@@ -24,21 +24,26 @@ using avx512::lanes;
 using avx512::load;
 
 // Issues the prefetches of a list of spans into L2, a few cache lines at each step of a loop, so
-// that they never pile up on the miss buffers (`lines_per_step` from the loop's step count).
+// that they never pile up on the miss buffers: `lines` over `steps` spread evenly (an int8
+// cache's scale lines, a few more than the steps, would have doubled each step's count had it
+// been rounded up).
 class Prefetcher {
  public:
   Prefetcher(const PrefetchSpan* spans, int count, int64_t steps)
-      : span_(spans), end_(spans + count) {
-    int64_t lines = 0;
-    for (int i = 0; i < count; ++i) lines += (spans[i].bytes + 63) / 64;
-    per_step_ = static_cast<int>(steps > 0 ? (lines + steps - 1) / steps : lines);
+      : span_(spans), end_(spans + count), steps_(steps > 0 ? steps : 1) {
+    for (int i = 0; i < count; ++i) lines_ += (spans[i].bytes + 63) / 64;
     if (span_ < end_) {
       at_ = span_->begin;
       stop_ = at_ + span_->bytes;
     }
   }
   static Prefetcher none() { return Prefetcher(nullptr, 0, 1); }
-  inline void step() { issue(per_step_); }
+  inline void step() {
+    owed_ += lines_;
+    int n = 0;
+    for (; owed_ >= steps_; owed_ -= steps_) ++n;
+    issue(n);
+  }
   void finish() { issue(std::numeric_limits<int>::max()); }
 
  private:
@@ -59,7 +64,9 @@ class Prefetcher {
   const PrefetchSpan* end_;
   const char* at_ = nullptr;
   const char* stop_ = nullptr;
-  int per_step_ = 0;
+  int64_t steps_;
+  int64_t lines_ = 0;
+  int64_t owed_ = 0;  // lines × the steps so far, less steps × the lines issued
 };
 
 // HN query heads against ≤ 16 tokens (`live` lanes) of dimension-major K: four independent FMA
@@ -75,33 +82,38 @@ PYSERVE_AVX512 inline void score_heads(const float* q, int runtime_dim, const vo
                                        const uint16_t* scale) {
   const int dim = DIM > 0 ? DIM : runtime_dim;
   const int step = T == DType::kInt8 ? kInt8Group : dim;
+  // a group's length known at compile time where head_dim is (64 and 128: whole groups), so
+  // that the FMA loop has a constant trip count and its sums stay in registers
+  constexpr int kLength = DIM == 0 ? 0 : T == DType::kInt8 ? kInt8Group : DIM;
   __m512 sum[HN];
   for (int h = 0; h < HN; ++h) sum[h] = _mm512_setzero_ps();
   for (int start = 0; start < dim; start += step) {
-    const int end = std::min(dim, start + step);
-    const int whole = start + (end - start) / 4 * 4;
+    const int length = kLength > 0 ? kLength : std::min(step, dim - start);
+    const int whole = length / 4 * 4;
+    const void* k_group = element<T>(k, start * k_stride);
+    const float* q_group = q + start;
     __m512 acc[HN][4];
     for (int h = 0; h < HN; ++h)
       for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
-    for (int i = start; i < whole; i += 4) {
+    for (int i = 0; i < whole; i += 4) {
       __m512 key[4];
       for (int c = 0; c < 4; ++c) {
-        const void* row = element<T>(k, (i + c) * k_stride);
+        const void* row = element<T>(k_group, (i + c) * k_stride);
         key[c] = live == 0xffff ? load<T>(row) : load<T>(row, live);
       }
       for (int h = 0; h < HN; ++h)
         for (int c = 0; c < 4; ++c)
-          acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i + c]), key[c], acc[h][c]);
+          acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q_group[h * dim + i + c]), key[c], acc[h][c]);
       prefetch.step();
     }
     __m512 part[HN];
     for (int h = 0; h < HN; ++h)
       part[h] =
           _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
-    for (int i = whole; i < end; ++i) {
-      const __m512 key = load<T>(element<T>(k, i * k_stride), live);
+    for (int i = whole; i < length; ++i) {
+      const __m512 key = load<T>(element<T>(k_group, i * k_stride), live);
       for (int h = 0; h < HN; ++h)
-        part[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * dim + i]), key, part[h]);
+        part[h] = _mm512_fmadd_ps(_mm512_set1_ps(q_group[h * dim + i]), key, part[h]);
     }
     if constexpr (T == DType::kInt8) {  // the raw values' dot products times the group's scales
       const __m512 factor =
