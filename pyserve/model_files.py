@@ -61,7 +61,7 @@ class ModelInfo:
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """Bytes of K and V that one token occupies across all layers; ``scale_bytes``: a
-        quantized cache's scale per (token, kv head) of K and of V."""
+        quantized cache's scales of a (token, kv head) of K and of V."""
         per_head = self.head_dim * dtype_bytes + scale_bytes
         return 2 * self.num_layers * self.num_kv_heads * per_head
 

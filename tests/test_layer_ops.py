@@ -634,4 +634,4 @@ def test_rope_write_kv_checks_norms_and_rotary_dim():
                               signed_sin.data_ptr(), slots.data_ptr(), cache.k[0].data_ptr(),
                               cache.v[0].data_ptr(), 2, cache.num_blocks, cache.block_size,
                               rotary_dim=66)  # fmt: skip
-    assert set(KERNELS.ROPE_FEATURES) == {"qk_norm", "partial", "int8_cache"}
+    assert set(KERNELS.ROPE_FEATURES) == {"qk_norm", "partial", "int8_q8_0"}

@@ -505,7 +505,9 @@ PYBIND11_MODULE(_kernels, m) {
         "causal attention of prompt chunks (spans: int64 [num_spans, 3] of first row, rows, "
         "cached tokens before them) over the paged KV cache, read in place; window, softcap, "
         "sinks and an int8 cache's scales as paged_decode_attention's");
-  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap", "sinks", "int8_cache");
+  // int8_q8_0: an int8 cache in q8_0's grouping (float16 scales per 32 values); a build that
+  // names another int8 feature reads another layout, and the backend will not use it for int8
+  m.attr("ATTENTION_FEATURES") = py::make_tuple("window", "softcap", "sinks", "int8_q8_0");
   m.def("attention_softcap", &attention_softcap, py::arg("values"), py::arg("n"), py::arg("cap"),
         "values[i] = cap * tanh(values[i] / cap) in place over n float32 values, with the "
         "current ISA's attention loops; returns the largest");
@@ -545,7 +547,7 @@ PYBIND11_MODULE(_kernels, m) {
         "first rotary_dim dims only (cos and sin "
         "[rows, rotary_dim]); q_norm / k_norm (addresses of float32 [head_dim] weights, 0 for "
         "none) RMS-normalize each q / k head with eps first");
-  m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial", "int8_cache");
+  m.attr("ROPE_FEATURES") = py::make_tuple("qk_norm", "partial", "int8_q8_0");
   m.def("moe_group", &moe_group, py::arg("experts"), py::arg("weights"), py::arg("tokens"),
         py::arg("top_k"), py::arg("num_experts"), py::arg("row_token"), py::arg("row_weight"),
         py::arg("counts"),

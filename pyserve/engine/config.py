@@ -9,8 +9,8 @@ from pathlib import Path
 from pyserve.engine.state_dir import resolve_state_dir
 from pyserve.model_files import ModelInfo
 from pyserve.worker.dtypes import (  # torch-free
-    KV_SCALE_BYTES,
     KV_VALUE_BYTES,
+    kv_scale_bytes,
     resolve_kv_cache_dtype,
 )
 from pyserve.worker.settings import WorkerSettings  # torch-free
@@ -170,9 +170,10 @@ class EngineConfig:
             tokens = self.kv_cache_tokens
         else:
             kv = self.resolved_kv_cache_dtype()
-            # int8 counts its scales: 68 bytes a (token, head) at head_dim 64 against float16's
-            # 128, so 1.88x float16's tokens in the same bytes
-            per_token = info.kv_bytes_per_token(KV_VALUE_BYTES[kv], KV_SCALE_BYTES.get(kv, 0))
+            # int8 counts its scales: 68 bytes a (token, head) at head_dim 64 (two float16 scales)
+            # against float16's 128, so 1.88x float16's tokens in the same bytes
+            scale_bytes = kv_scale_bytes(kv, info.head_dim)
+            per_token = info.kv_bytes_per_token(KV_VALUE_BYTES[kv], scale_bytes)
             # the budget is a rank's: each holds K and V of its share of the kv heads
             tokens = self.kv_cache_bytes * self.tp_size // per_token
         return max(1, math.ceil(tokens / self.block_size))

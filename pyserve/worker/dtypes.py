@@ -65,10 +65,14 @@ def kv_int8_groups(head_dim: int) -> int:
     return -(-head_dim // KV_INT8_GROUP)
 
 
+def kv_scale_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of the scales of one token's K (or V) in one kv head: a quantized cache's."""
+    return kv_int8_groups(head_dim) * KV_SCALE_BYTES.get(kv_dtype, 0)
+
+
 def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:
-    """Bytes one token's K (or V) takes in one kv head, its scale included."""
-    scales = kv_int8_groups(head_dim) * KV_SCALE_BYTES.get(kv_dtype, 0)
-    return head_dim * KV_VALUE_BYTES[kv_dtype] + scales
+    """Bytes one token's K (or V) takes in one kv head, its scales included."""
+    return head_dim * KV_VALUE_BYTES[kv_dtype] + kv_scale_bytes(kv_dtype, head_dim)
 
 
 def resolve_kv_cache_dtype(setting: str, device: str, model_dtype: str) -> str:

@@ -13,7 +13,7 @@ import torch
 from pyserve.worker.backends import select_backend
 from pyserve.worker.backends.base import Backend, ForwardOutput, model_forward
 from pyserve.worker.batch import ForwardBatch
-from pyserve.worker.dtypes import KV_SCALE_BYTES, default_dtype, resolve_quantization
+from pyserve.worker.dtypes import default_dtype, kv_scale_bytes, resolve_quantization
 from pyserve.worker.image_encoder import ImageEncoder, VisionModel
 from pyserve.worker.kv_cache import blocks_for_memory
 from pyserve.worker.loading import ModelLoadError, open_checkpoint
@@ -186,9 +186,10 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
 
     def _blocks_for_memory(self, fraction: float, kv_dtype: torch.dtype) -> int:
-        scale_bytes = KV_SCALE_BYTES.get(self.kv_cache_dtype_name, 0)
+        config = self.model.config
+        scale_bytes = kv_scale_bytes(self.kv_cache_dtype_name, config.head_dim)
         # this rank's heads
-        per_token = self.model.config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes)
+        per_token = config.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # one block spare: the Triton backend's decode graphs pad into a scratch block

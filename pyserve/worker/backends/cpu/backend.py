@@ -104,7 +104,7 @@ class KernelPlan:
         isa = quant.kernels().isa() if kernel_available() else "none"
         features = attention_features()
         # int8 K/V (values and per-token scales) where the compiled attention reads them
-        int8 = cache_dtype == torch.int8 and "int8_cache" in features
+        int8 = cache_dtype == torch.int8 and "int8_q8_0" in features
         decode = kernel_available() and (cache_dtype in DTYPE_CODES or int8)
         prefill = decode and isa == "avx512_vnni"
         fused = layer_ops.fused_kernels() is not None
@@ -137,7 +137,7 @@ class KernelPlan:
                 and "partial" not in layer_ops.rope_features()
             ):
                 rope_missing.append("partial rotary")
-            if cache_dtype == torch.int8 and "int8_cache" not in layer_ops.rope_features():
+            if cache_dtype == torch.int8 and "int8_q8_0" not in layer_ops.rope_features():
                 rope_missing.append("int8 K/V store")
             if not (fused and prefill and attention == "kernels"):
                 rope_kv = "torch: rope + KV write is fused only with both attention kernels"

@@ -210,7 +210,7 @@ def rope_write_kv(
     ):
         return False
     if k_cache.dtype == torch.int8:
-        needs.add("int8_cache")
+        needs.add("int8_q8_0")
     rows, width = qkv.shape
     kv_heads, num_blocks, block_size, head_dim = v_cache.shape
     if not (eps >= 0 and math.isfinite(eps)):
