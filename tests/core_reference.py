@@ -617,6 +617,7 @@ class _Request:
     spec_drafted: int = 0  # drafts of its reported verify entries
     spec_accepted: int = 0  # of which accepted
     loading: list[int] = field(default_factory=list)  # blocks a step fills from disk for it
+    served_to: int = 0  # tenant fairness: its positions below this were counted served
     load_handle: int | None = None  # the cache node it locks while loading and until admitted
 
     @property
@@ -646,6 +647,7 @@ class Planner:
         reserve_decay: float = 0.001,
         max_draft_tokens: int = 0,
         tenant_fairness: bool = False,
+        fairness_quantum: int = 4096,
         disk_budget_blocks: int = 0,
     ) -> None:
         for name, value in dict(
@@ -662,6 +664,8 @@ class Planner:
             raise ValueError("reserve ratios must satisfy 0 <= min <= init <= 1, decay >= 0")
         if tenant_fairness and policy != "fcfs":
             raise ValueError("tenant_fairness needs the fcfs policy")
+        if fairness_quantum < 0:
+            raise ValueError(f"fairness_quantum must be >= 0, got {fairness_quantum}")
         if not 0 <= max_draft_tokens <= 65536:
             raise ValueError(f"max_draft_tokens must be in [0, 65536], got {max_draft_tokens}")
         self.allocator = BlockAllocator(num_blocks)
@@ -682,6 +686,7 @@ class Planner:
         self.reserve_ratio = init_reserve_ratio
         self.max_draft_tokens = max_draft_tokens
         self.tenant_fairness = tenant_fairness
+        self.fairness_quantum = fairness_quantum
         self._served: dict[int, int] = {}  # tenant -> tokens planned for it (lifted on return)
         self._live: dict[int, int] = {}  # tenant -> its requests not yet ended
         self._requests: dict[int, _Request] = {}
@@ -693,6 +698,7 @@ class Planner:
         self._dropped: list[int] = []
         self._next_step = 0
         self.retractions = 0
+        self.fairness_retractions = 0  # of which to make room for a less-served tenant
         self.spec_verify_entries = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_histogram = [0] * (max_draft_tokens + 1)
         self._step_loads: dict[int, list[_Request]] = {}  # step id -> requests loading in it
@@ -934,7 +940,10 @@ class Planner:
         entries: list[tuple[_Request, int, int, bool, int]] = []
         self._loading_now: list[_Request] = []
         self._pending_loads = ([], [])
-        retracted = self._preempt() if self.policy == "priority" else []
+        if self.policy == "priority":
+            retracted = self._preempt()
+        else:
+            retracted = self._preempt_for_fairness() if self.tenant_fairness else []
         preempted = len(retracted)
         self._plan_decodes(entries, retracted)
         budget = self._plan_chunks(entries, self.max_prefill_tokens)
@@ -1125,6 +1134,34 @@ class Planner:
             at -= 1
         self._running.insert(at, req)
 
+    def _room_needed(self, head: _Request) -> int | None:
+        """Blocks admitting ``head`` now lacks (<= 0: none, but a running slot is missing), or
+        None when it can be admitted."""
+        reserved = sum(self._future_blocks(r) for r in self._running)
+        shortfall = self._admit_cost(head, self.max_prefill_tokens, reserved)[-1]
+        if shortfall <= 0 and len(self._running) < self.max_running_requests:
+            return None
+        return shortfall
+
+    def _make_room(self, candidates: list[_Request], shortfall: int) -> list[int]:
+        """Retracts the first candidates, in order, that make room (a slot, and ``shortfall``
+        blocks by those they would give back); none if all of them would not."""
+        cached = self.cache.cached_block_ids() if self.enable_radix_cache else set()
+        victims, freed = [], 0
+        for v in candidates:
+            if victims and freed >= shortfall:
+                break
+            victims.append(v)
+            freed += self._future_blocks(v) + sum(
+                self.allocator.refcount(b) == 1 or (self.allocator.refcount(b) == 2 and b in cached)
+                for b in v.table
+            )
+        if not victims or freed < shortfall:
+            return []
+        for v in victims:
+            self._retract(v, memory_short=False)
+        return [v.rid for v in victims]
+
     def _preempt(self) -> list[int]:
         """The first admissible waiting request, short of blocks or of a running slot, retracts
         running requests of a larger priority value, last in the running order first, as many
@@ -1135,30 +1172,41 @@ class Planner:
         )
         if head is None:
             return []
-        reserved = sum(self._future_blocks(r) for r in self._running)
-        shortfall = self._admit_cost(head, self.max_prefill_tokens, reserved)[-1]
-        slot_short = len(self._running) >= self.max_running_requests
-        if shortfall <= 0 and not slot_short:
+        shortfall = self._room_needed(head)
+        if shortfall is None:
             return []
-        cached = self.cache.cached_block_ids() if self.enable_radix_cache else set()
-        victims, freed = [], 0
+        candidates = []
         for v in reversed(self._running):
             if v.priority <= head.priority:
                 break
-            if v.planned_samples >= v.max_new_tokens:
-                continue
-            victims.append(v)
-            freed += self._future_blocks(v) + sum(
-                self.allocator.refcount(b) == 1 or (self.allocator.refcount(b) == 2 and b in cached)
-                for b in v.table
-            )
-            if freed >= shortfall:
-                break
-        if not victims or freed < shortfall:
+            if v.planned_samples < v.max_new_tokens:
+                candidates.append(v)
+        return self._make_room(candidates, shortfall)
+
+    def _preempt_for_fairness(self) -> list[int]:
+        """The admissible request of the least-served tenant, short of blocks or of a running
+        slot, retracts running requests of tenants served more than its own by more than the
+        quantum: the most served first (the latest admitted on equal counts), as many as make
+        room; none if all of them would not."""
+        head = next(iter(self._admission_candidates()), None)
+        if head is None:
             return []
-        for v in victims:
-            self._retract(v, memory_short=False)
-        return [v.rid for v in victims]
+        least = self._served[head.tenant]
+        candidates = [
+            v
+            for v in reversed(self._running)  # latest admitted first
+            if self._served[v.tenant] - least > self.fairness_quantum
+            and v.planned_samples < v.max_new_tokens
+        ]
+        if not candidates:
+            return []
+        shortfall = self._room_needed(head)
+        if shortfall is None:
+            return []
+        candidates.sort(key=lambda v: -self._served[v.tenant])  # stable
+        victims = self._make_room(candidates, shortfall)
+        self.fairness_retractions += len(victims)
+        return victims
 
     def _admission_candidates(self) -> Iterable[_Request]:
         """Policy order; with tenant fairness, again after each admission: the first admissible
@@ -1210,8 +1258,9 @@ class Planner:
         start = req.num_scheduled
         sample = decode or start + n == req.prefill_target
         req.num_scheduled += n
-        if self.tenant_fairness:
-            self._served[req.tenant] += n
+        if self.tenant_fairness and start + n > req.served_to:  # a recompute is not served
+            self._served[req.tenant] += start + n - max(start, req.served_to)
+            req.served_to = start + n
         req.planned_samples += sample + len(drafts)  # a verify entry may yield 1 + k tokens
         req.inflight += 1
         return (req, start, n, decode, old_len, list(drafts))
@@ -1386,6 +1435,7 @@ class Planner:
             num_inflight_steps=self.num_inflight_steps,
             num_requests=len(self._requests),
             retractions=self.retractions,
+            fairness_retractions=self.fairness_retractions,
             steps_planned=self._next_step,
             tenant_tokens=dict(sorted(self._served.items())),
             reserve_ratio=self.reserve_ratio,
@@ -1436,6 +1486,8 @@ class Planner:
         return array("i", counts).tobytes()
 
     def check_invariants(self) -> None:
+        if self.fairness_retractions > self.retractions:
+            raise RuntimeError("fairness retractions are not a part of the retractions")
         for queue in (list(self._waiting), self._running):
             if [r.priority for r in queue] != sorted(r.priority for r in queue):
                 raise RuntimeError("a queue is not ordered by priority")
@@ -1471,6 +1523,10 @@ class Planner:
                     raise RuntimeError(f"request {req.rid}: scheduled past its verify entry")
             if req.draft and (req.state != "running" or req.verifying):
                 raise RuntimeError(f"request {req.rid}: drafts while not decoding")
+            if self.tenant_fairness and req.served_to < req.num_scheduled:
+                raise RuntimeError(
+                    f"request {req.rid}: planned positions its tenant was not served"
+                )
             if req.planned_samples + (1 + len(req.draft) if req.draft else 0) > req.max_new_tokens:
                 raise RuntimeError(f"request {req.rid}: samples could pass max_new_tokens")
 

@@ -376,6 +376,7 @@ class Tracked:
     spans: list[tuple[int, int]] = field(default_factory=list)  # whole spans [start, end)
     priority: int = 0  # lower runs first (the priority policy)
     tenant: int = 0  # whose request (tenant fairness)
+    served_to: int = 0  # its positions below this were counted served to its tenant
 
     def __post_init__(self) -> None:
         self.known = list(self.prompt)
@@ -443,6 +444,7 @@ def planner_configs(draw) -> dict:
     radix = draw(st.sampled_from([True, True, True, False]))
     return dict(
         tenant_fairness=policy == "fcfs" and draw(st.booleans()),
+        fairness_quantum=draw(st.sampled_from([0, 0, 3, 16, 4096])),
         num_blocks=-(-pool_tokens // block_size),
         block_size=block_size,
         max_running_requests=draw(st.integers(1, 8)),
@@ -795,7 +797,14 @@ class PlannerMachine(RuleBasedStateMachine):
     # -- driving the planner like the engine does ---------------------------------------------
 
     def _plan_once(self):
-        self.served_before = dict(self.planner.stats()["tenant_tokens"])
+        stats = self.planner.stats()
+        self.served_before = dict(stats["tenant_tokens"])
+        self.fair_retractions_before = stats["fairness_retractions"]
+        self.loading_before = {
+            r.rid
+            for r in self.requests.values()
+            if self.cfg.get("tenant_fairness") and self._loading(r)
+        }
         step = self.planner.plan()
         if step is None:
             if self.to_drop:
@@ -1024,6 +1033,8 @@ class PlannerMachine(RuleBasedStateMachine):
         if len({e.rid for e in entries}) != len(entries):
             self._fail(f"step {sid}: a request appears twice")
 
+        if cfg.get("tenant_fairness"):
+            self._check_fair_retractions(sid, retracted)
         # A request retracted in this plan may be re-admitted by it (then its entry is a new
         # admission, checked as such below), never continued.
         for rid in retracted:
@@ -1299,7 +1310,61 @@ class PlannerMachine(RuleBasedStateMachine):
                         )
                 if len({r.tenant for r in self.requests.values() if r.state != "done"}) > 1:
                     event("fairness: admission among tenants")
-            served[req.tenant] = served.get(req.tenant, 0) + e.n
+            end = e.start + e.n
+            if end > req.served_to:  # a recompute below its furthest position is not served
+                served[req.tenant] = served.get(req.tenant, 0) + end - max(e.start, req.served_to)
+                req.served_to = end
+        if served != dict(self.planner.stats()["tenant_tokens"]):
+            self._fail(
+                f"step {sid}: tenant_tokens {self.planner.stats()['tenant_tokens']}, expected "
+                f"{served} (each request's positions past its furthest planned before)"
+            )
+
+    def _check_fair_retractions(self, sid: int, retracted: list[int]) -> None:
+        """Tenant fairness: the step's first retractions (as many as fairness_retractions grew)
+        are of running requests with samples left whose tenants were served more than the
+        least-served tenant with an admissible request waiting, by more than the quantum; every
+        such request that keeps running is of a tenant served less, or equally and admitted
+        earlier, than each of them (the most served go first, the latest admitted among equals).
+        Counts are those at the start of the plan."""
+        n = self.planner.stats()["fairness_retractions"] - self.fair_retractions_before
+        if not n:
+            return
+        event("fairness: retraction")
+        served, quantum = self.served_before, self.cfg["fairness_quantum"]
+        waiting = [
+            r.tenant
+            for r in self.requests.values()
+            if r.state in ("waiting", "retracted")
+            and not r.inflight
+            and r.output_len < r.max_new
+            and r.rid not in self.loading_before
+        ]
+        if not waiting or n > len(retracted):
+            self._fail(f"step {sid}: {n} fairness retractions of {retracted}, {waiting} waiting")
+        least = min(served[t] for t in waiting)
+
+        def eligible(r: Tracked) -> bool:
+            return r.samples < r.max_new and served[r.tenant] - least > quantum
+
+        victims = [self.requests[rid] for rid in retracted[:n]]
+        for v in victims:
+            if v.state != "running" or not eligible(v):
+                self._fail(
+                    f"step {sid}: retracted rid {v.rid} ({v.state}, tenant {v.tenant} served "
+                    f"{served[v.tenant]}) for fairness, the least served waiting at {least}"
+                )
+        last = min((served[v.tenant], v.admit_seq) for v in victims)
+        for r in self.requests.values():
+            kept = r.state == "running" and r.rid not in retracted and eligible(r)
+            if kept:
+                event("fairness: retraction keeps a retractable request running")
+            if kept and (served[r.tenant], r.admit_seq) > last:
+                self._fail(
+                    f"step {sid}: rid {r.rid} (tenant {r.tenant}, served "
+                    f"{served[r.tenant]}) keeps running while rid {victims[-1].rid} was "
+                    f"retracted for fairness"
+                )
 
     def _check_priority(
         self,
@@ -1624,6 +1689,8 @@ class LockstepMachine(RuleBasedStateMachine):
             self.inflight.append((step[0], step[1]))
             if any(e["is_decode"] and e["num_tokens"] > 1 for e in step[1]):
                 event("lockstep: verify entry")
+            if step[3] and self.planners[0].stats()["fairness_retractions"]:
+                event("lockstep: fairness retraction")
 
     @precondition(lambda self: self.inflight)
     @rule(data=st.data())
@@ -1750,3 +1817,35 @@ TestPlannerDraftModel.settings = settings(max_examples=100, **_PLANNER_SETTINGS)
 
 TestPlannerLockstep = LockstepMachine.TestCase
 TestPlannerLockstep.settings = settings(max_examples=300, **_PLANNER_SETTINGS)
+
+
+@st.composite
+def fair_planner_configs(draw) -> dict:
+    """Tenant fairness with few running slots and small quanta: preemption for fairness often."""
+    return dict(
+        draw(planner_configs()),
+        policy="fcfs",
+        tenant_fairness=True,
+        max_running_requests=draw(st.integers(1, 3)),
+        fairness_quantum=draw(st.sampled_from([0, 1, 4, 12])),
+    )
+
+
+class FairPlannerMachine(PlannerMachine):
+    """The core planner under tenant fairness, three tenants contending for a few slots."""
+
+    setup = _small_vocab_setup(fair_planner_configs())
+
+
+class FairLockstepMachine(LockstepMachine):
+    """The core and the reference in lockstep under tenant fairness."""
+
+    @initialize(config=fair_planner_configs(), seed=st.integers(0, 2**16))
+    def setup(self, config: dict, seed: int) -> None:
+        LockstepMachine.setup(self, config, seed)
+
+
+TestPlannerCoreFairness = FairPlannerMachine.TestCase
+TestPlannerCoreFairness.settings = settings(max_examples=150, **_PLANNER_SETTINGS)
+TestPlannerLockstepFairness = FairLockstepMachine.TestCase
+TestPlannerLockstepFairness.settings = settings(max_examples=150, **_PLANNER_SETTINGS)

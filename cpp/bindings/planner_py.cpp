@@ -113,6 +113,7 @@ py::dict stats_dict(const pyserve::PlannerStats& s) {
   d["num_inflight_steps"] = s.num_inflight_steps;
   d["num_requests"] = s.num_requests;
   d["retractions"] = s.retractions;
+  d["fairness_retractions"] = s.fairness_retractions;
   d["steps_planned"] = s.steps_planned;
   py::dict tenants;
   for (const auto& [id, served] : s.tenant_tokens) tenants[py::int_(id)] = served;
@@ -141,7 +142,7 @@ void bind_planner(py::module_& m) {
                        int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
                        int64_t ngram_max_match, int64_t ngram_corpus_tokens,
                        int64_t speculative_token_budget, bool speculative_draft_model,
-                       bool tenant_fairness, int64_t disk_budget_blocks) {
+                       bool tenant_fairness, int64_t fairness_quantum, int64_t disk_budget_blocks) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -162,6 +163,7 @@ void bind_planner(py::module_& m) {
              c.speculative_token_budget = speculative_token_budget;
              c.speculative_draft_model = speculative_draft_model;
              c.tenant_fairness = tenant_fairness;
+             c.fairness_quantum = fairness_quantum;
              c.disk_budget_blocks = disk_budget_blocks;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
@@ -174,7 +176,8 @@ void bind_planner(py::module_& m) {
            py::arg("speculative_ngram") = false, py::arg("ngram_min_match") = 2,
            py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
            py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false,
-           py::arg("tenant_fairness") = false, py::arg("disk_budget_blocks") = 0)
+           py::arg("tenant_fairness") = false, py::arg("fairness_quantum") = 4096,
+           py::arg("disk_budget_blocks") = 0)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{

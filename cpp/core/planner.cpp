@@ -50,6 +50,8 @@ const PlannerConfig& validated(const PlannerConfig& c) {
   require(!c.tenant_fairness || c.policy == "fcfs",
           "tenant_fairness orders admission by itself: it needs the fcfs policy, got \"" +
               c.policy + "\"");
+  require(c.fairness_quantum >= 0,
+          "fairness_quantum must be >= 0, got " + std::to_string(c.fairness_quantum));
   require(c.speculative_token_budget >= 1, "speculative_token_budget must be >= 1, got " +
                                                std::to_string(c.speculative_token_budget));
   require(c.disk_budget_blocks >= 0,
@@ -407,6 +409,7 @@ std::optional<Step> Planner::plan() {
 
   int64_t prefill_budget = config_.max_prefill_tokens;
   if (policy_ == Policy::kPriority) preempt_for_priority(step);
+  if (config_.tenant_fairness) preempt_for_fairness(step);
   plan_decodes(step, record);
   plan_prefill_chunks(step, record, prefill_budget);
   // Memory ran short this step: admitting now (possibly the request just retracted) would only
@@ -525,7 +528,10 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
     step.num_prefill_tokens += num_tokens;
   }
   record.entries.push_back(InflightEntry{&r, start + num_tokens, sample, 0});
-  if (config_.tenant_fairness) tenants_[r.tenant].served += num_tokens;
+  if (config_.tenant_fairness && start + num_tokens > r.served_to) {  // a recompute is not served
+    tenants_[r.tenant].served += start + num_tokens - std::max(start, r.served_to);
+    r.served_to = start + num_tokens;
+  }
   r.num_scheduled += num_tokens;
   if (sample) ++r.planned_samples;
   ++r.inflight_steps;
@@ -911,6 +917,33 @@ int64_t Planner::releasable_blocks(const Request& r) const {
   return n;
 }
 
+// How many blocks admitting head now lacks (<= 0: none, but a running slot is missing), or
+// nothing when it can be admitted.
+std::optional<int64_t> Planner::room_needed(const Request& head) {
+  const bool slot_short = static_cast<int64_t>(running_.size()) >= config_.max_running_requests;
+  int64_t reserved = 0;
+  for (const Request* r : running_) reserved += future_blocks(*r);
+  const int64_t shortfall = admit_cost(head, config_.max_prefill_tokens, reserved).shortfall;
+  if (shortfall <= 0 && !slot_short) return std::nullopt;
+  return shortfall;
+}
+
+// Retracts the first of candidates (running, samples left), in order, that make room for
+// shortfall blocks and a running slot by the blocks they would give back; none if even all of
+// them would not. Returns how many it retracted.
+int64_t Planner::retract_to_make_room(const std::vector<Request*>& candidates, int64_t shortfall,
+                                      Step& step) {
+  size_t n = 0;
+  int64_t freed = 0;
+  while (n < candidates.size() && (n == 0 || freed < shortfall)) {
+    freed += future_blocks(*candidates[n]) + releasable_blocks(*candidates[n]);
+    ++n;
+  }
+  if (n == 0 || freed < shortfall) return 0;
+  for (size_t i = 0; i < n; ++i) retract(*candidates[i], step, /*memory_short=*/false);
+  return static_cast<int64_t>(n);
+}
+
 // The first admissible waiting request, when it cannot be admitted for lack of blocks or of a
 // running slot, retracts running requests of strictly lower priority, the last in the running
 // order first, as many as make room; none if even all of them would not.
@@ -919,23 +952,41 @@ void Planner::preempt_for_priority(Step& step) {
                               [this](const Request* r) { return admissible(*r); });
   if (head_it == waiting_.end()) return;
   const Request& head = **head_it;
-  const bool slot_short = static_cast<int64_t>(running_.size()) >= config_.max_running_requests;
-  int64_t reserved = 0;
-  for (const Request* r : running_) reserved += future_blocks(*r);
-  const int64_t shortfall = admit_cost(head, config_.max_prefill_tokens, reserved).shortfall;
-  if (shortfall <= 0 && !slot_short) return;
-  std::vector<Request*> victims;
-  int64_t freed = 0;
+  const std::optional<int64_t> shortfall = room_needed(head);
+  if (!shortfall) return;
+  std::vector<Request*> candidates;
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
     Request& v = **it;
     if (v.priority <= head.priority) break;  // the running order puts every candidate last
     if (v.planned_samples >= v.max_new_tokens) continue;  // about to finish: not worth it
-    victims.push_back(&v);
-    freed += future_blocks(v) + releasable_blocks(v);
-    if (freed >= shortfall) break;
+    candidates.push_back(&v);
   }
-  if (victims.empty() || freed < shortfall) return;
-  for (Request* v : victims) retract(*v, step, /*memory_short=*/false);
+  retract_to_make_room(candidates, *shortfall, step);
+}
+
+// The admissible request of the least-served tenant, when it cannot be admitted for lack of
+// blocks or of a running slot, retracts running requests of tenants served more than its own by
+// more than fairness_quantum: the most-served tenant's first, the latest admitted first on equal
+// counts, as many as make room; none if even all of them would not.
+void Planner::preempt_for_fairness(Step& step) {
+  const Request* head = least_served_waiting();
+  if (!head) return;
+  const int64_t least = tenants_[head->tenant].served;
+  std::vector<Request*> candidates;  // latest admitted first: the running order is admission's
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    Request& v = **it;
+    if (tenants_[v.tenant].served - least <= config_.fairness_quantum) continue;
+    if (v.planned_samples >= v.max_new_tokens) continue;  // about to finish: not worth it
+    candidates.push_back(&v);
+  }
+  if (candidates.empty()) return;
+  const std::optional<int64_t> shortfall = room_needed(*head);
+  if (!shortfall) return;
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [this](const Request* a, const Request* b) {
+                     return tenants_[a->tenant].served > tenants_[b->tenant].served;
+                   });
+  fairness_retractions_ += retract_to_make_room(candidates, *shortfall, step);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1103,6 +1154,7 @@ PlannerStats Planner::stats() const {
   s.num_inflight_steps = num_inflight_steps();
   s.num_requests = static_cast<int64_t>(requests_.size());
   s.retractions = retractions_;
+  s.fairness_retractions = fairness_retractions_;
   s.steps_planned = next_step_id_;
   for (const auto& [id, t] : tenants_) s.tenant_tokens.emplace_back(id, t.served);
   std::sort(s.tenant_tokens.begin(), s.tenant_tokens.end());

@@ -46,14 +46,32 @@
 // without bound (a deadline bounds that wait); within a class it is fcfs.
 //
 // Tenant fairness (tenant_fairness, with the fcfs policy): each tenant has a virtual token
-// counter, the tokens planned for its requests (prefill and decode positions). Admission takes
-// the admissible waiting request of the least-served tenant (queue order among its requests and
-// on ties), among the first 256 waiting; it stops, as fcfs does, at the first that does not fit.
-// A tenant with no live request that sends one starts at the least-served live tenant's count,
-// so idle time banks no credit. Guarantee (the property tests check it): no request is admitted
-// while an admissible waiting request of a tenant with a smaller count (at that admission)
-// waits in the window; so one tenant's backlog delays another tenant's request only while that
-// other tenant has been served more tokens than the backlogged one.
+// counter, the positions planned for its requests (prefill and decode) past the furthest each
+// had been planned before: a recompute after a retraction is the planner's cost, not service
+// (counting it would let two preempted tenants retract each other without progress). Admission
+// takes the admissible waiting request of the least-served tenant (queue order among its
+// requests and on ties), among the first 256 waiting; it stops, as fcfs does, at the first that
+// does not fit. A tenant with no live request that sends one starts at the least-served live
+// tenant's count, so idle time banks no credit. Guarantee (the property tests check it): no
+// request is admitted while an admissible waiting request of a tenant with a smaller count (at
+// that admission) waits in the window; so one tenant's backlog delays another tenant's request
+// only while that other tenant has been served more tokens than the backlogged one.
+// Decode slots too: before planning, when that request (W) cannot be admitted for lack of
+// blocks or of a running slot, the running requests of tenants served more than W's by more
+// than fairness_quantum tokens are retracted, the most-served tenant's first (on equal counts
+// the latest admitted first), as many as make room by the count of blocks they would give back
+// (as for priorities); none if even all of them would not. Guarantee (the property tests check
+// it): a request is retracted for fairness only while an admissible request of a tenant served
+// less by more than the quantum waits, and only if every running request that stays and could
+// be retracted in its place is of a tenant served less (or equally, and admitted earlier). The
+// quantum is the hysteresis: once W runs, its tenant must pull ahead of the retracted one by more
+// than the quantum before a request of the other can take its slot back, so each such exchange
+// costs a recompute (mostly a prefix hit: the retracted blocks stay cached) per quantum of new
+// tokens served, and there is no cycle without progress. Bound: the victims are never admitted
+// ahead of W while their tenants stay served more, so the room goes to W at the first admission
+// after it is made: in the same step unless prefill chunks of running requests used the step's
+// budget or a decode ran short of blocks (then at a later admission); and running requests of
+// another tenant keep W waiting only until that tenant is served the quantum more than W's.
 //
 // Disk tier (disk_budget_blocks > 0): evicted cache blocks are saved to disk (the steps carry
 // the saves). A waiting request whose prefix continues on disk loads it before admission: the
@@ -115,6 +133,9 @@ struct PlannerConfig {
   int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
   int64_t speculative_token_budget = 16;
   bool tenant_fairness = false;  // admission by tokens served per tenant (fcfs policy only)
+  // With tenant_fairness: how many tokens a running request's tenant may be served beyond a
+  // waiting one's before the running request is retracted to make room for it.
+  int64_t fairness_quantum = 4096;
   // Blocks the radix cache keeps on disk (RadixCache::set_disk_budget); 0: no disk tier. Steps
   // carry the saves and drops its evictions queue.
   int64_t disk_budget_blocks = 0;
@@ -147,6 +168,7 @@ struct PlannerStats {
   int64_t num_inflight_steps = 0;
   int64_t num_requests = 0;  // known: waiting, running, retracted, or done but still in flight
   int64_t retractions = 0;
+  int64_t fairness_retractions = 0;  // of which to make room for a less-served tenant
   int64_t steps_planned = 0;
   std::vector<std::pair<int32_t, int64_t>> tenant_tokens;  // (tenant, tokens served), ascending
   double reserve_ratio = 0.0;
@@ -276,6 +298,10 @@ class Planner {
   bool try_admit(Request& c, Step& step, InflightStep& record, int64_t& prefill_budget,
                  int64_t& reserved);
   void preempt_for_priority(Step& step);
+  void preempt_for_fairness(Step& step);
+  std::optional<int64_t> room_needed(const Request& head);
+  int64_t retract_to_make_room(const std::vector<Request*>& candidates, int64_t shortfall,
+                               Step& step);
   Request* least_served_waiting();
   int64_t releasable_blocks(const Request& r) const;
   void enqueue_waiting(Request& r, bool retracted);
@@ -324,6 +350,7 @@ class Planner {
 
   int64_t next_step_id_ = 0;
   int64_t retractions_ = 0;
+  int64_t fairness_retractions_ = 0;
   double reserve_ratio_;
   bool retracted_this_plan_ = false;
   std::unique_ptr<NgramDrafter> drafter_;  // with speculative_ngram

@@ -43,6 +43,10 @@ void Planner::check_invariants() const {
     }
     if (r.planned_samples > r.max_new_tokens) fail(name + " planned more samples than allowed");
     if (r.tenant != 0 && !config_.tenant_fairness) fail(name + " has a tenant without fairness");
+    // every position planned for it was counted served (once)
+    if (config_.tenant_fairness ? r.served_to < r.num_scheduled : r.served_to != 0) {
+      fail(name + " has positions planned that its tenant was not counted");
+    }
     if (r.priority != 0 && policy_ != Policy::kPriority) {
       fail(name + " has a priority under a policy that ignores it");
     }
@@ -79,6 +83,9 @@ void Planner::check_invariants() const {
     if (before && before->priority > r->priority)
       fail("the waiting queue is not ordered by priority");
     before = r;
+  }
+  if (fairness_retractions_ > retractions_ || (fairness_retractions_ && !config_.tenant_fairness)) {
+    fail("fairness retractions are not a part of the retractions");
   }
   if (config_.tenant_fairness) {
     std::unordered_map<int32_t, int64_t> live;

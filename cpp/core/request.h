@@ -65,6 +65,7 @@ struct Request {
   NodeId load_node = -1;
 
   int64_t cached_tokens = 0;  // prefix hit at the first admission
+  int64_t served_to = 0;      // tenant fairness: its positions below this were counted served
   bool ever_admitted = false;
   int32_t inflight_steps = 0;               // unreported steps with an entry for this request
   std::list<Request*>::iterator queue_pos;  // valid while waiting or retracted
