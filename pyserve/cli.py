@@ -182,7 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "tenant"],
         help="tenant: admit first the waiting request of the tenant served the fewest tokens "
         "(a request's tenant: its user field, Anthropic's metadata.user_id; none given: one "
-        "anonymous tenant); needs --schedule-policy fcfs",
+        "anonymous tenant), and preempt a running request of a tenant served more than "
+        "--fairness-quantum tokens beyond a waiting one's; needs --schedule-policy fcfs",
+    )
+    add(
+        "--fairness-quantum",
+        type=int,
+        default=4096,
+        help="with --fairness tenant: tokens a tenant may be served beyond a waiting tenant "
+        "before its running request is retracted (recomputed later, mostly from the prefix "
+        "cache) to give the waiting one its slot; larger: fewer preemptions",
     )
     add("--disable-radix-cache", action="store_true", help="no prefix caching")
     add_speculative_args(add)
@@ -420,6 +429,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         schedule_policy=args.schedule_policy,
         fairness=args.fairness,
+        fairness_quantum=args.fairness_quantum,
         enable_radix_cache=not args.disable_radix_cache,
         max_model_len=args.context_length,
         tokenizer_workers=args.tokenizer_workers,

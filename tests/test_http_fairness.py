@@ -22,18 +22,21 @@ from http_testlib import (
     HANG_GUARD_S,
     held_tiny_server,
     kv_idle,
+    metrics,
     request,
     short_generation_body,
     wait_for_metrics,
 )
 
 NEW_TOKENS = 24
+LONG_TOKENS = 160
 BACKLOG = 5
 
 
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory, hold):
-    args = ["--fairness", "tenant", "--max-running-requests", "1"]
+    # alice's requests of NEW_TOKENS stay within the quantum; LONG_TOKENS pass it
+    args = ["--fairness", "tenant", "--max-running-requests", "1", "--fairness-quantum", "64"]
     with held_tiny_server(tmp_path_factory.getbasetemp(), hold, *args) as server:
         yield server
 
@@ -45,23 +48,31 @@ def unfair(tmp_path_factory, hold):
         yield server
 
 
-def completion_order(url: str, hold) -> list[str]:
-    """alice's first request, then her backlog, then bob's, all queued behind held steps;
-    the names in the order their responses came."""
-    done: list[str] = []
+Wave = list[tuple[str, str, int]]  # (name, user, max_tokens) of requests sent together
 
-    async def complete(http: aiohttp.ClientSession, name: str, user: str) -> None:
-        body = {
-            "prompt": f"{name} says",
-            "max_tokens": NEW_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "user": user,
-        }
-        async with http.post(url + "/v1/completions", json=body) as resp:
+
+def body_for(name: str, user: str, max_tokens: int) -> dict:
+    return {
+        "prompt": f"{name} says",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "user": user,
+    }
+
+
+def run_in_waves(url: str, hold, waves: list[Wave]) -> tuple[list[str], dict[str, str]]:
+    """Each wave's requests sent once the earlier ones are all in the core, behind held steps;
+    the names in the order their responses came, and their texts."""
+    done: list[str] = []
+    texts: dict[str, str] = {}
+
+    async def complete(http: aiohttp.ClientSession, name: str, user: str, n: int) -> None:
+        async with http.post(url + "/v1/completions", json=body_for(name, user, n)) as resp:
             assert resp.status == 200, await resp.text()
             result = await resp.json()
-        assert result["usage"]["completion_tokens"] == NEW_TOKENS
+        assert result["usage"]["completion_tokens"] == n
+        texts[name] = result["choices"][0]["text"]
         done.append(name)
 
     def in_core(n: int):
@@ -70,21 +81,27 @@ def completion_order(url: str, hold) -> list[str]:
     async def scenario() -> None:
         async with aiohttp.ClientSession() as http:
             hold.touch()
+            tasks = []
             try:
-                tasks = [asyncio.create_task(complete(http, "alice-0", "alice"))]
-                await asyncio.to_thread(wait_for_metrics, url, in_core(1))
-                for i in range(1, BACKLOG + 1):
-                    tasks.append(asyncio.create_task(complete(http, f"alice-{i}", "alice")))
-                await asyncio.to_thread(wait_for_metrics, url, in_core(1 + BACKLOG))
-                tasks.append(asyncio.create_task(complete(http, "bob", "bob")))
-                await asyncio.to_thread(wait_for_metrics, url, in_core(2 + BACKLOG))
+                for wave in waves:
+                    for name, user, n in wave:
+                        tasks.append(asyncio.create_task(complete(http, name, user, n)))
+                    await asyncio.to_thread(wait_for_metrics, url, in_core(len(tasks)))
             finally:
                 hold.unlink()
             await asyncio.gather(*tasks)
 
     asyncio.run(scenario())
     wait_for_metrics(url, kv_idle)
-    return done
+    return done, texts
+
+
+def completion_order(url: str, hold) -> list[str]:
+    """alice's first request, then her backlog, then bob's, all queued behind held steps;
+    the names in the order their responses came."""
+    backlog = [(f"alice-{i}", "alice", NEW_TOKENS) for i in range(1, BACKLOG + 1)]
+    waves = [[("alice-0", "alice", NEW_TOKENS)], backlog, [("bob", "bob", NEW_TOKENS)]]
+    return run_in_waves(url, hold, waves)[0]
 
 
 def stats(url: str) -> dict:
@@ -125,6 +142,29 @@ def test_a_tenants_request_starts_ahead_of_another_tenants_backlog(fair, hold):
     tokens = tenant_tokens(fair.url)
     assert tokens["alice"] == served["alice"]["tokens"]
     assert tokens["bob"] == served["bob"]["tokens"]
+
+
+def test_a_long_running_request_gives_its_slot_to_another_tenant_and_still_completes(fair, hold):
+    """erin's long request runs (with a backlog of hers behind it) when frank's arrives: once
+    erin has been served the quantum (64) more than frank, her request is retracted and his
+    runs to its end first (it stays within the quantum); hers is then recomputed and finishes
+    with the same greedy text as when it runs alone."""
+    before = metrics(fair.url)
+    backlog = [(f"erin-{i}", "erin", 8) for i in (1, 2)]  # new tenants: no earlier counts
+    waves = [[("erin-0", "erin", LONG_TOKENS)], backlog, [("frank", "frank", 16)]]
+    order, texts = run_in_waves(fair.url, hold, waves)
+    assert order == ["frank", "erin-0", "erin-1", "erin-2"], order
+    after = metrics(fair.url)
+    preempted = (
+        after["pyserve_fairness_retractions_total"] - before["pyserve_fairness_retractions_total"]
+    )
+    assert preempted >= 1
+    assert after["pyserve_retractions_total"] - before["pyserve_retractions_total"] >= preempted
+    assert stats(fair.url)["tenants"]["preempted"] == after["pyserve_fairness_retractions_total"]
+    status, _, text = request(fair.url + "/v1/completions", body_for("erin-0", "erin", LONG_TOKENS))
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["text"] == texts["erin-0"]
+    wait_for_metrics(fair.url, kv_idle)
 
 
 def test_without_fairness_the_same_request_waits_behind_the_backlog(unfair, hold):

@@ -85,6 +85,9 @@ def test_fairness_needs_the_fcfs_policy():
             EngineConfig(fairness="tenant", schedule_policy=policy).validate()
     with pytest.raises(ValueError, match="fairness must be none or tenant"):
         EngineConfig(fairness="weighted").validate()
+    EngineConfig(fairness="tenant", fairness_quantum=0).validate()
+    with pytest.raises(ValueError, match="fairness_quantum must be >= 0, got -1"):
+        EngineConfig(fairness="tenant", fairness_quantum=-1).validate()
 
 
 @pytest.mark.parametrize("dp", [[], ["--dp", "2"]], ids=["one", "replicas"])
@@ -121,6 +124,17 @@ def test_the_flag_reaches_the_engine_config_and_the_replicas():
     args = parser.parse_args(["run", "--dp", "2", "--fairness", "tenant"])
     assert cli.engine_config(args).fairness == "tenant"
     assert replicas.replica_args(parser, args) == ["--fairness", "tenant"]
+    assert cli.engine_config(args).fairness_quantum == 4096
+    args = parser.parse_args(
+        ["run", "--dp", "2", "--fairness", "tenant", "--fairness-quantum", "9"]
+    )
+    assert cli.engine_config(args).fairness_quantum == 9
+    assert replicas.replica_args(parser, args) == [
+        "--fairness",
+        "tenant",
+        "--fairness-quantum",
+        "9",
+    ]
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "--fairness", "user"])
 

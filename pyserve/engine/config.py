@@ -63,6 +63,9 @@ class EngineConfig:
     # "tenant": admission takes the waiting request of the tenant served the fewest tokens
     # (cpp/core/planner.h, "Tenant fairness"; the fcfs policy only); "none": the policy alone
     fairness: str = "none"
+    # Under fairness "tenant": tokens a running request's tenant may be served beyond a waiting
+    # one's before the running request is retracted to give it the slot (the hysteresis)
+    fairness_quantum: int = 4096
     enable_radix_cache: bool = True
     max_model_len: int | None = None  # None = the model's context length
     tokenizer_workers: int = 2
@@ -220,6 +223,8 @@ class EngineConfig:
             )
         if self.fairness not in ("none", "tenant"):
             raise ValueError(f"fairness must be none or tenant, got {self.fairness!r}")
+        if self.fairness_quantum < 0:
+            raise ValueError(f"fairness_quantum must be >= 0, got {self.fairness_quantum}")
         if self.fairness == "tenant" and self.schedule_policy != "fcfs":
             raise ValueError(
                 "fairness tenant orders admission by itself: it needs schedule policy fcfs, "

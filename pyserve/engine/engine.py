@@ -253,6 +253,7 @@ class Engine:
             vocab_size=self._info.vocab_size if not self.takes_images else MAX_TOKEN_ID,
             disk_budget_blocks=self._disk_budget_blocks(ready),
             tenant_fairness=config.fairness == "tenant",
+            fairness_quantum=config.fairness_quantum,
             **config.planner_speculation(),
         )
         if ready.disk_tier and ready.disk_index:
@@ -442,7 +443,8 @@ class Engine:
         ``limit`` tenants of the largest counts, largest first, each with its ``name`` (None:
         the anonymous tenant), ``tokens`` (the planner's count: the prompt and output positions
         planned for its requests, raised to the least-served live tenant's count when it comes
-        back from idle) and ``requests`` (in the engine now). None without fairness."""
+        back from idle) and ``requests`` (in the engine now); ``quantum`` and ``preempted``, the
+        running requests retracted to give a less-served tenant a slot. None without fairness."""
         if self.config.fairness != "tenant":
             return None
         tenants = self._tenants
@@ -452,6 +454,8 @@ class Engine:
             "active": tenants.active,
             "tracked": len(tenants),
             "capacity": tenants.capacity,
+            "quantum": self.config.fairness_quantum,
+            "preempted": self._snapshot().get("fairness_retractions", 0),
             "top": [
                 {"name": tenants.name(t), "tokens": n, "requests": tenants.live_requests(t)}
                 for t, n in top

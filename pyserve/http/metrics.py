@@ -102,7 +102,16 @@ class EngineCollector(Collector):
         counters = {
             "pyserve_prefix_cache_queried_tokens": ("Prompt tokens looked up", "query_tokens"),
             "pyserve_prefix_cache_hit_tokens": ("Prompt tokens found cached", "hit_tokens"),
-            "pyserve_retractions": ("Running requests preempted for KV space", "retractions"),
+            "pyserve_retractions": (
+                "Running requests preempted (for KV space, a more important request, or a "
+                "less-served tenant), to be recomputed",
+                "retractions",
+            ),
+            "pyserve_fairness_retractions": (
+                "Running requests preempted for a tenant served fewer tokens (--fairness "
+                "tenant; part of the retractions)",
+                "fairness_retractions",
+            ),
             # the disk tier (0 while it is off)
             "pyserve_disk_cache_saved_blocks": (
                 "KV blocks written to the disk tier (evicted, or at a clean stop)",

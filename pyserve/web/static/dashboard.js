@@ -195,7 +195,8 @@ function renderTenants(tenants) {
   section.hidden = !tenants;
   if (!tenants) return;
   document.getElementById("tenants-subtitle").textContent =
-    `${tenants.active} active, ${tenants.tracked} named of at most ${formatNumber(tenants.capacity, 0)}`;
+    `${tenants.active} active, ${tenants.tracked} named of at most ${formatNumber(tenants.capacity, 0)}, ` +
+    `${formatNumber(tenants.preempted, 0)} preempted for fairness (quantum ${formatNumber(tenants.quantum, 0)} tokens)`;
   const rows = tenants.top.map((t) => {
     const row = document.createElement("tr");
     const name = document.createElement("td");
