@@ -1,7 +1,9 @@
 """Tenant names → the planner's int32 tenant ids, in a table of bounded size.
 
 With ``fairness="tenant"`` the planner keeps a count of the tokens it planned for each tenant id
-and admits the least-served tenant's request first (cpp/core/planner.h, "Tenant fairness").
+and admits the least-served tenant's request first, preempting running requests of tenants
+served more than ``fairness_quantum`` beyond it when it finds no slot or KV room
+(cpp/core/planner.h, "Tenant fairness").
 Names come from requests, so any client can make new ones: the table holds at most ``capacity``
 named tenants, and the planner sees no more ids than that. A name keeps its id while it has a
 request in the engine and afterwards, until a new name needs an id and none is unused: then the
