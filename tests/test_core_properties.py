@@ -1034,7 +1034,7 @@ class PlannerMachine(RuleBasedStateMachine):
             self._fail(f"step {sid}: a request appears twice")
 
         if cfg.get("tenant_fairness"):
-            self._check_fair_retractions(sid, retracted)
+            self._check_fair_retractions(sid, retracted, entries, bool(_i32(step.load_blocks)))
         # A request retracted in this plan may be re-admitted by it (then its entry is a new
         # admission, checked as such below), never continued.
         for rid in retracted:
@@ -1320,13 +1320,17 @@ class PlannerMachine(RuleBasedStateMachine):
                 f"{served} (each request's positions past its furthest planned before)"
             )
 
-    def _check_fair_retractions(self, sid: int, retracted: list[int]) -> None:
+    def _check_fair_retractions(
+        self, sid: int, retracted: list[int], entries: list[PlannedEntry], loads: bool
+    ) -> None:
         """Tenant fairness: the step's first retractions (as many as fairness_retractions grew)
         are of running requests with samples left whose tenants were served more than the
         least-served tenant with an admissible request waiting, by more than the quantum; every
         such request that keeps running is of a tenant served less, or equally and admitted
         earlier, than each of them (the most served go first, the latest admitted among equals).
-        Counts are those at the start of the plan."""
+        Counts are those at the start of the plan. And the room made goes to the least-served
+        tenant in the same step (below: when nothing else in the step takes it, without the
+        radix cache)."""
         n = self.planner.stats()["fairness_retractions"] - self.fair_retractions_before
         if not n:
             return
@@ -1365,6 +1369,36 @@ class PlannerMachine(RuleBasedStateMachine):
                     f"{served[r.tenant]}) keeps running while rid {victims[-1].rid} was "
                     f"retracted for fairness"
                 )
+        # No starvation: the room goes to the least-served tenant in the same step, unless
+        # something else in it takes blocks or budget first (a memory retraction, a prefill
+        # chunk of an earlier admission, a decode's new block, a disk load) or its decodes tie
+        # another tenant with it (then the queue's order decides). Without the radix cache: with
+        # it, the blocks a victim gives back are an estimate (shared and locked prefixes).
+        others = (
+            self.cfg["enable_radix_cache"]
+            or len(retracted) > n
+            or loads
+            or any(e.decode and e.blocks for e in entries)
+            or any(not e.decode and self.requests[e.rid].state == "running" for e in entries)
+        )
+        if others:
+            return
+        now = dict(served)  # the counts at the admissions: after the step's decodes
+        for e in entries:
+            r = self.requests[e.rid]
+            if e.decode and e.start + e.n > r.served_to:
+                now[r.tenant] += e.start + e.n - max(e.start, r.served_to)
+        # a victim in no unreported step may be admitted again in this plan
+        waiting += [v.tenant for v in victims if not v.inflight and v.output_len < v.max_new]
+        least_now = min(now[t] for t in waiting)
+        first = {t for t in waiting if now[t] == least_now}
+        fresh = {self.requests[e.rid].tenant for e in entries if not e.decode}
+        if len(first) == 1 and not first & fresh:
+            self._fail(
+                f"step {sid}: retracted {retracted[:n]} for fairness, then admitted no request "
+                f"of tenant {first.pop()} (served {least_now}, the least)"
+            )
+        event("fairness: retraction makes room in the step")
 
     def _check_priority(
         self,

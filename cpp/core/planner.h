@@ -68,10 +68,12 @@
 // than the quantum before a request of the other can take its slot back, so each such exchange
 // costs a recompute (mostly a prefix hit: the retracted blocks stay cached) per quantum of new
 // tokens served, and there is no cycle without progress. Bound: the victims are never admitted
-// ahead of W while their tenants stay served more, so the room goes to W at the first admission
-// after it is made: in the same step unless prefill chunks of running requests used the step's
-// budget or a decode ran short of blocks (then at a later admission); and running requests of
-// another tenant keep W waiting only until that tenant is served the quantum more than W's.
+// ahead of W while their tenants stay served more, so the room goes to the least-served tenant
+// at the first admission after it is made: W's in the same step (the property tests check it
+// without the radix cache, whose shared prefixes make the blocks given back an estimate) unless
+// the step's prefill chunks, a decode's new block or a memory retraction take room or budget
+// first, or its decodes tie another tenant with W's (queue order decides); and running
+// requests of another tenant keep W waiting only until that tenant is served the quantum more.
 //
 // Disk tier (disk_budget_blocks > 0): evicted cache blocks are saved to disk (the steps carry
 // the saves). A waiting request whose prefix continues on disk loads it before admission: the
