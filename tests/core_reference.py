@@ -373,13 +373,9 @@ class RadixCache:
         self._remove(node)
 
     def _drop_files(self, keys: list[tuple]) -> None:
-        """Drops the files of keys; a save not yet taken is cancelled instead."""
-        pending = {k for _, k in self._saves}
-        for k in keys:
-            if k in pending:
-                self._saves = [(b, s) for b, s in self._saves if s != k]
-            else:
-                self._drops.append(k)
+        """Drops the files of keys, after any save of them not yet taken (a load in the same
+        step may read it first)."""
+        self._drops.extend(keys)
 
     def disk_keys(self) -> list[tuple]:
         return [k for n in self._nodes.values() if n.on_disk for k in n.keys]

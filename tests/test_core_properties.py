@@ -1855,13 +1855,9 @@ TestPlannerLockstep.settings = settings(max_examples=300, **_PLANNER_SETTINGS)
 
 @st.composite
 def fair_planner_configs(draw) -> dict:
-    """Tenant fairness with few running slots and small quanta: preemption for fairness often.
-    Without the disk tier: its loads are covered by the other machines (which mix in fairness
-    too), and a fault they find now and then (a load of a key never saved, also under the
-    priority policy without fairness) is not this machine's subject."""
+    """Tenant fairness with few running slots and small quanta: preemption for fairness often."""
     return dict(
         draw(planner_configs()),
-        disk_budget_blocks=0,
         policy="fcfs",
         tenant_fairness=True,
         max_running_requests=draw(st.integers(1, 3)),

@@ -572,16 +572,9 @@ int64_t RadixCache::remove_disk_leaf(NodeId node, bool queue_drops) {
   Node& n = nodes_[node];
   const NodeId parent_id = n.parent;
   const int64_t count = edge_blocks(n);
-  for (uint64_t key : n.keys) {
-    if (!queue_drops) continue;
-    auto it = std::find_if(pending_saves_.begin(), pending_saves_.end(),
-                           [key](const DiskOp& op) { return op.key == key; });
-    if (it != pending_saves_.end()) {
-      pending_saves_.erase(it);  // never written: nothing to drop
-    } else {
-      pending_drops_.push_back(key);
-    }
-  }
+  // A save not yet taken stays, its drop after it: a load planned in the same step may name the
+  // key (the worker saves, loads, then drops), and cancelling the save would leave it unreadable.
+  if (queue_drops) pending_drops_.insert(pending_drops_.end(), n.keys.begin(), n.keys.end());
   disk_unlist(node);
   disk_blocks_ -= count;
   disk_evicted_blocks_ += count;

@@ -24,11 +24,13 @@
 //   RAM children into a disk node instead of dropping it, and queues one "save block b as key k"
 //   op per block (take_saves): the caller copies the blocks out before anything reuses them. The
 //   disk nodes are bounded by the budget (in blocks): LRU disk leaves are dropped past it, their
-//   keys queued as drops (take_drops). A disk node's children are disk nodes, so locks (on RAM
-//   nodes only) never reach the disk tier. match_prefix and peek_prefix return RAM blocks only
-//   and say how many blocks continue on disk; insert through disk nodes brings them back to RAM,
-//   adopting the caller's blocks and reporting them as loads (InsertResult::loads): the caller
-//   fills those blocks from the keys (or computed them itself). The tree stays tensor-free.
+//   keys queued as drops (take_drops; a save still queued stays before its drop, as a load in
+//   the same step may read it: the caller saves, then loads, then drops). A disk node's children
+//   are disk nodes, so locks (on RAM nodes only) never reach the disk tier. match_prefix and
+//   peek_prefix return RAM blocks only and say how many blocks continue on disk; insert through
+//   disk nodes brings them back to RAM, adopting the caller's blocks and reporting them as loads
+//   (InsertResult::loads): the caller fills those blocks from the keys (or computed them itself).
+//   The tree stays tensor-free.
 //
 // Invariant (check_invariants): each block in the tree is in exactly one RAM node and the tree
 // holds one reference on it; sibling edges start with different blocks; a node's lock count is at
