@@ -153,7 +153,8 @@ def test_a_long_running_request_gives_its_slot_to_another_tenant_and_still_compl
     backlog = [(f"erin-{i}", "erin", 8) for i in (1, 2)]  # new tenants: no earlier counts
     waves = [[("erin-0", "erin", LONG_TOKENS)], backlog, [("frank", "frank", 16)]]
     order, texts = run_in_waves(fair.url, hold, waves)
-    assert order == ["frank", "erin-0", "erin-1", "erin-2"], order
+    # the backlog's two requests are sent together: they reach the queue in either order
+    assert order[:2] == ["frank", "erin-0"] and sorted(order[2:]) == ["erin-1", "erin-2"], order
     after = metrics(fair.url)
     preempted = (
         after["pyserve_fairness_retractions_total"] - before["pyserve_fairness_retractions_total"]

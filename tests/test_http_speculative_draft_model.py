@@ -37,6 +37,7 @@ def server(model):
 
 
 def test_greedy_output_equals_transformers_with_the_draft_models_drafts(server, model):
+    accepted = 0
     for ref in references(model):
         params = {"max_new_tokens": len(ref["output"]), "temperature": 0, "ignore_eos": True}
         status, _, raw = request(
@@ -45,9 +46,13 @@ def test_greedy_output_equals_transformers_with_the_draft_models_drafts(server, 
         assert status == 200, raw
         out = json.loads(raw)
         check_against_reference(out["output_ids"], ref, ref["text"])
-        assert out["meta_info"]["spec_accepted_tokens"] > 0
+        accepted += out["meta_info"]["spec_accepted_tokens"]
+    # The planner drafts only while its measured step costs say drafts pay, and a model drafting
+    # for itself never does: its drafts run until a plain step has been measured (the first
+    # requests) and in each later re-measurement, not in every request.
+    assert accepted > 0
     idle = wait_for_metrics(server.url, kv_idle)
-    assert idle["pyserve_spec_accepted_tokens_total"] > 0
+    assert idle["pyserve_spec_accepted_tokens_total"] >= accepted
     info = json.loads(request(server.url + "/server_info")[2])["speculative"]
     assert info["algorithm"] == "standalone" and info["draft_model_path"] == str(model)
 

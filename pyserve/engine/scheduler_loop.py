@@ -380,6 +380,10 @@ class SchedulerLoop:
             handed.append((delta, cached, accepted))
         self._generated_since_log += len(msg.deltas)
         self._handed_tokens += len(handed)
+        if not self._live:
+            # the last request ended: /metrics read after its response must show its effects,
+            # not the snapshot from before it (a short request can run between two refreshes)
+            self._take_snapshot()
         if handed:
             self._post(self._sink.on_step, handed)
 
