@@ -103,7 +103,7 @@ class KernelPlan:
     def decide(cls, config: ModelConfig, cache_dtype: torch.dtype) -> KernelPlan:
         isa = quant.kernels().isa() if kernel_available() else "none"
         features = attention_features()
-        # int8 K/V (values and per-token scales) where the compiled attention reads them
+        # int8 K/V (values and a float16 scale per 32) where the compiled attention reads them
         int8 = cache_dtype == torch.int8 and "int8_q8_0" in features
         decode = kernel_available() and (cache_dtype in DTYPE_CODES or int8)
         prefill = decode and isa == "avx512_vnni"
