@@ -373,6 +373,8 @@ class Tracked:
     match_prefix: bool = True  # False: every admission starts at position 0
     draft: list[int] = field(default_factory=list)  # set for the next plan()
     verifying: list[int] = field(default_factory=list)  # drafts of an unreported verify entry
+    # speculative_chain: (step id, start, drafts) of the entry chained behind that verify entry
+    chained: tuple[int, int, list[int]] | None = None
     spans: list[tuple[int, int]] = field(default_factory=list)  # whole spans [start, end)
     priority: int = 0  # lower runs first (the priority policy)
     tenant: int = 0  # whose request (tenant fairness)
@@ -398,6 +400,7 @@ class PlannedEntry:
     n: int
     decode: bool
     worker_drafts: bool  # a verify entry whose drafts the worker's draft model writes
+    chained: bool  # planned behind its request's unreported verify entry (is_decode 3)
     sample: bool
     offset: int
     blocks: list[int]
@@ -423,6 +426,7 @@ def _entries(step) -> list[PlannedEntry]:
                 n=counts[i],
                 decode=bool(decode[i]),
                 worker_drafts=decode[i] == 2,
+                chained=decode[i] == 3,
                 sample=bool(sample[i]),
                 offset=offsets[i],
                 blocks=ids[b : b + nblocks[i]],
@@ -960,19 +964,50 @@ class PlannerMachine(RuleBasedStateMachine):
                 for block in [b] if b is not None else range(len(self.kv)):
                     if self.kv[block][pos % self.bs] == (rid, pos):
                         self.kv[block][pos % self.bs] = None
+            chained, req.chained = req.chained, None
+            if chained is not None:
+                self._resolve_chain(req, chained, new_end, accepted_all=named == k + 1)
             if req.state == "done":
                 continue
             req.samples -= k + 1 - named
-            if req.state == "running":
+            if req.state == "running" and chained is None:
                 members[rid] = new_end
                 req.kv_len = new_end
                 req.table = req.table[: -(-new_end // self.bs)]
+            elif req.state == "running":
+                members[rid] = new_end  # its computed positions; the chained entry's are later
         for rid, end in members.items():
             req = self.requests[rid]
             req.inflight -= 1
             if req.state == "running":
                 req.computed = max(req.computed, end)
         self._resolve_reads()
+
+    def _resolve_chain(
+        self, req: Tracked, chained: tuple[int, int, list[int]], new_end: int, accepted_all: bool
+    ) -> None:
+        """The worker ran the entry chained behind a verify entry as planned when the verify
+        accepted every draft; else as a plain decode at ``new_end`` (the position of the token
+        sampled after the accepted drafts), and the core drops the positions past it."""
+        sid, start, drafts = chained
+        if accepted_all:
+            req.verifying = list(drafts)
+            event("chained entry stands")
+            return
+        event("chained entry degraded to a plain decode")
+        self.step_verify[sid].pop(req.rid, None)
+        if req.state == "done":
+            return
+        end = start + 1 + len(drafts)
+        for pos in range(new_end, end):  # neither rejected drafts' nor planned chained K/V
+            slots = self._slot(req.table[pos // self.bs], pos)
+            if slots[pos % self.bs] == (req.rid, pos):
+                slots[pos % self.bs] = None
+        self._slot(req.table[new_end // self.bs], new_end)[new_end % self.bs] = (req.rid, new_end)
+        req.samples -= len(drafts)
+        self.step_members[sid][req.rid] = new_end + 1
+        req.kv_len = new_end + 1
+        req.table = req.table[: -(-(new_end + 1) // self.bs)]
 
     def _close(self, req: Tracked) -> None:
         req.state = "done"
@@ -1098,6 +1133,8 @@ class PlannerMachine(RuleBasedStateMachine):
             if seen:
                 event(what)  # shown by --hypothesis-show-statistics: what the runs covered
         verify = {e.rid: (e.start, e.n - 1) for e in entries if e.decode and e.n > 1}
+        if any(e.chained for e in entries):
+            event("chained entry in a step")
         if cfg.get("speculative_ngram"):
             decodes = sum(e.decode for e in entries)
             budget = cfg["speculative_token_budget"]
@@ -1182,7 +1219,13 @@ class PlannerMachine(RuleBasedStateMachine):
         elif e.start != req.kv_len:
             self._fail(f"{where}: starts at {e.start}, but its KV holds {req.kv_len} positions")
         if e.decode:
-            if req.verifying:
+            if e.chained:  # behind its unreported verify entry, as if that accepts every draft
+                if not self.cfg.get("speculative_chain") or not req.verifying or req.chained:
+                    self._fail(f"{where}: chained, but not behind one unreported verify entry")
+                if req.inflight != 1 or req.draft:
+                    self._fail(f"{where}: chained with {req.inflight} steps in flight")
+                event("chained entry" + (" with drafts" if e.n > 1 else ""))
+            elif req.verifying:
                 self._fail(f"{where}: planned before the report verifying its drafts")
             draft, req.draft = req.draft, []  # one plan consumes them, verified or not
             if e.worker_drafts:  # any tokens: the draft model's, which the core never sees
@@ -1191,7 +1234,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 draft = [None] * (e.n - 1)
                 event("draft-model verify entry")
                 self.auto_drafts += len(draft)
-            elif not draft and e.n > 1 and self.cfg.get("speculative_ngram"):
+            elif not draft and e.n > 1 and (e.chained or self.cfg.get("speculative_ngram")):
                 draft = e.input_ids  # the planner's own n-gram drafts
                 if len(draft) > self.cfg["max_draft_tokens"]:
                     self._fail(f"{where}: {len(draft)} drafts > max_draft_tokens")
@@ -1218,7 +1261,9 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._fail(f"{where}: sample={e.sample} but the prefill ends={ends}")
             if e.sample and req.samples != req.output_len:
                 self._fail(f"{where}: recompute samples before all its outputs are known")
-        if e.decode and e.n > 1:
+        if e.chained:
+            req.chained = (sid, e.start, e.input_ids)
+        elif e.decode and e.n > 1:
             req.verifying = [None] * (e.n - 1) if e.worker_drafts else e.input_ids
         if e.sample:
             req.samples += e.n if e.decode else 1  # a verify entry: up to 1 + k tokens
@@ -1238,6 +1283,9 @@ class PlannerMachine(RuleBasedStateMachine):
             b = req.table[pos // bs]
             if written.setdefault(b, e.rid) != e.rid:
                 self._fail(f"step {sid}: block {b} written by {written[b]} and {e.rid}")
+        # a chained entry reads the drafts of the verify entry before it only when that accepts
+        # them all (else the worker runs it below them); their tokens are known then
+        assumed = e.start - len(req.verifying) if e.chained else e.start
         for pos in range(e.start):
             b = req.table[pos // bs]
             read.setdefault(b, e.rid)
@@ -1247,7 +1295,8 @@ class PlannerMachine(RuleBasedStateMachine):
                     f"step {sid} rid {e.rid}: reads position {pos} from block {b}, "
                     f"which holds {slot} (rid, position)"
                 )
-            self.pending_reads.append((e.rid, slot[0], pos, sid))
+            if pos < assumed:
+                self.pending_reads.append((e.rid, slot[0], pos, sid))
         self._resolve_reads()
 
     def _resolve_reads(self, final: bool = False) -> None:
@@ -1804,6 +1853,7 @@ def ngram_planner_configs(draw) -> dict:
         ngram_max_match=draw(st.integers(2, 4)),
         ngram_corpus_tokens=draw(st.sampled_from([0, 0, 40, 400])),
         speculative_token_budget=draw(st.integers(1, 12)),
+        speculative_chain=draw(st.booleans()),
     )
 
 

@@ -142,7 +142,8 @@ void bind_planner(py::module_& m) {
                        int64_t max_draft_tokens, bool speculative_ngram, int64_t ngram_min_match,
                        int64_t ngram_max_match, int64_t ngram_corpus_tokens,
                        int64_t speculative_token_budget, bool speculative_draft_model,
-                       bool tenant_fairness, int64_t fairness_quantum, int64_t disk_budget_blocks) {
+                       bool tenant_fairness, int64_t fairness_quantum, int64_t disk_budget_blocks,
+                       bool speculative_chain) {
              PlannerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -165,6 +166,7 @@ void bind_planner(py::module_& m) {
              c.tenant_fairness = tenant_fairness;
              c.fairness_quantum = fairness_quantum;
              c.disk_budget_blocks = disk_budget_blocks;
+             c.speculative_chain = speculative_chain;
              return PyPlanner{std::make_shared<Planner>(c), std::make_shared<std::mutex>()};
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -177,7 +179,7 @@ void bind_planner(py::module_& m) {
            py::arg("ngram_max_match") = 4, py::arg("ngram_corpus_tokens") = 0,
            py::arg("speculative_token_budget") = 16, py::arg("speculative_draft_model") = false,
            py::arg("tenant_fairness") = false, py::arg("fairness_quantum") = 4096,
-           py::arg("disk_budget_blocks") = 0)
+           py::arg("disk_budget_blocks") = 0, py::arg("speculative_chain") = false)
       .def_property_readonly("cache",
                              [](PyPlanner& p) {
                                return Guarded<RadixCache>{

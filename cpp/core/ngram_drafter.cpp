@@ -62,11 +62,12 @@ int64_t NgramDrafter::wanted(int64_t rid, int64_t limit) {
   return std::min(s.length, limit);
 }
 
-std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown) const {
+std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown,
+                                         const std::vector<int32_t>& assumed) const {
   auto it = slots_.find(rid);
   if (it == slots_.end() || k <= 0) return {};
-  NgramDraft d = ngram_draft(it->second.index, corpus_.get(), k + unknown, config_.min_match,
-                             config_.max_match);
+  NgramDraft d = ngram_draft_after(it->second.index, assumed.data(), assumed.size(), corpus_.get(),
+                                   k + unknown, config_.min_match, config_.max_match);
   if (static_cast<int64_t>(d.tokens.size()) <= unknown) return {};
   d.tokens.erase(d.tokens.begin(), d.tokens.begin() + unknown);
   return std::move(d.tokens);

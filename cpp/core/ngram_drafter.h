@@ -8,7 +8,8 @@
 // Drafting ahead of an unreported token: when a request's plain decode is still in flight, its
 // history lacks the token being sampled. The drafter then drafts one token further and drops
 // the first, which stands in for the unknown one; when that guess is wrong, verification
-// rejects the drafts (outputs stay exact, only the work is lost).
+// rejects the drafts (outputs stay exact, only the work is lost). Behind an unreported verify
+// entry the history also lacks its drafts: they are looked up as if accepted.
 //
 // Draft length adapts per request: it starts at kFirstLength (at most max_draft_tokens), grows by
 // half again after a verify that accepted every draft and shrinks to accepted + 1 after one that
@@ -61,9 +62,11 @@ class NgramDrafter {
   // How many drafts the request wants now (0: none this time), at most `limit`. Counts down a
   // back-off, so call it once per decode entry planned.
   int64_t wanted(int64_t rid, int64_t limit);
-  // Up to `k` drafts following the request's history extended by `unknown` (0 or 1) unreported
-  // tokens; empty when nothing matched.
-  std::vector<int32_t> draft(int64_t rid, int64_t k, int64_t unknown) const;
+  // Up to `k` drafts following the request's history extended by `assumed` (drafts of an
+  // unreported verify entry, taken as accepted), then by `unknown` (0 or 1) unreported tokens;
+  // empty when nothing matched.
+  std::vector<int32_t> draft(int64_t rid, int64_t k, int64_t unknown,
+                             const std::vector<int32_t>& assumed = {}) const;
   // A verify entry of `drafted` drafts accepted `accepted` of them.
   void verified(int64_t rid, int64_t drafted, int64_t accepted);
   // The share of its drafts the request's recent verifies accepted (a running mean).

@@ -190,6 +190,36 @@ NgramDraft NgramIndex::draft(int64_t max_tokens, int64_t min_match, int64_t max_
   return out;
 }
 
+std::vector<int32_t> NgramIndex::tail(const int32_t* extra, size_t n_extra, size_t count) const {
+  const size_t from_extra = std::min(count, n_extra);
+  const size_t from_history =
+      std::min(count - from_extra, static_cast<size_t>(store_.end() - store_.begin()));
+  std::vector<int32_t> out(store_.data_at(store_.end() - static_cast<int64_t>(from_history)),
+                           store_.data_at(store_.end()));
+  out.insert(out.end(), extra + n_extra - from_extra, extra + n_extra);
+  return out;
+}
+
+NgramDraft NgramIndex::draft_after(const int32_t* extra, size_t n_extra, int64_t max_tokens,
+                                   int64_t min_match, int64_t max_match) const {
+  if (n_extra == 0) return draft(max_tokens, min_match, max_match);
+  check_draft_args(max_tokens, min_match, max_match, max_ngram());
+  NgramDraft out;
+  const int64_t len = store_.end();
+  // Every occurrence in the history is earlier than the context's end, which lies past it.
+  const int32_t top =
+      static_cast<int32_t>(std::min(max_match, len + static_cast<int64_t>(n_extra) - 1));
+  if (max_tokens == 0 || top < min_match) return out;
+  const std::vector<int32_t> key = tail(extra, n_extra, static_cast<size_t>(top));
+  const auto [start, n] = store_.longest_match(key.data() + key.size(), top, min_match);
+  if (start < 0) return out;
+  const int64_t from = start + n;
+  const int64_t to = std::min(from + max_tokens, len);
+  out.match = n;
+  out.tokens.assign(store_.data_at(from), store_.data_at(to));
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------
 // NgramCorpus
 
@@ -265,6 +295,20 @@ NgramDraft ngram_draft(const NgramIndex& request, const NgramCorpus* corpus, int
   if (corpus == nullptr || own.match == max_match) return own;
   NgramDraft shared = corpus->draft(request.data(), static_cast<size_t>(request.size()), max_tokens,
                                     min_match, max_match);
+  return shared.match > own.match ? shared : own;
+}
+
+NgramDraft ngram_draft_after(const NgramIndex& request, const int32_t* extra, size_t n_extra,
+                             const NgramCorpus* corpus, int64_t max_tokens, int64_t min_match,
+                             int64_t max_match) {
+  if (n_extra == 0) return ngram_draft(request, corpus, max_tokens, min_match, max_match);
+  if (corpus != nullptr) check_draft_args(max_tokens, min_match, max_match, corpus->max_ngram());
+  NgramDraft own = request.draft_after(extra, n_extra, max_tokens, min_match, max_match);
+  if (corpus == nullptr || own.match == max_match) return own;
+  const std::vector<int32_t> context =
+      request.tail(extra, n_extra, static_cast<size_t>(std::max<int64_t>(max_match, 0)));
+  NgramDraft shared =
+      corpus->draft(context.data(), context.size(), max_tokens, min_match, max_match);
   return shared.match > own.match ? shared : own;
 }
 

@@ -100,6 +100,12 @@ class NgramIndex {
   // O(n * max_ngram); ValueError (nothing appended) for a token out of range.
   void append(const int32_t* tokens, size_t n);
   NgramDraft draft(int64_t max_tokens, int64_t min_match, int64_t max_match) const;
+  // The same for the history followed by extra[0, n_extra), tokens not (yet) in it: drafts
+  // behind tokens assumed to come, such as drafts still being verified.
+  NgramDraft draft_after(const int32_t* extra, size_t n_extra, int64_t max_tokens,
+                         int64_t min_match, int64_t max_match) const;
+  // The last min(count, size() + n_extra) tokens of the history followed by extra.
+  std::vector<int32_t> tail(const int32_t* extra, size_t n_extra, size_t count) const;
 
  private:
   NgramStore store_;
@@ -142,5 +148,9 @@ class NgramCorpus {
 // reflects this request's content (its variable names, its quoted text). corpus may be null.
 NgramDraft ngram_draft(const NgramIndex& request, const NgramCorpus* corpus, int64_t max_tokens,
                        int64_t min_match, int64_t max_match);
+// The same for the request's history followed by extra[0, n_extra) (NgramIndex::draft_after).
+NgramDraft ngram_draft_after(const NgramIndex& request, const int32_t* extra, size_t n_extra,
+                             const NgramCorpus* corpus, int64_t max_tokens, int64_t min_match,
+                             int64_t max_match);
 
 }  // namespace pyserve

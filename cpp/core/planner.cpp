@@ -47,6 +47,8 @@ const PlannerConfig& validated(const PlannerConfig& c) {
           "max_draft_tokens must be in [0, 65536], got " + std::to_string(c.max_draft_tokens));
   require(!(c.speculative_ngram && c.speculative_draft_model),
           "speculative_ngram and speculative_draft_model are alternatives: choose one");
+  require(!c.speculative_chain || c.speculative_ngram,
+          "speculative_chain chains the planner's own n-gram drafts: it needs speculative_ngram");
   require(!c.tenant_fairness || c.policy == "fcfs",
           "tenant_fairness orders admission by itself: it needs the fcfs policy, got \"" +
               c.policy + "\"");
@@ -555,10 +557,78 @@ void Planner::add_verify_entry(Step& step, InflightStep& record, Request& r, siz
   r.draft.clear();
 }
 
-// Decoding, sampling left, and not waiting for a verify result its next input depends on.
+// Decoding, sampling left, and not waiting for a verify result its next input depends on
+// (unless its next entry may be chained behind that verify entry).
 bool Planner::decode_eligible(const Request& r) const {
   return r.num_scheduled >= r.prefill_target && r.planned_samples < r.max_new_tokens &&
-         r.verifying.empty();
+         (r.verifying.empty() || chain_eligible(r));
+}
+
+// Its only unreported entry verifies drafts, and nothing is chained behind it yet.
+bool Planner::chain_eligible(const Request& r) const {
+  return config_.speculative_chain && !r.verifying.empty() && !r.chained && r.inflight_steps == 1;
+}
+
+// r's next entry behind its unreported verify entry, as if that accepts every draft: r.draft's
+// drafts when their blocks fit beside the plain decodes still to plan, else none, else no entry
+// (r waits for the verify report, as without chaining). Never a retraction.
+void Planner::add_chained_entry(Step& step, InflightStep& record, Request& r, size_t old_len,
+                                int64_t plain_blocks_left) {
+  auto extra = [&](int64_t k) {
+    return blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
+  };
+  if (!step.retracted.empty()) r.draft.clear();
+  if (!r.draft.empty() &&
+      available_blocks() < extra(static_cast<int64_t>(r.draft.size())) + plain_blocks_left) {
+    r.draft.clear();
+  }
+  if (!step.retracted.empty() || available_blocks() < extra(0) + plain_blocks_left) return;
+  const int64_t k = static_cast<int64_t>(r.draft.size());
+  if (!allocate_blocks(extra(k), r.table)) {
+    throw InvariantError("a chained entry sized to the available blocks did not fit");
+  }
+  add_entry(step, record, r, 1 + k, /*decode=*/true, old_len);
+  step.is_decode.back() = 3;
+  step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
+  step.num_decode_tokens += k;
+  record.entries.back().drafts = static_cast<int32_t>(k);
+  record.entries.back().chained = true;
+  r.planned_samples += k;
+  r.chained = true;
+  r.chained_drafts.swap(r.draft);
+  r.draft.clear();
+  r.chained_step = step.step_id;
+}
+
+// The report of r's verify entry came, with r's entry chained behind it: if the verify accepted
+// every draft, the chained entry stands (its drafts are the ones verified next); else the worker
+// computed it as a plain decode at accepted_end (the position of the token sampled after the
+// accepted drafts), so its drafts and the positions past that one are dropped here too.
+void Planner::resolve_chain(Request& r, bool verify_accepted_all, int64_t accepted_end) {
+  r.chained = false;
+  if (verify_accepted_all) {
+    r.verifying.swap(r.chained_drafts);
+    r.chained_drafts.clear();
+    return;
+  }
+  InflightEntry* chained = nullptr;
+  for (InflightStep& s : inflight_) {
+    if (s.step_id != r.chained_step) continue;
+    for (InflightEntry& e : s.entries) {
+      if (e.request == &r) chained = &e;
+    }
+  }
+  if (chained == nullptr || !chained->chained) {
+    throw InvariantError("request " + std::to_string(r.rid) + "'s chained entry is not in step " +
+                         std::to_string(r.chained_step));
+  }
+  if (r.state == RequestState::kRunning) {  // else its admission resets both
+    r.planned_samples -= chained->drafts;
+    truncate_scheduled(r, accepted_end + 1);
+  }
+  chained->drafts = 0;
+  chained->end = accepted_end + 1;
+  r.chained_drafts.clear();
 }
 
 // The new block a plain 1-token decode of r needs (0 or 1).
@@ -571,7 +641,10 @@ int64_t Planner::plain_decode_blocks(const Request& r) const {
 void Planner::propose_drafts(Request& r, StepDrafts& step) {
   const int64_t limit = std::min(step.budget, r.max_new_tokens - r.planned_samples - 1);
   int64_t k = drafter_->wanted(r.rid, limit);
-  const int64_t unknown = r.planned_samples - static_cast<int64_t>(r.output.size());
+  // Behind an unreported verify entry (chaining), its drafts are assumed accepted: only the
+  // token sampled after them is unknown.
+  const bool chain = !r.verifying.empty();
+  const int64_t unknown = chain ? 1 : r.planned_samples - static_cast<int64_t>(r.output.size());
   // the worker knows the unreported token: its draft model drafts after it
   if (k <= 0 || (unknown > 1 && !config_.speculative_draft_model)) return;
   const double share = drafter_->acceptance(r.rid);
@@ -584,7 +657,7 @@ void Planner::propose_drafts(Request& r, StepDrafts& step) {
     r.draft.assign(static_cast<size_t>(k), 0);
     r.worker_drafts = true;
   } else {
-    r.draft = drafter_->draft(r.rid, k, unknown);
+    r.draft = drafter_->draft(r.rid, k, unknown, chain ? r.verifying : std::vector<int32_t>{});
   }
   const int64_t n = static_cast<int64_t>(r.draft.size());
   step.budget -= n;
@@ -632,6 +705,11 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
     if (drafter_ && r.draft.empty()) propose_drafts(r, own);
+    if (!r.verifying.empty()) {  // chain_eligible
+      add_chained_entry(step, record, r, old_len, plain_blocks_left);
+      ++i;
+      continue;
+    }
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
@@ -1104,21 +1182,25 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
     const InflightEntry& entry = s.entries[j];
     Request& r = *entry.request;
     --r.inflight_steps;
+    // The K/V past the accepted drafts and the first position after them is of rejected drafts.
+    const int64_t accepted_end = entry.end - entry.drafts - 1 + scratch_counts_[j];
     if (entry.drafts > 0) {
       r.verifying.clear();
       if (scratch_counts_[j] > 0) count_verified(r, entry.drafts, scratch_counts_[j] - 1);
+      // The worker decided the chained entry's fate by the same count (a finished request's
+      // tokens are discarded either way).
+      if (r.chained) resolve_chain(r, scratch_counts_[j] == entry.drafts + 1, accepted_end);
     }
     if (r.state != RequestState::kRunning) continue;
     if (entry.drafts == 0) {
       r.num_computed = std::max(r.num_computed, entry.end);
       continue;
     }
-    // The K/V past the accepted drafts and the first position after them is of rejected drafts.
-    // No later entry names r (it waited for this report), so its scheduled positions end here.
-    const int64_t accepted_end = entry.end - entry.drafts - 1 + scratch_counts_[j];
     r.num_computed = std::max(r.num_computed, accepted_end);
     r.planned_samples -= entry.drafts + 1 - scratch_counts_[j];
-    truncate_scheduled(r, accepted_end);
+    // No later entry names r (it waited for this report), so its scheduled positions end here;
+    // a chained entry behind it was dealt with above.
+    if (r.inflight_steps == 0) truncate_scheduled(r, accepted_end);
   }
   for (size_t i = 0; i < num_rids; ++i) {
     Request& r = *s.entries[scratch_targets_[i]].request;

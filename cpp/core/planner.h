@@ -20,7 +20,15 @@
 // retraction already happened in it, the entry falls back to a plain 1-token decode. The report
 // gives 1..k+1 tokens for it (the accepted drafts, then one more); the rejected positions are
 // released: num_scheduled rolls back to the new computed length and blocks wholly past it are
-// freed. Until that report the request gets no entry. Only computed whole blocks enter the
+// freed. Until that report the request gets no entry, unless speculative_chain: then its next
+// entry is chained right behind the verify entry, as if that accepts every draft (is_decode 3,
+// with the drafter's drafts after the assumed ones, or none), when its blocks fit as drafts'
+// do. The worker runs steps in order, so it knows the verify result when it reaches the chained
+// entry: if the verify accepted fewer, it computes the chained entry as a plain 1-token decode
+// at the right position (the position after the accepted drafts), and the report of the verify
+// entry makes the same change here: the chained entry's drafts are dropped, and positions past
+// that one position are released. A request thus never waits a round trip for its verify result.
+// Only computed whole blocks enter the
 // cache, so no cached block ever holds rejected K/V.
 //
 // Whole spans: add_request may name runs of prompt positions that one forward pass must compute
@@ -134,6 +142,9 @@ struct PlannerConfig {
   int64_t ngram_max_match = 4;
   int64_t ngram_corpus_tokens = 0;  // tokens of ended sequences to draft from; 0: none
   int64_t speculative_token_budget = 16;
+  // With speculative_ngram: a request's next entry is planned behind its unreported verify entry
+  // (is_decode 3; see the header comment), so that the worker never waits for a verify result.
+  bool speculative_chain = false;
   bool tenant_fairness = false;  // admission by tokens served per tenant (fcfs policy only)
   // With tenant_fairness: how many tokens a running request's tenant may be served beyond a
   // waiting one's before the running request is retracted to make room for it.
@@ -264,6 +275,7 @@ class Planner {
     bool sample;
     int32_t drafts;              // a verify entry's drafts: it samples up to drafts + 1 tokens
     bool worker_drafts = false;  // the worker's draft model wrote them: the core never saw them
+    bool chained = false;        // planned behind the request's unreported verify entry
   };
   struct InflightStep {
     int64_t step_id;
@@ -280,6 +292,10 @@ class Planner {
   int64_t future_blocks(const Request& r) const;
   bool allocate_blocks(int64_t n, std::vector<BlockId>& table);
   bool decode_eligible(const Request& r) const;
+  bool chain_eligible(const Request& r) const;
+  void add_chained_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len,
+                         int64_t plain_blocks_left);
+  void resolve_chain(Request& r, bool verify_accepted_all, int64_t accepted_end);
   int64_t plain_decode_blocks(const Request& r) const;
   void truncate_scheduled(Request& r, int64_t new_scheduled);
 

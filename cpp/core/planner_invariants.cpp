@@ -104,18 +104,29 @@ void Planner::check_invariants() const {
 
   // In-flight counts.
   std::unordered_map<const Request*, int32_t> named;
-  std::unordered_map<const Request*, const InflightEntry*> verify;
+  std::unordered_map<const Request*, const InflightEntry*> verify;   // the oldest
+  std::unordered_map<const Request*, const InflightEntry*> chained;  // chained behind it
   for (const InflightStep& s : inflight_) {
     for (const InflightEntry& e : s.entries) {
+      const bool behind_verify = verify.count(e.request) > 0;
       ++named[e.request];
       if (e.drafts < 0 || e.drafts > config_.max_draft_tokens) {
         fail("step " + std::to_string(s.step_id) + " has an entry with a bad draft count");
       }
+      if (e.chained && (!e.sample || !config_.speculative_chain)) {
+        fail("step " + std::to_string(s.step_id) + " has a chained entry that cannot be one");
+      }
+      if (behind_verify) {
+        // only the entry chained behind the unreported verify entry may follow it
+        if (!e.chained || !e.request->chained || !chained.emplace(e.request, &e).second) {
+          fail("request " + std::to_string(e.request->rid) +
+               " is planned behind its unreported verify entry, not chained to it");
+        }
+        continue;
+      }
       if (e.drafts == 0) continue;
       if (!e.sample) fail("step " + std::to_string(s.step_id) + " verifies without sampling");
-      if (!verify.emplace(e.request, &e).second) {
-        fail("request " + std::to_string(e.request->rid) + " has two unreported verify entries");
-      }
+      verify.emplace(e.request, &e);
     }
     for (const Request* r : s.loads) {
       if (++named[r] > 1) fail("request " + std::to_string(r->rid) + " loads in two steps");
@@ -130,7 +141,8 @@ void Planner::check_invariants() const {
     if ((it == named.end() ? 0 : it->second) != owned->inflight_steps) {
       fail("request " + std::to_string(rid) + " miscounts the unreported steps naming it");
     }
-    // While a verify entry is unreported the request waits: nothing is scheduled after it.
+    // While a verify entry is unreported the request waits (nothing is scheduled after it) or
+    // has one entry chained behind it.
     auto v = verify.find(owned.get());
     const size_t k = v == verify.end() ? 0 : static_cast<size_t>(v->second->drafts);
     if (owned->verifying.size() != k) {
@@ -138,7 +150,19 @@ void Planner::check_invariants() const {
            std::to_string(owned->verifying.size()) + " drafts, but its unreported steps " +
            std::to_string(k));
     }
-    if (k > 0 && owned->state == RequestState::kRunning && v->second->end != owned->num_scheduled) {
+    auto c = chained.find(owned.get());
+    if (owned->chained != (c != chained.end())) {
+      fail("request " + std::to_string(rid) + (owned->chained ? " has no" : " has an unmarked") +
+           " entry chained behind its verify entry");
+    }
+    if (c != chained.end() &&
+        (owned->chained_drafts.size() != static_cast<size_t>(c->second->drafts) ||
+         owned->inflight_steps != 2)) {
+      fail("request " + std::to_string(rid) + "'s chained entry does not match its record");
+    }
+    const InflightEntry* last = c != chained.end() ? c->second : k > 0 ? v->second : nullptr;
+    if (last != nullptr && owned->state == RequestState::kRunning &&
+        last->end != owned->num_scheduled) {
       fail("request " + std::to_string(rid) + " is scheduled past its unreported verify entry");
     }
   }

@@ -54,8 +54,13 @@ struct Request {
   std::vector<int32_t> draft;
   std::vector<int32_t> verifying;
   bool worker_drafts = false;  // draft and verifying are placeholders: the draft model drafts
-  int64_t spec_drafted = 0;    // drafts of its reported verify entries
-  int64_t spec_accepted = 0;   // of which accepted
+  // speculative_chain: an unreported entry planned behind the verify entry of `verifying`, as if
+  // that accepts every draft; its drafts (none: a plain decode), and the step holding it.
+  bool chained = false;
+  std::vector<int32_t> chained_drafts;
+  int64_t chained_step = -1;
+  int64_t spec_drafted = 0;   // drafts of its reported verify entries
+  int64_t spec_accepted = 0;  // of which accepted
 
   // The disk tier: while waiting, blocks being filled from disk files by an unreported step
   // (owned by the request until that report puts them in the tree), and the cache node it locks

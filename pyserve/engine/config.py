@@ -136,6 +136,8 @@ class EngineConfig:
             ngram_max_match=self.speculative_ngram_max_match_window_size,
             ngram_corpus_tokens=self.speculative_ngram_capacity,
             speculative_token_budget=self.speculative_token_budget,
+            # a request's next entry runs behind its verify instead of waiting for the result
+            speculative_chain=True,
         )
 
     def resolved_prefill_budget(self) -> tuple[int, int]:
