@@ -535,3 +535,160 @@ def test_the_offline_engine_runs_with_drafting_enabled_but_no_drafts(tiny_model:
     engine = OfflineEngine(str(tiny_model), block_size=BLOCK, num_blocks=512,
                            check_invariants=True, max_draft_tokens=K)  # fmt: skip
     assert_same_outputs(engine.generate(prompts, greedy()), want, "max_draft_tokens, no drafts")
+
+
+# ------------------------------------------------------------------ chained entries (is_decode 3)
+
+
+def chain_executor(model: Path, prompts: list[list[int]]) -> StepExecutor:
+    """A real worker's executor (Steps are written by hand) with requests 1, 2, ... added."""
+    executor = OfflineEngine(str(model), block_size=BLOCK, num_blocks=64).executor
+    for rid, prompt in enumerate(prompts, start=1):
+        executor.add_request(NewRequest(rid=rid, prompt_ids=i32(prompt), sampling=greedy()))
+    return executor
+
+
+def run_step(executor: StepExecutor, step_id: int, entries: list[dict]) -> dict[int, list[int]]:
+    """Runs a Step of ``entries`` (as make_step takes them); the tokens reported, by rid."""
+    result = executor.execute(make_step(step_id, entries))
+    rids = np.frombuffer(result.rids, dtype="<i8").tolist()
+    tokens = np.frombuffer(result.token_ids, dtype="<i4").tolist()
+    reported: dict[int, list[int]] = {}
+    for rid, token in zip(rids, tokens, strict=True):
+        reported.setdefault(rid, []).append(token)
+    return reported
+
+
+def blocks_for(first: int, positions: int) -> list[int]:
+    return list(range(first, first + -(-positions // BLOCK)))
+
+
+def test_a_chained_entry_behind_a_verify_that_accepts_every_draft_runs_as_a_verify(
+    tiny_model: Path,
+) -> None:
+    prompt = random_prompts(12)[2]
+    want = plain_run(tiny_model, [prompt], greedy())[0].token_ids
+    executor = chain_executor(tiny_model, [prompt])
+    p, k = len(prompt), 3
+    blocks = blocks_for(0, p + NEW_TOKENS)
+    got = run_step(executor, 0, [dict(rid=1, n=p, ids=prompt, blocks=blocks)])[1]
+    verify = dict(rid=1, start=p, n=1 + k, decode=1, ids=want[1 : 1 + k])  # the true drafts
+    got += run_step(executor, 1, [verify])[1]
+    assert len(got) == k + 2
+    # planned before that verify was reported, as if it accepted all k drafts
+    chained = dict(rid=1, start=p + 1 + k, n=3, decode=3, ids=want[k + 2 : k + 4])
+    reported = run_step(executor, 2, [chained])[1]
+    assert len(reported) == 3  # a verify of its 2 drafts, both accepted
+    got += reported
+    for step_id, position in enumerate(range(p + len(got) - 1, p + 12), start=3):
+        got += run_step(executor, step_id, [dict(rid=1, start=position, decode=1)])[1]
+    assert got == want[: len(got)]
+
+
+def test_a_chained_entry_behind_a_verify_that_rejects_a_draft_decodes_one_token(
+    tiny_model: Path,
+) -> None:
+    """Its drafts are skipped (the prefill behind it still reads its own ids), it runs at the
+    request's last sampled token, and its block-table update applies as sent."""
+    prompts = random_prompts(13)[1:3]
+    want = [o.token_ids for o in plain_run(tiny_model, prompts, greedy())]
+    executor = chain_executor(tiny_model, prompts)
+    p, k = len(prompts[0]), 3
+    first = blocks_for(0, p + 1 + k)  # what the verify needs; the chained entry brings more
+    got = run_step(executor, 0, [dict(rid=1, n=p, ids=prompts[0], blocks=first)])
+    drafts = [want[0][1], (want[0][2] + 1) % TINY_VOCAB, want[0][3]]  # the second is wrong
+    got[1] += run_step(executor, 1, [dict(rid=1, start=p, n=1 + k, decode=1, ids=drafts)])[1]
+    assert got[1] == want[0][:3]  # one draft accepted, then the model's token
+    more = blocks_for(len(first), p + NEW_TOKENS - len(first) * BLOCK)
+    chained = dict(rid=1, start=p + 1 + k, n=3, decode=3, ids=[7, 8], offset=len(first),
+                   blocks=more)  # fmt: skip
+    other = dict(rid=2, n=len(prompts[1]), ids=prompts[1], blocks=blocks_for(32, 40))
+    reported = run_step(executor, 2, [chained, other])
+    assert reported[1] == [want[0][3]]  # exactly one token, at position p + 2
+    assert executor.requests.get(1).block_table == first + more
+    got[1] += reported[1]
+    got[2] = reported[2]
+    for step_id in range(3, 12):
+        decodes = [
+            dict(rid=rid, start=len(prompt) + len(got[rid]) - 1, decode=1)
+            for rid, prompt in enumerate(prompts, start=1)
+        ]
+        for rid, tokens in run_step(executor, step_id, decodes).items():
+            got[rid] += tokens
+    assert got[1] == want[0][: len(got[1])] and len(got[1]) == 13
+    assert got[2] == want[1][: len(got[2])] and len(got[2]) == 10
+
+
+def test_a_finished_requests_chained_entry_runs_and_reports_nothing(tiny_model: Path) -> None:
+    prompt = random_prompts(14)[1]
+    executor = chain_executor(tiny_model, [prompt])
+    executor.requests.get(1).params = greedy(max_new_tokens=3)
+    want = plain_run(tiny_model, [prompt], greedy())[0].token_ids
+    p, k = len(prompt), 4
+    blocks = blocks_for(0, p + NEW_TOKENS)
+    run_step(executor, 0, [dict(rid=1, n=p, ids=prompt, blocks=blocks)])
+    verify = dict(rid=1, start=p, n=1 + k, decode=1, ids=want[1 : 1 + k])
+    assert run_step(executor, 1, [verify])[1] == want[1:3]  # the length finish cuts it
+    assert executor.requests.get(1).finished
+    chained = dict(rid=1, start=p + 1 + k, n=3, decode=3, ids=want[k + 1 : k + 3])
+    assert run_step(executor, 2, [chained]) == {}
+
+
+def chained_table() -> RequestTable:
+    """Request 1 sampled its last token (41) at position 4, request 3 (50) at 3; request 2 is
+    new."""
+    table = RequestTable(block_size=4, eos_token_ids=[TINY_EOS])
+    for rid, prompt in ((1, [5, 6, 7]), (2, [8, 9]), (3, [5, 6, 7])):
+        table.add(NewRequest(rid=rid, prompt_ids=i32(prompt), sampling=greedy()))
+    table.get(1).output_ids, table.get(1).last_token = [40, 41], 41
+    table.get(1).block_table = [0, 1]
+    table.get(3).output_ids, table.get(3).last_token = [50], 50
+    table.get(3).block_table = [2, 3]
+    return table
+
+
+def test_chained_entries_become_the_entries_they_run_as() -> None:
+    table = chained_table()
+    step = make_step(
+        5,
+        [
+            dict(rid=1, start=6, n=3, decode=3, ids=[90, 91], offset=2, blocks=[4]),  # behind
+            dict(rid=2, start=0, n=2, ids=[8, 9], blocks=[5]),
+            dict(rid=3, start=3, n=2, decode=3, ids=[60]),  # at its last token: a verify
+        ],
+    )
+    prepared = table.prepare(step)
+    batch = prepared.batch
+    assert batch.input_ids.tolist() == [41, 8, 9, 50, 60]
+    assert batch.positions.tolist() == [4, 0, 1, 3, 4]
+    assert (batch.start_pos, batch.num_tokens) == ([4, 0, 3], [1, 2, 2])
+    assert batch.sample_index.tolist() == [0, 2, 3, 4]
+    assert [s.rid for s in prepared.sampling] == [1, 2, 3]
+    assert prepared.verify == {2: [60]}
+    assert table.get(1).block_table == [0, 1, 4]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            dict(rid=1, start=3, n=2, decode=3, ids=[90]),
+            "chained entry for request 1 starts at 3, before its last sampled token at position 4",
+        ),
+        (dict(rid=1, start=4, n=1, decode=3, sample=0), "a chained entry that does not sample"),
+        (dict(rid=1, start=4, n=3, decode=3, ids=[90]), "prefill input ids and drafts"),
+        (dict(rid=1, start=4, n=1, decode=4), "is_decode 4"),
+    ],
+)
+def test_malformed_chained_entries_are_refused(entry: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        chained_table().prepare(make_step(0, [entry]))
+
+
+def test_a_finished_requests_chained_entry_never_raises() -> None:
+    """Wherever it starts: its tokens are discarded."""
+    for start in (3, 4, 6):
+        table = chained_table()
+        table.get(1).finished = True
+        step = make_step(0, [dict(rid=1, start=start, n=2, decode=3, ids=[90])])
+        assert table.prepare(step).batch.positions.tolist() == [start, start + 1]

@@ -323,8 +323,8 @@ class SchedulerLoop:
                 return
             msg = out.step_from_plan(step)
             if self._costs is not None and step.num_prefill_tokens == 0:
-                tokens = step.num_decode_tokens
-                self._costed[msg.step_id] = (tokens, tokens > msg.is_decode.count(1))
+                tokens = step.num_decode_tokens  # every entry decodes: more tokens, some verify
+                self._costed[msg.step_id] = (tokens, tokens > len(msg.is_decode))
             self._send(msg)
             self._step_watch.sent(msg.step_id, len(msg.rids) // 8, time.monotonic())
 

@@ -173,9 +173,13 @@ class Step(msgspec.Struct, tag=True):
     rids: bytes  # int64 per entry
     start_pos: bytes  # int32 per entry
     num_tokens: bytes  # int32 per entry
-    is_decode: bytes  # uint8 per entry: 0 prefill, 1 decode (+ drafts), 2 draft-model verify
+    # uint8 per entry: 0 prefill, 1 decode (+ drafts), 2 draft-model verify, 3 chained: planned
+    # behind an unreported verify entry of the same request as if it accepts every draft, run
+    # as 1 when the request's last sampled token sits at start_pos, else as a plain 1-token
+    # decode at that token's position (its drafts unused)
+    is_decode: bytes
     sample: bytes  # uint8 per entry
-    input_ids: bytes  # int32: prefill entries' tokens and is_decode 1 entries' drafts
+    input_ids: bytes  # int32: prefill entries' tokens and is_decode 1 and 3 entries' drafts
     block_offsets: bytes  # int32 per entry
     block_counts: bytes  # int32 per entry
     block_ids: bytes  # int32, concatenated

@@ -15,6 +15,12 @@ worker's draft model (draft_model.py) writes them into the batch before the forw
 it, each request tracks ``draft_computed``: the leading positions whose K/V in the draft model's
 pool are valid under the request's current block table.
 
+A chained entry (``is_decode == 3``) was planned behind its request's unreported verify entry,
+as if that verify accepts every draft. Steps run in order, so the worker knows how the verify
+came out: with the request's last sampled token at the entry's start, the entry runs as sent
+(like ``is_decode == 1``); below it, as a plain 1-token decode at that token's position, its
+drafts skipped (``_settle_chained``).
+
 Because the scheduler runs ahead (DESIGN.md, "Overlap"), a request that finished here at Step N
 may still appear in Step N+1: it is computed (its state is kept until a Step lists it in
 ``dropped``) but the token it samples is discarded, never reported.
@@ -22,7 +28,7 @@ may still appear in Step N+1: it is computed (its state is kept until a Step lis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -250,6 +256,8 @@ class RequestTable:
 
     def _prepare(self, step: Step) -> PreparedStep:
         arrays = StepArrays.of(step)
+        if arrays.top_kind == 3:  # the entries as they run: everything below follows them
+            arrays = self._settle_chained(arrays, step.step_id)
         starts = arrays.start_pos.tolist()
         counts = arrays.num_tokens.tolist()
         decodes = arrays.decode_kind.tolist()  # 0, 1, or 2: drafted by the worker
@@ -341,6 +349,52 @@ class RequestTable:
                 slot.entry = int(sampling_index[slot.entry])
         return PreparedStep(
             step.step_id, batch, sampling, step.dropped, pooling, verify, drafted, images
+        )
+
+    def _settle_chained(self, arrays: StepArrays, step_id: int) -> StepArrays:
+        """The step's arrays with each chained entry (is_decode 3) made the entry it runs as.
+
+        The request's last sampled token sits at position ``prompt + output - 1`` (a prefill
+        samples the token after its last position, each reported token follows the one before,
+        and a recompute after a retraction prefills prompt + output, then samples the next).
+        There: the entry runs as sent, a kind-1 entry. Below (its verify accepted fewer than all
+        its drafts): a plain 1-token decode at that position, its drafts dropped from the input
+        ids. Above: a malformed step. A finished request's entry runs as sent: its tokens are
+        discarded anyway.
+        """
+        kinds = arrays.decode_kind
+        starts = arrays.start_pos.tolist()
+        counts = arrays.num_tokens.tolist()
+        # where each entry's ids begin in input_ids: prefill tokens, or drafts after the held token
+        sent = np.where(kinds == 0, arrays.num_tokens, (kinds != 2) * (arrays.num_tokens - 1))
+        first = (np.cumsum(sent) - sent).tolist()
+        keep: np.ndarray | None = None  # input ids still used, once a chained entry drops some
+        rids, requests = arrays.rids.tolist(), self._requests
+        for i in np.flatnonzero(kinds == 3).tolist():
+            state = requests.get(rids[i])
+            if state is None or state.finished:
+                continue  # unknown: refused by _prepare; finished: its tokens are discarded
+            actual = len(state.prompt_ids) + len(state.output_ids) - 1
+            if actual == starts[i]:
+                continue
+            if actual > starts[i]:
+                raise ValueError(
+                    f"step {step_id}: chained entry for request {rids[i]} starts at "
+                    f"{starts[i]}, before its last sampled token at position {actual}"
+                )
+            if counts[i] > 1:
+                if keep is None:
+                    keep = np.ones(len(arrays.prefill_ids), dtype=bool)
+                keep[first[i] : first[i] + counts[i] - 1] = False
+            starts[i], counts[i] = actual, 1
+        kinds = np.where(kinds == 3, np.uint8(1), kinds)
+        return replace(
+            arrays,
+            start_pos=np.asarray(starts, dtype=np.int64),
+            num_tokens=np.asarray(counts, dtype=np.int64),
+            decode_kind=kinds,
+            prefill_ids=arrays.prefill_ids if keep is None else arrays.prefill_ids[keep],
+            top_kind=int(kinds.max(initial=0)),
         )
 
     @staticmethod
@@ -559,12 +613,15 @@ class StepArrays:
     start_pos: np.ndarray  # int64 per entry
     num_tokens: np.ndarray  # int64 per entry
     is_decode: np.ndarray  # bool per entry
-    decode_kind: np.ndarray  # uint8 per entry: 0 not a decode, 1 a decode, 2 worker-drafted
+    # uint8 per entry: 0 not a decode, 1 a decode, 2 worker-drafted, 3 chained (see
+    # RequestTable._settle_chained, after which none is left)
+    decode_kind: np.ndarray
     sample: np.ndarray  # bool per entry
     block_offsets: np.ndarray  # int32 per entry
     block_counts: np.ndarray  # int32 per entry
     block_ids: np.ndarray  # int32, concatenated
     prefill_ids: np.ndarray  # int32, concatenated
+    top_kind: int = 0  # the largest decode kind: 0 when no entry decodes
 
     @classmethod
     def of(cls, step: Step) -> StepArrays:
@@ -593,9 +650,11 @@ class StepArrays:
                 raise ValueError(f"step {step_id}: {got} {name} for {entries} entries")
         if (self.num_tokens < 1).any() or (self.start_pos < 0).any():
             raise ValueError(f"step {step_id}: an empty entry or a negative start position")
-        top_kind = int(self.decode_kind.max(initial=0))
-        if top_kind > 2:
-            raise ValueError(f"step {step_id}: is_decode {top_kind} (0, 1 or 2 expected)")
+        top_kind = self.top_kind = int(self.decode_kind.max(initial=0))
+        if top_kind > 3:
+            raise ValueError(f"step {step_id}: is_decode {top_kind} (0, 1, 2 or 3 expected)")
+        if top_kind == 3 and not self.sample[self.decode_kind == 3].all():
+            raise ValueError(f"step {step_id}: a chained entry that does not sample")
         if (self.block_counts < 0).any():
             raise ValueError(f"step {step_id}: a negative block count")
         if (~self.sample & self.is_decode & (self.num_tokens > 1)).any():
@@ -605,10 +664,10 @@ class StepArrays:
                 f"step {step_id}: {len(self.block_ids)} block ids, "
                 f"entries say {self.block_counts.sum()}"
             )
-        # a decode's first input is the worker's; a verify entry's drafts travel with the step,
-        # unless the worker drafts them itself (is_decode 2)
+        # a decode's first input is the worker's; a verify entry's drafts travel with the step
+        # (also a chained entry's, used or not), unless the worker drafts them (is_decode 2)
         prefill_tokens = int(self.num_tokens.sum()) - int(self.is_decode.sum())
-        if top_kind == 2:
+        if top_kind >= 2:
             worker_drafted = self.decode_kind == 2
             prefill_tokens -= int((self.num_tokens[worker_drafted] - 1).sum())
         if prefill_tokens != len(self.prefill_ids):
