@@ -1890,7 +1890,12 @@ class DraftModelPlannerMachine(PlannerMachine):
 
     setup = _small_vocab_setup(
         ngram_planner_configs().map(
-            lambda c: {**c, "speculative_ngram": False, "speculative_draft_model": True}
+            lambda c: {
+                **c,
+                "speculative_ngram": False,
+                "speculative_draft_model": True,
+                "speculative_chain": False,
+            }
         )
     )
 

@@ -595,7 +595,7 @@ def test_a_worker_drafted_entry_has_no_ids_in_the_step() -> None:
 @pytest.mark.parametrize(
     "entry, message",
     [
-        (dict(rid=1, start=5, n=3, decode=3), "is_decode 3"),
+        (dict(rid=1, start=5, n=3, decode=4), "is_decode 4"),
         (dict(rid=1, start=5, n=3, decode=2, ids=[41, 42]), "prefill input ids and drafts"),
         (dict(rid=1, start=5, n=3, decode=2, sample=0), "does not sample"),
     ],

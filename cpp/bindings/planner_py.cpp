@@ -30,11 +30,12 @@ py::list step_entries(const Step& s) {
     e["rid"] = s.rids[i];
     e["start_pos"] = s.start_pos[i];
     e["num_tokens"] = s.num_tokens[i];
-    e["is_decode"] = static_cast<int>(s.is_decode[i]);  // 2: the worker's draft model drafts
+    // 2: the worker's draft model drafts; 3: chained behind the request's unreported verify
+    e["is_decode"] = static_cast<int>(s.is_decode[i]);
     e["sample"] = static_cast<bool>(s.sample[i]);
     py::list inputs;  // a decode entry's are its drafts: all its positions but the first
     const int32_t num_inputs = s.is_decode[i] == 2   ? 0
-                               : s.is_decode[i] == 1 ? s.num_tokens[i] - 1
+                               : s.is_decode[i] != 0 ? s.num_tokens[i] - 1
                                                      : s.num_tokens[i];
     for (int32_t k = 0; k < num_inputs; ++k) inputs.append(s.input_ids[input_at++]);
     e["input_ids"] = inputs;

@@ -208,6 +208,14 @@ static void random_histories(uint64_t hash_mask, uint32_t seed) {
       const int64_t max_tokens = static_cast<int64_t>(rng() % 5);
       CHECK_EQ(draft(index, max_tokens, min_match, max_match),
                scan({history}, history, true, max_tokens, min_match, max_match));
+      // behind tokens not in the history (drafts assumed accepted): occurrences in it only
+      Tokens extra(rng() % 4);
+      for (int32_t& t : extra) t = static_cast<int32_t>(rng() % 4);
+      Tokens context = history;
+      context.insert(context.end(), extra.begin(), extra.end());
+      CHECK_EQ(
+          index.draft_after(extra.data(), extra.size(), max_tokens, min_match, max_match).tokens,
+          scan({history}, context, extra.empty(), max_tokens, min_match, max_match));
       CHECK_EQ(corpus_draft(corpus, history, max_tokens, min_match, max_match),
                scan(kept, history, false, max_tokens, min_match, max_match));
     }

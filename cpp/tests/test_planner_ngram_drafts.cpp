@@ -84,6 +84,69 @@ TEST(drafts_back_off_while_rejected_and_skip_the_token_being_sampled_when_one_is
   CHECK_EQ(entry_for(longer, 1)->input, (Tokens{13, 14}));
 }
 
+// The entry chained behind an unreported verify entry: what the worker runs it as, and what the
+// verify's report makes of it here.
+struct Chained {
+  Planner p;
+  Step verify, chained;
+  explicit Chained(PlannerConfig c) : p((c.speculative_chain = true, c)) {
+    add(p, 1, {10, 11, 12, 13, 14, 15, 16, 10, 11}, 30);
+    report(p, plan(p), 12);  // the history ends 10 11 12, which the prompt continued with 13 ..
+    verify = plan(p);
+    CHECK_EQ(entry_for(verify, 1)->input, (Tokens{13, 14, 15, 16}));
+    chained = plan(p);  // planned before the verify's report
+    p.check_invariants();
+  }
+};
+
+TEST(a_chained_entry_is_planned_behind_an_unreported_verify_as_if_it_accepts_every_draft) {
+  Chained c(config());
+  const Entry v = *entry_for(c.verify, 1);
+  const Entry e = *entry_for(c.chained, 1);
+  CHECK_EQ(c.chained.is_decode[0], 3);
+  CHECK_EQ(e.start, v.start + 5);
+  // after 13 14 15 16 (assumed) the prompt went on 10 11 12: the first stands in for the token
+  // the verify samples, the rest are drafts (the history ends there)
+  CHECK_EQ(e.input, (Tokens{11, 12}));
+  CHECK(!c.p.plan().has_value());  // one chained entry at most
+  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 3);
+  report_verify(c.p, c.verify, 1, 4, 10);  // every draft accepted: the chained entry stands
+  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 3);
+  CHECK_EQ(c.p.request(1).verifying, 2);
+  report_verify(c.p, c.chained, 1, 2, 13);
+  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 14, 15, 16, 10, 11, 12, 13}));
+  CHECK_EQ(c.p.request(1).num_computed, e.start + 3);
+}
+
+TEST(a_chained_entry_becomes_a_plain_decode_where_the_verify_accepted_fewer) {
+  Chained c(config());
+  const Entry v = *entry_for(c.verify, 1);
+  report_verify(c.p, c.verify, 1, 1, 99);  // 13 accepted, then 99: the chained entry runs at
+  const int64_t bonus = v.start + 2;       // 99's position, as one token
+  CHECK_EQ(c.p.request(1).num_scheduled, bonus + 1);
+  CHECK_EQ(c.p.request(1).planned_samples, 4);  // 12, 13, 99 and the chained entry's one
+  CHECK_EQ(c.p.request(1).verifying, 0);
+  CHECK_THROWS(report_verify(c.p, c.chained, 1, 1, 5), pyserve::ProtocolError);  // one token only
+  report(c.p, c.chained, 5);
+  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 99, 5}));
+  CHECK_EQ(c.p.request(1).num_computed, bonus + 1);
+  const Step next = plan(c.p);  // planned as usual from there
+  CHECK_EQ(entry_for(next, 1)->start, bonus + 1);
+  c.p.check_invariants();
+}
+
+TEST(without_speculative_chain_a_verifying_request_waits_for_its_report) {
+  Planner p(config());
+  add(p, 1, {10, 11, 12, 13, 14, 15, 16, 10, 11}, 30);
+  report(p, plan(p), 12);
+  CHECK_EQ(entry_for(plan(p), 1)->num_tokens, 5);
+  CHECK(!p.plan().has_value());
+  PlannerConfig bad = config();
+  bad.speculative_ngram = false;
+  bad.speculative_chain = true;
+  CHECK_THROWS(Planner{bad}, ValueError);
+}
+
 TEST(the_step_budget_bounds_decodes_plus_drafts) {
   Planner p(config(0, 5));  // two decodes leave 3 drafts
   add(p, 1, {10, 11, 12, 13, 14, 10, 11}, 20);

@@ -99,6 +99,7 @@ class Detokenizer:
             token_ids=msg.token_ids,
             deltas=deltas,
             forward_ms=msg.forward_ms,
+            computed_tokens=msg.computed_tokens,
             worker_requests=msg.worker_requests,
             detokenizer_requests=len(self.requests),
             worker_busy_seconds=msg.busy_seconds,

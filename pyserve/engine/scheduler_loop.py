@@ -393,6 +393,8 @@ class SchedulerLoop:
         assert self._costs is not None
         now = time.monotonic()
         tokens, verifies = self._costed.pop(msg.step_id, (0, False))
+        if tokens and msg.computed_tokens:  # fewer when a chained entry ran as a plain decode
+            tokens = msg.computed_tokens
         if tokens:
             self._costs.observe(tokens, msg.forward_ms, now)
             if self._last_done is not None and self._last_done[1]:

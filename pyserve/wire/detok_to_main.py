@@ -27,6 +27,7 @@ class StepDone(msgspec.Struct, tag=True, omit_defaults=True):
     token_ids: bytes  # int32: exactly StepTokens.token_ids
     deltas: list[RequestDelta] = []
     forward_ms: float = 0.0
+    computed_tokens: int = 0  # from StepTokens
     # Requests the worker and the detokenizer hold state for once this step is done; main's
     # idle self-check expects both to be 0 when nothing runs.
     worker_requests: int = 0

@@ -52,6 +52,8 @@ class StepTokens(msgspec.Struct, tag=True, omit_defaults=True):
     top_logprobs: list[TopLogprobs] = []
     pooled: list[Pooled] = []
     forward_ms: float = 0.0  # time the worker spent on the forward pass and sampling
+    # positions the forward pass computed: a chained entry counts as it ran (0: not known)
+    computed_tokens: int = 0
     worker_requests: int = 0  # requests the worker holds state for after this step (accounting)
     # Running totals since the worker started, for utilisation = Δbusy / Δwall: seconds spent
     # handling messages (from holding one to sending its replies; this step up to its encoding)
