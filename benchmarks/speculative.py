@@ -10,8 +10,10 @@ Two loads, greedy, one request at a time, streamed through /v1/chat/completions:
 Per server and load: decode tok/s (output tokens after the first, over the time from the first
 token to the last, summed over the requests), TTFT, and the acceptance of drafts (pyserve's
 /metrics; llama-server's ``timings.draft_n`` / ``draft_n_accepted``). Ratios are against pyserve
-without speculation in the same run. Every server runs alone; figures are wall-clock on shared
-cores, so compare ratios, not absolute times.
+without speculation in the same run. The two pyserve servers run side by side and take each
+request in turn (which goes first alternates), so that a shared machine's drift falls on both
+alike; the idle one only polls. Each llama-server runs alone afterwards. Figures are wall-clock
+on shared cores, so compare ratios, not absolute times.
 
     .venv/bin/python benchmarks/speculative.py                       # the default model
     .venv/bin/python benchmarks/speculative.py \
@@ -180,6 +182,41 @@ async def drive(server, spec: ServerSpec, load: str, prompts: list[str], args) -
     return run
 
 
+async def drive_pair(servers, specs, load: str, prompts: list[str], args) -> list[Run]:
+    """``drive`` for two servers at once: each prompt goes to both, one after the other, the
+    first of them alternating from prompt to prompt."""
+    runs = [Run(spec.name, load) for spec in specs]
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for server, spec in zip(servers, specs, strict=True):
+            for prompt in prompts[: args.warmup]:
+                await one_request(session, server.base_url, spec.model, prompt, 16)
+        before = [
+            await spec_counters(session, s.base_url, p.kind)
+            for s, p in zip(servers, specs, strict=True)
+        ]
+        for i, prompt in enumerate(prompts):
+            for j in (0, 1) if i % 2 == 0 else (1, 0):
+                ttft, decode_s, tokens, _ = await one_request(
+                    session, servers[j].base_url, specs[j].model, prompt, args.output_len
+                )
+                run = runs[j]
+                run.requests += 1
+                run.output_tokens += tokens
+                if tokens > 1:
+                    run.decode_tokens += tokens - 1
+                    run.decode_seconds += decode_s
+                run.ttft.append(ttft)
+        after = [
+            await spec_counters(session, s.base_url, p.kind)
+            for s, p in zip(servers, specs, strict=True)
+        ]
+    for run, b, a in zip(runs, before, after, strict=True):
+        if b is not None and a is not None:
+            run.drafted, run.accepted = a[0] - b[0], a[1] - b[1]
+    return runs
+
+
 async def spec_counters(session, url: str, kind: str) -> tuple[int, int] | None:
     """pyserve's drafted and accepted tokens so far (/metrics)."""
     if kind != "pyserve":
@@ -236,7 +273,13 @@ async def bench(args) -> list[Run]:
         specs.append(llama_spec(binary, str(gguf), None))
         specs += [llama_spec(binary, str(gguf), t) for t in args.llama_spec_types.split(",") if t]
     runs = []
-    for spec in specs:
+    with running(specs[0], args.out_dir) as plain, running(specs[1], args.out_dir) as spec:
+        for load, prompts in loads.items():
+            pair = await drive_pair((plain, spec), specs[:2], load, prompts * args.rounds, args)
+            for run in pair:
+                print(f"[{run.server}] {load}: {run.decode_tok_s:.1f} decode tok/s")
+            runs += pair
+    for spec in specs[2:]:
         with running(spec, args.out_dir) as server:
             for load, prompts in loads.items():
                 run = await drive(server, spec, load, prompts, args)
@@ -250,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2)")
     p.add_argument("--loads", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
     p.add_argument("--requests", type=int, default=8, help="requests per load")
+    p.add_argument("--rounds", type=int, default=1, help="times each pyserve load is repeated")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--pyserve-args", default="", help="flags for both pyserve runs")
