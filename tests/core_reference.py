@@ -1440,6 +1440,8 @@ class Planner:
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_accepted_histogram=list(self.spec_accepted_histogram),
             ngram_corpus_tokens=0,  # the reference drafts nothing by itself
+            spec_chained_entries=0,  # nor chains (speculative_chain needs its own drafts)
+            spec_chained_fallbacks=0,
             disk_loaded_blocks=self.disk_loaded_blocks,
             disk_failed_blocks=self.disk_failed_blocks,
             num_loading=sum(1 for r in self._waiting if r.loading),

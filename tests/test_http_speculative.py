@@ -77,6 +77,12 @@ def test_greedy_output_equals_plain_decoding_while_drafts_are_accepted(server, p
         after["pyserve_spec_accepted_tokens_total"] - before["pyserve_spec_accepted_tokens_total"]
     )
     assert 0 < accepted <= drafted  # verify entries ran, and some drafts were kept
+    # entries ran behind unreported verify passes, and some as plain decodes (drafts rejected)
+    chained = [
+        after[f"pyserve_spec_chained_{what}_total"] - before[f"pyserve_spec_chained_{what}_total"]
+        for what in ("entries", "fallbacks")
+    ]
+    assert 0 < chained[1] < chained[0]
     info = json.loads(request(server.url + "/server_info")[2])["speculative"]
     assert info["algorithm"] == "ngram" and info["num_draft_tokens"] == 8
     assert info["accepted_tokens"] >= accepted

@@ -121,6 +121,8 @@ py::dict stats_dict(const pyserve::PlannerStats& s) {
   d["tenant_tokens"] = tenants;
   d["reserve_ratio"] = s.reserve_ratio;
   d["spec_verify_entries"] = s.spec_verify_entries;
+  d["spec_chained_entries"] = s.spec_chained_entries;
+  d["spec_chained_fallbacks"] = s.spec_chained_fallbacks;
   d["spec_draft_tokens"] = s.spec_draft_tokens;
   d["spec_accepted_tokens"] = s.spec_accepted_tokens;
   d["spec_accepted_histogram"] = s.spec_accepted_histogram;

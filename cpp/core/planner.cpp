@@ -598,6 +598,7 @@ void Planner::add_chained_entry(Step& step, InflightStep& record, Request& r, si
   r.chained_drafts.swap(r.draft);
   r.draft.clear();
   r.chained_step = step.step_id;
+  ++spec_chained_entries_;
 }
 
 // The report of r's verify entry came, with r's entry chained behind it: if the verify accepted
@@ -622,6 +623,7 @@ void Planner::resolve_chain(Request& r, bool verify_accepted_all, int64_t accept
     throw InvariantError("request " + std::to_string(r.rid) + "'s chained entry is not in step " +
                          std::to_string(r.chained_step));
   }
+  ++spec_chained_fallbacks_;
   if (r.state == RequestState::kRunning) {  // else its admission resets both
     r.planned_samples -= chained->drafts;
     truncate_scheduled(r, accepted_end + 1);
@@ -1242,6 +1244,8 @@ PlannerStats Planner::stats() const {
   std::sort(s.tenant_tokens.begin(), s.tenant_tokens.end());
   s.reserve_ratio = reserve_ratio_;
   s.spec_verify_entries = spec_verify_entries_;
+  s.spec_chained_entries = spec_chained_entries_;
+  s.spec_chained_fallbacks = spec_chained_fallbacks_;
   s.spec_draft_tokens = spec_draft_tokens_;
   s.spec_accepted_tokens = spec_accepted_tokens_;
   s.spec_accepted_histogram = spec_accepted_histogram_;

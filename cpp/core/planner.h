@@ -186,6 +186,8 @@ struct PlannerStats {
   std::vector<std::pair<int32_t, int64_t>> tenant_tokens;  // (tenant, tokens served), ascending
   double reserve_ratio = 0.0;
   int64_t spec_verify_entries = 0;               // reported verify entries
+  int64_t spec_chained_entries = 0;              // planned behind an unreported verify entry
+  int64_t spec_chained_fallbacks = 0;            // of which run as a plain decode
   int64_t spec_draft_tokens = 0;                 // drafts they verified
   int64_t spec_accepted_tokens = 0;              // drafts they accepted
   std::vector<int64_t> spec_accepted_histogram;  // [a]: verify entries that accepted a drafts
@@ -374,6 +376,8 @@ class Planner {
   std::unique_ptr<NgramDrafter> drafter_;  // with speculative_ngram
   DraftCosts draft_costs_;
   int64_t spec_verify_entries_ = 0;
+  int64_t spec_chained_entries_ = 0;
+  int64_t spec_chained_fallbacks_ = 0;
   int64_t spec_draft_tokens_ = 0;
   int64_t spec_accepted_tokens_ = 0;
   std::vector<int64_t> spec_accepted_histogram_;

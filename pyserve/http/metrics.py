@@ -154,6 +154,14 @@ class EngineCollector(Collector):
                 "Requests' verify passes (a request's drafts in one step)",
                 "spec_verify_entries",
             ),
+            "pyserve_spec_chained_entries": (
+                "Entries planned behind their request's unreported verify pass",
+                "spec_chained_entries",
+            ),
+            "pyserve_spec_chained_fallbacks": (
+                "Chained entries run as a plain decode (the verify before them kept fewer drafts)",
+                "spec_chained_fallbacks",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
