@@ -139,9 +139,15 @@ class RunningServer:
         argv = [a.replace("{port}", str(self.port)) for a in spec.argv]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        env, self._state = None, None
+        if spec.kind == "pyserve" and "--state-dir" not in argv:
+            # a state directory of its own: an earlier server's prefix cache on disk (written at
+            # its clean stop) would serve this one's prompts, and none is the user's
+            self._state = tempfile.TemporaryDirectory(prefix="pyserve-bench-state-")
+            env = {**os.environ, "PYSERVE_STATE_DIR": self._state.name}
         # A new session: a Ctrl-C in the terminal reaches only us, and we stop it in order.
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         self.argv = argv
         self.runs_as: dict = {"dtype": spec.dtype} if spec.dtype else {}
@@ -189,6 +195,8 @@ class RunningServer:
         while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
         self._log.close()
+        if self._state is not None:
+            self._state.cleanup()
         left = [pid for pid in [self.proc.pid, *tree] if _alive(pid)]
         if left:
             print(f"[{self.spec.name}] WARNING: processes {left} still alive after the stop")

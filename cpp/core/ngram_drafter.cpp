@@ -66,11 +66,22 @@ std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown
                                          const std::vector<int32_t>& assumed) const {
   auto it = slots_.find(rid);
   if (it == slots_.end() || k <= 0) return {};
-  NgramDraft d = ngram_draft_after(it->second.index, assumed.data(), assumed.size(), corpus_.get(),
-                                   k + unknown, config_.min_match, config_.max_match);
-  if (static_cast<int64_t>(d.tokens.size()) <= unknown) return {};
-  d.tokens.erase(d.tokens.begin(), d.tokens.begin() + unknown);
-  return std::move(d.tokens);
+  // A continuation stops at the end of the history it was found in; the drafts then go on from a
+  // lookup of what they end with (a loop, or a passage quoted again, continues).
+  std::vector<int32_t> context = assumed;
+  std::vector<int32_t> out;
+  const size_t want = static_cast<size_t>(k + unknown);
+  while (out.size() < want) {
+    const NgramDraft d = ngram_draft_after(it->second.index, context.data(), context.size(),
+                                           corpus_.get(), static_cast<int64_t>(want - out.size()),
+                                           config_.min_match, config_.max_match);
+    if (d.tokens.empty()) break;
+    out.insert(out.end(), d.tokens.begin(), d.tokens.end());
+    context.insert(context.end(), d.tokens.begin(), d.tokens.end());
+  }
+  if (static_cast<int64_t>(out.size()) <= unknown) return {};
+  out.erase(out.begin(), out.begin() + unknown);
+  return out;
 }
 
 double NgramDrafter::acceptance(int64_t rid) const {

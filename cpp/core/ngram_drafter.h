@@ -64,7 +64,8 @@ class NgramDrafter {
   int64_t wanted(int64_t rid, int64_t limit);
   // Up to `k` drafts following the request's history extended by `assumed` (drafts of an
   // unreported verify entry, taken as accepted), then by `unknown` (0 or 1) unreported tokens;
-  // empty when nothing matched.
+  // empty when nothing matched. A continuation that reaches the end of its history goes on
+  // from a lookup of the drafts so far.
   std::vector<int32_t> draft(int64_t rid, int64_t k, int64_t unknown,
                              const std::vector<int32_t>& assumed = {}) const;
   // A verify entry of `drafted` drafts accepted `accepted` of them.
