@@ -1048,13 +1048,22 @@ class Planner:
 
     def _admit(self, entries: list, budget: int) -> None:
         """Admits waiting requests in policy order; stops at the first that does not fit.
-        Stopped for lack of blocks, it unlocks the loaded prefixes of the other waiting ones."""
-        stop = self._admit_until(entries, budget)
-        if stop is not False:
+        Stopped for lack of blocks, it unlocks the loaded prefixes of the other waiting ones, and
+        if it unlocked any, admits once more (the one it stopped at may fit now)."""
+        for _ in range(2):
+            before = len(entries)
+            stop = self._admit_until(entries, budget)
+            budget -= sum(entry[2] for entry in entries[before:])
+            if stop is False:
+                return
+            released = 0
             for req in self._waiting:
                 if req is not stop and not req.inflight and req.load_handle is not None:
                     self.cache.unlock(req.load_handle)
                     req.load_handle = None
+                    released += 1
+            if not released:
+                return
 
     def _admit_until(self, entries: list, budget: int) -> _Request | bool | None:
         """The request where admission stopped for lack of blocks (None: before any), or

@@ -793,20 +793,25 @@ std::vector<Request*> Planner::lpm_order() {
 }
 
 // Admits waiting requests in policy order while every budget holds. Stops at the first request
-// that does not fit (head-of-line), which keeps fcfs free of starvation.
+// that does not fit (head-of-line), which keeps fcfs free of starvation. Stopped for lack of
+// blocks that other waiting requests' loaded prefixes lock, it unlocks those and admits once
+// more: the request it stopped at may fit now (else plan() could return nothing while the next
+// call would admit it, and a caller that plans only after an event would wait for none).
 void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget) {
+  if (admit_pass(step, record, prefill_budget)) admit_pass(step, record, prefill_budget);
+}
+
+// One pass of admit_waiting; whether it unlocked loaded prefixes.
+bool Planner::admit_pass(Step& step, InflightStep& record, int64_t& prefill_budget) {
   if (waiting_.empty() || prefill_budget <= 0 ||
       static_cast<int64_t>(running_.size()) >= config_.max_running_requests) {
-    return;
+    return false;
   }
   int64_t reserved = 0;
   for (const Request* r : running_) reserved += future_blocks(*r);
   // Every admission needs at least one new block: skip ordering the queue (lpm walks the tree
   // for each waiting request) when not even that is left.
-  if (available_blocks() <= reserved) {
-    release_load_locks(nullptr);
-    return;
-  }
+  if (available_blocks() <= reserved) return release_load_locks(nullptr) > 0;
 
   memory_stop_ = nullptr;
   if (config_.tenant_fairness) {
@@ -823,18 +828,21 @@ void Planner::admit_waiting(Step& step, InflightStep& record, int64_t& prefill_b
       if (!try_admit(c, step, record, prefill_budget, reserved)) break;
     }
   }
-  if (memory_stop_) release_load_locks(memory_stop_);
+  return memory_stop_ != nullptr && release_load_locks(memory_stop_) > 0;
 }
 
 // Admission stopped for lack of blocks: the loaded prefixes that other waiting requests lock
 // become evictable again, so that they cannot keep the request at the head out forever (they
 // are loaded again, or recomputed, when their turn comes).
-void Planner::release_load_locks(const Request* keep) {
+int64_t Planner::release_load_locks(const Request* keep) {
+  int64_t released = 0;
   for (Request* r : waiting_) {
     if (r == keep || r->inflight_steps > 0 || r->load_node < 0) continue;
     cache_.unlock(r->load_node);
     r->load_node = -1;
+    ++released;
   }
+  return released;
 }
 
 // What admitting c now takes, with `reserved` blocks promised to the running requests.

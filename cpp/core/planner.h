@@ -304,6 +304,7 @@ class Planner {
   void plan_decodes(Step& step, InflightStep& record);
   void plan_prefill_chunks(Step& step, InflightStep& record, int64_t& prefill_budget);
   void admit_waiting(Step& step, InflightStep& record, int64_t& prefill_budget);
+  bool admit_pass(Step& step, InflightStep& record, int64_t& prefill_budget);
   std::vector<Request*> lpm_order();
   struct AdmitCost {  // what admitting a waiting request now takes
     PrefixPeek peek;
@@ -348,7 +349,7 @@ class Planner {
   void start_load(Request& c, Step& step, InflightStep& record);
   void finish_loads(InflightStep& s);
   void drop_load(Request& r);
-  void release_load_locks(const Request* keep);
+  int64_t release_load_locks(const Request* keep);
 
   PlannerConfig config_;
   Policy policy_;

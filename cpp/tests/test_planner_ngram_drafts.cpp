@@ -106,13 +106,13 @@ TEST(a_chained_entry_is_planned_behind_an_unreported_verify_as_if_it_accepts_eve
   CHECK_EQ(c.chained.is_decode[0], 3);
   CHECK_EQ(e.start, v.start + 5);
   // after 13 14 15 16 (assumed) the prompt went on 10 11 12: the first stands in for the token
-  // the verify samples, the rest are drafts (the history ends there)
-  CHECK_EQ(e.input, (Tokens{11, 12}));
+  // the verify samples, the rest are drafts; the history ends there, and 10 11 12 went on 13 14
+  CHECK_EQ(e.input, (Tokens{11, 12, 13, 14}));
   CHECK(!c.p.plan().has_value());  // one chained entry at most
-  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 3);
+  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 5);
   report_verify(c.p, c.verify, 1, 4, 10);  // every draft accepted: the chained entry stands
-  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 3);
-  CHECK_EQ(c.p.request(1).verifying, 2);
+  CHECK_EQ(c.p.request(1).num_scheduled, e.start + 5);
+  CHECK_EQ(c.p.request(1).verifying, 4);
   report_verify(c.p, c.chained, 1, 2, 13);
   CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 14, 15, 16, 10, 11, 12, 13}));
   CHECK_EQ(c.p.request(1).num_computed, e.start + 3);
