@@ -81,6 +81,15 @@ class Run:
     drafted: int | None = None
     accepted: int | None = None
 
+    def add(self, ttft: float, decode_seconds: float, tokens: int) -> None:
+        """One request: its TTFT, the seconds from its first token to its last, its tokens."""
+        self.requests += 1
+        self.output_tokens += tokens
+        if tokens > 1:
+            self.decode_tokens += tokens - 1
+            self.decode_seconds += decode_seconds
+        self.ttft.append(ttft)
+
     @property
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
@@ -166,12 +175,7 @@ async def drive(server, spec: ServerSpec, load: str, prompts: list[str], args) -
             ttft, decode_s, tokens, timings = await one_request(
                 session, server.base_url, spec.model, prompt, args.output_len
             )
-            run.requests += 1
-            run.output_tokens += tokens
-            if tokens > 1:
-                run.decode_tokens += tokens - 1
-                run.decode_seconds += decode_s
-            run.ttft.append(ttft)
+            run.add(ttft, decode_s, tokens)
             drafted += timings.get("draft_n", 0)
             accepted += timings.get("draft_n_accepted", 0)
         after = await spec_counters(session, server.base_url, spec.kind)
@@ -200,13 +204,7 @@ async def drive_pair(servers, specs, load: str, prompts: list[str], args) -> lis
                 ttft, decode_s, tokens, _ = await one_request(
                     session, servers[j].base_url, specs[j].model, prompt, args.output_len
                 )
-                run = runs[j]
-                run.requests += 1
-                run.output_tokens += tokens
-                if tokens > 1:
-                    run.decode_tokens += tokens - 1
-                    run.decode_seconds += decode_s
-                run.ttft.append(ttft)
+                runs[j].add(ttft, decode_s, tokens)
         after = [
             await spec_counters(session, s.base_url, p.kind)
             for s, p in zip(servers, specs, strict=True)

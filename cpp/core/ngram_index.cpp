@@ -175,19 +175,7 @@ void NgramIndex::append(const int32_t* tokens, size_t n) {
 }
 
 NgramDraft NgramIndex::draft(int64_t max_tokens, int64_t min_match, int64_t max_match) const {
-  check_draft_args(max_tokens, min_match, max_match, max_ngram());
-  NgramDraft out;
-  const int64_t len = store_.end();
-  // The whole history cannot occur earlier than itself, hence len - 1.
-  const int32_t top = static_cast<int32_t>(std::min(max_match, len - 1));
-  if (max_tokens == 0 || top < min_match) return out;
-  const auto [start, n] = store_.longest_match(store_.data_at(len), top, min_match);
-  if (start < 0) return out;
-  const int64_t from = start + n;
-  const int64_t to = std::min(from + max_tokens, len);
-  out.match = n;
-  out.tokens.assign(store_.data_at(from), store_.data_at(to));
-  return out;
+  return draft_after(nullptr, 0, max_tokens, min_match, max_match);
 }
 
 std::vector<int32_t> NgramIndex::tail(const int32_t* extra, size_t n_extra, size_t count) const {
@@ -202,16 +190,21 @@ std::vector<int32_t> NgramIndex::tail(const int32_t* extra, size_t n_extra, size
 
 NgramDraft NgramIndex::draft_after(const int32_t* extra, size_t n_extra, int64_t max_tokens,
                                    int64_t min_match, int64_t max_match) const {
-  if (n_extra == 0) return draft(max_tokens, min_match, max_match);
   check_draft_args(max_tokens, min_match, max_match, max_ngram());
   NgramDraft out;
   const int64_t len = store_.end();
-  // Every occurrence in the history is earlier than the context's end, which lies past it.
+  // The whole context cannot occur earlier than itself, hence - 1 (with extra tokens past the
+  // history, every occurrence in it is earlier than the context's end).
   const int32_t top =
       static_cast<int32_t>(std::min(max_match, len + static_cast<int64_t>(n_extra) - 1));
   if (max_tokens == 0 || top < min_match) return out;
-  const std::vector<int32_t> key = tail(extra, n_extra, static_cast<size_t>(top));
-  const auto [start, n] = store_.longest_match(key.data() + key.size(), top, min_match);
+  std::vector<int32_t> key;  // the context's last `top` tokens, when they are not all stored
+  const int32_t* key_end = store_.data_at(len);
+  if (n_extra > 0) {
+    key = tail(extra, n_extra, static_cast<size_t>(top));
+    key_end = key.data() + key.size();
+  }
+  const auto [start, n] = store_.longest_match(key_end, top, min_match);
   if (start < 0) return out;
   const int64_t from = start + n;
   const int64_t to = std::min(from + max_tokens, len);
