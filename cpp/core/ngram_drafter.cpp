@@ -84,6 +84,11 @@ std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown
   return out;
 }
 
+bool NgramDrafter::accepted_all_last(int64_t rid) const {
+  auto it = slots_.find(rid);
+  return it != slots_.end() && it->second.accepted_all_last;
+}
+
 double NgramDrafter::acceptance(int64_t rid) const {
   auto it = slots_.find(rid);
   return it == slots_.end() ? 0.0 : it->second.acceptance;
@@ -99,6 +104,7 @@ void NgramDrafter::verified(int64_t rid, int64_t drafted, int64_t accepted) {
   auto it = slots_.find(rid);
   if (it == slots_.end() || drafted <= 0) return;
   Slot& s = it->second;
+  s.accepted_all_last = accepted >= drafted;
   if (accepted >= drafted) {
     s.length = std::min(config_.max_draft_tokens, s.length + std::max<int64_t>(1, s.length / 2));
   } else {

@@ -72,6 +72,9 @@ class NgramDrafter {
   void verified(int64_t rid, int64_t drafted, int64_t accepted);
   // The share of its drafts the request's recent verifies accepted (a running mean).
   double acceptance(int64_t rid) const;
+  // Whether the request's last verify accepted every draft: a verify still unreported is then
+  // likely to as well (a copied passage), which is when planning behind it pays.
+  bool accepted_all_last(int64_t rid) const;
   // The costs ruled out drafts for the request this time: its acceptance drifts back towards
   // kPriorAcceptance, so that a request whose drafts failed for a while tries again later rather
   // than never (no verify, no new evidence).
@@ -86,6 +89,7 @@ class NgramDrafter {
     double acceptance = kPriorAcceptance;  // running mean of the share of drafts accepted
     int32_t misses = 0;                    // consecutive verifies that left the mean below kMinGain
     int32_t skip = 0;                      // decode entries still to plan without drafts
+    bool accepted_all_last = false;        // the last verify accepted every draft
   };
 
   NgramDrafterConfig config_;

@@ -564,25 +564,30 @@ bool Planner::decode_eligible(const Request& r) const {
          (r.verifying.empty() || chain_eligible(r));
 }
 
-// Its only unreported entry verifies drafts, and nothing is chained behind it yet.
+// Its only unreported entry verifies drafts, nothing is chained behind it yet, and its verify
+// before that accepted every draft. A chained entry pays when the verify accepts every draft
+// (no round trip waited for); when it does not, the chained entry runs as a plain decode where
+// waiting for the result would have drafted again from the right history, which costs more
+// than the wait on loads whose verifies often fall short.
 bool Planner::chain_eligible(const Request& r) const {
-  return config_.speculative_chain && !r.verifying.empty() && !r.chained && r.inflight_steps == 1;
+  return config_.speculative_chain && !r.verifying.empty() && !r.chained && r.inflight_steps == 1 &&
+         drafter_->accepted_all_last(r.rid);
 }
 
-// r's next entry behind its unreported verify entry, as if that accepts every draft: r.draft's
-// drafts when their blocks fit beside the plain decodes still to plan, else none, else no entry
-// (r waits for the verify report, as without chaining). Never a retraction.
+// r's next entry behind its unreported verify entry, as if that accepts every draft, with
+// r.draft's drafts when they fit beside the plain decodes still to plan; else no entry (r waits
+// for the verify report, as without chaining). Never a retraction.
 void Planner::add_chained_entry(Step& step, InflightStep& record, Request& r, size_t old_len,
                                 int64_t plain_blocks_left) {
   auto extra = [&](int64_t k) {
     return blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
   };
-  if (!step.retracted.empty()) r.draft.clear();
-  if (!r.draft.empty() &&
+  // Without drafts a chained entry would only trade the wait for a plain decode.
+  if (!step.retracted.empty() || r.draft.empty() ||
       available_blocks() < extra(static_cast<int64_t>(r.draft.size())) + plain_blocks_left) {
     r.draft.clear();
+    return;
   }
-  if (!step.retracted.empty() || available_blocks() < extra(0) + plain_blocks_left) return;
   const int64_t k = static_cast<int64_t>(r.draft.size());
   if (!allocate_blocks(extra(k), r.table)) {
     throw InvariantError("a chained entry sized to the available blocks did not fit");

@@ -92,8 +92,12 @@ struct Chained {
   explicit Chained(PlannerConfig c) : p((c.speculative_chain = true, c)) {
     add(p, 1, {10, 11, 12, 13, 14, 15, 16, 10, 11}, 30);
     report(p, plan(p), 12);  // the history ends 10 11 12, which the prompt continued with 13 ..
-    verify = plan(p);
-    CHECK_EQ(entry_for(verify, 1)->input, (Tokens{13, 14, 15, 16}));
+    const Step first = plan(p);
+    CHECK_EQ(entry_for(first, 1)->input, (Tokens{13, 14, 15, 16}));
+    CHECK(!p.plan().has_value());  // no verify before it accepted every draft: it waits
+    report_verify(p, first, 1, 4, 10);
+    verify = plan(p);  // after 15 16 10: 11 12 13 14, as in the prompt
+    CHECK_EQ(entry_for(verify, 1)->input, (Tokens{11, 12, 13, 14}));
     chained = plan(p);  // planned before the verify's report
     p.check_invariants();
   }
@@ -105,30 +109,30 @@ TEST(a_chained_entry_is_planned_behind_an_unreported_verify_as_if_it_accepts_eve
   const Entry e = *entry_for(c.chained, 1);
   CHECK_EQ(c.chained.is_decode[0], 3);
   CHECK_EQ(e.start, v.start + 5);
-  // after 13 14 15 16 (assumed) the prompt went on 10 11 12: the first stands in for the token
-  // the verify samples, the rest are drafts; the history ends there, and 10 11 12 went on 13 14
-  CHECK_EQ(e.input, (Tokens{11, 12, 13, 14}));
+  // after 12 13 14 (assumed) the history went on 15 16 10, then (looked up again) 11 12: the
+  // first stands in for the token the verify samples, the rest are drafts
+  CHECK_EQ(e.input, (Tokens{16, 10, 11, 12}));
   CHECK(!c.p.plan().has_value());  // one chained entry at most
   CHECK_EQ(c.p.request(1).num_scheduled, e.start + 5);
-  report_verify(c.p, c.verify, 1, 4, 10);  // every draft accepted: the chained entry stands
+  report_verify(c.p, c.verify, 1, 4, 15);  // every draft accepted: the chained entry stands
   CHECK_EQ(c.p.request(1).num_scheduled, e.start + 5);
   CHECK_EQ(c.p.request(1).verifying, 4);
-  report_verify(c.p, c.chained, 1, 2, 13);
-  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 14, 15, 16, 10, 11, 12, 13}));
+  report_verify(c.p, c.chained, 1, 2, 99);
+  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 14, 15, 16, 10, 11, 12, 13, 14, 15, 16, 10, 99}));
   CHECK_EQ(c.p.request(1).num_computed, e.start + 3);
 }
 
 TEST(a_chained_entry_becomes_a_plain_decode_where_the_verify_accepted_fewer) {
   Chained c(config());
   const Entry v = *entry_for(c.verify, 1);
-  report_verify(c.p, c.verify, 1, 1, 99);  // 13 accepted, then 99: the chained entry runs at
+  report_verify(c.p, c.verify, 1, 1, 99);  // 11 accepted, then 99: the chained entry runs at
   const int64_t bonus = v.start + 2;       // 99's position, as one token
   CHECK_EQ(c.p.request(1).num_scheduled, bonus + 1);
-  CHECK_EQ(c.p.request(1).planned_samples, 4);  // 12, 13, 99 and the chained entry's one
+  CHECK_EQ(c.p.request(1).planned_samples, 9);  // 12, 13 .. 10, 11, 99, and the chained one's
   CHECK_EQ(c.p.request(1).verifying, 0);
   CHECK_THROWS(report_verify(c.p, c.chained, 1, 1, 5), pyserve::ProtocolError);  // one token only
   report(c.p, c.chained, 5);
-  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 99, 5}));
+  CHECK_EQ(c.p.request(1).output, (Tokens{12, 13, 14, 15, 16, 10, 11, 99, 5}));
   CHECK_EQ(c.p.request(1).num_computed, bonus + 1);
   const Step next = plan(c.p);  // planned as usual from there
   CHECK_EQ(entry_for(next, 1)->start, bonus + 1);
