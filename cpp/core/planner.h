@@ -20,16 +20,16 @@
 // retraction already happened in it, the entry falls back to a plain 1-token decode. The report
 // gives 1..k+1 tokens for it (the accepted drafts, then one more); the rejected positions are
 // released: num_scheduled rolls back to the new computed length and blocks wholly past it are
-// freed. Until that report the request gets no entry, unless speculative_chain: then its next
-// entry is chained right behind the verify entry, as if that accepts every draft (is_decode 3,
-// with the drafter's drafts after the assumed ones, or none), when its blocks fit as drafts'
-// do. The worker runs steps in order, so it knows the verify result when it reaches the chained
-// entry: if the verify accepted fewer, it computes the chained entry as a plain 1-token decode
-// at the right position (the position after the accepted drafts), and the report of the verify
-// entry makes the same change here: the chained entry's drafts are dropped, and positions past
-// that one position are released. A request thus never waits a round trip for its verify result.
-// Only computed whole blocks enter the
-// cache, so no cached block ever holds rejected K/V.
+// freed. Until that report the request gets no entry, unless speculative_chain and its verify
+// before accepted every draft: then its next entry is chained right behind the verify entry, as
+// if that accepts every draft (is_decode 3, with the drafter's drafts after the assumed ones),
+// when it has drafts and their blocks fit as drafts' do. The worker runs steps in order, so it
+// knows the verify result when it reaches the chained entry: if the verify accepted fewer, it
+// computes the chained entry as a plain 1-token decode at the right position (the position after
+// the accepted drafts), and the report of the verify entry makes the same change here: the chained
+// entry's drafts are dropped, and positions past that one position are released. Such a request
+// does not wait a round trip for its verify result. Only computed whole blocks enter the cache, so
+// no cached block ever holds rejected K/V.
 //
 // Whole spans: add_request may name runs of prompt positions that one forward pass must compute
 // together (an image whose positions attend to each other). No prefill chunk ends strictly
