@@ -540,20 +540,31 @@ void Planner::add_entry(Step& step, InflightStep& record, Request& r, int64_t nu
 }
 
 // A decode entry of k drafts: the last sampled token, then the drafts, each position sampled.
+// Behind r's unreported verify entry it is chained (is_decode 3): planned as if that accepts
+// every draft, its drafts kept apart until the report of that one.
 void Planner::add_verify_entry(Step& step, InflightStep& record, Request& r, size_t old_len) {
   const int64_t k = static_cast<int64_t>(r.draft.size());
+  const bool chain = !r.verifying.empty();
   add_entry(step, record, r, 1 + k, /*decode=*/true, old_len);
+  InflightEntry& entry = record.entries.back();
   if (r.worker_drafts) {
     step.is_decode.back() = 2;  // the worker's draft model writes the drafts
-    record.entries.back().worker_drafts = true;
+    entry.worker_drafts = true;
     r.worker_drafts = false;
   } else {
     step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
   }
+  if (chain) {
+    step.is_decode.back() = 3;
+    entry.chained = true;
+    r.chained_step = step.step_id;
+    r.chained_entry = record.entries.size() - 1;
+    ++spec_chained_entries_;
+  }
   step.num_decode_tokens += k;
-  record.entries.back().drafts = static_cast<int32_t>(k);
+  entry.drafts = static_cast<int32_t>(k);
   r.planned_samples += k;  // an upper bound until the report says how many were accepted
-  r.verifying.swap(r.draft);
+  (chain ? r.chained_drafts : r.verifying).swap(r.draft);
   r.draft.clear();
 }
 
@@ -570,40 +581,8 @@ bool Planner::decode_eligible(const Request& r) const {
 // waiting for the result would have drafted again from the right history, which costs more
 // than the wait on loads whose verifies often fall short.
 bool Planner::chain_eligible(const Request& r) const {
-  return config_.speculative_chain && !r.verifying.empty() && !r.chained && r.inflight_steps == 1 &&
-         drafter_->accepted_all_last(r.rid);
-}
-
-// r's next entry behind its unreported verify entry, as if that accepts every draft, with
-// r.draft's drafts when they fit beside the plain decodes still to plan; else no entry (r waits
-// for the verify report, as without chaining). Never a retraction.
-void Planner::add_chained_entry(Step& step, InflightStep& record, Request& r, size_t old_len,
-                                int64_t plain_blocks_left) {
-  auto extra = [&](int64_t k) {
-    return blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
-  };
-  // Without drafts a chained entry would only trade the wait for a plain decode.
-  if (!step.retracted.empty() || r.draft.empty() ||
-      available_blocks() < extra(static_cast<int64_t>(r.draft.size())) + plain_blocks_left) {
-    r.draft.clear();
-    return;
-  }
-  const int64_t k = static_cast<int64_t>(r.draft.size());
-  if (!allocate_blocks(extra(k), r.table)) {
-    throw InvariantError("a chained entry sized to the available blocks did not fit");
-  }
-  add_entry(step, record, r, 1 + k, /*decode=*/true, old_len);
-  step.is_decode.back() = 3;
-  step.input_ids.insert(step.input_ids.end(), r.draft.begin(), r.draft.end());
-  step.num_decode_tokens += k;
-  record.entries.back().drafts = static_cast<int32_t>(k);
-  record.entries.back().chained = true;
-  r.planned_samples += k;
-  r.chained = true;
-  r.chained_drafts.swap(r.draft);
-  r.draft.clear();
-  r.chained_step = step.step_id;
-  ++spec_chained_entries_;
+  return config_.speculative_chain && !r.verifying.empty() && !r.chained() &&
+         r.inflight_steps == 1 && drafter_->accepted_all_last(r.rid);
 }
 
 // The report of r's verify entry came, with r's entry chained behind it: if the verify accepted
@@ -611,7 +590,8 @@ void Planner::add_chained_entry(Step& step, InflightStep& record, Request& r, si
 // computed it as a plain decode at accepted_end (the position of the token sampled after the
 // accepted drafts), so its drafts and the positions past that one are dropped here too.
 void Planner::resolve_chain(Request& r, bool verify_accepted_all, int64_t accepted_end) {
-  r.chained = false;
+  const int64_t step_id = r.chained_step;
+  r.chained_step = -1;
   if (verify_accepted_all) {
     r.verifying.swap(r.chained_drafts);
     r.chained_drafts.clear();
@@ -619,14 +599,13 @@ void Planner::resolve_chain(Request& r, bool verify_accepted_all, int64_t accept
   }
   InflightEntry* chained = nullptr;
   for (InflightStep& s : inflight_) {
-    if (s.step_id != r.chained_step) continue;
-    for (InflightEntry& e : s.entries) {
-      if (e.request == &r) chained = &e;
+    if (s.step_id == step_id && r.chained_entry < s.entries.size()) {
+      chained = &s.entries[r.chained_entry];
     }
   }
-  if (chained == nullptr || !chained->chained) {
+  if (chained == nullptr || chained->request != &r || !chained->chained) {
     throw InvariantError("request " + std::to_string(r.rid) + "'s chained entry is not in step " +
-                         std::to_string(r.chained_step));
+                         std::to_string(step_id));
   }
   ++spec_chained_fallbacks_;
   if (r.state == RequestState::kRunning) {  // else its admission resets both
@@ -712,11 +691,6 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
     plain_blocks_left -= plain_decode_blocks(r);
     const size_t old_len = r.table.size();
     if (drafter_ && r.draft.empty()) propose_drafts(r, own);
-    if (!r.verifying.empty()) {  // chain_eligible
-      add_chained_entry(step, record, r, old_len, plain_blocks_left);
-      ++i;
-      continue;
-    }
     if (!r.draft.empty()) {
       const int64_t k = static_cast<int64_t>(r.draft.size());
       const int64_t extra = blocks_for(r.num_scheduled + 1 + k) - static_cast<int64_t>(old_len);
@@ -732,6 +706,12 @@ void Planner::plan_decodes(Step& step, InflightStep& record) {
       }
       r.draft.clear();  // falls back to a plain decode
       r.worker_drafts = false;
+    }
+    // Behind an unreported verify (chain_eligible) without drafts: a chained plain decode would
+    // only trade the wait for the verify result for a plain decode, so r waits.
+    if (!r.verifying.empty()) {
+      ++i;
+      continue;
     }
     if (r.num_scheduled / block_size_ >= static_cast<int64_t>(old_len)) {
       while (!allocate_blocks(1, r.table)) {
@@ -1204,7 +1184,7 @@ void Planner::report(int64_t step_id, const int64_t* rids, size_t num_rids, cons
       if (scratch_counts_[j] > 0) count_verified(r, entry.drafts, scratch_counts_[j] - 1);
       // The worker decided the chained entry's fate by the same count (a finished request's
       // tokens are discarded either way).
-      if (r.chained) resolve_chain(r, scratch_counts_[j] == entry.drafts + 1, accepted_end);
+      if (r.chained()) resolve_chain(r, scratch_counts_[j] == entry.drafts + 1, accepted_end);
     }
     if (r.state != RequestState::kRunning) continue;
     if (entry.drafts == 0) {

@@ -295,8 +295,6 @@ class Planner {
   bool allocate_blocks(int64_t n, std::vector<BlockId>& table);
   bool decode_eligible(const Request& r) const;
   bool chain_eligible(const Request& r) const;
-  void add_chained_entry(Step& step, InflightStep& record, Request& r, size_t old_table_len,
-                         int64_t plain_blocks_left);
   void resolve_chain(Request& r, bool verify_accepted_all, int64_t accepted_end);
   int64_t plain_decode_blocks(const Request& r) const;
   void truncate_scheduled(Request& r, int64_t new_scheduled);

@@ -118,7 +118,7 @@ void Planner::check_invariants() const {
       }
       if (behind_verify) {
         // only the entry chained behind the unreported verify entry may follow it
-        if (!e.chained || !e.request->chained || !chained.emplace(e.request, &e).second) {
+        if (!e.chained || !e.request->chained() || !chained.emplace(e.request, &e).second) {
           fail("request " + std::to_string(e.request->rid) +
                " is planned behind its unreported verify entry, not chained to it");
         }
@@ -151,8 +151,8 @@ void Planner::check_invariants() const {
            std::to_string(k));
     }
     auto c = chained.find(owned.get());
-    if (owned->chained != (c != chained.end())) {
-      fail("request " + std::to_string(rid) + (owned->chained ? " has no" : " has an unmarked") +
+    if (owned->chained() != (c != chained.end())) {
+      fail("request " + std::to_string(rid) + (owned->chained() ? " has no" : " has an unmarked") +
            " entry chained behind its verify entry");
     }
     if (c != chained.end() &&

@@ -54,11 +54,12 @@ struct Request {
   std::vector<int32_t> draft;
   std::vector<int32_t> verifying;
   bool worker_drafts = false;  // draft and verifying are placeholders: the draft model drafts
-  // speculative_chain: an unreported entry planned behind the verify entry of `verifying`, as if
-  // that accepts every draft; its drafts (none: a plain decode), and the step holding it.
-  bool chained = false;
+  // speculative_chain: an unreported verify entry planned behind the one of `verifying`, as if
+  // that accepts every draft: its drafts, and where its record is (-1: none chained).
   std::vector<int32_t> chained_drafts;
   int64_t chained_step = -1;
+  size_t chained_entry = 0;
+  bool chained() const { return chained_step >= 0; }
   int64_t spec_drafted = 0;   // drafts of its reported verify entries
   int64_t spec_accepted = 0;  // of which accepted
 
