@@ -68,20 +68,19 @@ std::vector<int32_t> NgramDrafter::draft(int64_t rid, int64_t k, int64_t unknown
   if (it == slots_.end() || k <= 0) return {};
   // A continuation stops at the end of the history it was found in; the drafts then go on from a
   // lookup of what they end with (a loop, or a passage quoted again, continues).
-  std::vector<int32_t> context = assumed;
-  std::vector<int32_t> out;
-  const size_t want = static_cast<size_t>(k + unknown);
-  while (out.size() < want) {
-    const NgramDraft d = ngram_draft_after(it->second.index, context.data(), context.size(),
-                                           corpus_.get(), static_cast<int64_t>(want - out.size()),
+  // The tokens past the history: the assumed ones, then the drafts (the unknown first).
+  std::vector<int32_t> past = assumed;
+  const size_t want = assumed.size() + static_cast<size_t>(k + unknown);
+  while (past.size() < want) {
+    const NgramDraft d = ngram_draft_after(it->second.index, past.data(), past.size(),
+                                           corpus_.get(), static_cast<int64_t>(want - past.size()),
                                            config_.min_match, config_.max_match);
     if (d.tokens.empty()) break;
-    out.insert(out.end(), d.tokens.begin(), d.tokens.end());
-    context.insert(context.end(), d.tokens.begin(), d.tokens.end());
+    past.insert(past.end(), d.tokens.begin(), d.tokens.end());
   }
-  if (static_cast<int64_t>(out.size()) <= unknown) return {};
-  out.erase(out.begin(), out.begin() + unknown);
-  return out;
+  const size_t first = assumed.size() + static_cast<size_t>(unknown);
+  if (past.size() <= first) return {};
+  return std::vector<int32_t>(past.begin() + static_cast<std::ptrdiff_t>(first), past.end());
 }
 
 bool NgramDrafter::accepted_all_last(int64_t rid) const {

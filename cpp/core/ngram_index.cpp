@@ -280,28 +280,29 @@ void NgramCorpus::clear() {
 
 NgramDraft ngram_draft(const NgramIndex& request, const NgramCorpus* corpus, int64_t max_tokens,
                        int64_t min_match, int64_t max_match) {
-  // Both checked up front, so the arguments' validity never depends on what matched.
-  if (corpus != nullptr) check_draft_args(max_tokens, min_match, max_match, corpus->max_ngram());
-  NgramDraft own = request.draft(max_tokens, min_match, max_match);
-  // Only a strictly longer match replaces the request's own, so a full-length one needs no
-  // corpus lookup.
-  if (corpus == nullptr || own.match == max_match) return own;
-  NgramDraft shared = corpus->draft(request.data(), static_cast<size_t>(request.size()), max_tokens,
-                                    min_match, max_match);
-  return shared.match > own.match ? shared : own;
+  return ngram_draft_after(request, nullptr, 0, corpus, max_tokens, min_match, max_match);
 }
 
 NgramDraft ngram_draft_after(const NgramIndex& request, const int32_t* extra, size_t n_extra,
                              const NgramCorpus* corpus, int64_t max_tokens, int64_t min_match,
                              int64_t max_match) {
-  if (n_extra == 0) return ngram_draft(request, corpus, max_tokens, min_match, max_match);
+  // Both checked up front, so the arguments' validity never depends on what matched.
   if (corpus != nullptr) check_draft_args(max_tokens, min_match, max_match, corpus->max_ngram());
   NgramDraft own = request.draft_after(extra, n_extra, max_tokens, min_match, max_match);
+  // Only a strictly longer match replaces the request's own, so a full-length one needs no
+  // corpus lookup.
   if (corpus == nullptr || own.match == max_match) return own;
-  const std::vector<int32_t> context =
-      request.tail(extra, n_extra, static_cast<size_t>(std::max<int64_t>(max_match, 0)));
-  NgramDraft shared =
-      corpus->draft(context.data(), context.size(), max_tokens, min_match, max_match);
+  // The corpus reads the context's last max_match tokens: the history's own, unless extra
+  // tokens follow it.
+  std::vector<int32_t> tail;
+  const int32_t* context = request.data();
+  size_t n = static_cast<size_t>(request.size());
+  if (n_extra > 0) {
+    tail = request.tail(extra, n_extra, static_cast<size_t>(max_match));
+    context = tail.data();
+    n = tail.size();
+  }
+  NgramDraft shared = corpus->draft(context, n, max_tokens, min_match, max_match);
   return shared.match > own.match ? shared : own;
 }
 
