@@ -104,7 +104,7 @@ class SchedulerLoop:
         self._speculative = speculative  # finished requests report their accepted drafts
         # with speculation: what decode steps cost, for the planner's drafts (step_costs.py)
         self._costs = StepCosts(MAX_COSTED_TOKENS) if speculative else None
-        self._costed: dict[int, tuple[int, bool]] = {}  # sent step -> (decode tokens, verifies)
+        self._costed: dict[int, bool] = {}  # sent decode-only step -> whether it verifies
         self._last_done: tuple[float, bool] | None = None  # (when, whether it verified)
         self._commands: collections.deque[tuple] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -323,8 +323,8 @@ class SchedulerLoop:
                 return
             msg = out.step_from_plan(step)
             if self._costs is not None and step.num_prefill_tokens == 0:
-                tokens = step.num_decode_tokens  # every entry decodes: more tokens, some verify
-                self._costed[msg.step_id] = (tokens, tokens > len(msg.is_decode))
+                # every entry decodes: more tokens than entries, some verify
+                self._costed[msg.step_id] = step.num_decode_tokens > len(msg.is_decode)
             self._send(msg)
             self._step_watch.sent(msg.step_id, len(msg.rids) // 8, time.monotonic())
 
@@ -392,14 +392,14 @@ class SchedulerLoop:
         after a step with verify entries."""
         assert self._costs is not None
         now = time.monotonic()
-        tokens, verifies = self._costed.pop(msg.step_id, (0, False))
-        if tokens and msg.computed_tokens:  # fewer when a chained entry ran as a plain decode
-            tokens = msg.computed_tokens
+        verifies = self._costed.pop(msg.step_id, None)
+        # as the worker ran it: a chained entry may have run as a plain decode (0: a failed step)
+        tokens = msg.computed_tokens if verifies is not None else 0
         if tokens:
             self._costs.observe(tokens, msg.forward_ms, now)
             if self._last_done is not None and self._last_done[1]:
                 self._costs.observe_overhead((now - self._last_done[0]) * 1e3, msg.forward_ms)
-        self._last_done = (now, verifies)
+        self._last_done = (now, bool(verifies))
 
     def _on_worker_error(self, msg: inp.WorkerError) -> None:
         rids = np.frombuffer(msg.rids, dtype="<i8").tolist() if msg.rids else sorted(self._live)

@@ -574,7 +574,7 @@ def _step_tokens(
         logprobs=np.asarray(logprobs, dtype="<f4").tobytes() if logprobs else b"",
         top_logprobs=tops,
         forward_ms=forward_ms,
-        computed_tokens=sum(prepared.batch.num_tokens),
+        computed_tokens=prepared.batch.input_ids.numel(),
     )
 
 
