@@ -161,54 +161,31 @@ async def one_request(
     return first - started, last - first, tokens, timings
 
 
-async def drive(server, spec: ServerSpec, load: str, prompts: list[str], args) -> Run:
-    run = Run(spec.name, load)
+async def drive(servers, specs: list[ServerSpec], load: str, prompts: list[str], args) -> list[Run]:
+    """One run per server: each prompt goes to every server, one after the other, their order
+    reversed from prompt to prompt (two side by side share the machine's drift alike)."""
+    runs = [Run(spec.name, load) for spec in specs]
+    pairs = list(zip(servers, specs, strict=True))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     # a connection per request: llama-server may close one after a stream ends
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        for prompt in prompts[: args.warmup]:
-            await one_request(session, server.base_url, spec.model, prompt, 16)
-        before = await spec_counters(session, server.base_url, spec.kind)
-        drafted = accepted = 0
-        for prompt in prompts:
-            ttft, decode_s, tokens, timings = await one_request(
-                session, server.base_url, spec.model, prompt, args.output_len
-            )
-            run.add(ttft, decode_s, tokens)
-            drafted += timings.get("draft_n", 0)
-            accepted += timings.get("draft_n_accepted", 0)
-        after = await spec_counters(session, server.base_url, spec.kind)
-    if spec.kind == "llama.cpp":
-        run.drafted, run.accepted = drafted, accepted
-    elif before is not None and after is not None:
-        run.drafted, run.accepted = after[0] - before[0], after[1] - before[1]
-    return run
-
-
-async def drive_pair(servers, specs, load: str, prompts: list[str], args) -> list[Run]:
-    """``drive`` for two servers at once: each prompt goes to both, one after the other, the
-    first of them alternating from prompt to prompt."""
-    runs = [Run(spec.name, load) for spec in specs]
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for server, spec in zip(servers, specs, strict=True):
+        for server, spec in pairs:
             for prompt in prompts[: args.warmup]:
                 await one_request(session, server.base_url, spec.model, prompt, 16)
-        before = [
-            await spec_counters(session, s.base_url, p.kind)
-            for s, p in zip(servers, specs, strict=True)
-        ]
-        for i, prompt in enumerate(prompts):
-            for j in (0, 1) if i % 2 == 0 else (1, 0):
-                ttft, decode_s, tokens, _ = await one_request(
+        before = [await spec_counters(session, s.base_url, p.kind) for s, p in pairs]
+        order = list(range(len(servers)))
+        for prompt in prompts:
+            for j in order:
+                ttft, decode_s, tokens, timings = await one_request(
                     session, servers[j].base_url, specs[j].model, prompt, args.output_len
                 )
                 runs[j].add(ttft, decode_s, tokens)
-        after = [
-            await spec_counters(session, s.base_url, p.kind)
-            for s, p in zip(servers, specs, strict=True)
-        ]
+                if specs[j].kind == "llama.cpp":  # its own count, per request
+                    runs[j].drafted = (runs[j].drafted or 0) + timings.get("draft_n", 0)
+                    runs[j].accepted = (runs[j].accepted or 0) + timings.get("draft_n_accepted", 0)
+            order.reverse()
+        after = [await spec_counters(session, s.base_url, p.kind) for s, p in pairs]
     for run, b, a in zip(runs, before, after, strict=True):
         if b is not None and a is not None:
             run.drafted, run.accepted = a[0] - b[0], a[1] - b[1]
@@ -273,14 +250,14 @@ async def bench(args) -> list[Run]:
     runs = []
     with running(specs[0], args.out_dir) as plain, running(specs[1], args.out_dir) as spec:
         for load, prompts in loads.items():
-            pair = await drive_pair((plain, spec), specs[:2], load, prompts * args.rounds, args)
+            pair = await drive((plain, spec), specs[:2], load, prompts * args.rounds, args)
             for run in pair:
                 print(f"[{run.server}] {load}: {run.decode_tok_s:.1f} decode tok/s")
             runs += pair
     for spec in specs[2:]:
         with running(spec, args.out_dir) as server:
             for load, prompts in loads.items():
-                run = await drive(server, spec, load, prompts, args)
+                (run,) = await drive([server], [spec], load, prompts, args)
                 print(f"[{spec.name}] {load}: {run.decode_tok_s:.1f} decode tok/s")
                 runs.append(run)
     return runs
