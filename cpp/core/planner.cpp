@@ -643,7 +643,7 @@ void Planner::propose_drafts(Request& r, StepDrafts& step) {
     r.draft.assign(static_cast<size_t>(k), 0);
     r.worker_drafts = true;
   } else {
-    r.draft = drafter_->draft(r.rid, k, unknown, chain ? r.verifying : std::vector<int32_t>{});
+    r.draft = drafter_->draft(r.rid, k, unknown, r.verifying);  // empty unless chaining
   }
   const int64_t n = static_cast<int64_t>(r.draft.size());
   step.budget -= n;
