@@ -695,6 +695,7 @@ class Planner:
         self._next_step = 0
         self.retractions = 0
         self.fairness_retractions = 0  # of which to make room for a less-served tenant
+        self._fair_head: _Request | None = None  # the request they made room for, in a plan
         self.spec_verify_entries = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_histogram = [0] * (max_draft_tokens + 1)
         self._step_loads: dict[int, list[_Request]] = {}  # step id -> requests loading in it
@@ -936,6 +937,7 @@ class Planner:
         entries: list[tuple[_Request, int, int, bool, int]] = []
         self._loading_now: list[_Request] = []
         self._pending_loads = ([], [])
+        self._fair_head = None
         if self.policy == "priority":
             retracted = self._preempt()
         else:
@@ -1192,7 +1194,7 @@ class Planner:
         """The admissible request of the least-served tenant, short of blocks or of a running
         slot, retracts running requests of tenants served more than its own by more than the
         quantum: the most served first (the latest admitted on equal counts), as many as make
-        room; none if all of them would not."""
+        room; none if all of them would not. Admission then tries the head first."""
         head = next(iter(self._admission_candidates()), None)
         if head is None:
             return []
@@ -1211,14 +1213,21 @@ class Planner:
         candidates.sort(key=lambda v: -self._served[v.tenant])  # stable
         victims = self._make_room(candidates, shortfall)
         self.fairness_retractions += len(victims)
+        if victims:
+            self._fair_head = head
         return victims
 
     def _admission_candidates(self) -> Iterable[_Request]:
         """Policy order; with tenant fairness, again after each admission: the first admissible
-        request of the least-served tenant among the first 256 waiting."""
+        request of the least-served tenant among the first 256 waiting, after the request a
+        fairness retraction made room for in this plan (the plan's decodes may have left another
+        tenant the least served by now)."""
         if not self.tenant_fairness:
             yield from self._admission_order()
             return
+        head, self._fair_head = self._fair_head, None
+        if head is not None:
+            yield head
         while True:
             window = [
                 r

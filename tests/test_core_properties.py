@@ -1340,22 +1340,27 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def _check_fairness(self, sid: int, entries: list[PlannedEntry], admitted: set[int]) -> None:
         """Tenant fairness: each admission is of a tenant with no more tokens served (counting
-        this step's entries before it) than any tenant with an admissible request waiting."""
+        this step's entries before it) than any tenant with an admissible request waiting. After
+        a fairness retraction, the first admission counts as at the plan's start: the room went
+        to the request it was made for."""
         served = dict(self.served_before)
         planned = {e.rid for e in entries}
+        made_room = self.planner.stats()["fairness_retractions"] > self.fair_retractions_before
         for e in entries:
             req = self.requests[e.rid]
             if e.rid in admitted:
+                counts = self.served_before if made_room else served
+                made_room = False
                 for other in self.requests.values():
                     if other.rid in planned or other.state not in ("waiting", "retracted"):
                         continue
                     if other.inflight or other.output_len >= other.max_new or self._loading(other):
                         continue
-                    if served[other.tenant] < served[req.tenant]:
+                    if counts[other.tenant] < counts[req.tenant]:
                         self._fail(
                             f"step {sid}: admitted rid {e.rid} of tenant {req.tenant} "
-                            f"({served[req.tenant]} tokens served) ahead of rid {other.rid} of "
-                            f"tenant {other.tenant} ({served[other.tenant]})"
+                            f"({counts[req.tenant]} tokens served) ahead of rid {other.rid} of "
+                            f"tenant {other.tenant} ({counts[other.tenant]})"
                         )
                 if len({r.tenant for r in self.requests.values() if r.state != "done"}) > 1:
                     event("fairness: admission among tenants")
@@ -1418,11 +1423,12 @@ class PlannerMachine(RuleBasedStateMachine):
                     f"{served[r.tenant]}) keeps running while rid {victims[-1].rid} was "
                     f"retracted for fairness"
                 )
-        # No starvation: the room goes to the least-served tenant in the same step, unless
-        # something else in it takes blocks or budget first (a memory retraction, a prefill
-        # chunk of an earlier admission, a decode's new block, a disk load) or its decodes tie
-        # another tenant with it (then the queue's order decides). Without the radix cache: with
-        # it, the blocks a victim gives back are an estimate (shared and locked prefixes).
+        # No starvation: the room goes to the least-served tenant (at the plan's start) in the
+        # same step, even when the step's decodes leave another tenant the least served by the
+        # admissions, unless something else in it takes blocks or budget first (a memory
+        # retraction, a prefill chunk of an earlier admission, a decode's new block, a disk
+        # load). Without the radix cache: with it, the blocks a victim gives back are an estimate
+        # (shared and locked prefixes).
         others = (
             self.cfg["enable_radix_cache"]
             or len(retracted) > n
@@ -1432,20 +1438,12 @@ class PlannerMachine(RuleBasedStateMachine):
         )
         if others:
             return
-        now = dict(served)  # the counts at the admissions: after the step's decodes
-        for e in entries:
-            r = self.requests[e.rid]
-            if e.decode and e.start + e.n > r.served_to:
-                now[r.tenant] += e.start + e.n - max(e.start, r.served_to)
-        # a victim in no unreported step may be admitted again in this plan
-        waiting += [v.tenant for v in victims if not v.inflight and v.output_len < v.max_new]
-        least_now = min(now[t] for t in waiting)
-        first = {t for t in waiting if now[t] == least_now}
+        first = {t for t in waiting if served[t] == least}
         fresh = {self.requests[e.rid].tenant for e in entries if not e.decode}
         if len(first) == 1 and not first & fresh:
             self._fail(
                 f"step {sid}: retracted {retracted[:n]} for fairness, then admitted no request "
-                f"of tenant {first.pop()} (served {least_now}, the least)"
+                f"of tenant {first.pop()} (served {least}, the least)"
             )
         event("fairness: retraction makes room in the step")
 

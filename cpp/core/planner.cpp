@@ -408,6 +408,7 @@ std::optional<Step> Planner::plan() {
   step.sample.reserve(expected);
   record.entries.reserve(expected);
   retracted_this_plan_ = false;
+  fair_head_ = nullptr;
 
   int64_t prefill_budget = config_.max_prefill_tokens;
   if (policy_ == Policy::kPriority) preempt_for_priority(step);
@@ -800,6 +801,13 @@ bool Planner::admit_pass(Step& step, InflightStep& record, int64_t& prefill_budg
 
   memory_stop_ = nullptr;
   if (config_.tenant_fairness) {
+    // The room a fairness retraction made goes to the request it was made for: this plan's
+    // decodes may have left another tenant the least served by now.
+    if (Request* head = std::exchange(fair_head_, nullptr)) {
+      if (!try_admit(*head, step, record, prefill_budget, reserved)) {
+        return memory_stop_ != nullptr && release_load_locks(memory_stop_) > 0;
+      }
+    }
     while (Request* c = least_served_waiting()) {
       if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
     }
@@ -1040,9 +1048,10 @@ void Planner::preempt_for_priority(Step& step) {
 // The admissible request of the least-served tenant, when it cannot be admitted for lack of
 // blocks or of a running slot, retracts running requests of tenants served more than its own by
 // more than fairness_quantum: the most-served tenant's first, the latest admitted first on equal
-// counts, as many as make room; none if even all of them would not.
+// counts, as many as make room; none if even all of them would not. Admission then tries the
+// head first.
 void Planner::preempt_for_fairness(Step& step) {
-  const Request* head = least_served_waiting();
+  Request* head = least_served_waiting();
   if (!head) return;
   const int64_t least = tenants_[head->tenant].served;
   std::vector<Request*> candidates;  // latest admitted first: the running order is admission's
@@ -1059,7 +1068,9 @@ void Planner::preempt_for_fairness(Step& step) {
                    [this](const Request* a, const Request* b) {
                      return tenants_[a->tenant].served > tenants_[b->tenant].served;
                    });
-  fairness_retractions_ += retract_to_make_room(candidates, *shortfall, step);
+  const int64_t retracted = retract_to_make_room(candidates, *shortfall, step);
+  fairness_retractions_ += retracted;
+  if (retracted > 0) fair_head_ = head;
 }
 
 // ---------------------------------------------------------------------------------------------

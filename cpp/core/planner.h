@@ -382,6 +382,7 @@ class Planner {
   std::vector<int64_t> spec_accepted_histogram_;
   bool clear_disk_ = false;         // flush_cache since the last step
   Request* memory_stop_ = nullptr;  // where admission stopped for lack of blocks, in a plan
+  Request* fair_head_ = nullptr;    // a fairness retraction in this plan made room for it
   int64_t disk_loaded_blocks_ = 0;
   int64_t disk_failed_blocks_ = 0;
   std::vector<int32_t> scratch_tokens_;

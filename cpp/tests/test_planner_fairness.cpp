@@ -209,4 +209,25 @@ TEST(a_preemption_that_cannot_make_room_retracts_nothing) {
   CHECK_EQ(std::string(p.request(2).state), "running");
 }
 
+TEST(the_room_a_fairness_retraction_makes_goes_to_the_request_it_was_made_for) {
+  PlannerConfig c = fair_config();
+  c.max_running_requests = 2;
+  c.fairness_quantum = 0;
+  Planner p(c);
+  p.add_request(1, range(10, 10), 30, true, {}, 0, 1);
+  p.add_request(2, {4}, 30, true, {}, 0, 2);
+  report(p, plan(p));  // tenant 1 at 10, tenant 2 at 1
+  p.add_request(3, {5}, 5, true, {}, 0, 2);
+  p.add_request(4, {6}, 5, true, {}, 0, 3);  // lifted to the least live count: 1
+  CHECK_EQ(served(p, 3), 1);
+  // Request 3 heads the tie at 1 and retracts request 1 for the slot. Request 2's decode then
+  // lifts tenant 2 to 2, above tenant 3: the slot still goes to request 3.
+  const Step s = plan(p);
+  CHECK_EQ(s.retracted, (std::vector<int64_t>{1}));
+  CHECK(entry_for(s, 3).has_value());
+  CHECK(!entry_for(s, 4).has_value());
+  CHECK_EQ(served(p, 2), 3);
+  report(p, s);
+}
+
 int main() { return check::run_all_tests(); }
