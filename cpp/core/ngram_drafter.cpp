@@ -104,15 +104,16 @@ void NgramDrafter::verified(int64_t rid, int64_t drafted, int64_t accepted) {
   if (it == slots_.end() || drafted <= 0) return;
   Slot& s = it->second;
   s.accepted_all_last = accepted >= drafted;
+  const int64_t floor = config_.lookup ? std::min(kFirstLength, config_.max_draft_tokens) : 1;
   if (accepted >= drafted) {
     s.length = std::min(config_.max_draft_tokens, s.length + std::max<int64_t>(1, s.length / 2));
   } else {
-    s.length = accepted + 1;
+    s.length = std::max(floor, accepted + 1);
   }
   s.gain = 0.5 * s.gain + 0.5 * static_cast<double>(accepted);
   s.acceptance =
       0.5 * s.acceptance + 0.5 * static_cast<double>(accepted) / static_cast<double>(drafted);
-  if (s.gain >= kMinGain || accepted >= drafted) {
+  if (s.gain >= (config_.lookup ? kMinLookupGain : kMinGain) || accepted >= drafted) {
     s.misses = 0;
     return;
   }

@@ -13,11 +13,14 @@
 //
 // Draft length adapts per request: it starts at kFirstLength (at most max_draft_tokens), grows by
 // half again after a verify that accepted every draft and shrinks to accepted + 1 after one that
-// did not. A verify costs more than a plain decode (its extra positions, and the request's
-// overlap: its next entry waits for the verify result), so it pays only when it is accepted
-// often enough: each request keeps a running mean of the drafts its verifies accepted, and while
-// that mean is below kMinGain (and the verify did not accept every draft) the request skips its
-// next drafting chances, 2, 4, .. up to kMaxBackoff after consecutive misses.
+// did not, but with lookups never below kFirstLength: a lookup's drafts cost nothing to make, and
+// a copied passage that diverged for a token (a renamed word) usually goes on matching. A verify
+// costs more than a plain decode (its extra positions, and the request's overlap: its next entry
+// waits for the verify result), so it pays only when it is accepted often enough: each request
+// keeps a running mean of the drafts its verifies accepted, and while that mean is below the
+// minimum gain (kMinLookupGain with lookups, kMinGain for a draft model's drafts, which cost
+// draft steps) and the verify did not accept every draft, the request skips its next drafting
+// chances, 2, 4, .. up to kMaxBackoff after consecutive misses.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +45,8 @@ class NgramDrafter {
  public:
   static constexpr int32_t kMaxBackoff = 64;
   static constexpr int64_t kFirstLength = 4;
-  static constexpr double kMinGain = 1.0;          // accepted drafts per verify worth its cost
+  static constexpr double kMinGain = 1.0;          // accepted drafts per verify worth their cost
+  static constexpr double kMinLookupGain = 0.5;    // the same for lookups, which cost no draft step
   static constexpr double kPriorAcceptance = 0.8;  // a new request's
   static constexpr double kRecovery = 0.25;        // of the way back to it, each time declined
 
@@ -87,7 +91,7 @@ class NgramDrafter {
     int64_t length = 0;  // drafts wanted at the next verify
     double gain = 2.0;   // running mean of the drafts a verify accepted (optimistic at first)
     double acceptance = kPriorAcceptance;  // running mean of the share of drafts accepted
-    int32_t misses = 0;                    // consecutive verifies that left the mean below kMinGain
+    int32_t misses = 0;                    // consecutive verifies that left the mean too low
     int32_t skip = 0;                      // decode entries still to plan without drafts
     bool accepted_all_last = false;        // the last verify accepted every draft
   };

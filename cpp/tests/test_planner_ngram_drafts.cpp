@@ -60,28 +60,32 @@ TEST(a_decoding_request_drafts_what_followed_its_suffix_in_its_prompt) {
 
 TEST(drafts_back_off_while_rejected_and_skip_the_token_being_sampled_when_one_is_in_flight) {
   Planner p(config());
-  add(p, 1, {10, 11, 12, 13, 14, 15, 10, 11}, 20);
+  add(p, 1, {10, 11, 12, 13, 14, 15, 10, 11}, 30);
   report(p, plan(p), 12);
   const Step first = plan(p);  // 10 11 12 is followed by 13 14 15 10 in the prompt
   CHECK_EQ(entry_for(first, 1)->input, (Tokens{13, 14, 15, 10}));
-  report_verify(p, first, 1, 0, 13);  // nothing accepted: one draft next time
+  report_verify(p, first, 1, 0, 13);  // nothing accepted: lookups still draft kFirstLength
   const Step second = plan(p);
-  CHECK_EQ(entry_for(second, 1)->input, (Tokens{14}));
-  report_verify(p, second, 1, 0, 14);  // rejected again: the mean gain is too low, back off
+  CHECK_EQ(entry_for(second, 1)->input, (Tokens{14, 15, 10, 11}));
+  report_verify(p, second, 1, 0, 14);  // the mean gain falls to 0.5: still worth drafting
+  const Step third = plan(p);
+  CHECK_EQ(entry_for(third, 1)->input, (Tokens{15, 10, 11, 12}));
+  report_verify(p, third, 1, 0, 10);  // 0.25: too low, the next two chances go without
   const Step plain1 = plan(p);
   CHECK_EQ(entry_for(plain1, 1)->num_tokens, 1);
   const Step plain2 = plan(p);  // planned before plain1 is reported: overlap
   CHECK_EQ(entry_for(plain2, 1)->num_tokens, 1);
-  report(p, plain1, 15);
-  // plain2 samples the token after 13 14 15; the drafts guess it (10) and start after it.
+  report(p, plain1, 11);
+  // plain2 samples the token after .. 14 10 11; the drafts guess it (12, as in the prompt) and
+  // start after it.
   const Step ahead = plan(p);
-  CHECK_EQ(entry_for(ahead, 1)->input, (Tokens{11}));
-  report(p, plain2, 10);
-  report_verify(p, ahead, 1, 1, 12);  // every draft accepted: never a miss
-  CHECK_EQ(p.request(1).output, (Tokens{12, 13, 14, 15, 10, 11, 12}));
-  // and the next verify drafts one more
-  const Step longer = plan(p);
-  CHECK_EQ(entry_for(longer, 1)->input, (Tokens{13, 14}));
+  CHECK_EQ(entry_for(ahead, 1)->input, (Tokens{13, 14, 10, 11}));
+  report(p, plain2, 12);
+  report_verify(p, ahead, 1, 4, 12);  // every draft accepted: never a miss
+  CHECK_EQ(p.request(1).output, (Tokens{12, 13, 14, 10, 11, 12, 13, 14, 10, 11, 12}));
+  // and the next verify drafts as many (max_draft_tokens)
+  const Step next = plan(p);
+  CHECK_EQ(entry_for(next, 1)->num_tokens, 5);
 }
 
 // The entry chained behind an unreported verify entry: what the worker runs it as, and what the
