@@ -219,10 +219,12 @@ class Driver:
             row += len(drafts) + 1
 
     def run_verifies(
-        self, seqs: list[Seq], refs: list[Reference], rng: random.Random, max_drafts: int = 6
+        self, seqs: list[Seq], refs: list[Reference], rng: random.Random, max_drafts: int = 15
     ) -> None:
         """Decodes every sequence to NEW_TOKENS with verify entries whose drafts are HF's own
-        continuation, cut short, or corrupted at a random place one time in three."""
+        continuation, cut short, or corrupted at a random place one time in three. Up to 15
+        drafts: entries of up to 16 tokens, which the CPU kernels backend attends as decode
+        rows."""
         while True:
             active = [s for s in seqs if len(s.generated) < NEW_TOKENS]
             if not active:
