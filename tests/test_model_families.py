@@ -290,6 +290,28 @@ def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_fa
     assert_all_match(seqs, refs[:3])
 
 
+def test_decode_graphs_replay_verify_entries_as_decode_rows(tmp_path_factory, monkeypatch):
+    """Verify entries through the Triton backend's decode-graph buffers (each position a decode
+    row of the graph, padded to its size), run eagerly as a GPU replays them: HF's tokens and
+    logprobs, and every step went through the graphs."""
+    from pyserve.worker.backends.triton import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "SPLIT_TOKENS", 128)
+    family = built_family("qwen3-qk-norm-window", tmp_path_factory)
+    _, _, _, prompts, refs = family
+    runner = exact_runner(family, "triton", decode_graphs="eager", graph_max_batch=32)
+    graphs = runner.backend.graphs
+    fills = []
+    monkeypatch.setattr(graphs, "_fill", lambda batch, size, fill=graphs._fill: (
+        fills.append(len(batch.input_ids) - batch.num_entries), fill(batch, size)))  # fmt: skip
+    driver = Driver(runner)
+    seqs = [driver.new_seq(p) for p in prompts[:2]]
+    driver.step([(s, s.pending) for s in seqs])
+    driver.run_verifies(seqs, refs[:2], random.Random(5), max_drafts=8)
+    assert_all_match(seqs, refs[:2])
+    assert graphs.steps == len(fills) > 0 and max(fills) > 0  # verify rows went through them
+
+
 def test_the_triton_warm_up_writes_only_the_scratch_block(tmp_path_factory):
     """The start-up prefill + decode that compiles the kernels on a GPU (run here through the
     interpreter): K/V go to the block no request owns, the pool's blocks stay as they were."""

@@ -11,6 +11,11 @@ kernel's number of splits is fixed per graph (by the longest context the model s
 positions each split covers are read from a device buffer that every step sets from its longest
 context, so that a short context is still spread over all the splits.
 
+A step of verify entries (speculative decoding: a request's last token and its drafts, every
+position sampled) replays the same graphs: each of its rows is a decode row of the graph at its
+own position, attending to its context up to itself (the step writes every row's K/V before any
+row attends), so a verify of k drafts is k + 1 rows of a decode graph rather than an eager step.
+
 Without CUDA (``capture=False``) the same static buffers run eagerly: that is how the tests
 check the padding on the CPU. An int8 cache's scales are per-layer tensors allocated once with
 the cache, like K and V, so a graph captures their addresses as it does theirs.
@@ -112,18 +117,19 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` is a decode step a graph can replay (every row samples)."""
-        n = batch.num_entries
+        """Whether ``batch`` is a step a graph can replay: every row samples (decodes and verify
+        entries; a prefill chunk samples its last row alone, if any)."""
+        rows = len(batch.input_ids)
         return (
-            batch.is_decode_only
-            and n <= self.sizes[-1]
-            and len(batch.sample_index) == n
+            rows <= self.sizes[-1]
+            and len(batch.sample_index) == rows
+            and not batch.bidirectional
             and all(len(t) <= self.max_blocks for t in batch.block_tables)
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [n, vocab] of a decode step that ``fits``."""
-        n = batch.num_entries
+        """float32 logits [rows, vocab] of a step that ``fits``."""
+        n = len(batch.input_ids)
         size = next(s for s in self.sizes if s >= n)
         self._fill(batch, size)
         self.steps += 1
@@ -136,20 +142,27 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
     def _fill(self, batch: ForwardBatch, size: int) -> None:
-        n, bs = batch.num_entries, self.block_size
-        # host-side positions (batch.positions may already be on the GPU): a decode's is its
-        # start_pos
+        entries, bs = batch.num_entries, self.block_size
+        # host-side positions (batch.positions may already be on the GPU): an entry's rows are
+        # at start_pos, start_pos + 1, ..
+        counts = np.asarray(batch.num_tokens, dtype=np.int64)
+        n = int(counts.sum())
         positions = np.asarray(batch.start_pos, dtype=np.int64)
+        if n > entries:  # verify entries: each row its own decode row
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            positions = np.repeat(positions, counts) + np.arange(n) - first
         # Only the table columns some row of this step uses are written: the kernel reads a
         # row's table up to its context, a padding row (context 1) its first entry alone.
-        lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
+        lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=entries)
         width = int(lengths.max())
         tables = np.full((size, width), self.scratch_block, dtype=np.int32)
         flat = np.fromiter(
             itertools.chain.from_iterable(batch.block_tables), dtype=np.int32, count=lengths.sum()
         )
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        tables[np.repeat(np.arange(n), lengths), np.arange(len(flat)) - starts] = flat
+        tables[np.repeat(np.arange(entries), lengths), np.arange(len(flat)) - starts] = flat
+        if n > entries:
+            tables[:n] = tables[np.repeat(np.arange(entries), counts)]
         slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
         slots[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context = np.ones(size, dtype=np.int32)
