@@ -62,7 +62,8 @@ _ISA_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2", "scalar": "portable
 # Continuing entries of at most this many tokens (a verify entry: the last token and its drafts)
 # attend as decode rows: the decode kernel splits a long context across threads, the prefill
 # kernel does not, and a few queries leave it idle (benchmarks/RESULTS.md, "Speculative decoding"
-# and "Verify entries of 9 tokens as decode rows"). 16: above the default 8 drafts' 9 rows.
+# and "Draft lengths after a miss, and verify entries of 9 tokens as decode rows"). 16: above
+# the default 8 drafts' 9 rows.
 SHORT_ENTRY_DECODE_ROWS = 16
 
 
