@@ -271,45 +271,36 @@ def test_speculative_verify_entries_match_hf(family):
     assert_all_match(seqs, refs)
 
 
-def test_decode_graph_buffers_pad_a_step_without_changing_its_tokens(tmp_path_factory, monkeypatch):
+def test_decode_graph_buffers_pad_decodes_and_verifies_without_changing_tokens(
+    tmp_path_factory, monkeypatch
+):
     """The Triton backend's decode-graph path (static buffers, padded batch sizes, a scratch
     block for the padding rows, the split count fixed by the model's context and each split's
-    positions set per step) run eagerly, as a GPU replays it: the same tokens as HF."""
+    positions set per step) run eagerly, as a GPU replays it, over steps of decodes and verify
+    entries (each drafted position a decode row of the graph): HF's tokens and logprobs, and
+    verify rows went through the graphs."""
     from pyserve.worker.backends.triton import backend as triton_backend
 
     monkeypatch.setattr(triton_backend, "SPLIT_TOKENS", 128)  # 4 splits of the 512-token context
     family = built_family("qwen3-qk-norm-window", tmp_path_factory)
     _, _, _, prompts, refs = family
-    runner = exact_runner(family, "triton", decode_graphs="eager", graph_max_batch=8)
-    assert runner.backend.graphs.meta.num_splits > 1
-    driver = Driver(runner)
-    seqs = [driver.new_seq(p) for p in prompts[:3]]  # 3 rows: padded to a graph of 4
-    driver.step([(s, s.pending) for s in seqs])
-    driver.run_decodes(seqs)
-    assert runner.backend.graphs.steps > 0
-    assert_all_match(seqs, refs[:3])
-
-
-def test_decode_graphs_replay_verify_entries_as_decode_rows(tmp_path_factory, monkeypatch):
-    """Verify entries through the Triton backend's decode-graph buffers (each position a decode
-    row of the graph, padded to its size), run eagerly as a GPU replays them: HF's tokens and
-    logprobs, and every step went through the graphs."""
-    from pyserve.worker.backends.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "SPLIT_TOKENS", 128)
-    family = built_family("qwen3-qk-norm-window", tmp_path_factory)
-    _, _, _, prompts, refs = family
     runner = exact_runner(family, "triton", decode_graphs="eager", graph_max_batch=32)
     graphs = runner.backend.graphs
-    fills = []
-    monkeypatch.setattr(graphs, "_fill", lambda batch, size, fill=graphs._fill: (
-        fills.append(len(batch.input_ids) - batch.num_entries), fill(batch, size)))  # fmt: skip
+    assert graphs.meta.num_splits > 1
+    extra_rows = []  # per step through the graphs: its rows beyond one an entry
+    fill = graphs._fill
+
+    def counted_fill(batch, size):
+        extra_rows.append(len(batch.input_ids) - batch.num_entries)
+        fill(batch, size)
+
+    monkeypatch.setattr(graphs, "_fill", counted_fill)
     driver = Driver(runner)
-    seqs = [driver.new_seq(p) for p in prompts[:2]]
+    seqs = [driver.new_seq(p) for p in prompts[:3]]  # 3 decode rows: padded to a graph of 4
     driver.step([(s, s.pending) for s in seqs])
-    driver.run_verifies(seqs, refs[:2], random.Random(5), max_drafts=8)
-    assert_all_match(seqs, refs[:2])
-    assert graphs.steps == len(fills) > 0 and max(fills) > 0  # verify rows went through them
+    driver.run_verifies(seqs, refs[:3], random.Random(5), max_drafts=8)
+    assert_all_match(seqs, refs[:3])
+    assert graphs.steps == len(extra_rows) and 0 in extra_rows and max(extra_rows) > 0
 
 
 def test_the_triton_warm_up_writes_only_the_scratch_block(tmp_path_factory):
