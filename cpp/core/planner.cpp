@@ -801,15 +801,12 @@ bool Planner::admit_pass(Step& step, InflightStep& record, int64_t& prefill_budg
 
   memory_stop_ = nullptr;
   if (config_.tenant_fairness) {
-    // The room a fairness retraction made goes to the request it was made for: this plan's
-    // decodes may have left another tenant the least served by now.
-    if (Request* head = std::exchange(fair_head_, nullptr)) {
-      if (!try_admit(*head, step, record, prefill_budget, reserved)) {
-        return memory_stop_ != nullptr && release_load_locks(memory_stop_) > 0;
-      }
-    }
-    while (Request* c = least_served_waiting()) {
-      if (!try_admit(*c, step, record, prefill_budget, reserved)) break;
+    // The room a fairness retraction made goes first to the request it was made for: this
+    // plan's decodes may have left another tenant the least served by now.
+    Request* c = std::exchange(fair_head_, nullptr);
+    if (c == nullptr) c = least_served_waiting();
+    while (c != nullptr && try_admit(*c, step, record, prefill_budget, reserved)) {
+      c = least_served_waiting();
     }
   } else if (policy_ == Policy::kLpm && config_.enable_radix_cache && waiting_.size() > 1) {
     for (Request* c : lpm_order()) {
