@@ -143,26 +143,25 @@ class DecodeGraphs:
 
     def _fill(self, batch: ForwardBatch, size: int) -> None:
         entries, bs = batch.num_entries, self.block_size
-        # host-side positions (batch.positions may already be on the GPU): an entry's rows are
-        # at start_pos, start_pos + 1, ..
+        # Each row is a decode row: an entry's rows (one, or a verify's several) at start_pos,
+        # start_pos + 1, .. (host-side: batch.positions may already be on the GPU).
         counts = np.asarray(batch.num_tokens, dtype=np.int64)
         n = int(counts.sum())
-        positions = np.asarray(batch.start_pos, dtype=np.int64)
-        if n > entries:  # verify entries: each row its own decode row
-            first = np.repeat(np.cumsum(counts) - counts, counts)
-            positions = np.repeat(positions, counts) + np.arange(n) - first
+        entry = np.repeat(np.arange(entries), counts)  # each row's entry
+        positions = np.asarray(batch.start_pos, dtype=np.int64)[entry]
+        positions += np.arange(n) - (np.cumsum(counts) - counts)[entry]
         # Only the table columns some row of this step uses are written: the kernel reads a
         # row's table up to its context, a padding row (context 1) its first entry alone.
         lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=entries)
         width = int(lengths.max())
-        tables = np.full((size, width), self.scratch_block, dtype=np.int32)
+        entry_tables = np.full((entries, width), self.scratch_block, dtype=np.int32)
         flat = np.fromiter(
             itertools.chain.from_iterable(batch.block_tables), dtype=np.int32, count=lengths.sum()
         )
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        tables[np.repeat(np.arange(entries), lengths), np.arange(len(flat)) - starts] = flat
-        if n > entries:
-            tables[:n] = tables[np.repeat(np.arange(entries), counts)]
+        entry_tables[np.repeat(np.arange(entries), lengths), np.arange(len(flat)) - starts] = flat
+        tables = np.full((size, width), self.scratch_block, dtype=np.int32)
+        tables[:n] = entry_tables[entry]
         slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
         slots[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         context = np.ones(size, dtype=np.int32)
